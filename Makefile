@@ -1,0 +1,47 @@
+# make demo  - set up .venv and run the main job on an embedded default
+# make test  - set up .venv and run the test suite
+# make bench - run every benchmark script (prints tables and JSON lines)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+NATIVE_SOURCES := $(shell find ffi -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py') setup.py
+INSTALLED := $(VENV)/.jodc-installed
+NATIVE := $(VENV)/.jodc-native
+
+.PHONY: setup native test demo bench clean cuda-check
+
+setup: $(NATIVE)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Dependencies first (the build needs jaxlib's FFI headers), then the project itself in editable mode.
+$(INSTALLED): $(PY) pyproject.toml constraints-cpu.txt
+	$(PIP) install --quiet -c constraints-cpu.txt "setuptools>=69" wheel "pybind11>=2.12,<4" "jaxlib>=0.10.2,<0.13"
+	$(PIP) install --quiet -c constraints-cpu.txt --no-build-isolation -e ".[test]"
+	touch $@
+
+# Rebuild the native extension in place whenever a native source changes.
+$(NATIVE): $(INSTALLED) $(NATIVE_SOURCES)
+	$(PY) setup.py --quiet build_ext --inplace
+	touch $@
+
+native: $(NATIVE)
+
+test: $(NATIVE)
+	$(PY) -m pytest -q -x --durations=15 tests
+
+demo: $(NATIVE)
+	$(PY) -m jodc.demo
+
+bench: $(NATIVE)
+	for f in bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+# Compile and link the CUDA kernels (sm_80, sm_90) without needing a GPU.
+cuda-check: $(INSTALLED)
+	$(PY) ffi/build_cuda.py --out build/cuda-check/_ffi_cuda.so
+
+clean:
+	rm -rf build jodc/_ffi*.so $(NATIVE)

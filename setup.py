@@ -1,0 +1,70 @@
+"""Builds the native FFI handlers: jodc._ffi (C++, CPU, always) and jodc/_ffi_cuda.so (CUDA, on request).
+
+The CUDA library is compiled when JODC_CUDA=1, or when nvcc is on PATH and a CUDA jaxlib plugin is installed
+(JODC_CUDA=0 turns it off). It is a plain shared library loaded with ctypes, so nvcc never sees pybind11.
+"""
+import importlib.util
+import os
+import shutil
+import sys
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "ffi"))
+import build_cuda  # noqa: E402  (ffi/build_cuda.py: the one place that knows the nvcc command line)
+
+
+def xla_ffi_include_dir() -> str:
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("jaxlib must be installed to build jodc (it ships the XLA FFI headers)")
+    return os.path.join(os.path.dirname(spec.origin), "include")
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("JODC_CUDA")
+    if flag is not None:
+        return flag not in ("", "0", "false", "no")
+    has_plugin = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    return has_plugin and shutil.which("nvcc") is not None
+
+
+class BuildWithCuda(build_ext):
+    def run(self):
+        super().run()
+        if want_cuda():
+            out_dir = os.path.join(ROOT, "jodc") if self.inplace else os.path.join(self.build_lib, "jodc")
+            os.makedirs(out_dir, exist_ok=True)
+            build_cuda.build(os.path.join(out_dir, "_ffi_cuda.so"), xla_ffi_include_dir())
+
+
+cpu_sources = sorted(
+    [os.path.join("ffi", "module.cc")]
+    + [os.path.join("ffi", "cpu", f) for f in os.listdir(os.path.join(ROOT, "ffi", "cpu")) if f.endswith(".cc")]
+    + [os.path.join("ffi", "common", f) for f in os.listdir(os.path.join(ROOT, "ffi", "common")) if f.endswith(".cc")]
+)
+
+ext = Pybind11Extension(
+    "jodc._ffi",
+    cpu_sources,
+    include_dirs=[xla_ffi_include_dir(), os.path.join(ROOT, "ffi")],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"],
+    extra_link_args=["-pthread"],
+)
+
+packages = (
+    [p for p in find_packages(include=["jodc", "jodc.*"])]
+    + ["jodc.models"] + ["jodc.models." + p for p in find_packages("models")]
+    + ["jodc.train"] + ["jodc.train." + p for p in find_packages("train")]
+)
+
+setup(
+    packages=packages,
+    package_dir={"jodc": "jodc", "jodc.models": "models", "jodc.train": "train"},
+    package_data={"jodc": ["py.typed"]},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildWithCuda},
+)

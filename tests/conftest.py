@@ -1,0 +1,26 @@
+"""Test setup: eight simulated host devices, forced before JAX is imported anywhere."""
+import os
+
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="session")
+def cpu_devices():
+    """The eight simulated CPU devices (on GPU runners the CPU backend still has them)."""
+    devices = jax.devices("cpu")
+    assert len(devices) == 8, f"expected 8 simulated CPU devices, got {len(devices)}"
+    return devices
+
+
+def cpu_mesh(n: int, axis: str = "d"):
+    """A 1-D mesh over the first n simulated CPU devices."""
+    import numpy as np
+
+    return jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]), (axis,))
