@@ -1,3 +1,152 @@
+// The Python extension jodc._ffi: FFI handler capsules for the CPU platform, and host-side management of the
+// symmetric heap (create / register / free, reading and writing shards for initialisation and checkpoints).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cpu/handlers.h"
+#include "cpu/heap.h"
+#include "cpu/memcpy_bench.h"
+
 namespace py = pybind11;
-PYBIND11_MODULE(_ffi, m) { m.doc() = "jodc native FFI handlers"; }
+using namespace jodc;
+using namespace jodc::cpu;
+
+namespace {
+
+template <typename T>
+py::capsule Capsule(T* fn) {
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+[[noreturn]] void Fail(const std::string& err) { throw std::invalid_argument(err); }
+
+std::shared_ptr<Bucket> Lookup(int64_t heap_id, int64_t bucket_id, std::shared_ptr<Heap>* heap_out = nullptr) {
+  std::string err;
+  auto heap = FindHeap(heap_id, &err);
+  if (!heap) Fail(err);
+  auto bucket = FindBucket(heap, bucket_id, &err);
+  if (!bucket) Fail(err);
+  if (heap_out) *heap_out = heap;
+  return bucket;
+}
+
+void CheckDevice(const Bucket& b, int32_t device) {
+  if (device < 0 || device >= b.layout.world)
+    Fail("device " + std::to_string(device) + " outside [0, " + std::to_string(b.layout.world) + ")");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ffi, m) {
+  m.doc() = "jodc native ODC ops: XLA FFI handlers (CPU) and symmetric-heap management";
+
+  m.def("handlers", [] {
+    py::dict d;
+    d["jodc_gather"] = Capsule(JodcGatherCpu);
+    d["jodc_scatter_accumulate"] = Capsule(JodcScatterAccumulateCpu);
+    d["jodc_barrier"] = Capsule(JodcBarrierCpu);
+    d["jodc_read_accumulator"] = Capsule(JodcReadAccumulatorCpu);
+    d["jodc_zero_accumulator"] = Capsule(JodcZeroAccumulatorCpu);
+    d["jodc_publish"] = Capsule(JodcPublishCpu);
+    return d;
+  });
+
+  m.def("shard_numel", &ShardNumel, py::arg("numel"), py::arg("world"), py::arg("master_bytes"),
+        "Padded elements per shard (the layout the native ops use).");
+
+  m.def(
+      "heap_create",
+      [](int32_t world, bool deterministic, double timeout_s) {
+        std::string err;
+        int64_t id = CreateHeap(world, deterministic, timeout_s, &err);
+        if (id < 0) Fail(err);
+        return id;
+      },
+      py::arg("world"), py::arg("deterministic"), py::arg("barrier_timeout_s"));
+  m.def("heap_free", [](int64_t heap_id) {
+    std::string err;
+    if (!FreeHeap(heap_id, &err)) Fail(err);
+  });
+  m.def("heap_set_barrier_timeout", [](int64_t heap_id, double timeout_s) {
+    std::string err;
+    auto heap = FindHeap(heap_id, &err);
+    if (!heap) Fail(err);
+    if (!(timeout_s > 0)) Fail("barrier timeout must be > 0 seconds");
+    heap->barrier_timeout_s = timeout_s;
+  });
+  m.def("heap_generations", [](int64_t heap_id) {
+    std::string err;
+    auto heap = FindHeap(heap_id, &err);
+    if (!heap) Fail(err);
+    std::lock_guard<std::mutex> lock(heap->mu);
+    return std::vector<uint64_t>(heap->arrivals);
+  });
+  m.def("heap_poisoned", [](int64_t heap_id) {
+    std::string err;
+    auto heap = FindHeap(heap_id, &err);
+    if (!heap) Fail(err);
+    std::lock_guard<std::mutex> lock(heap->mu);
+    return heap->poisoned;
+  });
+  m.def("live_heaps", &LiveHeapCount);
+  m.def("live_bytes", &LiveHeapBytes, "Bytes currently held by all heaps (shards, accumulators, landing slots).");
+
+  m.def("bucket_register", [](int64_t heap_id, int64_t numel, const std::string& dtype) {
+    Dtype d;
+    if (!ParseDtype(dtype, &d)) Fail("master dtype must be float32 or bfloat16, got " + dtype);
+    std::string err;
+    int64_t id = RegisterBucket(heap_id, numel, d, &err);
+    if (id < 0) Fail(err);
+    return id;
+  });
+  m.def("bucket_free", [](int64_t heap_id, int64_t bucket_id) {
+    std::string err;
+    if (!FreeBucket(heap_id, bucket_id, &err)) Fail(err);
+  });
+  m.def("bucket_shard_numel", [](int64_t heap_id, int64_t bucket_id) {
+    return Lookup(heap_id, bucket_id)->layout.shard_numel;
+  });
+
+  // Raw bytes of device d's master shard (padded); Python views them with the right dtype.
+  m.def("bucket_get_shard", [](int64_t heap_id, int64_t bucket_id, int32_t device) {
+    auto b = Lookup(heap_id, bucket_id);
+    CheckDevice(*b, device);
+    return py::bytes(static_cast<const char*>(b->shard(device)), b->layout.shard_numel * DtypeBytes(b->master));
+  });
+  m.def("bucket_set_shard", [](int64_t heap_id, int64_t bucket_id, int32_t device, py::buffer data) {
+    auto b = Lookup(heap_id, bucket_id);
+    CheckDevice(*b, device);
+    py::buffer_info info = data.request();
+    const int64_t want = b->layout.shard_numel * DtypeBytes(b->master);
+    if (info.size * info.itemsize != want)
+      Fail("shard needs " + std::to_string(want) + " bytes, got " + std::to_string(info.size * info.itemsize));
+    std::memcpy(b->shard(device), info.ptr, want);
+  });
+  m.def("bucket_get_accumulator", [](int64_t heap_id, int64_t bucket_id, int32_t device) {
+    std::shared_ptr<Heap> heap;
+    auto b = Lookup(heap_id, bucket_id, &heap);
+    CheckDevice(*b, device);
+    std::string out(b->layout.shard_numel * sizeof(float), '\0');
+    ReadAccumulator(*b, device, heap->deterministic, reinterpret_cast<float*>(out.data()));
+    return py::bytes(out);
+  });
+  m.def("bucket_zero_accumulator", [](int64_t heap_id, int64_t bucket_id, int32_t device) {
+    std::shared_ptr<Heap> heap;
+    auto b = Lookup(heap_id, bucket_id, &heap);
+    CheckDevice(*b, device);
+    ZeroAccumulator(*b, device, heap->deterministic);
+  });
+
+  m.def(
+      "memcpy_bandwidth",
+      [](int64_t bytes, int32_t threads, int32_t iters) {
+        if (bytes < 1 || threads < 1 || iters < 1) Fail("bytes, threads and iters must be >= 1");
+        py::gil_scoped_release release;
+        return MemcpyBandwidth(bytes, threads, iters);
+      },
+      py::arg("bytes"), py::arg("threads"), py::arg("iters"));
+}

@@ -1,0 +1,48 @@
+// gather: device d pulls every owner's shard of a bucket into one full vector in the requested compute dtype.
+#include "cpu/handler_util.h"
+#include "cpu/handlers.h"
+#include "cpu/heap.h"
+
+namespace jodc::cpu {
+namespace {
+
+ffi::Error Gather(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  std::string err;
+  int32_t device = 0, tok = 0;
+  if (!ReadScalar("gather", "device", device_buf, &device, &err) || !ReadScalar("gather", "token", token, &tok, &err))
+    return InvalidArgument(err);
+  OpTarget t;
+  if (!ResolveTarget("gather", heap_id, bucket_id, device, &t, &err)) return InvalidArgument(err);
+  const Bucket& b = *t.bucket;
+  Dtype out_t;
+  if (!ToDtype(out->element_type(), &out_t)) return InvalidArgument("jodc gather: output must be float32 or bfloat16");
+  if (static_cast<int64_t>(out->element_count()) != b.layout.numel) {
+    return InvalidArgument("jodc gather: output has " + std::to_string(out->element_count()) +
+                           " elements, bucket " + std::to_string(bucket_id) + " has " +
+                           std::to_string(b.layout.numel));
+  }
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t world = b.layout.world;
+  // Start with the local shard, then walk the ring so concurrent gathers read different owners.
+  for (int32_t k = 0; k < world; ++k) {
+    const int32_t owner = (device + k) % world;
+    const int64_t n = b.layout.valid(owner);
+    if (n <= 0) continue;
+    CopyConvert(dst + b.layout.begin(owner) * DtypeBytes(out_t), out_t, b.shard(owner), b.master, n);
+  }
+  token_out->typed_data()[0] = tok + 1;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jodc::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcGatherCpu, jodc::cpu::Gather,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::AnyBuffer>()              // full bucket, compute dtype
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap")
+                                  .Attr<int64_t>("bucket"));

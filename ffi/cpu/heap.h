@@ -1,0 +1,96 @@
+// The CPU symmetric heap: a process-wide registry of heaps, each holding buckets whose shards and fp32 accumulators
+// live in host memory that every simulated device of the process can address directly (point-to-point = memcpy).
+#ifndef JODC_FFI_CPU_HEAP_H_
+#define JODC_FFI_CPU_HEAP_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/layout.h"
+
+namespace jodc::cpu {
+
+// 64-byte aligned, zero-initialised host allocation; counts its bytes in a process-wide tally.
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(int64_t bytes);
+  ~AlignedBuffer();
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  void* data() const { return data_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+int64_t LiveHeapBytes();
+
+struct Bucket {
+  int64_t id = 0;
+  BucketLayout layout;
+  Dtype master = Dtype::kF32;
+  // One allocation each, device d's shard at offset d * shard bytes (every shard 64-byte aligned).
+  std::unique_ptr<AlignedBuffer> shards;
+  std::unique_ptr<AlignedBuffer> accumulators;  // fp32, world shards
+  // Deterministic mode: per-(owner, source) fp32 landing slots, reduced in source order when read.
+  std::unique_ptr<AlignedBuffer> landing;
+  std::vector<std::unique_ptr<std::mutex>> owner_locks;  // non-deterministic mode: one lock per owner
+
+  void* shard(int32_t d) const {
+    return static_cast<char*>(shards->data()) + d * layout.shard_numel * DtypeBytes(master);
+  }
+  float* accumulator(int32_t d) const {
+    return static_cast<float*>(accumulators->data()) + d * layout.shard_numel;
+  }
+  float* landing_slot(int32_t owner, int32_t source) const {
+    return static_cast<float*>(landing->data()) + (static_cast<int64_t>(owner) * layout.world + source) *
+                                                      layout.shard_numel;
+  }
+};
+
+struct Heap {
+  int64_t id = 0;
+  int32_t world = 0;
+  bool deterministic = false;
+  std::atomic<double> barrier_timeout_s{300.0};
+
+  std::mutex mu;  // guards buckets and the barrier state below
+  std::map<int64_t, std::shared_ptr<Bucket>> buckets;
+  std::condition_variable barrier_cv;
+  std::vector<uint64_t> arrivals;  // per device: how many barriers it has entered (its generation)
+  std::string poisoned;            // non-empty once a barrier timed out: every later op fails with this
+};
+
+// Registry operations. Errors are returned as a non-empty message (never thrown across the FFI boundary).
+int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err);
+bool FreeHeap(int64_t heap_id, std::string* err);
+std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
+std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err);
+int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err);
+bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err);
+int64_t LiveHeapCount();
+
+// Resolves heap + bucket and checks the device index; the common preamble of every handler.
+struct OpTarget {
+  std::shared_ptr<Heap> heap;
+  std::shared_ptr<Bucket> bucket;  // null for heap-level ops (barrier)
+};
+bool ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device, OpTarget* out,
+                   std::string* err);
+
+// Accumulated gradient of device `d`'s shard (deterministic mode: landing slots summed in source order).
+void ReadAccumulator(const Bucket& b, int32_t d, bool deterministic, float* out);
+void ZeroAccumulator(const Bucket& b, int32_t d, bool deterministic);
+
+}  // namespace jodc::cpu
+
+#endif  // JODC_FFI_CPU_HEAP_H_

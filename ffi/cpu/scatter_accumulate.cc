@@ -1,0 +1,58 @@
+// scatter_accumulate: device d adds each owner's slice of a full-size gradient into that owner's fp32 accumulator.
+// Race-free: non-deterministic mode takes the owner's lock (devices start at different owners of the ring, so
+// all-to-one contention only arises when pushes are skewed); deterministic mode writes only its own landing slot.
+#include "cpu/handler_util.h"
+#include "cpu/handlers.h"
+#include "cpu/heap.h"
+
+namespace jodc::cpu {
+namespace {
+
+ffi::Error ScatterAccumulate(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> token,
+                             ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  std::string err;
+  int32_t device = 0, tok = 0;
+  if (!ReadScalar("scatter_accumulate", "device", device_buf, &device, &err) ||
+      !ReadScalar("scatter_accumulate", "token", token, &tok, &err))
+    return InvalidArgument(err);
+  OpTarget t;
+  if (!ResolveTarget("scatter_accumulate", heap_id, bucket_id, device, &t, &err)) return InvalidArgument(err);
+  const Bucket& b = *t.bucket;
+  Dtype grad_t;
+  if (!ToDtype(grad.element_type(), &grad_t))
+    return InvalidArgument("jodc scatter_accumulate: gradient must be float32 or bfloat16");
+  if (static_cast<int64_t>(grad.element_count()) != b.layout.numel) {
+    return InvalidArgument("jodc scatter_accumulate: gradient has " + std::to_string(grad.element_count()) +
+                           " elements, bucket " + std::to_string(bucket_id) + " has " +
+                           std::to_string(b.layout.numel));
+  }
+  const char* src = static_cast<const char*>(grad.untyped_data());
+  const int32_t world = b.layout.world;
+  const bool deterministic = t.heap->deterministic;
+  for (int32_t k = 1; k <= world; ++k) {
+    const int32_t owner = (device + k) % world;  // own shard last: remote owners are served first
+    const int64_t n = b.layout.valid(owner);
+    if (n <= 0) continue;
+    const void* slice = src + b.layout.begin(owner) * DtypeBytes(grad_t);
+    if (deterministic) {
+      AccumulateF32(b.landing_slot(owner, device), slice, grad_t, n);
+    } else {
+      std::lock_guard<std::mutex> lock(*b.owner_locks[owner]);
+      AccumulateF32(b.accumulator(owner), slice, grad_t, n);
+    }
+  }
+  token_out->typed_data()[0] = tok + 1;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jodc::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcScatterAccumulateCpu, jodc::cpu::ScatterAccumulate,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::AnyBuffer>()              // full-size gradient (f32 / bf16)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap")
+                                  .Attr<int64_t>("bucket"));

@@ -1,0 +1,82 @@
+"""Checks on planner inputs, shared by every planner so that bad input fails the same way everywhere.
+
+Each function returns the value in the form the planners use (an int64 array, a plain int) or raises
+``ValueError`` with a message that names the offending argument and, for lengths, the first bad index.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import numpy as np
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` as an ``int`` if it is an integer >= 1 (bools are rejected), else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def sequence_lengths(lengths: Sequence[int] | np.ndarray, *, allow_empty: bool = False) -> np.ndarray:
+    """The minibatch's sequence lengths as a 1-D int64 array.
+
+    Every length must be an integer >= 1: a negative length is meaningless and a zero-length sequence has no
+    tokens to train on (and would give an empty segment), so both are rejected. An empty minibatch is rejected
+    unless ``allow_empty`` (helpers that work on one device's share, which may be empty, pass it).
+    """
+    array = np.asarray(lengths)
+    if array.ndim != 1:
+        raise ValueError(f"lengths must be a 1-D sequence of integers, got an array of shape {array.shape}")
+    if array.size == 0:
+        if allow_empty:
+            return np.zeros(0, dtype=np.int64)
+        raise ValueError("the minibatch is empty: lengths has no sequences")
+    if array.dtype.kind == "b" or array.dtype.kind not in "iuf":
+        raise ValueError(f"lengths must be integers, got dtype {array.dtype}")
+    if array.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))
+        if bad.size:
+            raise ValueError(f"lengths must be integers; lengths[{bad[0]}] = {array[bad[0]]!r}")
+    as_int = array.astype(np.int64)
+    nonpositive = np.flatnonzero(as_int < 1)
+    if nonpositive.size:
+        i = int(nonpositive[0])
+        what = "negative" if as_int[i] < 0 else "zero"
+        raise ValueError(f"sequence lengths must be >= 1; lengths[{i}] = {as_int[i]} is {what}")
+    return as_int
+
+
+def lengths_within_cap(lengths: np.ndarray, token_cap: int) -> None:
+    """``ValueError`` naming the first sequence longer than the per-microbatch token cap."""
+    too_long = np.flatnonzero(lengths > token_cap)
+    if too_long.size:
+        i = int(too_long[0])
+        raise ValueError(
+            f"sequence {i} has {int(lengths[i])} tokens, more than token_cap={token_cap}: it cannot fit in any "
+            f"microbatch ({too_long.size} sequence(s) too long; raise token_cap or truncate them)"
+        )
+
+
+def planner_inputs(lengths, num_devices, token_cap) -> tuple[np.ndarray, int, int]:
+    """Validate a planner's three positional arguments together; returns (lengths, num_devices, token_cap)."""
+    devices = positive_int(num_devices, "num_devices")
+    cap = positive_int(token_cap, "token_cap")
+    array = sequence_lengths(lengths)
+    lengths_within_cap(array, cap)
+    return array, devices, cap
+
+
+def costs_array(costs, name: str = "costs", *, allow_empty: bool = True) -> np.ndarray:
+    """Per-item costs as a 1-D float64 array of finite, non-negative values."""
+    array = np.asarray(costs, dtype=np.float64)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+    if array.size == 0 and not allow_empty:
+        raise ValueError(f"{name} is empty")
+    bad = np.flatnonzero(~np.isfinite(array) | (array < 0))
+    if bad.size:
+        raise ValueError(f"{name} must be finite and >= 0; {name}[{bad[0]}] = {array[bad[0]]!r}")
+    return array

@@ -1,0 +1,31 @@
+"""ODC point-to-point ops as XLA FFI custom calls (C++ on CPU, CUDA kernels on GPU).
+
+A :class:`SymmetricHeap` holds buckets: each device owns one padded shard of every bucket and an fp32 gradient
+accumulator for it. Inside ``jax.shard_map`` over the heap's mesh axis, a device pulls full parameters with
+:func:`gather`, pushes gradients to their owners with :func:`scatter_accumulate`, meets the others once per
+minibatch at :func:`barrier`, then reads its accumulated shard (:func:`read_accumulator`), updates it and
+:func:`publish` es the result. Every op takes and returns an int32 token that keeps them in program order.
+"""
+from jodc.ops.accumulator import read_accumulator, zero_accumulator
+from jodc.ops.barrier import barrier
+from jodc.ops.gather import gather
+from jodc.ops.heap import Bucket, SymmetricHeap
+from jodc.ops.layer import odc_layer
+from jodc.ops.publish import publish
+from jodc.ops.scatter_accumulate import scatter_accumulate
+from jodc.ops.token import after, depend_on, new_token
+
+__all__ = [
+    "Bucket",
+    "SymmetricHeap",
+    "after",
+    "barrier",
+    "depend_on",
+    "gather",
+    "new_token",
+    "odc_layer",
+    "publish",
+    "read_accumulator",
+    "scatter_accumulate",
+    "zero_accumulator",
+]

@@ -1,0 +1,54 @@
+"""Shared front half of every op: validates its arguments in Python and finds the calling device's index."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jodc.ops.heap import Bucket, SymmetricHeap
+from jodc.ops.token import check_token
+
+
+def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
+    """The caller's position along the heap's mesh axis, as an int32 scalar operand for the native handler.
+
+    Raises a clear error outside ``shard_map`` over that axis, or when the axis size is not the heap's world.
+    """
+    heap.check_alive()
+    try:
+        size = lax.axis_size(heap.axis_name)
+    except NameError as e:
+        raise ValueError(
+            f"jodc.ops.{op} must be called inside jax.shard_map over mesh axis {heap.axis_name!r} "
+            f"(the heap's axis); it is not bound here"
+        ) from e
+    if int(size) != heap.world:
+        raise ValueError(
+            f"jodc.ops.{op}: axis {heap.axis_name!r} has {size} devices here but heap {heap.id} was created for "
+            f"{heap.world}"
+        )
+    return lax.axis_index(heap.axis_name).astype(jnp.int32)
+
+
+def prepare(bucket: Bucket, token, op: str) -> tuple[jax.Array, jax.Array]:
+    """Checks the bucket and token; returns (device index, token)."""
+    if not isinstance(bucket, Bucket):
+        raise ValueError(f"jodc.ops.{op}: expected a Bucket from SymmetricHeap.register, got {type(bucket).__name__}")
+    bucket.check_alive()
+    token = check_token(token, op)
+    return device_index(bucket.heap, op), token
+
+
+def attrs(bucket: Bucket) -> dict:
+    return {"heap": np.int64(bucket.heap.id), "bucket": np.int64(bucket.id)}
+
+
+def float_dtype(dtype, what: str, op: str) -> jnp.dtype:
+    dt = jnp.dtype(dtype)
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"jodc.ops.{op}: {what} must be float32 or bfloat16, got {dt}")
+    return dt
+
+
+TOKEN_TYPE = jax.ShapeDtypeStruct((), jnp.int32)

@@ -1,0 +1,53 @@
+"""Loads the native libraries and registers their FFI targets with XLA, once per platform, on first use."""
+from __future__ import annotations
+
+import threading
+
+import jax
+
+TARGETS = (
+    "jodc_gather",
+    "jodc_scatter_accumulate",
+    "jodc_barrier",
+    "jodc_read_accumulator",
+    "jodc_zero_accumulator",
+    "jodc_publish",
+)
+
+_lock = threading.Lock()
+_registered: set[str] = set()
+
+
+def cpu_library():
+    """The pybind11 extension jodc._ffi (always built)."""
+    try:
+        from jodc import _ffi
+    except ImportError as e:  # pragma: no cover - only on a broken install
+        raise ImportError(
+            "jodc's native extension jodc._ffi is not built: run `make native` (or `pip install -e .`)"
+        ) from e
+    return _ffi
+
+
+def ensure_registered(platform: str) -> None:
+    """Registers every jodc FFI target for `platform` ('cpu' or 'cuda'), idempotently."""
+    platform = platform.lower()
+    with _lock:
+        if platform in _registered:
+            return
+        if platform == "cpu":
+            handlers = cpu_library().handlers()
+            xla_platform = "cpu"
+        elif platform in ("cuda", "gpu"):
+            from jodc.ops import _cuda
+
+            handlers = _cuda.library().handlers()
+            xla_platform = "CUDA"
+        else:
+            raise ValueError(f"jodc ops support the cpu and cuda platforms, not {platform!r}")
+        missing = set(TARGETS) - set(handlers)
+        if missing:
+            raise RuntimeError(f"native library for {platform} lacks handlers {sorted(missing)}")
+        for name in TARGETS:
+            jax.ffi.register_ffi_target(name, handlers[name], platform=xla_platform)
+        _registered.add(platform)

@@ -1,0 +1,24 @@
+"""gather: pull every owner's shard of a bucket into the full parameters, in the compute dtype."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, prepare
+from jodc.ops.heap import Bucket
+
+
+def gather(bucket: Bucket, token, *, dtype=None) -> tuple[jax.Array, jax.Array]:
+    """Returns (full bucket of `bucket.shape` in `dtype` (default: the master dtype), new token).
+
+    Call inside ``shard_map`` over the heap's axis. Point to point: it waits for no other device, so shards must
+    not be republished while a peer may be gathering (the minibatch barrier guarantees that).
+    """
+    device, token = prepare(bucket, token, "gather")
+    out_dtype = float_dtype(dtype if dtype is not None else bucket.np_dtype, "dtype", "gather")
+    full, token = jax.ffi.ffi_call(
+        "jodc_gather",
+        (jax.ShapeDtypeStruct((bucket.numel,), out_dtype), TOKEN_TYPE),
+        has_side_effect=True,
+    )(device, token, **attrs(bucket))
+    return full.reshape(bucket.shape), token

@@ -1,0 +1,256 @@
+"""The symmetric heap: buckets registered collectively, one padded shard and one fp32 accumulator per device.
+
+A bucket is one parameter group flattened into a vector. Every device of a mesh axis owns the slice
+``[d * shard_numel, (d + 1) * shard_numel)`` of it (the last shards may be partly or wholly padding). The shards
+live in native memory managed by jodc, not in JAX arrays, so that any device can pull a peer's shard (``gather``)
+or push into a peer's accumulator (``scatter_accumulate``) without a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jodc.ops import _native
+
+MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+DEFAULT_BARRIER_TIMEOUT_S = 300.0
+
+
+def dtype_name(dtype) -> str:
+    """'float32' or 'bfloat16' for any spelling of those dtypes; ValueError otherwise."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError as e:
+        raise ValueError(f"unsupported dtype {dtype!r}: jodc buckets hold float32 or bfloat16") from e
+    if name not in MASTER_DTYPES:
+        raise ValueError(f"unsupported dtype {name}: jodc buckets hold float32 or bfloat16")
+    return name
+
+
+def _backend(platform: str):
+    if platform == "cpu":
+        return _native.cpu_library()
+    if platform in ("cuda", "gpu"):
+        from jodc.ops import _cuda
+
+        return _cuda.library()
+    raise ValueError(f"jodc ops support cpu and cuda devices, not {platform!r}")
+
+
+class SymmetricHeap:
+    """Buckets shared by the devices along one mesh axis.
+
+    Args:
+      mesh: the mesh the ops will run under (inside ``jax.shard_map``).
+      axis_name: the mesh axis whose devices share the heap; its size is the world size.
+      deterministic: accumulate pushes in per-source landing slots reduced in a fixed order, so accumulated
+        gradients are bit-for-bit reproducible whatever the thread timing (costs world x the accumulator memory).
+      barrier_timeout_s: how long ``barrier`` waits before failing with the names of the missing devices.
+
+    Buckets must be registered in the same order with the same sizes everywhere (one process registers for all of
+    its devices). Use as a context manager, or call ``free()``: native memory is released at once.
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh, axis_name: str = "d", *, deterministic: bool = False,
+                 barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S):
+        if axis_name not in mesh.shape:
+            raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis_name!r}")
+        platforms = {d.platform for d in mesh.devices.flat}
+        if len(platforms) != 1:
+            raise ValueError(f"a heap's mesh must hold devices of one platform, got {sorted(platforms)}")
+        if not barrier_timeout_s > 0:
+            raise ValueError(f"barrier_timeout_s must be > 0, got {barrier_timeout_s}")
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.world = int(mesh.shape[axis_name])
+        self.platform = platforms.pop()
+        self.deterministic = bool(deterministic)
+        self._lib = _backend(self.platform)
+        _native.ensure_registered(self.platform)
+        self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
+        self._barrier_timeout_s = float(barrier_timeout_s)
+        self._buckets: list[Bucket] = []
+        self._freed = False
+        self._finalizer = weakref.finalize(self, _free_quietly, self._lib, self.id)
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
+    def free(self) -> None:
+        """Releases every bucket's native memory; later ops on this heap raise. Idempotent."""
+        if self._freed:
+            return
+        self._freed = True
+        self._finalizer.detach()
+        self._lib.heap_free(self.id)
+        for b in self._buckets:
+            b._freed = True
+
+    def __enter__(self) -> "SymmetricHeap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def check_alive(self) -> None:
+        if self._freed:
+            raise ValueError(f"heap {self.id} has been freed")
+        poisoned = self._lib.heap_poisoned(self.id)
+        if poisoned:
+            raise RuntimeError(poisoned)
+
+    # -- buckets --------------------------------------------------------------------------------------------
+    def register(self, shape: int | Sequence[int], dtype=jnp.float32, *, name: str | None = None) -> "Bucket":
+        """Registers a bucket of `shape` (its flat size is what is sharded) with master shards of `dtype`."""
+        self.check_alive()
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"bucket shape must be non-negative, got {shape}")
+        numel = math.prod(shape)
+        if numel < 1:
+            raise ValueError(f"bucket {name or ''!s} must hold at least one element, got shape {shape}")
+        master = dtype_name(dtype)
+        bucket_id = int(self._lib.bucket_register(self.id, numel, master))
+        bucket = Bucket(self, bucket_id, shape, numel, master, int(self._lib.bucket_shard_numel(self.id, bucket_id)),
+                        name or f"bucket{len(self._buckets)}")
+        self._buckets.append(bucket)
+        return bucket
+
+    @property
+    def buckets(self) -> tuple["Bucket", ...]:
+        return tuple(b for b in self._buckets if not b._freed)
+
+    # -- barrier --------------------------------------------------------------------------------------------
+    @property
+    def barrier_timeout_s(self) -> float:
+        return self._barrier_timeout_s
+
+    @barrier_timeout_s.setter
+    def barrier_timeout_s(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"barrier_timeout_s must be > 0, got {seconds}")
+        self.check_alive()
+        self._lib.heap_set_barrier_timeout(self.id, float(seconds))
+        self._barrier_timeout_s = float(seconds)
+
+    def generations(self) -> list[int]:
+        """Per device, how many barriers it has entered."""
+        self.check_alive()
+        return [int(g) for g in self._lib.heap_generations(self.id)]
+
+    def __repr__(self) -> str:
+        state = "freed" if self._freed else f"{len(self.buckets)} buckets"
+        return (f"SymmetricHeap(id={self.id}, axis={self.axis_name!r}, world={self.world}, platform={self.platform}, "
+                f"deterministic={self.deterministic}, {state})")
+
+
+def _free_quietly(lib, heap_id: int) -> None:
+    try:
+        lib.heap_free(heap_id)
+    except Exception:  # already freed, or interpreter shutting down
+        pass
+
+
+@dataclasses.dataclass(eq=False)
+class Bucket:
+    """One registered bucket: `shape` elements sharded over the heap's devices, `shard_numel` (padded) each."""
+
+    heap: SymmetricHeap
+    id: int
+    shape: tuple[int, ...]
+    numel: int
+    master_dtype: str
+    shard_numel: int
+    name: str
+    _freed: bool = False
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.heap.world
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return MASTER_DTYPES[self.master_dtype]
+
+    def owner_range(self, device: int) -> tuple[int, int]:
+        """[begin, end) of `device`'s slice of the flat (unpadded) bucket."""
+        b = min(device * self.shard_numel, self.numel)
+        return b, min((device + 1) * self.shard_numel, self.numel)
+
+    def check_alive(self) -> None:
+        if self._freed:
+            raise ValueError(f"bucket {self.name!r} (id {self.id}) has been freed")
+        self.heap.check_alive()
+
+    def free(self) -> None:
+        """Releases this bucket's native memory; ops on it raise afterwards. Idempotent."""
+        if self._freed:
+            return
+        self._freed = True
+        if not self.heap.freed:
+            self.heap._lib.bucket_free(self.heap.id, self.id)
+
+    def _device(self, device: int) -> int:
+        if not 0 <= int(device) < self.heap.world:
+            raise ValueError(f"device {device} outside [0, {self.heap.world}) of {self.name!r}")
+        return int(device)
+
+    # -- host access (initialisation, checkpoints, tests) ----------------------------------------------------
+    def set_full(self, values) -> None:
+        """Writes the whole bucket from the host: `values` (bucket shape or flat) is split into the shards."""
+        self.check_alive()
+        flat = np.asarray(values).reshape(-1)
+        if flat.size != self.numel:
+            raise ValueError(f"{self.name!r} holds {self.numel} elements, got {flat.size}")
+        padded = np.zeros(self.padded_numel, self.np_dtype)
+        padded[: self.numel] = flat.astype(self.np_dtype)
+        for d in range(self.heap.world):
+            self.set_shard(d, padded[d * self.shard_numel:(d + 1) * self.shard_numel])
+
+    def set_shard(self, device: int, shard) -> None:
+        """Writes device `device`'s (padded) master shard from the host."""
+        self.check_alive()
+        shard = np.ascontiguousarray(np.asarray(shard).reshape(-1).astype(self.np_dtype))
+        if shard.size != self.shard_numel:
+            raise ValueError(f"{self.name!r} shards hold {self.shard_numel} elements, got {shard.size}")
+        self.heap._lib.bucket_set_shard(self.heap.id, self.id, self._device(device), shard.view(np.uint8))
+
+    def shard(self, device: int) -> np.ndarray:
+        """A host copy of device `device`'s (padded) master shard."""
+        self.check_alive()
+        raw = self.heap._lib.bucket_get_shard(self.heap.id, self.id, self._device(device))
+        return np.frombuffer(raw, dtype=self.np_dtype).copy()
+
+    def full(self) -> np.ndarray:
+        """A host copy of the whole bucket in its shape and master dtype."""
+        parts = [self.shard(d) for d in range(self.heap.world)]
+        return np.concatenate(parts)[: self.numel].reshape(self.shape)
+
+    def accumulator(self, device: int) -> np.ndarray:
+        """A host copy of the fp32 gradient accumulated into device `device`'s shard (padded)."""
+        self.check_alive()
+        raw = self.heap._lib.bucket_get_accumulator(self.heap.id, self.id, self._device(device))
+        return np.frombuffer(raw, dtype=np.float32).copy()
+
+    def accumulated(self) -> np.ndarray:
+        """The whole accumulated gradient (fp32, bucket shape), assembled on the host."""
+        parts = [self.accumulator(d) for d in range(self.heap.world)]
+        return np.concatenate(parts)[: self.numel].reshape(self.shape)
+
+    def zero_accumulators(self) -> None:
+        self.check_alive()
+        for d in range(self.heap.world):
+            self.heap._lib.bucket_zero_accumulator(self.heap.id, self.id, d)
+
+    def __repr__(self) -> str:
+        return (f"Bucket({self.name!r}, id={self.id}, shape={self.shape}, master={self.master_dtype}, "
+                f"shard_numel={self.shard_numel}, world={self.heap.world}{', freed' if self._freed else ''})")
