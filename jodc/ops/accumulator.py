@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.ops._call import TOKEN_TYPE, attrs, prepare
+from jodc.ops._call import TOKEN_TYPE, attrs, per_device, prepare
 from jodc.ops.heap import Bucket
 
 
@@ -19,7 +19,8 @@ def read_accumulator(bucket: Bucket, token) -> tuple[jax.Array, jax.Array]:
         (jax.ShapeDtypeStruct((bucket.shard_numel,), jnp.float32), TOKEN_TYPE),
         has_side_effect=True,
     )(device, token, **attrs(bucket))
-    return acc, token
+    axis = bucket.heap.axis_name
+    return per_device(acc, axis), token
 
 
 def zero_accumulator(bucket: Bucket, token) -> jax.Array:

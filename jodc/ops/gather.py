@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, prepare
+from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, per_device, prepare
 from jodc.ops.heap import Bucket
 
 
@@ -21,4 +21,5 @@ def gather(bucket: Bucket, token, *, dtype=None) -> tuple[jax.Array, jax.Array]:
         (jax.ShapeDtypeStruct((bucket.numel,), out_dtype), TOKEN_TYPE),
         has_side_effect=True,
     )(device, token, **attrs(bucket))
-    return full.reshape(bucket.shape), token
+    axis = bucket.heap.axis_name
+    return per_device(full.reshape(bucket.shape), axis), token

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
 from typing import Sequence
 
@@ -32,6 +33,29 @@ def dtype_name(dtype) -> str:
     if name not in MASTER_DTYPES:
         raise ValueError(f"unsupported dtype {name}: jodc buckets hold float32 or bfloat16")
     return name
+
+
+def wait_for_ops() -> None:
+    """Waits until every dispatched computation with side effects (our native ops) has finished.
+
+    Dispatch is asynchronous: host reads of shards and freeing memory must not overtake queued ops.
+    """
+    jax.effects_barrier()
+
+
+def _settle_ops_before_free(what: str) -> None:
+    """Waits for queued ops before memory is released. If one of them failed (e.g. a barrier timeout), its error is
+    reported as a warning and JAX's record of it is dropped, so it does not resurface in every later host call."""
+    try:
+        wait_for_ops()
+    except Exception as e:  # noqa: BLE001 - any runtime error of a queued computation
+        warnings.warn(f"freeing {what}: a queued computation had failed: {e}", RuntimeWarning, stacklevel=3)
+        try:
+            from jax._src import dispatch
+
+            dispatch.runtime_tokens.clear()
+        except Exception:  # private API moved: the error will resurface at the next barrier, nothing worse
+            pass
 
 
 def _backend(platform: str):
@@ -89,6 +113,7 @@ class SymmetricHeap:
         """Releases every bucket's native memory; later ops on this heap raise. Idempotent."""
         if self._freed:
             return
+        _settle_ops_before_free(f"heap {self.id}")  # queued ops still reference this heap
         self._freed = True
         self._finalizer.detach()
         self._lib.heap_free(self.id)
@@ -145,6 +170,7 @@ class SymmetricHeap:
     def generations(self) -> list[int]:
         """Per device, how many barriers it has entered."""
         self.check_alive()
+        wait_for_ops()
         return [int(g) for g in self._lib.heap_generations(self.id)]
 
     def __repr__(self) -> str:
@@ -195,9 +221,10 @@ class Bucket:
         """Releases this bucket's native memory; ops on it raise afterwards. Idempotent."""
         if self._freed:
             return
-        self._freed = True
         if not self.heap.freed:
+            _settle_ops_before_free(f"bucket {self.name!r}")
             self.heap._lib.bucket_free(self.heap.id, self.id)
+        self._freed = True
 
     def _device(self, device: int) -> int:
         if not 0 <= int(device) < self.heap.world:
@@ -219,6 +246,7 @@ class Bucket:
     def set_shard(self, device: int, shard) -> None:
         """Writes device `device`'s (padded) master shard from the host."""
         self.check_alive()
+        wait_for_ops()
         shard = np.ascontiguousarray(np.asarray(shard).reshape(-1).astype(self.np_dtype))
         if shard.size != self.shard_numel:
             raise ValueError(f"{self.name!r} shards hold {self.shard_numel} elements, got {shard.size}")
@@ -227,6 +255,7 @@ class Bucket:
     def shard(self, device: int) -> np.ndarray:
         """A host copy of device `device`'s (padded) master shard."""
         self.check_alive()
+        wait_for_ops()
         raw = self.heap._lib.bucket_get_shard(self.heap.id, self.id, self._device(device))
         return np.frombuffer(raw, dtype=self.np_dtype).copy()
 
@@ -238,6 +267,7 @@ class Bucket:
     def accumulator(self, device: int) -> np.ndarray:
         """A host copy of the fp32 gradient accumulated into device `device`'s shard (padded)."""
         self.check_alive()
+        wait_for_ops()
         raw = self.heap._lib.bucket_get_accumulator(self.heap.id, self.id, self._device(device))
         return np.frombuffer(raw, dtype=np.float32).copy()
 
@@ -248,6 +278,7 @@ class Bucket:
 
     def zero_accumulators(self) -> None:
         self.check_alive()
+        wait_for_ops()
         for d in range(self.heap.world):
             self.heap._lib.bucket_zero_accumulator(self.heap.id, self.id, d)
 

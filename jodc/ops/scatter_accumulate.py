@@ -27,5 +27,3 @@ def scatter_accumulate(bucket: Bucket, grad, token) -> jax.Array:
         device, grad.reshape(-1), token, **attrs(bucket)
     )
     return token
-
-

@@ -1,0 +1,104 @@
+"""Multiway number partitioning: split items with costs into k parts whose cost sums are as equal as possible.
+
+* :func:`karmarkar_karp` -- the largest differencing method generalised to k parts. Every item starts as a
+  k-tuple of part sums (the item in one part, the others empty). Repeatedly the two tuples with the largest
+  spread (max - min) are merged, pairing the heaviest part of one with the lightest of the other, so that large
+  differences cancel early. With ``equal_sizes`` the sorted items are first grouped k at a time, one per part,
+  so every merge keeps the part sizes equal (item counts differ by at most one when k does not divide n).
+* :func:`lpt` -- greedy longest-processing-time: items heaviest first, each to the currently lightest part. The
+  classic baseline (within 4/3 of optimal).
+* :func:`partition` -- Karmarkar-Karp followed by :func:`~jodc.balance.refine.refine_by_swaps`.
+
+All three are deterministic: ties are broken by item index and creation order, never by hashing or randomness, so
+every host computes the same partition from the same costs. Returned parts are lists of item indices (ascending)
+ordered heaviest first (ties: the part holding the smaller first index first; empty parts last).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+from jodc.balance.refine import refine_by_swaps
+from jodc.balance.validation import costs_array, positive_int
+
+_PADDING = -1  # a zero-cost placeholder item used to make n a multiple of k in the equal-size variant
+
+
+def order_parts(costs, parts: list[list[int]]) -> list[list[int]]:
+    """Sort each part's indices and the parts themselves: heaviest first, ties by first index, empty parts last."""
+    cost = np.asarray(costs, dtype=np.float64)
+    sorted_parts = [sorted(int(i) for i in part) for part in parts]
+
+    def key(part):
+        return (0, -float(cost[part].sum()), part[0]) if part else (1, 0.0, 0)
+
+    return sorted(sorted_parts, key=key)
+
+
+def _state_key(part):
+    total, items = part
+    return (-total, items)
+
+
+def karmarkar_karp(costs, num_parts: int, *, equal_sizes: bool = False) -> list[list[int]]:
+    """Largest-differencing partition of ``costs`` into ``num_parts`` parts (see the module docstring)."""
+    cost = costs_array(costs)
+    k = positive_int(num_parts, "num_parts")
+    order = sorted(range(cost.size), key=lambda i: (-cost[i], i))
+    counter = itertools.count()
+    heap: list = []
+
+    def push(state):
+        spread = state[0][0] - state[-1][0]
+        heapq.heappush(heap, (-spread, next(counter), state))
+
+    if equal_sizes:
+        padded = order + [_PADDING] * (-len(order) % k)
+        for start in range(0, len(padded), k):
+            group = padded[start : start + k]
+            state = [(float(cost[i]) if i != _PADDING else 0.0, (i,)) for i in group]
+            push(sorted(state, key=_state_key))
+    else:
+        for i in order:
+            push([(float(cost[i]), (i,))] + [(0.0, ())] * (k - 1))
+    if not heap:
+        return [[] for _ in range(k)]
+    while len(heap) > 1:
+        _, _, heavy = heapq.heappop(heap)
+        _, _, light = heapq.heappop(heap)
+        merged = [
+            (heavy[j][0] + light[k - 1 - j][0], heavy[j][1] + light[k - 1 - j][1]) for j in range(k)
+        ]
+        push(sorted(merged, key=_state_key))
+    final = heap[0][2]
+    parts = [[i for i in items if i != _PADDING] for _, items in final]
+    return order_parts(cost, parts)
+
+
+def lpt(costs, num_parts: int) -> list[list[int]]:
+    """Greedy LPT: items in decreasing cost (ties by index) each go to the lightest part (ties by part number)."""
+    cost = costs_array(costs)
+    k = positive_int(num_parts, "num_parts")
+    parts: list[list[int]] = [[] for _ in range(k)]
+    loads = [(0.0, p) for p in range(k)]
+    for i in sorted(range(cost.size), key=lambda i: (-cost[i], i)):
+        load, p = heapq.heappop(loads)
+        parts[p].append(i)
+        heapq.heappush(loads, (load + float(cost[i]), p))
+    return order_parts(cost, parts)
+
+
+def partition(costs, num_parts: int, *, equal_sizes: bool = False, refine: bool = True) -> list[list[int]]:
+    """Karmarkar-Karp, then pairwise-swap refinement (swaps only when ``equal_sizes``, so counts stay equal)."""
+    parts = karmarkar_karp(costs, num_parts, equal_sizes=equal_sizes)
+    if refine:
+        parts = refine_by_swaps(costs, parts, allow_moves=not equal_sizes)
+    return order_parts(costs, parts)
+
+
+def part_sums(costs, parts: list[list[int]]) -> np.ndarray:
+    """Cost sum of each part, as a float64 array."""
+    cost = np.asarray(costs, dtype=np.float64)
+    return np.array([float(cost[part].sum()) if part else 0.0 for part in parts])

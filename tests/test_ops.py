@@ -1,0 +1,351 @@
+"""The ODC primitives on 1/2/4/8 simulated CPU devices, checked against numpy."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from conftest import cpu_mesh
+from jodc import ops
+from jodc.ops import _native
+
+WORLDS = [1, 2, 4, 8]
+
+
+def spmd(mesh, fn, *per_device_args):
+    """Runs fn(device_args...) under jit + shard_map; each arg/result has a leading device axis."""
+    n = mesh.shape["d"]
+
+    def body(*args):
+        out = fn(*[a[0] for a in args])
+        return jax.tree.map(lambda o: o[None], out)
+
+    args = per_device_args or (jnp.zeros((n,)),)
+    if not per_device_args:
+        inner = fn
+        fn = lambda _: inner()  # noqa: E731
+    sm = jax.shard_map(body, mesh=mesh, in_specs=tuple(P("d") for _ in args), out_specs=P("d"))
+    return jax.block_until_ready(jax.jit(sm)(*args))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("numel", [1, 17, 1000, 4096 + 3])
+def test_gather_is_exact(world, numel):
+    mesh = cpu_mesh(world)
+    values = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register(numel)
+        assert b.shard_numel * world >= numel
+        assert (b.shard_numel * 4) % 64 == 0
+        b.set_full(values)
+
+        def fn():
+            full, tok = ops.gather(b, ops.new_token())
+            full_bf16, tok = ops.gather(b, tok, dtype=jnp.bfloat16)
+            return full, full_bf16, tok
+
+        full, full_bf16, tok = spmd(mesh, fn)
+    np.testing.assert_array_equal(np.asarray(full), np.broadcast_to(values, (world, numel)))
+    np.testing.assert_array_equal(np.asarray(full_bf16), np.broadcast_to(values.astype(ml_dtypes.bfloat16),
+                                                                        (world, numel)))
+    np.testing.assert_array_equal(np.asarray(tok), 2)
+
+
+def test_gather_keeps_bucket_shape_and_bf16_master():
+    mesh = cpu_mesh(4)
+    values = np.random.default_rng(0).standard_normal((3, 5, 7)).astype(ml_dtypes.bfloat16)
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register((3, 5, 7), dtype=jnp.bfloat16)
+        assert b.master_dtype == "bfloat16" and (b.shard_numel * 2) % 64 == 0
+        b.set_full(values)
+
+        def fn():
+            full, tok = ops.gather(b, ops.new_token())
+            full32, tok = ops.gather(b, tok, dtype=jnp.float32)
+            return full, full32
+
+        full, full32 = spmd(mesh, fn)
+        np.testing.assert_array_equal(b.full(), values)
+    assert full.shape == (4, 3, 5, 7) and full.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(full)[2], values)
+    np.testing.assert_array_equal(np.asarray(full32)[3], values.astype(np.float32))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+def test_scatter_accumulate_matches_numpy_sum(world, grad_dtype):
+    mesh = cpu_mesh(world)
+    numel = 3001
+    grads = np.random.default_rng(world).standard_normal((world, numel)).astype(np.float32)
+    grads = grads.astype(grad_dtype)
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register(numel)
+
+        def fn(g):
+            tok = ops.scatter_accumulate(b, g, ops.new_token())
+            tok = ops.barrier(heap, tok)
+            acc, tok = ops.read_accumulator(b, tok)
+            return acc, tok
+
+        acc, tok = spmd(mesh, fn, jnp.asarray(grads))
+        expected = np.asarray(grads, np.float64).sum(0)
+        assembled = np.asarray(acc).reshape(-1)[:numel]
+        np.testing.assert_allclose(assembled, expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(b.accumulated(), expected, rtol=1e-5, atol=1e-5)
+        # the padding of the last shard never receives anything
+        assert np.all(np.asarray(acc).reshape(-1)[numel:] == 0)
+        assert heap.generations() == [1] * world
+
+
+def test_concurrent_pushes_from_every_device_in_a_loop():
+    """All 8 devices push 20 times each into the same bucket at once; nothing is lost."""
+    mesh = cpu_mesh(8)
+    numel, rounds = 50_000, 20
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register(numel)
+
+        def fn(scale):
+            def body(i, tok):
+                return ops.scatter_accumulate(b, jnp.full((numel,), scale, jnp.float32), tok)
+
+            tok = lax.fori_loop(0, rounds, body, ops.new_token())
+            return ops.barrier(heap, tok)
+
+        spmd(mesh, fn, jnp.arange(1, 9, dtype=jnp.float32))
+        np.testing.assert_array_equal(b.accumulated(), np.full(numel, rounds * 36.0, np.float32))
+
+
+def test_per_device_while_loop_trip_counts():
+    """Device d runs d + 1 microbatches (its own loop bound, no collective inside) and pushes each one."""
+    mesh = cpu_mesh(4)
+    numel = 777
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register(numel)
+        b.set_full(np.ones(numel, np.float32))
+
+        def fn(trips):
+            def cond(carry):
+                i, _ = carry
+                return i < trips
+
+            def body(carry):
+                i, tok = carry
+                w, tok = ops.gather(b, tok)
+                tok = ops.scatter_accumulate(b, w * (i + 1).astype(jnp.float32), tok)
+                return i + 1, tok
+
+            _, tok = lax.while_loop(cond, body, (jnp.int32(0), ops.new_token()))
+            return ops.barrier(heap, tok)
+
+        tok = spmd(mesh, fn, jnp.arange(1, 5, dtype=jnp.int32))
+        # device d pushes 1 + 2 + ... + (d + 1)
+        expected = sum(k * (k + 1) / 2 for k in range(1, 5))
+        np.testing.assert_array_equal(b.accumulated(), np.full(numel, expected, np.float32))
+        # token counts the ops each device ran: 2 per trip + the barrier
+        np.testing.assert_array_equal(np.asarray(tok), [2 * t + 1 for t in range(1, 5)])
+
+
+def test_deterministic_mode_is_bit_for_bit_repeatable():
+    mesh = cpu_mesh(8)
+    numel, rounds = 20_001, 5
+    rng = np.random.default_rng(7)
+    grads = (rng.standard_normal((8, rounds, numel)) * 10.0 ** rng.integers(-4, 4, (8, rounds, 1))).astype(np.float32)
+
+    def run(deterministic):
+        with ops.SymmetricHeap(mesh, deterministic=deterministic) as heap:
+            b = heap.register(numel)
+
+            def fn(g):
+                tok = lax.fori_loop(0, rounds, lambda i, t: ops.scatter_accumulate(b, g[i], t), ops.new_token())
+                tok = ops.barrier(heap, tok)
+                acc, _ = ops.read_accumulator(b, tok)
+                return acc
+
+            return np.asarray(spmd(mesh, fn, jnp.asarray(grads))).reshape(-1)[:numel]
+
+    first = run(True)
+    for _ in range(4):
+        assert first.tobytes() == run(True).tobytes()
+    # fixed order: per source, its pushes in program order; then sources 0..7
+    per_source = np.zeros((8, numel), np.float32)
+    for s in range(8):
+        for r in range(rounds):
+            per_source[s] += grads[s, r]
+    expected = np.zeros(numel, np.float32)
+    for s in range(8):
+        expected += per_source[s]
+    assert first.tobytes() == expected.tobytes()
+    np.testing.assert_allclose(run(False), expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_zero_accumulator_and_publish(deterministic):
+    mesh = cpu_mesh(4)
+    numel = 100
+    with ops.SymmetricHeap(mesh, deterministic=deterministic) as heap:
+        b = heap.register(numel)
+        b.set_full(np.zeros(numel, np.float32))
+
+        def step(dev_value):
+            tok = ops.scatter_accumulate(b, jnp.ones((numel,)), ops.new_token())
+            tok = ops.barrier(heap, tok)
+            acc, tok = ops.read_accumulator(b, tok)
+            tok = ops.zero_accumulator(b, tok)
+            tok = ops.publish(b, acc + dev_value, tok)  # new shard = grad (4) + device value
+            tok = ops.barrier(heap, tok)
+            full, tok = ops.gather(b, tok)
+            acc_after, tok = ops.read_accumulator(b, tok)
+            return full, acc_after
+
+        full, acc_after = spmd(mesh, step, jnp.arange(4, dtype=jnp.float32) * 100)
+        owner = np.arange(numel) // b.shard_numel
+        np.testing.assert_array_equal(np.asarray(full)[1], 4.0 + 100.0 * owner)
+        np.testing.assert_array_equal(np.asarray(acc_after), 0.0)
+        np.testing.assert_array_equal(b.full(), 4.0 + 100.0 * owner)
+
+
+def test_barrier_orders_publish_before_peer_gather():
+    """Each device publishes, then a barrier, then every device reads all peers' new shards."""
+    mesh = cpu_mesh(8)
+    numel = 8 * 64
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register(numel)
+
+        def fn(dev):
+            tok = ops.publish(b, jnp.full((b.shard_numel,), dev), ops.new_token())
+            tok = ops.barrier(heap, tok)
+            full, _ = ops.gather(b, tok)
+            return full
+
+        full = np.asarray(spmd(mesh, fn, jnp.arange(8, dtype=jnp.float32)))
+        np.testing.assert_array_equal(full, np.broadcast_to(np.repeat(np.arange(8.0), 64), (8, numel)))
+        assert heap.generations() == [1] * 8
+
+
+def test_barrier_timeout_names_missing_devices():
+    mesh = cpu_mesh(4)
+    heap = ops.SymmetricHeap(mesh, barrier_timeout_s=0.3)
+    try:
+        def fn(dev):
+            return lax.cond(dev == 0, lambda t: ops.barrier(heap, t), lambda t: t, ops.new_token())
+
+        with pytest.raises(Exception, match=r"timed out after 0.3 s .*device\(s\) \[1, 2, 3\] never arrived"):
+            jax.block_until_ready(spmd(mesh, fn, jnp.arange(4)))
+        with pytest.raises(RuntimeError, match="never arrived"):
+            heap.register(10)  # a poisoned heap refuses further use
+    finally:
+        with pytest.warns(RuntimeWarning, match="never arrived"):
+            heap.free()
+    jax.effects_barrier()  # the failure does not linger
+
+
+def test_heaps_are_released():
+    lib = _native.cpu_library()
+    mesh = cpu_mesh(4)
+    base_heaps, base_bytes = lib.live_heaps(), lib.live_bytes()
+    for i in range(20):
+        heap = ops.SymmetricHeap(mesh, deterministic=i % 2 == 0)
+        buckets = [heap.register(1000 * (j + 1)) for j in range(3)]
+        assert lib.live_bytes() > base_bytes
+        buckets[0].free()
+        with pytest.raises(ValueError, match="freed"):
+            buckets[0].full()
+        heap.free()
+        heap.free()  # idempotent
+    assert lib.live_heaps() == base_heaps
+    assert lib.live_bytes() == base_bytes
+    # a heap dropped without free() is released by its finalizer
+    heap = ops.SymmetricHeap(mesh)
+    heap.register(10_000)
+    del heap
+    import gc
+
+    gc.collect()
+    assert lib.live_bytes() == base_bytes
+
+
+@pytest.mark.parametrize("numel,world,master_bytes", [(1, 1, 4), (1, 8, 2), (17, 3, 4), (10**6 + 1, 8, 2),
+                                                      (123457, 7, 4)])
+def test_layout_pads_and_aligns(numel, world, master_bytes):
+    shard = _native.cpu_library().shard_numel(numel, world, master_bytes)
+    assert shard * world >= numel
+    assert (shard * master_bytes) % 64 == 0 and (shard * 4) % 64 == 0
+    assert shard * (world - 1) < numel + world * 32 or numel < 32 * world  # padding stays below one quantum
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: clear Python errors before dispatch; the native handler refuses what slips through
+
+def test_bad_input_is_rejected_in_python():
+    mesh4, mesh2 = cpu_mesh(4), cpu_mesh(2)
+    with ops.SymmetricHeap(mesh4) as heap:
+        b = heap.register((10, 10))
+        tok = ops.new_token()
+        with pytest.raises(ValueError, match="inside jax.shard_map over mesh axis 'd'"):
+            ops.gather(b, tok)
+        with pytest.raises(ValueError, match="heap .* was created for 4"):
+            spmd(mesh2, lambda: ops.gather(b, ops.new_token()))
+        with pytest.raises(ValueError, match=r"gradient of shape \(99,\) does not match bucket"):
+            spmd(mesh4, lambda: ops.scatter_accumulate(b, jnp.zeros(99), ops.new_token()))
+        with pytest.raises(ValueError, match="gradient must be float32 or bfloat16, got int32"):
+            spmd(mesh4, lambda: ops.scatter_accumulate(b, jnp.zeros((10, 10), jnp.int32), ops.new_token()))
+        with pytest.raises(ValueError, match="dtype must be float32 or bfloat16, got float16"):
+            spmd(mesh4, lambda: ops.gather(b, ops.new_token(), dtype=jnp.float16))
+        with pytest.raises(ValueError, match="token must be an int32 scalar"):
+            spmd(mesh4, lambda: ops.gather(b, jnp.zeros((2,), jnp.int32)))
+        with pytest.raises(ValueError, match="shards are"):
+            spmd(mesh4, lambda: ops.publish(b, jnp.zeros(3), ops.new_token()))
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
+            heap.register(10, dtype=jnp.int8)
+        with pytest.raises(ValueError, match="at least one element"):
+            heap.register(0)
+        with pytest.raises(ValueError, match="holds 100 elements, got 3"):
+            b.set_full(np.zeros(3))
+        b.free()
+        with pytest.raises(ValueError, match="has been freed"):
+            spmd(mesh4, lambda: ops.gather(b, ops.new_token()))
+    with pytest.raises(ValueError, match="has been freed"):
+        spmd(mesh4, lambda: ops.barrier(heap, ops.new_token()))
+    with pytest.raises(ValueError, match="not 'x'"):
+        ops.SymmetricHeap(mesh4, "x")
+
+
+def test_native_handlers_return_errors_instead_of_crashing():
+    """Bypass the Python checks: the handlers themselves refuse unknown ids, bad sizes and device indices."""
+    mesh = cpu_mesh(2)
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register(64)
+        tok_t = jax.ShapeDtypeStruct((), jnp.int32)
+
+        def raw(target, results, *args, **attrs):
+            def fn():
+                dev = lax.axis_index("d").astype(jnp.int32)
+                return jax.ffi.ffi_call(target, results, has_side_effect=True)(dev, *args, **attrs)
+
+            return jax.block_until_ready(spmd(mesh, fn))
+
+        def raw_dev(target, results, dev, *args, **attrs):
+            def fn():
+                return jax.ffi.ffi_call(target, results, has_side_effect=True)(jnp.int32(dev), *args, **attrs)
+
+            return jax.block_until_ready(spmd(mesh, fn))
+
+        ids = dict(heap=np.int64(heap.id), bucket=np.int64(b.id))
+        full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
+        with pytest.raises(Exception, match="bucket 999999 is not registered"):
+            raw("jodc_gather", (full_t, tok_t), jnp.int32(0), heap=np.int64(heap.id), bucket=np.int64(999999))
+        with pytest.raises(Exception, match="heap 888888 is not registered"):
+            raw("jodc_gather", (full_t, tok_t), jnp.int32(0), heap=np.int64(888888), bucket=np.int64(b.id))
+        with pytest.raises(Exception, match="output has 63 elements"):
+            raw("jodc_gather", (jax.ShapeDtypeStruct((63,), jnp.float32), tok_t), jnp.int32(0), **ids)
+        with pytest.raises(Exception, match="gradient has 65 elements"):
+            raw("jodc_scatter_accumulate", (tok_t,), jnp.zeros(65), jnp.int32(0), **ids)
+        with pytest.raises(Exception, match=r"device index 5 outside \[0, 2\)"):
+            raw_dev("jodc_barrier", (tok_t,), 5, jnp.int32(0), heap=np.int64(heap.id))
+        with pytest.raises(Exception, match="master dtype float32"):
+            raw("jodc_publish", (tok_t,), jnp.zeros(b.shard_numel, jnp.bfloat16), jnp.int32(0), **ids)
+        # the heap is still healthy afterwards
+        full, _ = spmd(mesh, lambda: ops.gather(b, ops.new_token()))
+        assert full.shape == (2, 64)
