@@ -33,8 +33,9 @@ native: $(NATIVE)
 test: $(NATIVE)
 	$(PY) -m pytest -q -x --durations=15 tests
 
+# Until the SFT trainer lands, the main job is the primitives benchmark on 4 simulated devices (quick mode).
 demo: $(NATIVE)
-	$(PY) -m jodc.demo
+	$(PY) bench/primitives.py --quick --devices 4 --no-save
 
 bench: $(NATIVE)
 	for f in bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

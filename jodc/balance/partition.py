@@ -7,7 +7,8 @@
   so every merge keeps the part sizes equal (item counts differ by at most one when k does not divide n).
 * :func:`lpt` -- greedy longest-processing-time: items heaviest first, each to the currently lightest part. The
   classic baseline (within 4/3 of optimal).
-* :func:`partition` -- Karmarkar-Karp followed by :func:`~jodc.balance.refine.refine_by_swaps`.
+* :func:`partition` -- Karmarkar-Karp followed by :func:`~jodc.balance.refine.refine_by_swaps` (also trying the
+  refined LPT result), then a node-bounded exact search (:mod:`jodc.balance.search`).
 
 All three are deterministic: ties are broken by item index and creation order, never by hashing or randomness, so
 every host computes the same partition from the same costs. Returned parts are lists of item indices (ascending)
@@ -21,6 +22,7 @@ import itertools
 import numpy as np
 
 from jodc.balance.refine import refine_by_swaps
+from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, positive_int
 
 _PADDING = -1  # a zero-cost placeholder item used to make n a multiple of k in the equal-size variant
@@ -90,12 +92,32 @@ def lpt(costs, num_parts: int) -> list[list[int]]:
     return order_parts(cost, parts)
 
 
-def partition(costs, num_parts: int, *, equal_sizes: bool = False, refine: bool = True) -> list[list[int]]:
-    """Karmarkar-Karp, then pairwise-swap refinement (swaps only when ``equal_sizes``, so counts stay equal)."""
-    parts = karmarkar_karp(costs, num_parts, equal_sizes=equal_sizes)
-    if refine:
-        parts = refine_by_swaps(costs, parts, allow_moves=not equal_sizes)
-    return order_parts(costs, parts)
+def partition(
+    costs,
+    num_parts: int,
+    *,
+    equal_sizes: bool = False,
+    refine: bool = True,
+    search_nodes: int = DEFAULT_NODE_BUDGET,
+) -> list[list[int]]:
+    """Balanced partition of ``costs`` into ``num_parts`` parts (minimising the heaviest part).
+
+    Karmarkar-Karp, then pairwise refinement (equal-size exchanges only when ``equal_sizes``, so counts stay
+    within one). Without ``equal_sizes`` the refined LPT partition is computed as well and the better of the two
+    kept: on a few small instances KK's local optimum is worse than LPT's. Last, a branch-and-bound search of at
+    most ``search_nodes`` nodes looks for a lighter heaviest part (:mod:`jodc.balance.search`); on small
+    instances it completes and the result is optimal. ``refine=False`` returns plain Karmarkar-Karp.
+    """
+    cost = costs_array(costs)
+    parts = karmarkar_karp(cost, num_parts, equal_sizes=equal_sizes)
+    if not refine:
+        return parts
+    candidates = [refine_by_swaps(cost, parts, allow_moves=not equal_sizes)]
+    if not equal_sizes:
+        candidates.append(refine_by_swaps(cost, lpt(cost, num_parts)))
+    best = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: KK
+    best = improve_by_search(cost, best, equal_sizes=equal_sizes, node_budget=search_nodes)
+    return order_parts(cost, best)
 
 
 def part_sums(costs, parts: list[list[int]]) -> np.ndarray:

@@ -36,6 +36,25 @@ def _scaled(x: jax.Array, temperature: float) -> jax.Array:
     return x if temperature == 1.0 else x / temperature
 
 
+def _as_storage(x_nv: jax.Array) -> jax.Array:
+    """Sub-fp32 logits reinterpreted as same-width unsigned ints for the chunk loops (see ``_load_chunk``)."""
+    if x_nv.dtype.itemsize < 4:
+        return lax.bitcast_convert_type(x_nv, jnp.uint16 if x_nv.dtype.itemsize == 2 else jnp.uint8)
+    return x_nv
+
+
+def _load_chunk(x_storage_nv: jax.Array, dtype, start, rows: int, temperature: float) -> jax.Array:
+    """Rows [start, start + rows) of the logits, scaled, in the compute dtype.
+
+    bf16 / fp16 logits travel through the loop as their raw bits (``_as_storage``): XLA's CPU backend otherwise
+    rewrites convert(slice(x)) into slice(convert(x)) and hoists the loop-invariant convert(x) out of the loop,
+    which materialises exactly the full fp32 copy that chunking exists to avoid."""
+    chunk = lax.dynamic_slice_in_dim(x_storage_nv, start, rows, axis=0)
+    if chunk.dtype != dtype:
+        chunk = lax.bitcast_convert_type(chunk, dtype)
+    return _scaled(chunk, temperature)
+
+
 def _clip_ids(ids: jax.Array, vocab: int) -> jax.Array:
     """Ids clamped into the vocabulary, so padding ids (e.g. -100) never produce NaN that could leak into grads."""
     return jnp.clip(ids.astype(jnp.int32), 0, vocab - 1)
@@ -74,11 +93,12 @@ def _chunked_forward(x_nv, ids_nk, temperature, chunk):
     n, _ = x_nv.shape
     cdt = compute_dtype(x_nv.dtype)
     rows, num_chunks = _chunk_starts(n, chunk)
+    x_storage_nv = _as_storage(x_nv)
 
     def body(i, carry):
         lp_nk, entropy_n, lse_n = carry
         start = jnp.minimum(i * rows, n - rows)
-        x_cv = _scaled(lax.dynamic_slice_in_dim(x_nv, start, rows, axis=0), temperature)
+        x_cv = _load_chunk(x_storage_nv, x_nv.dtype, start, rows, temperature)
         ids_ck = lax.dynamic_slice_in_dim(ids_nk, start, rows, axis=0)
         max_c1 = jnp.max(x_cv, axis=1, keepdims=True)
         max_c1 = jnp.where(jnp.isfinite(max_c1), max_c1, 0.0)
@@ -120,10 +140,11 @@ def _gather_chunked_bwd(temperature, chunk, entropy_has_grad, residuals, cotange
     n, _ = x_nv.shape
     rows, num_chunks = _chunk_starts(n, chunk)
     row_c1 = jnp.arange(rows)[:, None]
+    x_storage_nv = _as_storage(x_nv)
 
     def body(i, grad_nv):
         start = jnp.minimum(i * rows, n - rows)
-        x_cv = _scaled(lax.dynamic_slice_in_dim(x_nv, start, rows, axis=0), temperature)
+        x_cv = _load_chunk(x_storage_nv, x_nv.dtype, start, rows, temperature)
         ids_ck = lax.dynamic_slice_in_dim(ids_nk, start, rows, axis=0)
         g_ck = lax.dynamic_slice_in_dim(g_lp_nk, start, rows, axis=0)
         logp_cv = x_cv - lax.dynamic_slice_in_dim(lse_n, start, rows, axis=0)[:, None]
