@@ -1,1 +1,41 @@
-"""placeholder until its issue lands."""
+"""Flax NNX decoders of the Llama 3 / Qwen2 / Qwen3 family for post-training (installed as `jodc.models`).
+
+- `DecoderConfig` / `RopeScaling`: the model description (config.py).
+- `Decoder`: the NNX model; `split_params` / `merge_params` convert to and from per-group arrays (decoder.py).
+- The layer-wise functional view used by the FSDP engines (layerwise.py, layout.py): `param_groups`,
+  `group_param_shapes`, `group_layout` / `GroupLayout`, `embed_apply`, `layer_apply`, `head_apply`, `forward`.
+- Segment-aware attention (attention.py): `attention`, `blockwise_attention`, `dense_attention`.
+- HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`; tokenizers (tokenizer.py): `load_tokenizer`.
+- Sampling with a KV cache for rollouts (generate.py): `generate`, `SamplingParams`, `Generation`.
+"""
+from .attention import attention, blockwise_attention, dense_attention
+from .config import DecoderConfig, RopeScaling
+from .decoder import Decoder, ParamGroup, merge_params, split_params
+from .generate import Generation, SamplingParams, generate, sampling_logprobs
+from .hf import config_from_hf, config_to_hf, load_pretrained, save_pretrained
+from .layerwise import (
+    EMBED,
+    HEAD,
+    check_group_params,
+    embed_apply,
+    forward,
+    group_layout,
+    group_param_shapes,
+    head_apply,
+    init_params,
+    layer_apply,
+    layer_group_name,
+    param_groups,
+    positions_from_segment_ids,
+)
+from .layout import GroupLayout
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "EMBED", "HEAD", "Decoder", "DecoderConfig", "Generation", "GroupLayout", "ParamGroup", "RopeScaling",
+    "SamplingParams", "Tokenizer", "attention", "blockwise_attention", "check_group_params", "config_from_hf",
+    "config_to_hf", "dense_attention", "embed_apply", "forward", "generate", "group_layout", "group_param_shapes",
+    "head_apply", "init_params", "layer_apply", "layer_group_name", "load_pretrained", "load_tokenizer",
+    "merge_params", "param_groups", "positions_from_segment_ids", "sampling_logprobs", "save_pretrained",
+    "split_params",
+]

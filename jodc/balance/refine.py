@@ -12,6 +12,10 @@ that single swaps leave on small instances. Each round first tries to lower the 
 against every lighter part, choosing the exchange that lowers it most; failing that it narrows the widest pair
 that can be narrowed, which often unlocks a later makespan improvement.
 
+The search stops early once the heaviest part is within ``LOWER_BOUND_TOLERANCE`` (relative) of the lower bound
+``max(largest item, total / parts)``, which nothing can beat. Large parts skip the 2-item tables
+(``MAX_PAIR_TABLE``) to bound memory.
+
 Constraints: ``allow_moves=False`` only exchanges groups of equal size, so each part keeps its item count; and
 ``sizes`` + ``capacity`` keep every part's total size (e.g. tokens) within a cap.
 """
@@ -20,6 +24,11 @@ from __future__ import annotations
 import numpy as np
 
 from jodc.balance.validation import costs_array
+
+# Largest give x take table of 2-item groups tabulated at once (floats); about 2 MB. Parts of up to ~40 items fit.
+MAX_PAIR_TABLE = 250_000
+# Refinement stops once the heaviest part is within this relative distance of the lower bound max(item, mean).
+LOWER_BOUND_TOLERANCE = 1e-9
 
 
 def _groups(part: list[int], cost, size, max_items: int):
@@ -45,6 +54,11 @@ def _groups(part: list[int], cost, size, max_items: int):
     return members, total(cost), (total(size) if size is not None else None), used.sum(axis=1)
 
 
+def _group_count(n: int) -> int:
+    """Groups of 0, 1 or 2 items out of n."""
+    return 1 + n + n * (n - 1) // 2
+
+
 class _Refiner:
     """The state of one refinement: costs, optional size constraint, and the current parts."""
 
@@ -52,6 +66,8 @@ class _Refiner:
         self.cost, self.size, self.capacity = cost, size, capacity
         self.parts = [sorted(int(i) for i in part) for part in parts]
         self.allow_moves, self.max_group = allow_moves, max_group
+        self.memo: dict = {}
+        self.group_memo: dict = {}
         self.tolerance = 1e-12 * max(float(cost.sum()), 1e-300)
 
     def sums(self):
@@ -63,9 +79,27 @@ class _Refiner:
         return np.array([float(self.size[part].sum()) if part else 0.0 for part in self.parts])
 
     def best_exchange(self, p, q, gap, totals, max_items):
-        """Best improving exchange from heavier part p to lighter part q: (new gap, give, take) or None."""
-        give, give_cost, give_size, give_count = _groups(self.parts[p], self.cost, self.size, max_items)
-        take, take_cost, take_size, take_count = _groups(self.parts[q], self.cost, self.size, max_items)
+        """Best improving exchange from heavier part p to lighter part q: (new gap, give, take) or None.
+
+        The answer depends only on the two parts' contents, and a round changes just two parts, so answers are
+        memoised by content: the widest-pair scan then costs a dictionary look-up for almost every pair.
+        """
+        key = (tuple(self.parts[p]), tuple(self.parts[q]), max_items)
+        if key not in self.memo:
+            self.memo[key] = self._best_exchange(p, q, gap, totals, max_items)
+        return self.memo[key]
+
+    def groups(self, p, max_items):
+        key = (tuple(self.parts[p]), max_items)
+        if key not in self.group_memo:
+            self.group_memo[key] = _groups(self.parts[p], self.cost, self.size, max_items)
+        return self.group_memo[key]
+
+    def _best_exchange(self, p, q, gap, totals, max_items):
+        if max_items > 1 and _group_count(len(self.parts[p])) * _group_count(len(self.parts[q])) > MAX_PAIR_TABLE:
+            return None  # too many 2-item groups to tabulate; single-item exchanges already did their best here
+        give, give_cost, give_size, give_count = self.groups(p, max_items)
+        take, take_cost, take_size, take_count = self.groups(q, max_items)
         delta = give_cost[:, None] - take_cost[None, :]
         new_gap = np.abs(gap - 2.0 * delta)
         ok = (delta > 0) & (new_gap < gap - self.tolerance)
@@ -147,7 +181,10 @@ def refine_by_swaps(
         raise ValueError(f"max_group must be 1 or 2, got {max_group!r}")
     refiner = _Refiner(cost, size, capacity, parts, allow_moves, max_group)
     rounds = 10 * cost.size + 100 if max_rounds is None else max_rounds
+    lower_bound = max(float(cost.max(initial=0.0)), float(cost.sum()) / max(len(parts), 1))
     for _ in range(rounds):
+        if refiner.sums().max(initial=0.0) <= lower_bound * (1.0 + LOWER_BOUND_TOLERANCE):
+            break  # nothing can lower the heaviest part further
         step = None
         for max_items in range(1, max_group + 1):  # cheap single-item exchanges first
             step = refiner.next_exchange(max_items)

@@ -23,7 +23,7 @@ import numpy as np
 
 from jodc.balance.validation import costs_array
 
-DEFAULT_NODE_BUDGET = 20_000
+DEFAULT_NODE_BUDGET = 3_000
 
 
 def improve_by_search(

@@ -37,8 +37,9 @@ def _scaled(x: jax.Array, temperature: float) -> jax.Array:
 
 
 def _as_storage(x_nv: jax.Array) -> jax.Array:
-    """Sub-fp32 logits reinterpreted as same-width unsigned ints for the chunk loops (see ``_load_chunk``)."""
-    if x_nv.dtype.itemsize < 4:
+    """The array the chunk loops slice from: the logits themselves, except sub-fp32 logits on the CPU backend,
+    which are reinterpreted as same-width unsigned ints (see ``_load_chunk``)."""
+    if x_nv.dtype.itemsize < 4 and jax.default_backend() == "cpu":
         return lax.bitcast_convert_type(x_nv, jnp.uint16 if x_nv.dtype.itemsize == 2 else jnp.uint8)
     return x_nv
 
@@ -46,9 +47,10 @@ def _as_storage(x_nv: jax.Array) -> jax.Array:
 def _load_chunk(x_storage_nv: jax.Array, dtype, start, rows: int, temperature: float) -> jax.Array:
     """Rows [start, start + rows) of the logits, scaled, in the compute dtype.
 
-    bf16 / fp16 logits travel through the loop as their raw bits (``_as_storage``): XLA's CPU backend otherwise
-    rewrites convert(slice(x)) into slice(convert(x)) and hoists the loop-invariant convert(x) out of the loop,
-    which materialises exactly the full fp32 copy that chunking exists to avoid."""
+    On CPU, bf16 / fp16 logits travel through the loop as raw bits (``_as_storage``): XLA's CPU backend upcasts
+    bf16 loop state to fp32 and hoists that conversion out of the loop, which would materialise exactly the full
+    fp32 copy that chunking exists to avoid. (The reinterpretation itself costs one copy at the logits' own
+    2-byte width on CPU; GPU backends slice bf16 natively and skip it.)"""
     chunk = lax.dynamic_slice_in_dim(x_storage_nv, start, rows, axis=0)
     if chunk.dtype != dtype:
         chunk = lax.bitcast_convert_type(chunk, dtype)

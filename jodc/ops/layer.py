@@ -4,12 +4,13 @@ full parameters of a layer are alive only while that layer computes (FSDP memory
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jodc.ops._call import _varying_axes
 from jodc.ops.gather import gather
 from jodc.ops.heap import Bucket
 from jodc.ops.scatter_accumulate import scatter_accumulate
@@ -31,45 +32,80 @@ def _tie_to_token(tree, token):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def odc_layer(fn: Callable, bucket: Bucket, *, dtype=None, unflatten: Callable | None = None) -> Callable:
+def odc_layer(fn: Callable, bucket: Bucket | Sequence[Bucket], *, dtype=None,
+              unflatten: Callable | Sequence[Callable] | None = None) -> Callable:
     """Wraps ``fn(params, x) -> y`` into ``layer(x, token) -> (y, token)`` backed by `bucket`.
 
     Args:
-      fn: the layer computation; `params` is the gathered bucket (its shape) or ``unflatten(flat)``.
-      bucket: the registered bucket holding this layer's parameters.
-      dtype: compute dtype of the gathered parameters (default: the master dtype).
-      unflatten: maps the gathered array to the parameter pytree `fn` expects (must be differentiable: reshapes
-        and slices).
+      fn: the layer computation; `params` is the gathered bucket (its shape) or ``unflatten(flat)``. With a
+        sequence of buckets (e.g. a tied head that reads the embedding too), `params` is a tuple, one per bucket.
+      bucket: the registered bucket(s) holding this layer's parameters.
+      dtype: compute dtype of the gathered parameters (default: each bucket's master dtype).
+      unflatten: maps a gathered array to the parameter pytree `fn` expects (must be differentiable: reshapes and
+        slices); one per bucket when several.
 
     `x` may be any pytree (activations plus integer side inputs such as positions); float leaves receive
     cotangents. In the backward pass the re-gather waits for the output cotangent, and the input cotangent is
-    released only after the weight gradient was pushed, so consecutive layers' backward ops stay ordered.
-    Call inside ``shard_map`` over the bucket's heap axis.
+    released only after the weight gradients were pushed, so consecutive layers' backward ops stay ordered.
+    Call inside ``shard_map`` over the buckets' heap axis.
     """
+    multi = isinstance(bucket, (tuple, list))
+    buckets = tuple(bucket) if multi else (bucket,)
+    if not buckets:
+        raise ValueError("odc_layer needs at least one bucket")
+    if unflatten is None:
+        unflattens = (None,) * len(buckets)
+    elif multi:
+        unflattens = tuple(unflatten)
+        if len(unflattens) != len(buckets):
+            raise ValueError(f"odc_layer: {len(buckets)} buckets but {len(unflattens)} unflatten functions")
+    else:
+        unflattens = (unflatten,)
 
-    def params_of(full):
-        return unflatten(full) if unflatten is not None else full
+    def apply(fulls, x):
+        params = tuple(u(f) if u is not None else f for u, f in zip(unflattens, fulls))
+        return fn(params if multi else params[0], x)
 
-    def apply(full, x):
-        return fn(params_of(full), x)
+    def gather_all(token):
+        fulls = []
+        for b in buckets:
+            full, token = gather(b, token, dtype=dtype)
+            fulls.append(full)
+        return tuple(fulls), token
+
+    axis = buckets[0].heap.axis_name
+
+    def check_inputs(x, fulls):
+        """Under shard_map's type checks, a float input that is the same on every device would get a cotangent
+        summed over devices (a collective in every backward pass): refuse it with a clear message instead."""
+        if axis not in _varying_axes(fulls[0]):
+            return  # check_vma=False: no axis typing
+        for path, leaf in jax.tree_util.tree_leaves_with_path(x):
+            if _is_float(leaf) and axis not in _varying_axes(leaf):
+                raise ValueError(
+                    f"odc_layer: input {jax.tree_util.keystr(path)} is the same on every device (not varying over "
+                    f"{axis!r}); pass per-device values (e.g. lax.pcast(x, {axis!r}, to='varying')) so its gradient "
+                    f"needs no collective")
 
     @jax.custom_vjp
     def layer(x, token):
-        full, token = gather(bucket, token, dtype=dtype)
-        return apply(full, x), token
+        fulls, token = gather_all(token)
+        return apply(fulls, x), token
 
     def layer_fwd(x, token):
-        full, token = gather(bucket, token, dtype=dtype)
-        return (apply(full, x), token), (x, token)  # residuals: activations and the token only
+        fulls, token = gather_all(token)
+        check_inputs(x, fulls)
+        return (apply(fulls, x), token), (x, token)  # residuals: activations and the token only
 
     def layer_bwd(residuals, cotangents):
         x, token = residuals
         dy, _ = cotangents
         dy, token = lax.optimization_barrier((dy, token))  # re-gather only once the cotangent exists
-        full, token = gather(bucket, token, dtype=dtype)
-        _, vjp = jax.vjp(apply, full, x)
-        dfull, dx = vjp(dy)
-        token = scatter_accumulate(bucket, dfull, token)
+        fulls, token = gather_all(token)
+        _, vjp = jax.vjp(apply, fulls, x)
+        dfulls, dx = vjp(dy)
+        for b, g in zip(buckets, dfulls):
+            token = scatter_accumulate(b, g, token)
         return _tie_to_token(dx, token), None  # None: the token (an int) has no cotangent
 
     layer.defvjp(layer_fwd, layer_bwd)

@@ -10,9 +10,13 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def new_token() -> jax.Array:
-    """A fresh token (int32 zero)."""
-    return jnp.zeros((), jnp.int32)
+def new_token(axis_name: str | None = None) -> jax.Array:
+    """A fresh token (int32 zero). Inside shard_map, pass the heap's axis to type it as a per-device value (needed
+    when it is a loop carry that meets per-device data, e.g. through `after`)."""
+    token = jnp.zeros((), jnp.int32)
+    if axis_name is not None:
+        token = lax.pcast(token, axis_name, to="varying")
+    return token
 
 
 def check_token(token, op: str) -> jax.Array:

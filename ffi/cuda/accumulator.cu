@@ -1,0 +1,116 @@
+// accumulator: device d reads (as fp32) or zeroes the gradient accumulated into its own shard of a bucket.
+// With landing slots the read is the deterministic reduction: accumulator (the host-settable base) + slot of
+// source 0 + slot of source 1 + ..., in that fixed order whatever the timing of the pushes; the same order as the
+// CPU side, so both give bit-identical sums from the same pushes.
+#include "cuda/device_util.cuh"
+#include "cuda/handler_util.cuh"
+#include "cuda/handlers.cuh"
+
+namespace jodc::cuda {
+namespace {
+
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    ReadAccumulatorKernel(BucketView view, HeapControl* control, const int32_t* device_operand,
+                          const int32_t* token_in, int32_t* token_out, float* out, bool vectorized) {
+  int32_t device;
+  const BucketLayout& l = view.layout;
+  if (!ValidDevice(device_operand, l.world, control, OpCode::kReadAccumulator, token_in, token_out, &device)) return;
+  const float* acc = view.accumulator[device];
+  const int64_t n = l.shard_numel;
+  if (!view.landing_slots) {
+    CopyRange(out, acc, n, vectorized);
+  } else {
+    const float* slots = view.landing[device];
+    const int64_t start = StrideStart(), step = StrideStep();
+    int64_t done = 0;
+    if (vectorized) {
+      const int64_t packs = n / kPack;
+      for (int64_t k = start; k < packs; k += step) {
+        Pack<float> sum = LoadPack(acc + k * kPack);
+        for (int32_t s = 0; s < l.world; ++s) {
+          const Pack<float> slot = LoadPack(slots + s * n + k * kPack);
+#pragma unroll
+          for (int j = 0; j < kPack; ++j) sum.v[j] += slot.v[j];
+        }
+        StorePack(out + k * kPack, sum);
+      }
+      done = packs * kPack;
+    }
+    for (int64_t i = done + start; i < n; i += step) {
+      float sum = acc[i];
+      for (int32_t s = 0; s < l.world; ++s) sum += slots[s * n + i];
+      out[i] = sum;
+    }
+  }
+  AdvanceToken(token_in, token_out);
+}
+
+// Zeroes device d's accumulator (grid row y = 0) and, with landing slots, its world slots (row y = 1 + source).
+// Shards are whole multiples of 64 bytes on 256-byte aligned allocations, so 16-byte stores always fit.
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    ZeroAccumulatorKernel(BucketView view, HeapControl* control, const int32_t* device_operand,
+                          const int32_t* token_in, int32_t* token_out) {
+  int32_t device;
+  const BucketLayout& l = view.layout;
+  if (!ValidDevice(device_operand, l.world, control, OpCode::kZeroAccumulator, token_in, token_out, &device)) return;
+  const int64_t n = l.shard_numel;
+  float* region = blockIdx.y == 0 ? view.accumulator[device] : view.landing[device] + (blockIdx.y - 1) * n;
+  float4* region4 = reinterpret_cast<float4*>(region);
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t i = StrideStart(); i < n / 4; i += StrideStep()) region4[i] = zero;
+  AdvanceToken(token_in, token_out);
+}
+
+ffi::Error ReadAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+                   int64_t heap_id, int64_t bucket_id) {
+  OpTarget t;
+  if (ffi::Error e = Prepare("read_accumulator", stream, device, token, heap_id, bucket_id, &t); e.failure())
+    return e;
+  const BucketView& view = t.bucket->view;
+  if (static_cast<int64_t>(out->element_count()) != view.layout.shard_numel) {
+    return InvalidArgument("jodc read_accumulator: output has " + std::to_string(out->element_count()) +
+                           " elements, the shard has " + std::to_string(view.layout.shard_numel));
+  }
+  float* dst = out->typed_data();
+  const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, 1));
+  ReadAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+                                                                token.typed_data(), token_out->typed_data(), dst,
+                                                                Aligned16(dst));
+  return LaunchResult("read_accumulator");
+}
+
+ffi::Error ZeroAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  OpTarget t;
+  if (ffi::Error e = Prepare("zero_accumulator", stream, device, token, heap_id, bucket_id, &t); e.failure())
+    return e;
+  const BucketView& view = t.bucket->view;
+  const unsigned regions = view.landing_slots ? 1u + static_cast<unsigned>(view.layout.world) : 1u;
+  const dim3 grid(BlocksFor((view.layout.shard_numel + 3) / 4, t.gpu, static_cast<int32_t>(regions)), regions);
+  ZeroAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+                                                                token.typed_data(), token_out->typed_data());
+  return LaunchResult("zero_accumulator");
+}
+
+}  // namespace
+}  // namespace jodc::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcReadAccumulatorCuda, jodc::cuda::ReadAcc,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // the device's accumulated shard
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap")
+                                  .Attr<int64_t>("bucket"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcZeroAccumulatorCuda, jodc::cuda::ZeroAcc,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap")
+                                  .Attr<int64_t>("bucket"));

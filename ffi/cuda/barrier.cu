@@ -1,0 +1,188 @@
+// barrier: device d waits, on the GPU, until every device of the heap has entered the same generation, or gives up
+// after the heap's timeout. Generations are per-device arrival counters in the heap's pinned control block (mapped
+// into every GPU and readable by the host), so the barrier never needs a reset between uses.
+//
+// Protocol (one block, one thread per device):
+//   arrive: thread 0 fences all earlier writes of this device (its scatters into peers' memory, its publish) at
+//           system scope, then stores arrivals[d] = g = arrivals[d] + 1 with a system-scope release;
+//   wait:   thread p polls arrivals[p] with system-scope acquire loads until it reaches g, backing off with
+//           __nanosleep; it stops early when the host sets `abort` (heap poisoned or freed) or when %globaltimer says
+//           the timeout has passed;
+//   report: thread 0 writes the outcome and the devices still missing into a host-mapped report.
+// The handler then synchronises its stream (the one blocking host wait of the ODC ops, once per minibatch) and turns
+// the report into success or an ffi::Error naming the missing devices; a timeout poisons the heap like on CPU.
+#include <sstream>
+
+#include "cuda/device_util.cuh"
+#include "cuda/handler_util.cuh"
+#include "cuda/handlers.cuh"
+
+namespace jodc::cuda {
+namespace {
+
+enum BarrierOutcome : int32_t { kPending = 0, kPassed = 1, kTimedOut = 2, kAborted = 3, kBadDevice = 4 };
+
+// What one barrier kernel tells its handler. Pinned, mapped memory owned by the calling host thread: a handler
+// waits for its kernel before returning, so one report per thread is never shared by two barriers in flight.
+struct BarrierReport {
+  int32_t device;
+  int32_t outcome;
+  uint64_t generation;
+  uint64_t missing;  // bit p: device p had not arrived when this device stopped waiting
+};
+
+__global__ void __launch_bounds__(kMaxWorld)
+    BarrierKernel(HeapControl* control, int32_t world, const int32_t* device_operand, const int32_t* token_in,
+                  int32_t* token_out, uint64_t timeout_ns, BarrierReport* report) {
+  __shared__ int32_t device;
+  __shared__ uint64_t generation;
+  __shared__ unsigned long long missing;
+  __shared__ int32_t aborted;
+  __shared__ uint64_t start_ns;
+  const int32_t p = static_cast<int32_t>(threadIdx.x);
+  if (p == 0) {
+    device = *device_operand;
+    missing = 0;
+    aborted = 0;
+    generation = 0;
+    start_ns = GlobalTimerNs();
+    if (device >= 0 && device < world) {
+      __threadfence_system();  // earlier kernels' writes (peer accumulators, published shard) before the arrival
+      generation = LoadRelaxedSystem(&control->arrivals[device]) + 1;  // only this device ever writes its counter
+      StoreReleaseSystem(&control->arrivals[device], generation);
+    }
+  }
+  __syncthreads();
+  if (device < 0 || device >= world) {  // nothing was touched: the handler reports it, the heap stays usable
+    if (p == 0) {
+      report->device = device;
+      report->outcome = kBadDevice;
+      token_out[0] = token_in[0] + 1;
+      __threadfence_system();
+    }
+    return;
+  }
+  if (p < world) {
+    unsigned sleep_ns = 64;
+    while (LoadAcquireSystem(&control->arrivals[p]) < generation) {
+      if (LoadRelaxedSystem(&control->abort) != 0) {
+        aborted = 1;
+        atomicOr(&missing, 1ull << p);
+        break;
+      }
+      if (GlobalTimerNs() - start_ns > timeout_ns) {
+        atomicOr(&missing, 1ull << p);
+        break;
+      }
+      __nanosleep(sleep_ns);
+      if (sleep_ns < 2048) sleep_ns *= 2;
+    }
+    __threadfence_system();  // what device p wrote before arriving is visible to this device's later kernels
+  }
+  __syncthreads();
+  if (p == 0) {
+    report->device = device;
+    report->generation = generation;
+    report->missing = missing;
+    report->outcome = missing == 0 ? kPassed : (aborted ? kAborted : kTimedOut);
+    token_out[0] = token_in[0] + 1;
+    __threadfence_system();
+  }
+}
+
+// The calling thread's report, allocated on first use (pinned + mapped into every context) and kept for the
+// thread's lifetime: XLA runs each device's work on a long-lived thread, so there are only a handful.
+BarrierReport* ThreadReport(std::string* err) {
+  thread_local BarrierReport* report = nullptr;
+  if (report == nullptr) {
+    void* p = nullptr;
+    cudaError_t e = cudaHostAlloc(&p, sizeof(BarrierReport), cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      *err = CudaMessage("allocating the barrier's pinned report", e);
+      return nullptr;
+    }
+    report = static_cast<BarrierReport*>(p);
+  }
+  return report;
+}
+
+std::string DeviceList(uint64_t mask, int32_t world) {
+  std::ostringstream out;
+  out << "[";
+  bool first = true;
+  for (int32_t d = 0; d < world; ++d) {
+    if ((mask >> d) & 1u) {
+      out << (first ? "" : ", ") << d;
+      first = false;
+    }
+  }
+  out << "]";
+  return out.str();
+}
+
+ffi::Error Barrier(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id) {
+  OpTarget t;
+  if (ffi::Error e = Prepare("barrier", stream, device, token, heap_id, /*bucket_id=*/-1, &t); e.failure()) return e;
+  Heap& h = *t.heap;
+  std::string why;
+  BarrierReport* report = ThreadReport(&why);
+  if (report == nullptr) return ffi::Error::Internal("jodc barrier: " + why);
+  volatile BarrierReport* seen = report;
+  seen->outcome = kPending;
+  const double timeout_s = h.barrier_timeout_s.load();
+  const double timeout_ns = timeout_s * 1e9;
+  const uint64_t timeout_ticks = timeout_ns >= 1e18 ? uint64_t{1000000000000000000} : static_cast<uint64_t>(timeout_ns);
+  BarrierKernel<<<1, kMaxWorld, 0, stream>>>(h.control, h.world, device.typed_data(), token.typed_data(),
+                                             token_out->typed_data(), timeout_ticks, report);
+  if (ffi::Error e = LaunchResult("barrier"); e.failure()) return e;
+  // The one host wait of the ODC ops: it makes a timeout an error of this very call instead of a silent hang.
+  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
+    cudaGetLastError();
+    std::lock_guard<std::mutex> lock(h.mu);
+    const std::string msg = CudaMessage(
+        ("waiting for the barrier on GPU " + std::to_string(t.gpu) + " (this or an earlier kernel on it)").c_str(), e);
+    PoisonLocked(h, msg);
+    return ffi::Error::Internal("jodc barrier: " + msg);
+  }
+  const int32_t outcome = seen->outcome;
+  const int32_t me = seen->device;
+  switch (outcome) {
+    case kPassed:
+      break;
+    case kBadDevice:
+      return InvalidArgument("jodc barrier: device index " + std::to_string(me) + " outside [0, " +
+                             std::to_string(h.world) + ") of heap " + std::to_string(heap_id));
+    case kTimedOut: {
+      std::ostringstream msg;
+      msg << "jodc barrier timed out after " << timeout_s << " s in generation " << seen->generation << " of heap "
+          << heap_id << ": device(s) " << DeviceList(seen->missing, h.world) << " never arrived (device " << me
+          << " waited); the heap is now unusable: free and re-create it";
+      std::lock_guard<std::mutex> lock(h.mu);
+      PoisonLocked(h, msg.str());
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());
+    }
+    case kAborted: {
+      std::lock_guard<std::mutex> lock(h.mu);
+      return ffi::Error(ffi::ErrorCode::kAborted, "jodc barrier: " + PoisonLocked(h, "heap was poisoned"));
+    }
+    default:
+      return ffi::Error::Internal("jodc barrier: the barrier kernel of heap " + std::to_string(heap_id) +
+                                  " finished without reporting an outcome");
+  }
+  // Faults recorded by this device's earlier kernels (or a peer's) surface here at the latest.
+  if (!CheckHealthy("barrier", h, &why)) return InvalidArgument(why);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jodc::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcBarrierCuda, jodc::cuda::Barrier,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap"));

@@ -1,0 +1,196 @@
+// Device-side building blocks shared by the op kernels: element conversion (fp32 / bf16 bits), 8-element vector
+// loads and stores, grid-stride copy and accumulate loops, system-scope loads and stores, device-index checks.
+#ifndef JODC_FFI_CUDA_DEVICE_UTIL_CUH_
+#define JODC_FFI_CUDA_DEVICE_UTIL_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/bf16.h"
+#include "cuda/heap.cuh"
+
+namespace jodc::cuda {
+
+// bfloat16 travels as its raw 16 bits; conversions use the same rounding as the CPU side (common/bf16.h).
+using Bf16Bits = uint16_t;
+
+template <typename T>
+__device__ __forceinline__ float ToF32(T v);
+template <>
+__device__ __forceinline__ float ToF32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float ToF32<Bf16Bits>(Bf16Bits v) { return Bf16ToF32(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromF32(float v);
+template <>
+__device__ __forceinline__ float FromF32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ Bf16Bits FromF32<Bf16Bits>(float v) { return F32ToBf16(v); }
+
+// Element conversion; same-type "conversion" is a bit copy (NaN payloads survive untouched).
+template <typename Dst, typename Src>
+__device__ __forceinline__ Dst Convert(Src v) {
+  if constexpr (std::is_same_v<Dst, Src>) {
+    return v;
+  } else {
+    return FromF32<Dst>(ToF32<Src>(v));
+  }
+}
+
+// Eight consecutive elements: one 16-byte transaction for bf16, two for fp32.
+constexpr int kPack = 8;
+template <typename T>
+struct alignas(16) Pack {
+  T v[kPack];
+};
+
+// p must be 16-byte aligned (the caller checked; shards always are, XLA buffers almost always).
+template <typename T>
+__device__ __forceinline__ Pack<T> LoadPack(const T* p) {
+  static_assert(sizeof(Pack<T>) % 16 == 0);
+  Pack<T> out;
+  const uint4* src = reinterpret_cast<const uint4*>(p);
+  uint4* dst = reinterpret_cast<uint4*>(&out);
+#pragma unroll
+  for (int c = 0; c < static_cast<int>(sizeof(Pack<T>) / 16); ++c) dst[c] = src[c];
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ void StorePack(T* p, const Pack<T>& in) {
+  const uint4* src = reinterpret_cast<const uint4*>(&in);
+  uint4* dst = reinterpret_cast<uint4*>(p);
+#pragma unroll
+  for (int c = 0; c < static_cast<int>(sizeof(Pack<T>) / 16); ++c) dst[c] = src[c];
+}
+
+// This thread's start and stride in a grid-stride loop over grid dimension x (dimension y picks a peer).
+__device__ __forceinline__ int64_t StrideStart() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t StrideStep() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+// dst[0, n) = convert(src[0, n)), shared by the threads of grid dimension x. `vectorized`: both pointers are 16-byte
+// aligned, so whole packs move with 16-byte loads and stores and only the tail goes element by element.
+template <typename Dst, typename Src>
+__device__ void CopyRange(Dst* __restrict__ dst, const Src* __restrict__ src, int64_t n, bool vectorized) {
+  const int64_t start = StrideStart(), step = StrideStep();
+  int64_t done = 0;
+  if (vectorized) {
+    const int64_t packs = n / kPack;
+    for (int64_t k = start; k < packs; k += step) {
+      const Pack<Src> in = LoadPack(src + k * kPack);
+      Pack<Dst> out;
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) out.v[j] = Convert<Dst>(in.v[j]);
+      StorePack(dst + k * kPack, out);
+    }
+    done = packs * kPack;
+  }
+  for (int64_t i = done + start; i < n; i += step) dst[i] = Convert<Dst>(src[i]);
+}
+
+// acc[0, n) += fp32(src[0, n)) with plain loads and stores: only for memory that no other device writes meanwhile
+// (a landing slot belongs to exactly one source, and one device's kernels run in stream order).
+template <typename Src>
+__device__ void AddRange(float* __restrict__ acc, const Src* __restrict__ src, int64_t n, bool vectorized) {
+  const int64_t start = StrideStart(), step = StrideStep();
+  int64_t done = 0;
+  if (vectorized) {
+    const int64_t packs = n / kPack;
+    for (int64_t k = start; k < packs; k += step) {
+      const Pack<Src> in = LoadPack(src + k * kPack);
+      Pack<float> sum = LoadPack(acc + k * kPack);
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) sum.v[j] += ToF32(in.v[j]);
+      StorePack(acc + k * kPack, sum);
+    }
+    done = packs * kPack;
+  }
+  for (int64_t i = done + start; i < n; i += step) acc[i] += ToF32(src[i]);
+}
+
+// acc[0, n) += fp32(src[0, n)) with atomics: any number of devices may push into the same accumulator at once.
+// The result is unused, so each atomicAdd compiles to a fire-and-forget reduction (RED.ADD.F32), which NVLink
+// executes natively at the owner. Over PCIe peer atomics are not available; the heap then uses landing slots.
+template <typename Src>
+__device__ void AtomicAddRange(float* acc, const Src* __restrict__ src, int64_t n, bool vectorized) {
+  const int64_t start = StrideStart(), step = StrideStep();
+  int64_t done = 0;
+  if (vectorized) {
+    const int64_t packs = n / kPack;
+    for (int64_t k = start; k < packs; k += step) {
+      const Pack<Src> in = LoadPack(src + k * kPack);
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) atomicAdd(acc + k * kPack + j, ToF32(in.v[j]));
+    }
+    done = packs * kPack;
+  }
+  for (int64_t i = done + start; i < n; i += step) atomicAdd(acc + i, ToF32(src[i]));
+}
+
+// ---- system scope: memory shared with the host and with peer GPUs ---------------------------------------------
+
+__device__ __forceinline__ uint64_t LoadAcquireSystem(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t LoadRelaxedSystem(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t LoadRelaxedSystem(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.sys.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSystem(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void StoreRelaxedSystem(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Nanoseconds of the GPU's global timer (comparable across the SMs of one GPU).
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---- the device operand ------------------------------------------------------------------------------------------
+
+// Reads the calling device's mesh position from its operand. An index outside [0, world) can only come from
+// bypassing jodc.ops' wrappers; the kernel must then touch nothing: the first thread of the grid records the fault
+// in the heap's control block (the host reports it at the next barrier or op, and poisons the heap) and still
+// advances the token, so that nothing downstream waits on an unwritten value.
+__device__ __forceinline__ bool ValidDevice(const int32_t* device_operand, int32_t world, HeapControl* control,
+                                            OpCode op, const int32_t* token_in, int32_t* token_out,
+                                            int32_t* device) {
+  *device = *device_operand;
+  if (*device >= 0 && *device < world) return true;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    StoreRelaxedSystem(&control->fault, PackFault(op, *device));
+    __threadfence_system();
+    token_out[0] = token_in[0] + 1;
+  }
+  return false;
+}
+
+// The first thread of the grid writes the next token (token in + 1): computed on the device, never read by the host.
+__device__ __forceinline__ void AdvanceToken(const int32_t* token_in, int32_t* token_out) {
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) token_out[0] = token_in[0] + 1;
+}
+
+}  // namespace jodc::cuda
+
+#endif  // JODC_FFI_CUDA_DEVICE_UTIL_CUH_

@@ -1,0 +1,74 @@
+// gather: device d pulls every owner's shard of a bucket into one full vector in the requested compute dtype.
+// One kernel for the whole bucket: grid dimension y walks the owners (starting at d, so concurrent gathers read
+// different owners first), dimension x copies one owner's slice with 16-byte loads straight from the owner's GPU
+// memory over the peer mapping, converting fp32 <-> bf16 on the fly.
+#include "cuda/device_util.cuh"
+#include "cuda/handler_util.cuh"
+#include "cuda/handlers.cuh"
+
+namespace jodc::cuda {
+namespace {
+
+template <typename Src, typename Dst>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    GatherKernel(BucketView view, HeapControl* control, const int32_t* device_operand, const int32_t* token_in,
+                 int32_t* token_out, Dst* out, bool vectorized) {
+  int32_t device;
+  const BucketLayout& l = view.layout;
+  if (!ValidDevice(device_operand, l.world, control, OpCode::kGather, token_in, token_out, &device)) return;
+  const int32_t owner = (device + static_cast<int32_t>(blockIdx.y)) % l.world;
+  const int64_t n = l.valid(owner);
+  if (n > 0) CopyRange(out + l.begin(owner), static_cast<const Src*>(view.shard[owner]), n, vectorized);
+  AdvanceToken(token_in, token_out);
+}
+
+template <typename Src, typename Dst>
+void LaunchGather(cudaStream_t stream, const OpTarget& t, const int32_t* device, const int32_t* token_in,
+                  int32_t* token_out, void* out) {
+  const BucketView& view = t.bucket->view;
+  const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, view.layout.world),
+                  view.layout.world);
+  GatherKernel<Src, Dst><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device, token_in, token_out,
+                                                                 static_cast<Dst*>(out), Aligned16(out));
+}
+
+ffi::Error Gather(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
+                  int64_t bucket_id) {
+  OpTarget t;
+  if (ffi::Error e = Prepare("gather", stream, device, token, heap_id, bucket_id, &t); e.failure()) return e;
+  const BucketView& view = t.bucket->view;
+  Dtype out_t;
+  if (!ToDtype(out->element_type(), &out_t)) return InvalidArgument("jodc gather: output must be float32 or bfloat16");
+  if (static_cast<int64_t>(out->element_count()) != view.layout.numel) {
+    return InvalidArgument("jodc gather: output has " + std::to_string(out->element_count()) + " elements, bucket " +
+                           std::to_string(bucket_id) + " has " + std::to_string(view.layout.numel));
+  }
+  const int32_t* dev = device.typed_data();
+  const int32_t* tok = token.typed_data();
+  int32_t* tok_out = token_out->typed_data();
+  void* dst = out->untyped_data();
+  if (view.master == Dtype::kF32 && out_t == Dtype::kF32) {
+    LaunchGather<float, float>(stream, t, dev, tok, tok_out, dst);
+  } else if (view.master == Dtype::kF32) {
+    LaunchGather<float, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
+  } else if (out_t == Dtype::kF32) {
+    LaunchGather<Bf16Bits, float>(stream, t, dev, tok, tok_out, dst);
+  } else {
+    LaunchGather<Bf16Bits, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
+  }
+  return LaunchResult("gather");
+}
+
+}  // namespace
+}  // namespace jodc::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcGatherCuda, jodc::cuda::Gather,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::AnyBuffer>()              // full bucket, compute dtype
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap")
+                                  .Attr<int64_t>("bucket"));

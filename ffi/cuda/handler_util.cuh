@@ -1,0 +1,121 @@
+// Host-side helpers shared by the CUDA FFI handlers: the common preamble (operands, heap, bucket, stream's GPU),
+// dtype mapping, launch-error checks and grid sizing.
+#ifndef JODC_FFI_CUDA_HANDLER_UTIL_CUH_
+#define JODC_FFI_CUDA_HANDLER_UTIL_CUH_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "common/dtype.h"
+#include "cuda/heap.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jodc::cuda {
+
+namespace ffi = xla::ffi;
+
+constexpr int kThreadsPerBlock = 256;
+
+inline ffi::Error InvalidArgument(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+inline bool ToDtype(ffi::DataType t, Dtype* out) {
+  if (t == ffi::DataType::F32) { *out = Dtype::kF32; return true; }
+  if (t == ffi::DataType::BF16) { *out = Dtype::kBF16; return true; }
+  return false;
+}
+
+inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+struct OpTarget {
+  std::shared_ptr<Heap> heap;
+  std::shared_ptr<Bucket> bucket;  // null for heap-level ops (barrier)
+  int32_t gpu = -1;                // the CUDA device of the stream the op runs on
+};
+
+// Fails with the heap's poison message, first turning a fault recorded by an earlier kernel into poison.
+inline bool CheckHealthy(const char* op, Heap& heap, std::string* err) {
+  const std::string poisoned = CurrentPoison(heap);
+  if (poisoned.empty()) return true;
+  *err = std::string("jodc ") + op + ": " + poisoned;
+  return false;
+}
+
+// The common preamble of every handler: the device and token operands are int32 scalars (their values stay on the
+// GPU: kernels read them, the host never does), the heap exists and is healthy, the bucket exists (bucket_id >= 0),
+// and the stream's GPU is the calling thread's current device so that launches go to it.
+inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer<ffi::S32>& device,
+                          const ffi::Buffer<ffi::S32>& token, int64_t heap_id, int64_t bucket_id, OpTarget* out) {
+  if (device.element_count() != 1 || token.element_count() != 1) {
+    const bool bad_device = device.element_count() != 1;
+    return InvalidArgument(std::string("jodc ") + op + ": operand '" + (bad_device ? "device" : "token") +
+                           "' must be an int32 scalar, got " +
+                           std::to_string(bad_device ? device.element_count() : token.element_count()) + " elements");
+  }
+  std::string why;
+  out->heap = FindHeap(heap_id, &why);
+  if (!out->heap) return InvalidArgument(std::string("jodc ") + op + ": " + why);
+  if (!CheckHealthy(op, *out->heap, &why)) return InvalidArgument(why);
+  if (bucket_id >= 0) {
+    out->bucket = FindBucket(out->heap, bucket_id, &why);
+    if (!out->bucket) return InvalidArgument(std::string("jodc ") + op + ": " + why);
+  }
+  int gpu = -1;
+#if CUDART_VERSION >= 12080
+  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
+    cudaGetLastError();
+    gpu = -1;
+  }
+#endif
+  if (gpu < 0 && cudaGetDevice(&gpu) != cudaSuccess) {  // XLA makes the stream's context current before calling us
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot tell which GPU the stream belongs to");
+  }
+  const cudaError_t e = cudaSetDevice(gpu);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("selecting the stream's GPU", e));
+  }
+  out->gpu = gpu;
+  return ffi::Error::Success();
+}
+
+// Turns a failed kernel launch (bad configuration, no kernel image for this GPU, ...) into an error.
+inline ffi::Error LaunchResult(const char* op) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("launching the kernel", e));
+}
+
+// Streaming multiprocessors of `gpu`, cached (queried once per GPU).
+inline int SmCount(int32_t gpu) {
+  static std::array<std::atomic<int>, 256> cache{};
+  if (gpu < 0 || gpu >= static_cast<int32_t>(cache.size())) return 80;
+  int sms = cache[gpu].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, gpu) != cudaSuccess || sms < 1) {
+      cudaGetLastError();
+      sms = 80;
+    }
+    cache[gpu].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
+// Blocks for a grid-stride loop over `items` thread work items, sharing about four blocks per SM among `shares`
+// concurrent ranges (one per peer along grid dimension y): enough to saturate NVLink without oversubscribing.
+inline unsigned BlocksFor(int64_t items, int32_t gpu, int32_t shares) {
+  const int64_t wanted = (items + kThreadsPerBlock - 1) / kThreadsPerBlock;
+  const int64_t cap = std::max<int64_t>(1, 4 * static_cast<int64_t>(SmCount(gpu)) / std::max(shares, 1));
+  return static_cast<unsigned>(std::clamp<int64_t>(wanted, 1, cap));
+}
+
+}  // namespace jodc::cuda
+
+#endif  // JODC_FFI_CUDA_HANDLER_UTIL_CUH_

@@ -1,0 +1,376 @@
+// The CUDA heap registry: creating heaps (placement, peer access, pinned control block), registering and freeing
+// buckets (per-GPU allocations), and poisoning. Host code only; the kernels live in one file per op.
+#include "cuda/heap.cuh"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <unordered_map>
+
+namespace jodc::cuda {
+namespace {
+
+std::atomic<int64_t> g_live_bytes{0};
+std::atomic<int64_t> g_next_heap_id{1};
+std::atomic<int64_t> g_next_bucket_id{1};
+
+std::mutex g_registry_mu;
+std::unordered_map<int64_t, std::shared_ptr<Heap>>& Registry() {
+  static auto* heaps = new std::unordered_map<int64_t, std::shared_ptr<Heap>>();
+  return *heaps;
+}
+
+// Enables peer access in both directions between every pair of distinct GPUs in `gpus`. Sets *native_atomics to
+// whether every pair also supports native atomics over its link (NVLink: yes; PCIe: usually not).
+bool EnablePeerAccess(const std::vector<int32_t>& gpus, bool* native_atomics, std::string* err) {
+  std::vector<int32_t> distinct(gpus);
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  *native_atomics = true;
+  for (int32_t a : distinct) {
+    ScopedDevice on_a(a);
+    if (!on_a.ok()) {
+      *err = CudaMessage(("selecting GPU " + std::to_string(a)).c_str(), on_a.status());
+      return false;
+    }
+    for (int32_t b : distinct) {
+      if (a == b) continue;
+      int can_access = 0;
+      cudaError_t e = cudaDeviceCanAccessPeer(&can_access, a, b);
+      if (e != cudaSuccess) {
+        *err = CudaMessage(("querying peer access from GPU " + std::to_string(a) + " to GPU " + std::to_string(b))
+                               .c_str(),
+                           e);
+        return false;
+      }
+      if (!can_access) {
+        *err = "GPU " + std::to_string(a) + " cannot access GPU " + std::to_string(b) +
+               "'s memory directly (no peer-to-peer path between them); jodc's CUDA ops need peer access between "
+               "all GPUs of a heap (NVLink, or PCIe with P2P enabled under one root complex)";
+        return false;
+      }
+      e = cudaDeviceEnablePeerAccess(b, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // not an error for us (XLA or an earlier heap enabled it); clear the sticky record
+      } else if (e != cudaSuccess) {
+        *err = CudaMessage(("enabling peer access from GPU " + std::to_string(a) + " to GPU " + std::to_string(b))
+                               .c_str(),
+                           e);
+        return false;
+      }
+      int atomics = 0;
+      if (cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, a, b) != cudaSuccess) {
+        cudaGetLastError();
+        atomics = 0;
+      }
+      if (!atomics) *native_atomics = false;
+    }
+  }
+  return true;
+}
+
+// Waits for all work queued on the heap's GPUs (XLA's streams included), so memory can be released safely even if a
+// kernel on one GPU still reads another GPU's shard. Errors are ignored: this runs on teardown paths.
+void SynchronizeGpus(const std::vector<int32_t>& placement) {
+  std::vector<int32_t> gpus(placement);
+  std::sort(gpus.begin(), gpus.end());
+  gpus.erase(std::unique(gpus.begin(), gpus.end()), gpus.end());
+  for (int32_t g : gpus) {
+    ScopedDevice on(g);
+    if (on.ok()) cudaDeviceSynchronize();
+    cudaGetLastError();
+  }
+}
+
+bool VisibleDeviceCount(int* count, std::string* err) {
+  cudaError_t e = cudaGetDeviceCount(count);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *err = CudaMessage("no usable CUDA device (cudaGetDeviceCount)", e);
+    return false;
+  }
+  if (*count < 1) {
+    *err = "no CUDA device is visible to this process";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+const char* OpName(int32_t op) {
+  switch (static_cast<OpCode>(op)) {
+    case OpCode::kGather: return "gather";
+    case OpCode::kScatterAccumulate: return "scatter_accumulate";
+    case OpCode::kBarrier: return "barrier";
+    case OpCode::kReadAccumulator: return "read_accumulator";
+    case OpCode::kZeroAccumulator: return "zero_accumulator";
+    case OpCode::kPublish: return "publish";
+  }
+  return "unknown op";
+}
+
+std::string CudaMessage(const char* what, cudaError_t e) {
+  return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+}
+
+ScopedDevice::ScopedDevice(int32_t gpu) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) {
+    cudaGetLastError();
+    previous_ = -1;
+  }
+  status_ = cudaSetDevice(gpu);
+  if (status_ != cudaSuccess) cudaGetLastError();
+}
+
+ScopedDevice::~ScopedDevice() {
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_ == nullptr) return;
+  ScopedDevice on(gpu_);
+  cudaFree(data_);  // synchronises the device: kernels still using the block finish first
+  cudaGetLastError();  // at interpreter exit the runtime may already be unloading; nothing to report then
+  g_live_bytes -= bytes_;
+}
+
+bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err) {
+  ScopedDevice on(gpu);
+  if (!on.ok()) {
+    *err = CudaMessage(("selecting GPU " + std::to_string(gpu)).c_str(), on.status());
+    return false;
+  }
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes));
+  if (e == cudaSuccess) e = cudaMemset(p, 0, static_cast<size_t>(bytes));
+  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);  // zeros land before any XLA stream reads
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    if (p != nullptr) cudaFree(p);
+    *err = CudaMessage(("allocating " + std::to_string(bytes) + " bytes on GPU " + std::to_string(gpu)).c_str(), e);
+    return false;
+  }
+  gpu_ = gpu;
+  data_ = p;
+  bytes_ = bytes;
+  g_live_bytes += bytes;
+  return true;
+}
+
+int64_t LiveHeapBytes() { return g_live_bytes.load(); }
+
+Heap::~Heap() {
+  if (control != nullptr) {
+    cudaFreeHost(control);
+    cudaGetLastError();
+  }
+}
+
+const std::string& PoisonLocked(Heap& heap, const std::string& message) {
+  if (heap.poisoned.empty()) heap.poisoned = message;
+  if (heap.control != nullptr) {
+    __atomic_store_n(&heap.control->abort, 1, __ATOMIC_SEQ_CST);
+  }
+  return heap.poisoned;
+}
+
+std::string FaultMessage(const Heap& heap, uint64_t fault) {
+  std::ostringstream msg;
+  msg << "a " << OpName(FaultOp(fault)) << " kernel of heap " << heap.id << " received device index "
+      << FaultDevice(fault) << " outside [0, " << heap.world
+      << ") and did nothing (its results are garbage); the heap is now unusable: free and re-create it";
+  return msg.str();
+}
+
+std::string CurrentPoison(Heap& heap) {
+  const uint64_t fault = __atomic_load_n(&heap.control->fault, __ATOMIC_ACQUIRE);
+  std::lock_guard<std::mutex> lock(heap.mu);
+  if (fault != 0) PoisonLocked(heap, FaultMessage(heap, fault));
+  return heap.poisoned;
+}
+
+int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err) {
+  if (world < 1 || world > kMaxWorld) {
+    *err = "heap world size must be in [1, " + std::to_string(kMaxWorld) + "] on CUDA, got " + std::to_string(world);
+    return -1;
+  }
+  if (!(barrier_timeout_s > 0)) {
+    *err = "barrier timeout must be > 0 seconds";
+    return -1;
+  }
+  int count = 0;
+  if (!VisibleDeviceCount(&count, err)) return -1;
+  auto heap = std::make_shared<Heap>();
+  heap->world = world;
+  heap->deterministic = deterministic;
+  heap->barrier_timeout_s = barrier_timeout_s;
+  // Default placement: position p on visible GPU p (wrapping when the world exceeds the GPU count, which only a test
+  // driving the handlers by hand can do). SetPlacement overrides it before the first bucket is registered.
+  heap->placement.resize(world);
+  for (int32_t p = 0; p < world; ++p) heap->placement[p] = p % count;
+  bool native_atomics = true;
+  if (!EnablePeerAccess(heap->placement, &native_atomics, err)) return -1;
+  heap->landing_slots = deterministic || !native_atomics;
+  {
+    ScopedDevice on(heap->placement[0]);
+    void* control = nullptr;
+    cudaError_t e = on.ok() ? cudaHostAlloc(&control, sizeof(HeapControl), cudaHostAllocMapped | cudaHostAllocPortable)
+                            : on.status();
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      *err = CudaMessage("allocating the heap's pinned control block", e);
+      return -1;
+    }
+    std::memset(control, 0, sizeof(HeapControl));
+    heap->control = static_cast<HeapControl*>(control);
+  }
+  heap->id = g_next_heap_id++;
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  Registry()[heap->id] = heap;
+  return heap->id;
+}
+
+bool SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus, std::string* err) {
+  auto heap = FindHeap(heap_id, err);
+  if (!heap) return false;
+  if (static_cast<int32_t>(gpus.size()) != heap->world) {
+    *err = "placement lists " + std::to_string(gpus.size()) + " GPUs, heap " + std::to_string(heap_id) + " has " +
+           std::to_string(heap->world) + " devices";
+    return false;
+  }
+  int count = 0;
+  if (!VisibleDeviceCount(&count, err)) return false;
+  for (int32_t g : gpus) {
+    if (g < 0 || g >= count) {
+      *err = "placement names GPU " + std::to_string(g) + ", but only " + std::to_string(count) + " are visible";
+      return false;
+    }
+  }
+  std::lock_guard<std::mutex> lock(heap->mu);
+  if (!heap->buckets.empty()) {
+    *err = "heap " + std::to_string(heap_id) + " already holds buckets: set its placement before registering any";
+    return false;
+  }
+  bool native_atomics = true;
+  if (!EnablePeerAccess(gpus, &native_atomics, err)) return false;
+  heap->placement = gpus;
+  heap->landing_slots = heap->deterministic || !native_atomics;
+  return true;
+}
+
+bool FreeHeap(int64_t heap_id, std::string* err) {
+  std::shared_ptr<Heap> heap;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto it = Registry().find(heap_id);
+    if (it == Registry().end()) {
+      *err = "heap " + std::to_string(heap_id) + " is not registered (already freed?)";
+      return false;
+    }
+    heap = it->second;
+    Registry().erase(it);
+  }
+  std::map<int64_t, std::shared_ptr<Bucket>> buckets;
+  {
+    // Release barrier kernels still waiting so that nothing below waits for a timeout.
+    std::lock_guard<std::mutex> lock(heap->mu);
+    PoisonLocked(*heap, "heap " + std::to_string(heap_id) + " was freed");
+    buckets.swap(heap->buckets);
+  }
+  // Queued kernels of every GPU may still read these buckets (peers' too) or the control block, which goes with
+  // the last reference: let them finish (waiting barrier kernels see `abort` and return at once).
+  SynchronizeGpus(heap->placement);
+  buckets.clear();
+  return true;
+}
+
+std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = Registry().find(heap_id);
+  if (it == Registry().end()) {
+    *err = "heap " + std::to_string(heap_id) + " is not registered (freed, or created in another process?)";
+    return nullptr;
+  }
+  return it->second;
+}
+
+std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err) {
+  std::lock_guard<std::mutex> lock(heap->mu);
+  auto it = heap->buckets.find(bucket_id);
+  if (it == heap->buckets.end()) {
+    *err = "bucket " + std::to_string(bucket_id) + " is not registered in heap " + std::to_string(heap->id) +
+           " (freed?)";
+    return nullptr;
+  }
+  return it->second;
+}
+
+int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err) {
+  auto heap = FindHeap(heap_id, err);
+  if (!heap) return -1;
+  if (numel < 1) {
+    *err = "bucket size must be >= 1 element, got " + std::to_string(numel);
+    return -1;
+  }
+  std::lock_guard<std::mutex> lock(heap->mu);  // placement must not change while we allocate
+  if (!heap->poisoned.empty()) {
+    *err = heap->poisoned;
+    return -1;
+  }
+  auto b = std::make_shared<Bucket>();
+  const int32_t world = heap->world;
+  BucketView& v = b->view;
+  v.layout = MakeLayout(numel, world, DtypeBytes(master));
+  v.master = master;
+  v.landing_slots = heap->landing_slots;
+  const int64_t shard_numel = v.layout.shard_numel;
+  b->shards = std::vector<DeviceBuffer>(world);
+  b->accumulators = std::vector<DeviceBuffer>(world);
+  if (v.landing_slots) b->landing = std::vector<DeviceBuffer>(world);
+  for (int32_t p = 0; p < world; ++p) {
+    const int32_t gpu = heap->placement[p];
+    std::string why;
+    bool ok = b->shards[p].Allocate(gpu, shard_numel * DtypeBytes(master), &why) &&
+              b->accumulators[p].Allocate(gpu, shard_numel * 4, &why) &&
+              (!v.landing_slots || b->landing[p].Allocate(gpu, shard_numel * 4 * world, &why));
+    if (!ok) {
+      *err = "registering a bucket of " + std::to_string(numel) + " elements in heap " + std::to_string(heap_id) +
+             " (device " + std::to_string(p) + "): " + why;
+      return -1;  // the DeviceBuffers allocated so far are released with `b`
+    }
+    v.shard[p] = b->shards[p].data();
+    v.accumulator[p] = static_cast<float*>(b->accumulators[p].data());
+    v.landing[p] = v.landing_slots ? static_cast<float*>(b->landing[p].data()) : nullptr;
+  }
+  b->id = g_next_bucket_id++;
+  heap->buckets[b->id] = b;
+  return b->id;
+}
+
+bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err) {
+  auto heap = FindHeap(heap_id, err);
+  if (!heap) return false;
+  std::shared_ptr<Bucket> bucket;
+  {
+    std::lock_guard<std::mutex> lock(heap->mu);
+    auto it = heap->buckets.find(bucket_id);
+    if (it == heap->buckets.end()) {
+      *err = "bucket " + std::to_string(bucket_id) + " is not registered in heap " + std::to_string(heap_id);
+      return false;
+    }
+    bucket = it->second;
+    heap->buckets.erase(it);
+  }
+  // Kernels queued on any GPU of the heap may still read or write this bucket: let them finish first. The memory
+  // goes with the last reference (a handler running right now may still hold one).
+  SynchronizeGpus(heap->placement);
+  return true;
+}
+
+int64_t LiveHeapCount() {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  return static_cast<int64_t>(Registry().size());
+}
+
+}  // namespace jodc::cuda

@@ -1,0 +1,54 @@
+"""A minibatch as the engines consume it: per device, a stack of packed microbatches of T tokens.
+
+Arrays have shape [devices, max_microbatches, T]; device d uses its first `counts[d]` microbatches (the rest are
+padding that the ODC engine never touches and the collective engine runs as empty, loss-free work). `normalizer`
+is the global number of loss tokens of the minibatch, so per-microbatch losses add up to the minibatch mean.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
+
+
+@dataclasses.dataclass
+class MinibatchArrays:
+    tokens: np.ndarray       # int32 [D, M, T] input ids
+    targets: np.ndarray      # int32 [D, M, T] next-token ids (anything where loss_mask is 0)
+    loss_mask: np.ndarray    # float32 [D, M, T] 1 where a token's prediction is trained
+    positions: np.ndarray    # int32 [D, M, T] position within its sequence
+    segment_ids: np.ndarray  # int32 [D, M, T] 0 = padding, 1.. = sequence within the row
+    counts: np.ndarray       # int32 [D] real microbatches per device
+    normalizer: float        # global loss-token count
+    num_sequences: int = 0
+
+    def __post_init__(self):
+        shape = self.tokens.shape
+        if len(shape) != 3:
+            raise ValueError(f"minibatch arrays must be [devices, microbatches, T], got tokens of shape {shape}")
+        for f in FIELDS:
+            arr = getattr(self, f)
+            if arr.shape != shape:
+                raise ValueError(f"minibatch field {f!r} has shape {arr.shape}, tokens have {shape}")
+        self.counts = np.asarray(self.counts, np.int32)
+        if self.counts.shape != (shape[0],) or (self.counts < 0).any() or (self.counts > shape[1]).any():
+            raise ValueError(f"counts {self.counts.tolist()} do not fit {shape[0]} devices x {shape[1]} microbatches")
+        if not self.normalizer > 0:
+            raise ValueError(f"normalizer must be > 0 (the global loss-token count), got {self.normalizer}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def token_cap(self) -> int:
+        return self.tokens.shape[2]
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.segment_ids > 0).sum())
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {f: getattr(self, f) for f in FIELDS}

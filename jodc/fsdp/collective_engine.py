@@ -1,0 +1,119 @@
+"""The collective FSDP engine: every stage all-gathers its parameters and the backward pass reduce-scatters the
+gradients (the transpose of all_gather), devices in lock-step over the same number of microbatches."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jodc.fsdp import sharding
+from jodc.fsdp.batch import MinibatchArrays
+from jodc.fsdp.engine import Engine
+from jodc.fsdp.odc_engine import P_tree
+from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.stages import StagedModel
+from jodc.fsdp.state import shard_tree, unshard_tree
+from jodc.ops import _native
+
+
+class CollectiveEngine(Engine):
+    """all_gather / psum_scatter inside shard_map. All devices run max(counts) microbatches (plans from
+    `lb_micro` give equal counts; extra ones are empty and cost compute)."""
+
+    name = "collective"
+
+    def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
+                 compute_dtype=jnp.float32):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
+        if "d" not in mesh.shape or len(mesh.shape) != 1:
+            raise ValueError(f"the collective engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
+        self.mesh = mesh
+        devices = int(mesh.shape["d"])
+        lib = _native.cpu_library()
+        self.numels = {g: model.layouts[g].numel for g in model.group_names}
+        self.shard_numels = {g: int(lib.shard_numel(n, devices, 4)) for g, n in self.numels.items()}
+        self.tx = make_optimizer(optimizer)
+        flats = model.flatten_groups(groups)
+        self.shards = sharding.put_per_device(mesh, shard_tree(flats, self.numels, self.shard_numels, devices))
+        init = jax.shard_map(lambda s: sharding.stacked(self.tx.init(sharding.local(s))), mesh=mesh,
+                             in_specs=(sharding.device_spec(self.shards),), out_specs=P_tree(self.tx, self.shards))
+        self.opt_state = jax.jit(init)(self.shards)
+        self._step_fns: dict[Any, Any] = {}
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.mesh.shape["d"])
+
+    def _microbatch_loss(self, shards, microbatch):
+        h = None
+        for st in self.model.stages:
+            def stage(local_shards, h, st=st):
+                params = []
+                for g, s in zip(st.groups, local_shards):
+                    full = lax.all_gather(s, "d", tiled=True)[: self.numels[g]].astype(self.compute_dtype)
+                    params.append(self.model.layouts[g].unflatten(full))
+                return st.fn(tuple(params), h, microbatch)
+
+            # remat: the gathered parameters are dropped after forward and re-gathered in backward (FSDP memory)
+            h = jax.checkpoint(stage)(tuple(shards[g] for g in st.groups), h)
+        return h.astype(jnp.float32)
+
+    def _device_step(self, shards, opt_state, arrays, normalizer):
+        shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
+        num_micro = next(iter(arrays.values())).shape[0]
+        grad_fn = jax.value_and_grad(self._microbatch_loss)
+
+        def body(i, carry):
+            grads, loss_sum = carry
+            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
+            microbatch["normalizer"] = normalizer
+            loss, g = grad_fn(shards, microbatch)
+            return jax.tree.map(jnp.add, grads, g), loss_sum + loss
+
+        zeros = jax.tree.map(jnp.zeros_like, shards)
+        loss0 = lax.pcast(jnp.zeros((), jnp.float32), "d", to="varying")
+        grads, loss_sum = lax.fori_loop(0, num_micro, body, (zeros, loss0))
+        global_sq = lax.psum(squared_norm(grads), "d")
+        grads, norm = clip_by_global_norm(grads, global_sq, self.optimizer.max_grad_norm)
+        updates, opt_state = self.tx.update(grads, opt_state, shards)
+        shards = jax.tree.map(lambda p, u: p + u, shards, updates)
+        loss = lax.psum(loss_sum, "d")
+        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None]
+
+    def _run(self, batch: MinibatchArrays):
+        arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
+        m = int(batch.counts.max()) if batch.counts.size else 0
+        arrays = {k: v[:, : max(m, 1)] for k, v in arrays.items()}  # lock-step over the largest count
+        key = tuple(sorted((k, v.shape) for k, v in arrays.items()))
+        fn = self._step_fns.get(key)
+        if fn is None:
+            specs = (sharding.device_spec(self.shards), P_tree(self.tx, self.shards), sharding.device_spec(arrays),
+                     P())
+            fn = jax.jit(jax.shard_map(self._device_step, mesh=self.mesh, in_specs=specs,
+                                       out_specs=(specs[0], specs[1], P("d"), P("d"))), donate_argnums=(0, 1))
+            self._step_fns[key] = fn
+        self.shards, self.opt_state, loss, norm = fn(self.shards, self.opt_state,
+                                                     sharding.put_per_device(self.mesh, arrays),
+                                                     jnp.float32(batch.normalizer))
+        return loss, norm
+
+    def flat_params(self) -> dict[str, np.ndarray]:
+        return {g: np.asarray(self.shards[g]).reshape(-1)[: self.numels[g]].copy() for g in self.model.group_names}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": self.flat_params(), "opt_state": unshard_tree(self.opt_state, self.numels),
+                "step": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = {g: np.asarray(state["params"][g], np.float32) for g in self.model.group_names}
+        self.shards = sharding.put_per_device(self.mesh, shard_tree(params, self.numels, self.shard_numels,
+                                                                    self.num_devices))
+        template = unshard_tree(self.opt_state, self.numels)
+        loaded = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(state["opt_state"]))
+        self.opt_state = sharding.put_per_device(
+            self.mesh, shard_tree(loaded, self.numels, self.shard_numels, self.num_devices))
+        self.steps_done = int(state["step"])

@@ -1,0 +1,84 @@
+"""What every FSDP engine offers: one minibatch step, the current parameters, and state for checkpoints."""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodc.fsdp.batch import MinibatchArrays
+from jodc.fsdp.optim import OptimizerConfig
+from jodc.fsdp.stages import StagedModel
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float              # minibatch mean loss (sum over devices and microbatches of normalised losses)
+    grad_norm: float         # global gradient norm before clipping
+    seconds: float           # wall time of the step, dispatch to result
+    microbatches: list[int]  # microbatches each device ran
+
+
+class Engine(abc.ABC):
+    """A data-parallel trainer for a `StagedModel`: parameters sharded over `mesh` axis 'd' (fp32 masters),
+    compute in `compute_dtype`, AdamW with global-norm clipping. `step` dispatches exactly one minibatch and waits
+    for it (never more than one in flight: a blocking barrier must not face queued launches)."""
+
+    name: str = "engine"
+
+    def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
+                 compute_dtype=jnp.float32):
+        missing = [g for g in model.group_names if g not in groups]
+        if missing:
+            raise ValueError(f"initial parameters lack groups {missing}")
+        self.model = model
+        self.optimizer = optimizer
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        if self.compute_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype}")
+        self.steps_done = 0
+
+    @abc.abstractmethod
+    def _run(self, batch: MinibatchArrays) -> tuple[Any, Any]:
+        """Dispatches one minibatch; returns device arrays (loss, grad_norm)."""
+
+    def step(self, batch: MinibatchArrays) -> StepResult:
+        self._check_batch(batch)
+        t0 = time.perf_counter()
+        loss, norm = jax.block_until_ready(self._run(batch))
+        seconds = time.perf_counter() - t0
+        self.steps_done += 1
+        return StepResult(float(np.asarray(loss).reshape(-1)[0]), float(np.asarray(norm).reshape(-1)[0]), seconds,
+                          [int(c) for c in batch.counts])
+
+    def _check_batch(self, batch: MinibatchArrays) -> None:
+        if batch.num_devices != self.num_devices:
+            raise ValueError(f"{self.name} engine runs on {self.num_devices} devices, the minibatch was planned "
+                             f"for {batch.num_devices}")
+
+    @property
+    @abc.abstractmethod
+    def num_devices(self) -> int: ...
+
+    @abc.abstractmethod
+    def flat_params(self) -> dict[str, np.ndarray]:
+        """Current fp32 master parameters, one flat (unpadded) vector per group, on the host."""
+
+    def params(self) -> dict[str, Any]:
+        """Current parameters as the model's group pytrees (fp32, host)."""
+        return {g: jax.tree.map(np.asarray, self.model.layouts[g].unflatten(jnp.asarray(v)))
+                for g, v in self.flat_params().items()}
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to resume exactly: flat params, optimizer state, step count (host)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Releases native resources (ODC heap); the engine is unusable afterwards."""

@@ -1,0 +1,180 @@
+"""The ODC engine: parameters live in a symmetric heap; each device runs its own number of microbatches,
+gathering layers on demand and pushing gradients to their owners, and meets the others once per minibatch."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+
+from jodc import ops
+from jodc.fsdp import sharding
+from jodc.fsdp.batch import FIELDS, MinibatchArrays
+from jodc.fsdp.engine import Engine
+from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.stages import StagedModel
+from jodc.fsdp.state import shard_tree, unshard_tree
+
+
+def _stage_layer_fn(stage):
+    def fn(params, x):
+        h, microbatch = x
+        return stage.fn(params, h, microbatch)
+
+    return fn
+
+
+class ODCEngine(Engine):
+    """On-Demand Communication. Use with per-device microbatch counts (e.g. `lb_mini` plans).
+
+    `deterministic=True` makes gradient accumulation bit-for-bit reproducible (per-source landing slots).
+    """
+
+    name = "odc"
+
+    def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
+                 compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float = 300.0):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
+        if "d" not in mesh.shape or len(mesh.shape) != 1:
+            raise ValueError(f"the ODC engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
+        self.mesh = mesh
+        self.heap = ops.SymmetricHeap(mesh, "d", deterministic=deterministic, barrier_timeout_s=barrier_timeout_s)
+        self.buckets = {g: self.heap.register(model.layouts[g].numel, jnp.float32, name=g) for g in model.group_names}
+        self.numels = {g: b.numel for g, b in self.buckets.items()}
+        self.shard_numels = {g: b.shard_numel for g, b in self.buckets.items()}
+        self.tx = make_optimizer(optimizer)
+        flats = model.flatten_groups(groups)
+        for g, b in self.buckets.items():
+            b.set_full(flats[g])
+        shards = {g: np.stack([b.shard(d) for d in range(b.heap.world)]) for g, b in self.buckets.items()}
+        self.shards = sharding.put_per_device(mesh, shards)
+        self.opt_state = self._init_opt_state(self.shards)
+        self._step_fns: dict[int, Any] = {}
+
+    @property
+    def num_devices(self) -> int:
+        return self.heap.world
+
+    # -- compiled pieces ---------------------------------------------------------------------------------------
+    def _init_opt_state(self, shards):
+        init = jax.shard_map(lambda s: sharding.stacked(self.tx.init(sharding.local(s))), mesh=self.mesh,
+                             in_specs=(sharding.device_spec(shards),), out_specs=P_tree(self.tx, shards))
+        return jax.jit(init)(shards)
+
+    def _layers(self):
+        layers = []
+        for st in self.model.stages:
+            layers.append(ops.odc_layer(
+                _stage_layer_fn(st), tuple(self.buckets[g] for g in st.groups), dtype=self.compute_dtype,
+                unflatten=tuple(self.model.layouts[g].unflatten for g in st.groups)))
+        return layers
+
+    def _device_step(self, shards, opt_state, arrays, counts, normalizer):
+        shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
+        count = counts[0]
+        layers = self._layers()
+        per_device_normalizer = lax.pcast(normalizer, "d", to="varying")  # no collective in the backward pass
+
+        def microbatch_loss(anchor, token, microbatch):
+            h = anchor  # a float input whose cotangent is released only after the first stage's push
+            for layer in layers:
+                h, token = layer((h, microbatch), token)
+            return h, token
+
+        def body(carry):
+            i, token, loss_sum = carry
+            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
+            microbatch["normalizer"] = per_device_normalizer
+            anchor = lax.pcast(jnp.zeros(()), "d", to="varying")
+            loss, vjp_fn, token = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch), anchor, token,
+                                          has_aux=True)
+            d_anchor, _ = vjp_fn(jnp.ones_like(loss))
+            token = ops.after(token, d_anchor)  # every push of this microbatch precedes what follows
+            return i + 1, token, loss_sum + loss.astype(jnp.float32)
+
+        _, token, loss_sum = lax.while_loop(lambda c: c[0] < count, body,
+                                            (jnp.int32(0), ops.new_token("d"), lax.pcast(jnp.zeros(()), "d", to="varying")))
+        token = ops.barrier(self.heap, token)  # every device's pushes have landed
+        grads = {}
+        for g in self.model.group_names:
+            grads[g], token = ops.read_accumulator(self.buckets[g], token)
+            token = ops.zero_accumulator(self.buckets[g], token)
+        global_sq = lax.psum(squared_norm(grads), "d")
+        grads, norm = clip_by_global_norm(grads, global_sq, self.optimizer.max_grad_norm)
+        updates, opt_state = self.tx.update(grads, opt_state, shards)
+        shards = jax.tree.map(lambda p, u: p + u, shards, updates)
+        for g in self.model.group_names:
+            token = ops.publish(self.buckets[g], shards[g], token)
+        token = ops.barrier(self.heap, token)  # nobody gathers the next minibatch before everyone published
+        loss = lax.psum(loss_sum, "d")
+        shards = jax.tree.map(lambda s: ops.depend_on(s, token), shards)  # results wait for the last barrier
+        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None]
+
+    def _step_fn(self, arrays_template):
+        key = jax.tree.map(lambda x: x.shape, arrays_template)
+        key = tuple(sorted((k, v) for k, v in key.items()))
+        fn = self._step_fns.get(key)
+        if fn is None:
+            specs = (sharding.device_spec(self.shards), P_tree(self.tx, self.shards),
+                     sharding.device_spec(arrays_template), jax.sharding.PartitionSpec("d"),
+                     jax.sharding.PartitionSpec())
+            fn = jax.jit(jax.shard_map(self._device_step, mesh=self.mesh, in_specs=specs,
+                                       out_specs=(specs[0], specs[1], jax.sharding.PartitionSpec("d"),
+                                                  jax.sharding.PartitionSpec("d"))),
+                         donate_argnums=(0, 1))
+            self._step_fns[key] = fn
+        return fn
+
+    def _run(self, batch: MinibatchArrays):
+        arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
+        arrays = _pad_microbatches(arrays)
+        fn = self._step_fn(arrays)
+        self.shards, self.opt_state, loss, norm = fn(
+            self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
+            sharding.put_per_device(self.mesh, batch.counts), jnp.float32(batch.normalizer))
+        return loss, norm
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def flat_params(self) -> dict[str, np.ndarray]:
+        return {g: np.asarray(self.shards[g]).reshape(-1)[: self.numels[g]].copy() for g in self.model.group_names}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": self.flat_params(), "opt_state": unshard_tree(self.opt_state, self.numels),
+                "step": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = {g: np.asarray(state["params"][g], np.float32) for g in self.model.group_names}
+        for g, b in self.buckets.items():
+            b.set_full(params[g])
+        shards = shard_tree(params, self.numels, self.shard_numels, self.num_devices)
+        self.shards = sharding.put_per_device(self.mesh, shards)
+        template = jax.tree.map(np.asarray, unshard_tree(self.opt_state, self.numels))
+        loaded = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(state["opt_state"]))
+        self.opt_state = sharding.put_per_device(
+            self.mesh, shard_tree(loaded, self.numels, self.shard_numels, self.num_devices))
+        self.steps_done = int(state["step"])
+
+    def close(self) -> None:
+        self.heap.free()
+
+
+def P_tree(tx, shards):
+    """PartitionSpecs for the optimizer state of `shards` (every leaf split over 'd')."""
+    shapes = jax.eval_shape(lambda s: tx.init(jax.tree.map(lambda x: x[0], s)), shards)
+    return jax.tree.map(lambda _: jax.sharding.PartitionSpec("d"), shapes)
+
+
+def _pad_microbatches(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Pads the microbatch axis to a power of two so that varying counts reuse a few compiled steps."""
+    m = next(iter(arrays.values())).shape[1]
+    target = 1 << max(0, (m - 1).bit_length())
+    if target == m:
+        return arrays
+    return {k: np.concatenate([v, np.zeros(v.shape[:1] + (target - m,) + v.shape[2:], v.dtype)], axis=1)
+            for k, v in arrays.items()}
+
+
+__all__ = ["ODCEngine", "FIELDS"]

@@ -1,0 +1,73 @@
+"""The optimizer every engine runs: optax AdamW with a learning-rate schedule, and gradient clipping by the
+*global* norm (over every device's shards), which optax alone cannot see inside shard_map."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters. `schedule` is 'constant', 'cosine' or 'linear' (decay to 0 over `total_steps`),
+    after `warmup_steps` of linear warm-up. `max_grad_norm=None` disables clipping. Weight decay applies to every
+    parameter (buckets are flat; use 0 to keep norms and biases undecayed)."""
+
+    learning_rate: float = 1e-4
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.learning_rate <= 0:
+            raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"optimizer.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if self.schedule != "constant" and not self.total_steps:
+            raise ValueError(f"optimizer.schedule={self.schedule!r} needs optimizer.total_steps")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"optimizer.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError("optimizer.b1 and optimizer.b2 must lie in [0, 1)")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    peak = cfg.learning_rate
+    if cfg.schedule == "constant":
+        main = optax.constant_schedule(peak)
+    elif cfg.schedule == "cosine":
+        main = optax.cosine_decay_schedule(peak, max(1, cfg.total_steps - cfg.warmup_steps))
+    else:
+        main = optax.linear_schedule(peak, 0.0, max(1, cfg.total_steps - cfg.warmup_steps))
+    if cfg.warmup_steps == 0:
+        return main
+    warmup = optax.linear_schedule(peak / max(1, cfg.warmup_steps), peak, cfg.warmup_steps)
+    return optax.join_schedules([warmup, main], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """AdamW without clipping (clipping needs the global norm; see `clip_by_global_norm`)."""
+    return optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay)
+
+
+def squared_norm(tree) -> jax.Array:
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def clip_by_global_norm(grads, global_sq_norm, max_norm: float | None):
+    """Scales `grads` so that the global norm sqrt(global_sq_norm) is at most `max_norm`; returns (grads, norm)."""
+    norm = jnp.sqrt(global_sq_norm)
+    if max_norm is None:
+        return grads, norm
+    scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+    return jax.tree.map(lambda g: g * scale, grads), norm

@@ -1,0 +1,81 @@
+"""The unsharded single-device reference: the same model, data and optimizer with no distribution at all.
+Both distributed engines are tested against it."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jodc.fsdp.batch import MinibatchArrays
+from jodc.fsdp.engine import Engine
+from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.stages import StagedModel
+
+
+class ReferenceEngine(Engine):
+    """Runs every microbatch of every device, in order, on one device with full fp32 parameters."""
+
+    name = "reference"
+
+    def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
+                 compute_dtype=jnp.float32, num_devices: int = 1, device=None):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
+        self._num_devices = num_devices
+        self.device = device or jax.devices("cpu")[0]
+        self.tx = make_optimizer(optimizer)
+        self.flats = jax.device_put({g: jnp.asarray(v) for g, v in model.flatten_groups(groups).items()}, self.device)
+        self.opt_state = jax.jit(self.tx.init)(self.flats)
+        self._step = jax.jit(self._full_step, donate_argnums=(0, 1))
+
+    @property
+    def num_devices(self) -> int:
+        return self._num_devices
+
+    def _loss(self, flats, microbatch):
+        groups = {g: self.model.layouts[g].unflatten(v.astype(self.compute_dtype)) for g, v in flats.items()}
+        return self.model.loss(groups, microbatch).astype(jnp.float32)
+
+    def _full_step(self, flats, opt_state, arrays, normalizer):
+        grad_fn = jax.value_and_grad(self._loss)
+
+        def body(i, carry):
+            grads, loss_sum = carry
+            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
+            microbatch["normalizer"] = normalizer
+            loss, g = grad_fn(flats, microbatch)
+            return jax.tree.map(jnp.add, grads, g), loss_sum + loss
+
+        n = next(iter(arrays.values())).shape[0]
+        grads, loss = lax.fori_loop(0, n, body, (jax.tree.map(jnp.zeros_like, flats), jnp.zeros((), jnp.float32)))
+        grads, norm = clip_by_global_norm(grads, squared_norm(grads), self.optimizer.max_grad_norm)
+        updates, opt_state = self.tx.update(grads, opt_state, flats)
+        return jax.tree.map(lambda p, u: p + u, flats, updates), opt_state, loss, norm
+
+    def _run(self, batch: MinibatchArrays):
+        rows = [(d, m) for d in range(batch.num_devices) for m in range(int(batch.counts[d]))]
+        arrays = {k: np.stack([v[d, m] for d, m in rows]) if rows else v[0, :0]
+                  for k, v in batch.as_dict().items()}
+        self.flats, self.opt_state, loss, norm = self._step(self.flats, self.opt_state,
+                                                            jax.device_put(arrays, self.device),
+                                                            jnp.float32(batch.normalizer))
+        return loss, norm
+
+    def _check_batch(self, batch: MinibatchArrays) -> None:
+        pass  # any device count: the reference flattens the plan
+
+    def flat_params(self) -> dict[str, np.ndarray]:
+        return {g: np.asarray(v).copy() for g, v in self.flats.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": self.flat_params(), "opt_state": jax.tree.map(np.asarray, self.opt_state),
+                "step": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.flats = jax.device_put({g: jnp.asarray(state["params"][g], jnp.float32)
+                                     for g in self.model.group_names}, self.device)
+        loaded = jax.tree.unflatten(jax.tree.structure(self.opt_state), jax.tree.leaves(state["opt_state"]))
+        self.opt_state = jax.device_put(jax.tree.map(jnp.asarray, loaded), self.device)
+        self.steps_done = int(state["step"])

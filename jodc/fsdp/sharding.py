@@ -1,0 +1,27 @@
+"""Helpers for per-device state under shard_map: every leaf carries a leading device axis of size `devices`."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def device_spec(tree):
+    """P('d') for every leaf: leaf [D, ...] is split so each device sees [1, ...]."""
+    return jax.tree.map(lambda _: P("d"), tree)
+
+
+def local(tree):
+    """Inside shard_map: drop the leading device axis of size 1."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def stacked(tree):
+    """Inside shard_map: add the leading device axis back."""
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def put_per_device(mesh: Mesh, tree):
+    """Places host arrays [D, ...] so device d holds row d."""
+    sharding = NamedSharding(mesh, P("d"))
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)

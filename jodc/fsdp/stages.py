@@ -1,0 +1,95 @@
+"""A model as the FSDP engines see it: parameter groups (one bucket each) and stages applied in sequence.
+
+A stage reads one or more groups' parameters, takes the running activation and the microbatch, and returns the
+next activation; the last stage returns the microbatch's (already normalised) loss. Tied embeddings are a head
+stage that reads both the `head` group and the `embed` group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of the forward pass. ``fn(params, h, microbatch) -> h`` with `params` a tuple of the pytrees of
+    the groups named in `groups` (in that order); the first stage gets ``h=None``, the last returns a scalar loss."""
+
+    name: str
+    groups: tuple[str, ...]
+    fn: Callable[[tuple, Any, dict], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """How one group's parameter pytree maps to a flat vector (leaves in tree order, row-major)."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+
+    @staticmethod
+    def of(tree) -> "GroupLayout":
+        leaves, treedef = jax.tree.flatten(tree)
+        return GroupLayout(treedef, tuple(tuple(np.shape(x)) for x in leaves),
+                           tuple(jnp.result_type(x) for x in leaves))
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def flatten(self, tree, dtype=jnp.float32) -> jax.Array:
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} leaves, got {len(leaves)}")
+        return jnp.concatenate([jnp.asarray(x, dtype).reshape(-1) for x in leaves])
+
+    def unflatten(self, flat):
+        """Slices and reshapes (differentiable); keeps the dtype of `flat` (the compute dtype)."""
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = math.prod(shape)
+            out.append(flat[offset:offset + n].reshape(shape))
+            offset += n
+        return jax.tree.unflatten(self.treedef, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedModel:
+    """Parameter groups (ordered) with their layouts, and the stages that consume them."""
+
+    group_names: tuple[str, ...]
+    layouts: dict[str, GroupLayout]
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self):
+        known = set(self.group_names)
+        for st in self.stages:
+            unknown = [g for g in st.groups if g not in known]
+            if unknown:
+                raise ValueError(f"stage {st.name!r} reads unknown groups {unknown}; groups are {self.group_names}")
+        used = {g for st in self.stages for g in st.groups}
+        if used != known:
+            raise ValueError(f"groups {sorted(known - used)} are read by no stage")
+
+    @staticmethod
+    def build(groups: dict[str, Any], stages: Sequence[Stage]) -> "StagedModel":
+        return StagedModel(tuple(groups), {k: GroupLayout.of(v) for k, v in groups.items()}, tuple(stages))
+
+    def flatten_groups(self, groups: dict[str, Any]) -> dict[str, np.ndarray]:
+        return {g: np.asarray(self.layouts[g].flatten(groups[g])) for g in self.group_names}
+
+    def unflatten_groups(self, flats: dict[str, Any]) -> dict[str, Any]:
+        return {g: self.layouts[g].unflatten(jnp.asarray(flats[g])) for g in self.group_names}
+
+    def loss(self, groups: dict[str, Any], microbatch: dict):
+        """The plain (unsharded) forward pass: what every engine must reproduce."""
+        h = None
+        for st in self.stages:
+            h = st.fn(tuple(groups[g] for g in st.groups), h, microbatch)
+        return h
