@@ -103,3 +103,34 @@ def test_bad_batches_are_rejected():
         ODCEngine(model, {"embed": groups["embed"]}, cpu_mesh(2), optimizer=OPT)
     with pytest.raises(ValueError, match="total_steps"):
         OptimizerConfig(schedule="cosine")
+
+
+@pytest.mark.parametrize("engine_cls", [ODCEngine, CollectiveEngine])
+def test_timeline_records_every_stage_of_every_microbatch(engine_cls):
+    from jodc.fsdp.timeline import bubble_rate
+
+    model, groups = fsdp_toy.make_model(num_layers=2)
+    counts = [3, 1]
+    batch = fsdp_toy.random_minibatch(counts, seed=1)
+    engine = engine_cls(model, groups, cpu_mesh(2), optimizer=OPT)
+    try:
+        plain = engine.step(batch)
+        recorded = engine.step(batch, record_timeline=True)
+    finally:
+        engine.close()
+    assert plain.timeline is None
+    events = recorded.timeline
+    ran = counts if engine_cls is ODCEngine else [max(counts)] * 2
+    for device, n in enumerate(ran):
+        labels = [e["label"] for e in events if e["device"] == device]
+        for mb in range(n):
+            for stage in ("embed", "layer_0", "layer_1", "head"):
+                assert f"mb{mb} {stage} fwd" in labels, (device, mb, stage, labels)
+            for stage in ("embed", "layer_0", "layer_1"):
+                assert f"mb{mb} {stage} bwd" in labels, (device, mb, stage, labels)
+        for e in events:
+            assert e["end"] >= e["start"] >= 0
+    if engine_cls is ODCEngine:
+        waits = [e for e in events if e["kind"] == "wait"]
+        assert len(waits) == 4 and {e["device"] for e in waits} == {0, 1}  # two barriers per device
+    assert 0.0 <= bubble_rate(events) < 1.0

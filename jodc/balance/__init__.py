@@ -1,1 +1,67 @@
-"""placeholder until its issue lands."""
+"""Sequence balancing and packing for a minibatch: cost models, partitioning, microbatch packing, planners, metrics.
+
+Pure Python + numpy (no JAX), deterministic, so every host computes the same plan with no communication::
+
+    from jodc.balance import get_planner, FlopsCost, DEEPSEEK_R1_DISTILL_QWEN_1_5B, materialize
+
+    plan = get_planner("lb_mini")(lengths, num_devices=8, token_cap=65536,
+                                  cost_model=FlopsCost(DEEPSEEK_R1_DISTILL_QWEN_1_5B))
+    packed = materialize(plan, device, token_arrays)   # tokens / segment_ids / positions, each [M, T]
+
+See docs/balance.md for the algorithms and the conventions of the buffers.
+"""
+from jodc.balance.buffers import PackedMicrobatches, layout, materialize, pack_arrays
+from jodc.balance.cost import (
+    COST_MODEL_NAMES,
+    CostModel,
+    FlopsCost,
+    LinearCost,
+    QuadraticCost,
+    make_cost_model,
+    sequence_costs,
+)
+from jodc.balance.metrics import PlanMetrics, imbalance_ratio, microbatch_cost_table, plan_metrics
+from jodc.balance.model_shape import DEEPSEEK_R1_DISTILL_QWEN_1_5B, ModelShape
+from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
+from jodc.balance.partition import karmarkar_karp, lpt, order_parts, part_sums, partition
+from jodc.balance.plan import Microbatch, Plan
+from jodc.balance.planners import PLANNERS, get_planner, lb_micro, lb_mini, local_sort
+from jodc.balance.refine import refine_by_swaps
+from jodc.balance.search import improve_by_search
+
+__all__ = [
+    "COST_MODEL_NAMES",
+    "CostModel",
+    "DEEPSEEK_R1_DISTILL_QWEN_1_5B",
+    "FlopsCost",
+    "LinearCost",
+    "Microbatch",
+    "ModelShape",
+    "PLANNERS",
+    "PackedMicrobatches",
+    "Plan",
+    "PlanMetrics",
+    "QuadraticCost",
+    "get_planner",
+    "imbalance_ratio",
+    "improve_by_search",
+    "karmarkar_karp",
+    "layout",
+    "lb_micro",
+    "lb_mini",
+    "local_sort",
+    "lpt",
+    "make_cost_model",
+    "materialize",
+    "microbatch_cost_table",
+    "min_microbatches",
+    "order_parts",
+    "pack_arrays",
+    "pack_microbatches",
+    "part_sums",
+    "partition",
+    "plan_metrics",
+    "refine_by_swaps",
+    "sequence_costs",
+    "try_pack",
+]

@@ -28,7 +28,7 @@ from jodc.balance.validation import costs_array
 # Largest give x take table of 2-item groups tabulated at once (floats); about 2 MB. Parts of up to ~40 items fit.
 MAX_PAIR_TABLE = 250_000
 # Refinement stops once the heaviest part is within this relative distance of the lower bound max(item, mean).
-LOWER_BOUND_TOLERANCE = 1e-9
+LOWER_BOUND_TOLERANCE = 1e-6
 
 
 def _groups(part: list[int], cost, size, max_items: int):

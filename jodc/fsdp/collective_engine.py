@@ -2,6 +2,7 @@
 gradients (the transpose of all_gather), devices in lock-step over the same number of microbatches."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jodc.fsdp import sharding
+from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.odc_engine import P_tree
@@ -48,9 +49,9 @@ class CollectiveEngine(Engine):
     def num_devices(self) -> int:
         return int(self.mesh.shape["d"])
 
-    def _microbatch_loss(self, shards, microbatch):
+    def _microbatch_loss(self, shards, microbatch, i=None, recorder=None):
         h = None
-        for st in self.model.stages:
+        for index, st in enumerate(self.model.stages):
             def stage(local_shards, h, st=st):
                 params = []
                 for g, s in zip(st.groups, local_shards):
@@ -60,18 +61,24 @@ class CollectiveEngine(Engine):
 
             # remat: the gathered parameters are dropped after forward and re-gathered in backward (FSDP memory)
             h = jax.checkpoint(stage)(tuple(shards[g] for g in st.groups), h)
+            if recorder is not None:
+                h = recorder.probe(h, i, index)
         return h.astype(jnp.float32)
 
-    def _device_step(self, shards, opt_state, arrays, normalizer):
+    def _device_step(self, shards, opt_state, arrays, normalizer, recorder=None):
         shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
         num_micro = next(iter(arrays.values())).shape[0]
-        grad_fn = jax.value_and_grad(self._microbatch_loss)
+        grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder))
 
         def body(i, carry):
             grads, loss_sum = carry
+            if recorder is not None:
+                loss_sum = recorder.mark(loss_sum, i, timeline.MICROBATCH_START)
             microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
             microbatch["normalizer"] = normalizer
-            loss, g = grad_fn(shards, microbatch)
+            loss, g = grad_fn(shards, microbatch, i)
+            if recorder is not None:
+                g = recorder.mark(g, i, timeline.MICROBATCH_END)
             return jax.tree.map(jnp.add, grads, g), loss_sum + loss
 
         zeros = jax.tree.map(jnp.zeros_like, shards)
@@ -84,16 +91,17 @@ class CollectiveEngine(Engine):
         loss = lax.psum(loss_sum, "d")
         return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None]
 
-    def _run(self, batch: MinibatchArrays):
+    def _run(self, batch: MinibatchArrays, recorder=None):
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
         m = int(batch.counts.max()) if batch.counts.size else 0
         arrays = {k: v[:, : max(m, 1)] for k, v in arrays.items()}  # lock-step over the largest count
-        key = tuple(sorted((k, v.shape) for k, v in arrays.items()))
+        key = (tuple(sorted((k, v.shape) for k, v in arrays.items())), recorder is not None)
         fn = self._step_fns.get(key)
         if fn is None:
             specs = (sharding.device_spec(self.shards), P_tree(self.tx, self.shards), sharding.device_spec(arrays),
                      P())
-            fn = jax.jit(jax.shard_map(self._device_step, mesh=self.mesh, in_specs=specs,
+            device_step = functools.partial(self._device_step, recorder=recorder)
+            fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                        out_specs=(specs[0], specs[1], P("d"), P("d"))), donate_argnums=(0, 1))
             self._step_fns[key] = fn
         self.shards, self.opt_state, loss, norm = fn(self.shards, self.opt_state,

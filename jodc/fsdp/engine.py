@@ -13,6 +13,7 @@ import numpy as np
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel
+from jodc.fsdp.timeline import TimelineRecorder
 
 
 @dataclasses.dataclass
@@ -21,6 +22,7 @@ class StepResult:
     grad_norm: float         # global gradient norm before clipping
     seconds: float           # wall time of the step, dispatch to result
     microbatches: list[int]  # microbatches each device ran
+    timeline: list[dict] | None = None  # per-device busy / wait events (see jodc.fsdp.timeline), when recorded
 
 
 class Engine(abc.ABC):
@@ -41,19 +43,28 @@ class Engine(abc.ABC):
         if self.compute_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype}")
         self.steps_done = 0
+        self._recorder: TimelineRecorder | None = None
 
     @abc.abstractmethod
-    def _run(self, batch: MinibatchArrays) -> tuple[Any, Any]:
+    def _run(self, batch: MinibatchArrays, recorder: TimelineRecorder | None) -> tuple[Any, Any]:
         """Dispatches one minibatch; returns device arrays (loss, grad_norm)."""
 
-    def step(self, batch: MinibatchArrays) -> StepResult:
+    def step(self, batch: MinibatchArrays, *, record_timeline: bool = False) -> StepResult:
+        """Runs one minibatch and waits for it. With `record_timeline`, host callbacks mark every stage of every
+        microbatch on every device (a separately compiled, slightly slower step)."""
         self._check_batch(batch)
+        recorder = None
+        if record_timeline:
+            if self._recorder is None:
+                self._recorder = TimelineRecorder([st.name for st in self.model.stages])
+            recorder = self._recorder
+            recorder.reset()
         t0 = time.perf_counter()
-        loss, norm = jax.block_until_ready(self._run(batch))
+        loss, norm = jax.block_until_ready(self._run(batch, recorder))
         seconds = time.perf_counter() - t0
         self.steps_done += 1
         return StepResult(float(np.asarray(loss).reshape(-1)[0]), float(np.asarray(norm).reshape(-1)[0]), seconds,
-                          [int(c) for c in batch.counts])
+                          [int(c) for c in batch.counts], recorder.events() if recorder else None)
 
     def _check_batch(self, batch: MinibatchArrays) -> None:
         if batch.num_devices != self.num_devices:

@@ -2,6 +2,7 @@
 gathering layers on demand and pushing gradients to their owners, and meets the others once per minibatch."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -11,7 +12,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jodc import ops
-from jodc.fsdp import sharding
+from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import FIELDS, MinibatchArrays
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
@@ -72,16 +73,21 @@ class ODCEngine(Engine):
                 unflatten=tuple(self.model.layouts[g].unflatten for g in st.groups)))
         return layers
 
-    def _device_step(self, shards, opt_state, arrays, counts, normalizer):
+    def _device_step(self, shards, opt_state, arrays, counts, normalizer, recorder=None):
         shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
         count = counts[0]
         layers = self._layers()
         per_device_normalizer = lax.pcast(normalizer, "d", to="varying")  # no collective in the backward pass
 
-        def microbatch_loss(anchor, token, microbatch):
+        def microbatch_loss(anchor, token, microbatch, i):
             h = anchor  # a float input whose cotangent is released only after the first stage's push
-            for layer in layers:
+            if recorder is not None:
+                h = recorder.probe(h, i, -1)  # forward: input ready; backward: the first stage's push is done
+            for s, layer in enumerate(layers):
                 h, token = layer((h, microbatch), token)
+                if recorder is not None:
+                    last = s == len(layers) - 1  # the loss: its cotangent is a constant, no backward mark
+                    h = recorder.mark(h, i, timeline.STAGE_FORWARD, s) if last else recorder.probe(h, i, s)
             return h, token
 
         def body(carry):
@@ -89,7 +95,7 @@ class ODCEngine(Engine):
             microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
             microbatch["normalizer"] = per_device_normalizer
             anchor = lax.pcast(jnp.zeros(()), "d", to="varying")
-            loss, vjp_fn, token = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch), anchor, token,
+            loss, vjp_fn, token = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor, token,
                                           has_aux=True)
             d_anchor, _ = vjp_fn(jnp.ones_like(loss))
             token = ops.after(token, d_anchor)  # every push of this microbatch precedes what follows
@@ -97,7 +103,7 @@ class ODCEngine(Engine):
 
         _, token, loss_sum = lax.while_loop(lambda c: c[0] < count, body,
                                             (jnp.int32(0), ops.new_token("d"), lax.pcast(jnp.zeros(()), "d", to="varying")))
-        token = ops.barrier(self.heap, token)  # every device's pushes have landed
+        token = self._barrier(token, recorder)  # every device's pushes have landed
         grads = {}
         for g in self.model.group_names:
             grads[g], token = ops.read_accumulator(self.buckets[g], token)
@@ -108,30 +114,39 @@ class ODCEngine(Engine):
         shards = jax.tree.map(lambda p, u: p + u, shards, updates)
         for g in self.model.group_names:
             token = ops.publish(self.buckets[g], shards[g], token)
-        token = ops.barrier(self.heap, token)  # nobody gathers the next minibatch before everyone published
+        token = self._barrier(token, recorder)  # nobody gathers the next minibatch before everyone published
         loss = lax.psum(loss_sum, "d")
         shards = jax.tree.map(lambda s: ops.depend_on(s, token), shards)  # results wait for the last barrier
         return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None]
 
-    def _step_fn(self, arrays_template):
+    def _barrier(self, token, recorder):
+        if recorder is not None:
+            token = recorder.mark(token, -1, timeline.BARRIER_ENTER)
+        token = ops.barrier(self.heap, token)
+        if recorder is not None:
+            token = recorder.mark(token, -1, timeline.BARRIER_EXIT)
+        return token
+
+    def _step_fn(self, arrays_template, recorder):
         key = jax.tree.map(lambda x: x.shape, arrays_template)
-        key = tuple(sorted((k, v) for k, v in key.items()))
+        key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None)
         fn = self._step_fns.get(key)
         if fn is None:
             specs = (sharding.device_spec(self.shards), P_tree(self.tx, self.shards),
                      sharding.device_spec(arrays_template), jax.sharding.PartitionSpec("d"),
                      jax.sharding.PartitionSpec())
-            fn = jax.jit(jax.shard_map(self._device_step, mesh=self.mesh, in_specs=specs,
+            device_step = functools.partial(self._device_step, recorder=recorder)
+            fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                        out_specs=(specs[0], specs[1], jax.sharding.PartitionSpec("d"),
                                                   jax.sharding.PartitionSpec("d"))),
                          donate_argnums=(0, 1))
             self._step_fns[key] = fn
         return fn
 
-    def _run(self, batch: MinibatchArrays):
+    def _run(self, batch: MinibatchArrays, recorder=None):
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
         arrays = _pad_microbatches(arrays)
-        fn = self._step_fn(arrays)
+        fn = self._step_fn(arrays, recorder)
         self.shards, self.opt_state, loss, norm = fn(
             self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
             sharding.put_per_device(self.mesh, batch.counts), jnp.float32(batch.normalizer))

@@ -54,7 +54,7 @@ class ReferenceEngine(Engine):
         updates, opt_state = self.tx.update(grads, opt_state, flats)
         return jax.tree.map(lambda p, u: p + u, flats, updates), opt_state, loss, norm
 
-    def _run(self, batch: MinibatchArrays):
+    def _run(self, batch: MinibatchArrays, recorder=None):  # no timeline: one device, nothing to wait for
         rows = [(d, m) for d in range(batch.num_devices) for m in range(int(batch.counts[d]))]
         arrays = {k: np.stack([v[d, m] for d, m in rows]) if rows else v[0, :0]
                   for k, v in batch.as_dict().items()}

@@ -1,1 +1,58 @@
-"""placeholder until its issue lands."""
+"""Schedule simulator: predicted step time of collective FSDP and ODC for a plan, a model and a device.
+
+Pure Python + numpy. Also holds synthetic length generators shaped like published post-training data::
+
+    from jodc.balance import get_planner, FlopsCost, DEEPSEEK_R1_DISTILL_QWEN_1_5B as MODEL
+    from jodc.sim import A100_SXM_80GB, LONGALIGN_SFT, compare_schedules
+
+    lengths = LONGALIGN_SFT.sample(32, seed=0)
+    plan = get_planner("lb_mini")(lengths, 8, 65536, cost_model=FlopsCost(MODEL))
+    result = compare_schedules(plan, MODEL, A100_SXM_80GB)   # .collective, .odc, .speedup
+
+See docs/balance.md for the model and the sources of every constant.
+"""
+from jodc.sim.hardware import A100_SXM_80GB, HardwareSpec
+from jodc.sim.lengths import (
+    AGENT_TRAJECTORIES,
+    LENGTH_DISTRIBUTIONS,
+    LONGALIGN_SFT,
+    RL_RESPONSES,
+    LengthDistribution,
+    get_length_distribution,
+)
+from jodc.sim.schedule import (
+    SCHEDULES,
+    ScheduleComparison,
+    ScheduleResult,
+    Segment,
+    compare_schedules,
+    simulate,
+    simulate_collective,
+    simulate_odc,
+)
+from jodc.sim.step_model import BucketSteps, StepConfig, bucket_steps, communication_times, compute_times, transfer_time
+
+__all__ = [
+    "A100_SXM_80GB",
+    "AGENT_TRAJECTORIES",
+    "BucketSteps",
+    "HardwareSpec",
+    "LENGTH_DISTRIBUTIONS",
+    "LONGALIGN_SFT",
+    "LengthDistribution",
+    "RL_RESPONSES",
+    "SCHEDULES",
+    "ScheduleComparison",
+    "ScheduleResult",
+    "Segment",
+    "StepConfig",
+    "bucket_steps",
+    "communication_times",
+    "compare_schedules",
+    "compute_times",
+    "get_length_distribution",
+    "simulate",
+    "simulate_collective",
+    "simulate_odc",
+    "transfer_time",
+]

@@ -1,0 +1,91 @@
+"""Planners: a minibatch's sequence lengths and a device count in, a :class:`~jodc.balance.plan.Plan` out.
+
+Every planner has the signature ``planner(lengths, num_devices, token_cap, *, cost_model=LinearCost())`` and is
+a pure function of its arguments: the same input gives the same plan on every host, with no communication.
+
+* :func:`local_sort` -- the usual data-parallel baseline. Sequences are dealt to devices in order, like cards
+  (sequence ``i`` to device ``i mod num_devices``); each device sorts its share by length, longest first, and
+  runs one sequence per microbatch. Devices with fewer sequences get empty microbatches at the end, so the plan
+  is lock-step.
+* :func:`lb_micro` -- balance for lock-step collective FSDP. Sequence counts per device are equal (within one)
+  and the partition balances cost; each device packs its share into the same number of microbatches (the
+  smallest count every device can fit), balanced by cost and sorted heaviest first, so the ``i``-th microbatches
+  of all devices, which run together, have similar costs. Devices that need fewer get empty microbatches.
+* :func:`lb_mini` -- balance for ODC. The partition balances total cost per device over the whole minibatch
+  (counts may differ); each device packs its share into as few microbatches as fit, on its own. Microbatch
+  counts may differ across devices: the plan is not lock-step (see :meth:`Plan.padded_to_equal_counts`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from jodc.balance.cost import CostModel, LinearCost, sequence_costs
+from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
+from jodc.balance.partition import partition
+from jodc.balance.plan import Microbatch, Plan
+from jodc.balance.validation import planner_inputs
+
+Planner = Callable[..., Plan]
+
+
+def _microbatch(indices, lengths: np.ndarray, costs: np.ndarray) -> Microbatch:
+    """A microbatch of the given global sequence indices, kept in ascending index order."""
+    ordered = sorted(int(i) for i in indices)
+    return Microbatch(tuple(ordered), tuple(int(lengths[i]) for i in ordered), float(costs[ordered].sum()))
+
+
+def _device_microbatches(share: list[int], packed: list[list[int]], lengths, costs) -> tuple[Microbatch, ...]:
+    """Map a packing of a device's share (positions into ``share``) to microbatches of global indices."""
+    return tuple(_microbatch([share[p] for p in part], lengths, costs) for part in packed)
+
+
+def local_sort(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel = LinearCost()) -> Plan:
+    """Deal sequences round-robin, sort each device's share longest first, one sequence per microbatch."""
+    lengths, num_devices, token_cap = planner_inputs(lengths, num_devices, token_cap)
+    costs = sequence_costs(cost_model, lengths)
+    devices = []
+    for d in range(num_devices):
+        share = sorted(range(d, lengths.size, num_devices), key=lambda i: (-lengths[i], i))
+        devices.append(tuple(_microbatch([i], lengths, costs) for i in share))
+    plan = Plan(tuple(devices), token_cap, planner="local_sort", cost_model=cost_model.name)
+    return plan.padded_to_equal_counts()
+
+
+def lb_micro(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel = LinearCost()) -> Plan:
+    """Equal sequence counts (within one), cost-balanced; equal microbatch counts, aligned heaviest first."""
+    lengths, num_devices, token_cap = planner_inputs(lengths, num_devices, token_cap)
+    costs = sequence_costs(cost_model, lengths)
+    shares = partition(costs, num_devices, equal_sizes=True)
+    count = max(min_microbatches(lengths[share], token_cap) for share in shares)
+    while True:  # the smallest common count every device packs into; ends by len(share) at the latest
+        packings = [try_pack(lengths[share], costs[share], token_cap, count) if share else [[]] * count
+                    for share in shares]
+        if all(p is not None for p in packings):
+            break
+        count += 1
+    devices = tuple(_device_microbatches(share, packed, lengths, costs) for share, packed in zip(shares, packings))
+    return Plan(devices, token_cap, planner="lb_micro", cost_model=cost_model.name)
+
+
+def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel = LinearCost()) -> Plan:
+    """Cost-balanced over the whole minibatch (counts may differ); each device packs its share on its own."""
+    lengths, num_devices, token_cap = planner_inputs(lengths, num_devices, token_cap)
+    costs = sequence_costs(cost_model, lengths)
+    shares = partition(costs, num_devices)
+    devices = tuple(
+        _device_microbatches(share, pack_microbatches(lengths[share], costs[share], token_cap), lengths, costs)
+        for share in shares
+    )
+    return Plan(devices, token_cap, planner="lb_mini", cost_model=cost_model.name)
+
+
+PLANNERS: dict[str, Planner] = {"local_sort": local_sort, "lb_micro": lb_micro, "lb_mini": lb_mini}
+
+
+def get_planner(name: str) -> Planner:
+    """The planner called ``name``: one of ``local_sort``, ``lb_micro``, ``lb_mini``."""
+    if name not in PLANNERS:
+        raise ValueError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
+    return PLANNERS[name]

@@ -1,0 +1,46 @@
+"""The Flax decoder (jodc.models) as a `StagedModel`: one bucket per parameter group (embed, each layer, head),
+one stage per group, and a next-token cross-entropy head normalised by the minibatch's global loss-token count."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jodc.fsdp.stages import Stage, StagedModel
+from jodc.losses import token_logprobs
+from jodc.models import layerwise
+from jodc.models.config import DecoderConfig
+
+
+def sft_loss_from_logits(logits_btv, microbatch, *, chunk_size: int | None = None):
+    """sum over trained tokens of -log p(target) / normalizer (the global loss-token count of the minibatch)."""
+    logp_bt = token_logprobs(logits_btv, microbatch["targets"], chunk_size=chunk_size)
+    return -jnp.sum(logp_bt * microbatch["loss_mask"]) / microbatch["normalizer"]
+
+
+def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, seed: int = 0,
+                         logprob_chunk_size: int | None = None) -> tuple[StagedModel, dict]:
+    """Returns (staged model, initial group params). `groups` defaults to a random initialisation from `seed`."""
+    if groups is None:
+        groups = layerwise.init_params(config, jax.random.PRNGKey(seed))
+    names = layerwise.param_groups(config)
+    missing = [n for n in names if n not in groups]
+    if missing:
+        raise ValueError(f"decoder parameter groups {missing} are missing")
+
+    def embed(params, h, mb):
+        return layerwise.embed_apply(config, params[0], mb["tokens"])
+
+    def layer(params, h, mb):
+        return layerwise.layer_apply(config, params[0], h, mb["positions"], mb["segment_ids"])
+
+    def head(params, h, mb):
+        embed_params = params[1] if config.tie_word_embeddings else None
+        logits = layerwise.head_apply(config, params[0], h, embed_params)
+        return sft_loss_from_logits(logits, mb, chunk_size=logprob_chunk_size)
+
+    stages = [Stage(layerwise.EMBED, (layerwise.EMBED,), embed)]
+    stages += [Stage(n, (n,), layer) for n in names[1:-1]]
+    head_groups = (layerwise.HEAD, layerwise.EMBED) if config.tie_word_embeddings else (layerwise.HEAD,)
+    stages.append(Stage(layerwise.HEAD, head_groups, head))
+    ordered = {n: groups[n] for n in names}
+    return StagedModel.build(ordered, stages), ordered
