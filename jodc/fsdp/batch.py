@@ -52,3 +52,40 @@ class MinibatchArrays:
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {f: getattr(self, f) for f in FIELDS}
+
+
+def minibatch_from_plan(plan, inputs, targets, loss_masks) -> MinibatchArrays:
+    """Packs a minibatch by a `jodc.balance.Plan`.
+
+    Args:
+      plan: the planner's output for these sequences (their lengths, in this order).
+      inputs, targets: per sequence, int token arrays of its planned length (targets[t] is the token after
+        inputs[t]).
+      loss_masks: per sequence, 1 where the prediction of targets[t] is trained (e.g. completion tokens).
+
+    Device d gets all of its planned microbatches (empty ones from lock-step planners included); the microbatch
+    axis is padded to the largest count with empty microbatches. The normaliser is the minibatch's total of
+    `loss_masks`, the same on every device.
+    """
+    from jodc.balance import layout, pack_arrays  # planners are pure numpy; imported here to keep fsdp light
+
+    num_devices = len(plan.devices)
+    m = max(1, max(len(mbs) for mbs in plan.devices))
+    t = plan.token_cap
+    shape = (num_devices, m, t)
+    fields = {"tokens": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
+              "loss_mask": np.zeros(shape, np.float32), "positions": np.zeros(shape, np.int32),
+              "segment_ids": np.zeros(shape, np.int32)}
+    for d in range(num_devices):
+        n = len(plan.devices[d])
+        if n == 0:
+            continue
+        segment_ids, positions = layout(plan, d)
+        fields["segment_ids"][d, :n] = segment_ids
+        fields["positions"][d, :n] = positions
+        fields["tokens"][d, :n] = pack_arrays(plan, d, [np.asarray(x, np.int32) for x in inputs])
+        fields["targets"][d, :n] = pack_arrays(plan, d, [np.asarray(x, np.int32) for x in targets])
+        fields["loss_mask"][d, :n] = pack_arrays(plan, d, [np.asarray(x, np.float32) for x in loss_masks])
+    normalizer = float(sum(float(np.sum(x)) for x in loss_masks))
+    counts = np.array([len(mbs) for mbs in plan.devices], np.int32)
+    return MinibatchArrays(counts=counts, normalizer=max(normalizer, 1.0), num_sequences=len(inputs), **fields)
