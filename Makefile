@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 NATIVE_SOURCES := $(shell find ffi -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py') setup.py
 INSTALLED := $(VENV)/.jodc-installed
-NATIVE := $(VENV)/.jodc-native
+JODC_CUDA ?=
+NATIVE := $(VENV)/.jodc-native$(if $(filter-out 0,$(JODC_CUDA)),-cuda,)
 
 .PHONY: setup native test demo bench clean cuda-check
 
@@ -23,9 +24,10 @@ $(INSTALLED): $(PY) pyproject.toml constraints-cpu.txt
 	$(PIP) install --quiet -c constraints-cpu.txt --no-build-isolation -e ".[test]"
 	touch $@
 
-# Rebuild the native extension in place whenever a native source changes.
+# Rebuild the native extension in place whenever a native source changes (JODC_CUDA=1 adds the CUDA library and
+# has its own stamp, so switching it on after a CPU-only build rebuilds).
 $(NATIVE): $(INSTALLED) $(NATIVE_SOURCES)
-	$(PY) setup.py --quiet build_ext --inplace
+	JODC_CUDA=$(JODC_CUDA) $(PY) setup.py --quiet build_ext --inplace
 	touch $@
 
 native: $(NATIVE)

@@ -20,9 +20,8 @@ def nvcc_command(out_path: str, include_dir: str) -> list[str]:
     if not sources:
         raise RuntimeError(f"no CUDA sources under {os.path.join(HERE, 'cuda')}")
     # -isystem: XLA's FFI headers are not ours; keep their warnings out of the build log.
-    # --threads 0: compile the two architectures of each file in parallel.
     cmd = [shutil.which("nvcc") or "nvcc", "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC",
-           "-Xcompiler", "-fvisibility=hidden", "-Xcompiler", "-Wall", "-cudart", "static", "--threads", "0",
+           "-Xcompiler", "-fvisibility=hidden", "-Xcompiler", "-Wall", "-cudart", "static",
            "-isystem", include_dir, "-I", HERE]
     for a in ARCHS:
         cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]

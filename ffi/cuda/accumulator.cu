@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   float4* region4 = reinterpret_cast<float4*>(region);
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int64_t i = StrideStart(); i < n / 4; i += StrideStep()) region4[i] = zero;
+  FenceWritesForPeers();  // peers' next pushes must land on zeros, not be overwritten by them
   AdvanceToken(token_in, token_out);
 }
 

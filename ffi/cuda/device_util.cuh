@@ -114,8 +114,10 @@ __device__ void AddRange(float* __restrict__ acc, const Src* __restrict__ src, i
 }
 
 // acc[0, n) += fp32(src[0, n)) with atomics: any number of devices may push into the same accumulator at once.
-// The result is unused, so each atomicAdd compiles to a fire-and-forget reduction (RED.ADD.F32), which NVLink
-// executes natively at the owner. Over PCIe peer atomics are not available; the heap then uses landing slots.
+// System scope, because the concurrent adders run on different GPUs (a plain atomicAdd is only atomic among the
+// threads of one GPU). The result is unused, so each compiles to a fire-and-forget reduction (RED.SYS.ADD.F32),
+// which NVLink executes natively at the owner's memory. Over PCIe peer atomics are generally not available; the
+// heap then uses landing slots instead (see Heap::landing_slots).
 template <typename Src>
 __device__ void AtomicAddRange(float* acc, const Src* __restrict__ src, int64_t n, bool vectorized) {
   const int64_t start = StrideStart(), step = StrideStep();
@@ -125,11 +127,11 @@ __device__ void AtomicAddRange(float* acc, const Src* __restrict__ src, int64_t 
     for (int64_t k = start; k < packs; k += step) {
       const Pack<Src> in = LoadPack(src + k * kPack);
 #pragma unroll
-      for (int j = 0; j < kPack; ++j) atomicAdd(acc + k * kPack + j, ToF32(in.v[j]));
+      for (int j = 0; j < kPack; ++j) atomicAdd_system(acc + k * kPack + j, ToF32(in.v[j]));
     }
     done = packs * kPack;
   }
-  for (int64_t i = done + start; i < n; i += step) atomicAdd(acc + i, ToF32(src[i]));
+  for (int64_t i = done + start; i < n; i += step) atomicAdd_system(acc + i, ToF32(src[i]));
 }
 
 // ---- system scope: memory shared with the host and with peer GPUs ---------------------------------------------
@@ -185,6 +187,11 @@ __device__ __forceinline__ bool ValidDevice(const int32_t* device_operand, int32
   }
   return false;
 }
+
+// Makes this thread's writes into memory that other GPUs read later (peers' accumulators and landing slots, its
+// own published shard, its zeroed accumulator) performed at system scope before the kernel ends, so that the barrier
+// kernel's release, which follows in stream order, covers them. One fence per thread per kernel: negligible.
+__device__ __forceinline__ void FenceWritesForPeers() { __threadfence_system(); }
 
 // The first thread of the grid writes the next token (token in + 1): computed on the device, never read by the host.
 __device__ __forceinline__ void AdvanceToken(const int32_t* token_in, int32_t* token_out) {

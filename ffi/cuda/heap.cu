@@ -86,7 +86,7 @@ bool VisibleDeviceCount(int* count, std::string* err) {
   cudaError_t e = cudaGetDeviceCount(count);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    *err = CudaMessage("no usable CUDA device (cudaGetDeviceCount)", e);
+    *err = "no usable CUDA device: " + CudaMessage("cudaGetDeviceCount", e);
     return false;
   }
   if (*count < 1) {

@@ -15,6 +15,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const BucketLayout& l = view.layout;
   if (!ValidDevice(device_operand, l.world, control, OpCode::kPublish, token_in, token_out, &device)) return;
   CopyRange(static_cast<T*>(view.shard[device]), shard, l.shard_numel, vectorized);
+  FenceWritesForPeers();
   AdvanceToken(token_in, token_out);
 }
 

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       AtomicAddRange(view.accumulator[owner], slice, n, vectorized);
     }
   }
+  FenceWritesForPeers();
   AdvanceToken(token_in, token_out);
 }
 

@@ -1,12 +1,14 @@
 """FSDP engines behind one interface: ODC (point-to-point, per-device microbatch counts, one barrier per
-minibatch), collective (all_gather / psum_scatter in lock-step), and an unsharded reference."""
+minibatch), collective (all_gather / psum_scatter in lock-step), XLA-SPMD (NamedSharding under plain jit: what
+JAX users do today) and an unsharded reference."""
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.collective_engine import CollectiveEngine
 from jodc.fsdp.engine import Engine, StepResult
 from jodc.fsdp.odc_engine import ODCEngine
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.reference_engine import ReferenceEngine
+from jodc.fsdp.spmd_engine import SPMDEngine
 from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
 
 __all__ = ["CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "ODCEngine", "OptimizerConfig",
-           "ReferenceEngine", "Stage", "StagedModel", "StepResult"]
+           "ReferenceEngine", "SPMDEngine", "Stage", "StagedModel", "StepResult"]

@@ -32,13 +32,15 @@ def cpu_library():
 def ensure_registered(platform: str) -> None:
     """Registers every jodc FFI target for `platform` ('cpu' or 'cuda'), idempotently."""
     platform = platform.lower()
+    if platform == "gpu":
+        platform = "cuda"  # one key: the same targets must not be registered twice
     with _lock:
         if platform in _registered:
             return
         if platform == "cpu":
             handlers = cpu_library().handlers()
             xla_platform = "cpu"
-        elif platform in ("cuda", "gpu"):
+        elif platform == "cuda":
             from jodc.ops import _cuda
 
             handlers = _cuda.library().handlers()

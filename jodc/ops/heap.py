@@ -99,6 +99,11 @@ class SymmetricHeap:
         self._lib = _backend(self.platform)
         _native.ensure_registered(self.platform)
         self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
+        if self.platform != "cpu" and hasattr(self._lib, "heap_set_placement"):
+            # device p of the axis holds its shard on the GPU that runs it (meshes need not follow jax.devices())
+            axis = mesh.axis_names.index(axis_name)
+            along_axis = np.moveaxis(mesh.devices, axis, 0).reshape(self.world, -1)[:, 0]
+            self._lib.heap_set_placement(self.id, [int(d.local_hardware_id) for d in along_axis])
         self._barrier_timeout_s = float(barrier_timeout_s)
         self._buckets: list[Bucket] = []
         self._freed = False

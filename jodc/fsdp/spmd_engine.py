@@ -1,0 +1,112 @@
+"""The XLA-SPMD engine: what JAX users do today. Parameters are sharded with `NamedSharding` and one plain
+`jax.jit` program runs the minibatch; XLA's SPMD partitioner inserts the all-gathers and reduce-scatters. Devices
+run in lock-step over the same number of microbatches, one row per device (feed it lock-step plans, `lb_micro`)."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jodc.fsdp.batch import MinibatchArrays
+from jodc.fsdp.engine import Engine
+from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.stages import StagedModel
+
+
+class SPMDEngine(Engine):
+    """Flat fp32 parameter vectors per group, padded to a multiple of the device count and sharded over 'd'."""
+
+    name = "xla_spmd"
+
+    def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
+                 compute_dtype=jnp.float32):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
+        if "d" not in mesh.shape or len(mesh.shape) != 1:
+            raise ValueError(f"the SPMD engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
+        self.mesh = mesh
+        devices = int(mesh.shape["d"])
+        self.numels = {g: model.layouts[g].numel for g in model.group_names}
+        self.padded = {g: -(-n // devices) * devices for g, n in self.numels.items()}
+        self.param_sharding = NamedSharding(mesh, P("d"))
+        flats = model.flatten_groups(groups)
+        self.flats = {g: jax.device_put(np.pad(flats[g], (0, self.padded[g] - self.numels[g])), self.param_sharding)
+                      for g in model.group_names}
+        self.tx = make_optimizer(optimizer)
+        self.opt_state = jax.jit(self.tx.init)(self.flats)
+        self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
+        self._step = jax.jit(self._full_step, donate_argnums=(0, 1))
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.mesh.shape["d"])
+
+    def _loss(self, flats, microbatch):
+        groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
+                  for g, v in flats.items()}
+        return self.model.loss(groups, microbatch).astype(jnp.float32)
+
+    def _full_step(self, flats, opt_state, arrays, normalizer):
+        grad_fn = jax.value_and_grad(self._loss)
+
+        def body(i, carry):
+            grads, loss_sum = carry
+            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in arrays.items()}
+            microbatch["normalizer"] = normalizer
+            loss, g = grad_fn(flats, microbatch)
+            return jax.tree.map(jnp.add, grads, g), loss_sum + loss
+
+        m = next(iter(arrays.values())).shape[0]
+        zeros = jax.tree.map(jnp.zeros_like, flats)
+        grads, loss = lax.fori_loop(0, m, body, (zeros, jnp.zeros((), jnp.float32)))
+        grads, norm = clip_by_global_norm(grads, squared_norm(grads), self.optimizer.max_grad_norm)
+        updates, opt_state = self.tx.update(grads, opt_state, flats)
+        flats = jax.tree.map(lambda p, u: p + u, flats, updates)
+        flats = jax.tree.map(lambda p: lax.with_sharding_constraint(p, self.param_sharding), flats)
+        return flats, opt_state, loss, norm
+
+    def _run(self, batch: MinibatchArrays, recorder=None):
+        if recorder is not None:
+            raise ValueError("the XLA-SPMD engine cannot record timelines (one program for all devices)")
+        m = max(1, int(batch.counts.max()))
+        arrays = {k: np.ascontiguousarray(np.swapaxes(np.asarray(v)[:, :m], 0, 1))  # [M, D, T]
+                  for k, v in batch.as_dict().items()}
+        arrays = jax.device_put(arrays, self.batch_sharding)
+        self.flats, self.opt_state, loss, norm = self._step(self.flats, self.opt_state, arrays,
+                                                            jnp.float32(batch.normalizer))
+        return loss, norm
+
+    def flat_params(self) -> dict[str, np.ndarray]:
+        return {g: np.asarray(v)[: self.numels[g]].copy() for g, v in self.flats.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        def trim(path, leaf):
+            leaf = np.asarray(leaf)
+            for key in path:
+                name = getattr(key, "key", None)
+                if name in self.numels:
+                    return leaf[: self.numels[name]]
+            return leaf
+
+        return {"params": self.flat_params(),
+                "opt_state": jax.tree_util.tree_map_with_path(trim, self.opt_state), "step": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        def pad(path, leaf):
+            leaf = np.asarray(leaf)
+            for key in path:
+                name = getattr(key, "key", None)
+                if name in self.numels:
+                    return jax.device_put(np.pad(leaf, (0, self.padded[name] - self.numels[name])),
+                                          self.param_sharding)
+            return jnp.asarray(leaf)
+
+        self.flats = {g: jax.device_put(np.pad(np.asarray(state["params"][g], np.float32),
+                                               (0, self.padded[g] - self.numels[g])), self.param_sharding)
+                      for g in self.model.group_names}
+        loaded = jax.tree.unflatten(jax.tree.structure(self.opt_state), jax.tree.leaves(state["opt_state"]))
+        self.opt_state = jax.tree_util.tree_map_with_path(pad, loaded)
+        self.steps_done = int(state["step"])
