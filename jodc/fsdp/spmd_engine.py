@@ -23,11 +23,12 @@ class SPMDEngine(Engine):
     name = "xla_spmd"
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
-                 compute_dtype=jnp.float32):
+                 compute_dtype=jnp.float32, remat: bool = True):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
         if "d" not in mesh.shape or len(mesh.shape) != 1:
             raise ValueError(f"the SPMD engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
         self.mesh = mesh
+        self.remat = remat  # per-stage rematerialisation, like the other engines (MaxText's remat_policy=full)
         devices = int(mesh.shape["d"])
         self.numels = {g: model.layouts[g].numel for g in model.group_names}
         self.padded = {g: -(-n // devices) * devices for g, n in self.numels.items()}
@@ -47,7 +48,7 @@ class SPMDEngine(Engine):
     def _loss(self, flats, microbatch):
         groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
                   for g, v in flats.items()}
-        return self.model.loss(groups, microbatch).astype(jnp.float32)
+        return self.model.loss(groups, microbatch, remat=self.remat).astype(jnp.float32)
 
     def _full_step(self, flats, opt_state, arrays, normalizer):
         grad_fn = jax.value_and_grad(self._loss)

@@ -87,9 +87,14 @@ class StagedModel:
     def unflatten_groups(self, flats: dict[str, Any]) -> dict[str, Any]:
         return {g: self.layouts[g].unflatten(jnp.asarray(flats[g])) for g in self.group_names}
 
-    def loss(self, groups: dict[str, Any], microbatch: dict):
-        """The plain (unsharded) forward pass: what every engine must reproduce."""
+    def loss(self, groups: dict[str, Any], microbatch: dict, *, remat: bool = False):
+        """The plain (unsharded) forward pass: what every engine must reproduce. With `remat`, every stage is
+        rematerialised in the backward pass (the activation memory policy of the sharded engines)."""
         h = None
         for st in self.stages:
-            h = st.fn(tuple(groups[g] for g in st.groups), h, microbatch)
+            params = tuple(groups[g] for g in st.groups)
+            if remat:
+                h = jax.checkpoint(lambda p, h, st=st: st.fn(p, h, microbatch))(params, h)
+            else:
+                h = st.fn(params, h, microbatch)
         return h
