@@ -1,6 +1,8 @@
 """Throughput of the ODC primitives against XLA's collectives and a plain C++ memcpy, in one run.
 
-Each contender moves the same bytes: a bucket of `--mib` MiB (fp32) over `--devices` simulated CPU devices.
+Each contender moves the same bytes: buckets of `--mib` MiB (fp32) over `--devices` simulated CPU devices, measured
+two ways: one op per jitted program, and `--layers` ops on as many buckets inside one program, the way a training
+step issues them (one per layer). The JSON's headline ratios are the latter; both are printed.
 Bandwidth is algorithmic: devices x bucket bytes / seconds (every device receives, or sends, a full bucket per op),
 so gather and all_gather (and scatter_accumulate and psum_scatter) are directly comparable. The memcpy rows copy a
 bucket-sized buffer per thread. Times are medians of `--repeats` calls of one jitted op each.
@@ -20,7 +22,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--mib", type=float, default=16.0, help="bucket size in MiB (fp32)")
-    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--layers", type=int, default=8, help="buckets per program in the layer-stack mode")
     p.add_argument("--quick", action="store_true", help="fewer repeats (for make demo)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)
@@ -56,78 +59,76 @@ def interleaved_medians(contenders: dict, repeats: int) -> dict:
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
-class Accumulating:
-    """psum_scatter followed by adding into a persistent (donated) gradient accumulator: what collective FSDP must
-    do per microbatch to match scatter_accumulate's semantics."""
-
-    def __init__(self, fn, grads, acc):
-        self.fn, self.grads, self.acc = fn, grads, acc
-
-    def __call__(self):
-        self.acc = self.fn(self.grads, self.acc)
-        return self.acc
 
 
-def run(devices: int, mib: float, repeats: int) -> dict:
-    cpu = jax.devices("cpu")
-    if len(cpu) < devices:
-        raise SystemExit(f"need {devices} CPU devices, have {len(cpu)} (set XLA_FLAGS before importing jax)")
-    mesh = Mesh(np.array(cpu[:devices]), ("d",))
-    numel = int(mib * (1 << 20)) // 4
-    bucket_bytes = numel * 4
-    moved = devices * bucket_bytes
+def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:
+    """Median seconds per op when one jitted program issues `layers` ops on `layers` different buckets (as a
+    forward pass does, one per layer); layers=1 is a single op per program."""
+    sharding = jax.sharding.NamedSharding(mesh, P("d"))
 
-    def shard_mapped(body, in_specs, out_specs):
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    def shard_mapped(body, n_in, donate=()):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"),) * n_in, out_specs=P("d")),
+                       donate_argnums=donate)
 
     with ops.SymmetricHeap(mesh) as heap:
-        bucket = heap.register(numel)
-        bucket.set_full(np.arange(numel, dtype=np.float32))
-        shard = bucket.shard_numel
+        buckets = [heap.register(numel, name=f"layer{i}") for i in range(layers)]
+        for b in buckets:
+            b.set_full(np.arange(numel, dtype=np.float32))
+        padded = buckets[0].shard_numel * devices
 
-        def gather_body(x):
-            full, _ = ops.gather(bucket, ops.new_token())
-            return full[None]
+        def odc_gather(_):
+            token, acc = ops.new_token(), jnp.zeros(())
+            for b in buckets:
+                full, token = ops.gather(b, token)
+                acc = acc + full[0]  # consume the result, as a layer would
+            return acc[None]
 
-        def scatter_body(g):
-            return ops.scatter_accumulate(bucket, g[0], ops.new_token())[None]
+        def xla_all_gather(*shards):
+            acc = jnp.zeros(())
+            for s in shards:
+                acc = acc + lax.all_gather(s, "d", tiled=True)[0]
+            return acc[None]
 
-        gather_fn = shard_mapped(gather_body, P("d"), P("d"))
-        scatter_fn = shard_mapped(scatter_body, P("d"), P("d"))
-        grads = jax.device_put(jnp.ones((devices, numel), jnp.float32),
-                               jax.sharding.NamedSharding(mesh, P("d")))
-        padded = shard * devices
-        shards = jax.device_put(jnp.ones((padded,), jnp.float32), jax.sharding.NamedSharding(mesh, P("d")))
-        all_gather_fn = shard_mapped(lambda s: lax.all_gather(s, "d", tiled=True)[None], P("d"), P("d"))
-        grads_padded = jax.device_put(jnp.ones((devices, padded), jnp.float32),
-                                      jax.sharding.NamedSharding(mesh, P("d")))
-        psum_scatter_fn = shard_mapped(lambda g: lax.psum_scatter(g[0], "d", tiled=True), P("d"), P("d"))
-        accumulate_fn = jax.jit(
-            jax.shard_map(lambda g, a: a + lax.psum_scatter(g[0], "d", tiled=True), mesh=mesh,
-                          in_specs=(P("d"), P("d")), out_specs=P("d")),
-            donate_argnums=1)
+        def odc_scatter(*grads):
+            token = ops.new_token()
+            for b, g in zip(buckets, grads):
+                token = ops.scatter_accumulate(b, g[0], token)
+            return token[None]
+
+        def xla_psum_scatter(*grads):
+            acc = jnp.zeros(())
+            for g in grads:
+                acc = acc + lax.psum_scatter(g[0], "d", tiled=True)[0]
+            return acc[None]
+
+        def xla_psum_scatter_accumulate(*args):
+            grads, accs = args[:layers], args[layers:]
+            return jnp.stack([a + lax.psum_scatter(g[0], "d", tiled=True) for g, a in zip(grads, accs)])
+
+        grads = [jax.device_put(jnp.full((devices, numel), 1.0 + i, jnp.float32), sharding) for i in range(layers)]
+        grads_padded = [jax.device_put(jnp.full((devices, padded), 1.0 + i, jnp.float32), sharding)
+                        for i in range(layers)]
+        shards = [jax.device_put(jnp.full((padded,), 1.0 + i, jnp.float32), sharding) for i in range(layers)]
+        gather_fn = shard_mapped(odc_gather, 1)
+        all_gather_fn = shard_mapped(xla_all_gather, layers)
+        scatter_fn = shard_mapped(odc_scatter, layers)
+        psum_scatter_fn = shard_mapped(xla_psum_scatter, layers)
+        accumulate_fn = jax.jit(jax.shard_map(xla_psum_scatter_accumulate, mesh=mesh,
+                                              in_specs=(P("d"),) * (2 * layers), out_specs=P(None, "d")))
+        accs = [jax.device_put(jnp.zeros((padded,), jnp.float32), sharding) for _ in range(layers)]
         zeros = jnp.zeros(devices)
-        results = interleaved_medians({
+        seconds = interleaved_medians({
             "odc_gather": lambda: gather_fn(zeros),
-            "xla_all_gather": lambda: all_gather_fn(shards),
-            "odc_scatter_accumulate": lambda: scatter_fn(grads),
-            "xla_psum_scatter": lambda: psum_scatter_fn(grads_padded),
-            "xla_psum_scatter_accumulate": Accumulating(accumulate_fn, grads_padded, jnp.zeros_like(shards)),
+            "xla_all_gather": lambda: all_gather_fn(*shards),
+            "odc_scatter_accumulate": lambda: scatter_fn(*grads),
+            "xla_psum_scatter": lambda: psum_scatter_fn(*grads_padded),
+            "xla_psum_scatter_accumulate": lambda: accumulate_fn(*grads_padded, *accs),
         }, repeats)
+    return {k: v / layers for k, v in seconds.items()}
 
-    lib = _native.cpu_library()
-    iters = max(3, repeats // 3)
-    memcpy_gbps = {t: float(np.median([lib.memcpy_bandwidth(bucket_bytes, t, iters) for _ in range(3)]))
-                   for t in (1, 2)}
 
-    gbps = {k: moved / v / 1e9 for k, v in results.items()}
-    gbps["memcpy_1_thread"] = memcpy_gbps[1]
-    gbps["memcpy_2_threads"] = memcpy_gbps[2]
+def ratios(gbps: dict) -> dict:
     return {
-        "devices": devices,
-        "bucket_mib": mib,
-        "gbps": gbps,
-        "ms": {k: v * 1e3 for k, v in results.items()},
         "gather_vs_all_gather": gbps["odc_gather"] / gbps["xla_all_gather"],
         "scatter_vs_psum_scatter": gbps["odc_scatter_accumulate"] / gbps["xla_psum_scatter"],
         "scatter_vs_psum_scatter_accumulate": gbps["odc_scatter_accumulate"] / gbps["xla_psum_scatter_accumulate"],
@@ -135,29 +136,63 @@ def run(devices: int, mib: float, repeats: int) -> dict:
     }
 
 
+def run(devices: int, mib: float, repeats: int, layers: int) -> dict:
+    cpu = jax.devices("cpu")
+    if len(cpu) < devices:
+        raise SystemExit(f"need {devices} CPU devices, have {len(cpu)} (set XLA_FLAGS before importing jax)")
+    mesh = Mesh(np.array(cpu[:devices]), ("d",))
+    numel = int(mib * (1 << 20)) // 4
+    bucket_bytes = numel * 4
+    moved = devices * bucket_bytes
+    lib = _native.cpu_library()
+    iters = max(3, repeats // 3)
+    memcpy = {t: float(np.median([lib.memcpy_bandwidth(bucket_bytes, t, iters) for _ in range(3)])) for t in (1, 2)}
+    out = {"devices": devices, "bucket_mib": mib, "layers": layers, "modes": {}}
+    for mode, n in (("single", 1), ("stack", layers)):
+        seconds = measure(mesh, devices, numel, n, repeats)
+        gbps = {k: moved / v / 1e9 for k, v in seconds.items()}
+        gbps["memcpy_1_thread"], gbps["memcpy_2_threads"] = memcpy[1], memcpy[2]
+        out["modes"][mode] = {"gbps": gbps, "ms": {k: v * 1e3 for k, v in seconds.items()}, **ratios(gbps)}
+    # headline: ops as training issues them, one per layer inside a step program
+    out.update({k: v for k, v in out["modes"]["stack"].items() if k not in ("gbps", "ms")})
+    return out
+
+
 def print_table(r: dict) -> None:
-    print(f"ODC primitives, {r['devices']} CPU devices, {r['bucket_mib']:g} MiB fp32 bucket "
-          f"(GB/s = devices x bucket bytes / time)")
-    print(f"{'contender':<28}{'ms / op':>10}{'GB/s':>10}")
+    print(f"ODC primitives, {r['devices']} CPU devices, {r['bucket_mib']:g} MiB fp32 buckets "
+          f"(GB/s = devices x bucket bytes / time per op)")
+    stack_title = f"{r['layers']}-layer program"
+    print(f"{'contender':<30}{'single op':>20}  {stack_title:>20}")
+    print(f"{'':<30}{'ms':>10}{'GB/s':>10}{'ms/op':>12}{'GB/s':>12}")
     rows = [("jodc gather", "odc_gather"), ("lax.all_gather", "xla_all_gather"),
             ("jodc scatter_accumulate", "odc_scatter_accumulate"), ("lax.psum_scatter", "xla_psum_scatter"),
             ("lax.psum_scatter + acc +=", "xla_psum_scatter_accumulate"),
             ("C++ memcpy, 1 thread", "memcpy_1_thread"), ("C++ memcpy, 2 threads", "memcpy_2_threads")]
+    single, stack = r["modes"]["single"], r["modes"]["stack"]
     for label, key in rows:
-        ms = r["ms"].get(key)
-        print(f"{label:<28}{(f'{ms:.2f}' if ms is not None else '-'):>10}{r['gbps'][key]:>10.2f}")
-    print(f"gather / all_gather = {r['gather_vs_all_gather']:.2f}   "
-          f"scatter / psum_scatter = {r['scatter_vs_psum_scatter']:.2f}   "
-          f"gather / memcpy(2 threads) = {r['gather_vs_memcpy']:.2f}   "
-          f"scatter / (psum_scatter + acc) = {r['scatter_vs_psum_scatter_accumulate']:.2f}")
+        cells = []
+        for mode in (single, stack):
+            ms = mode["ms"].get(key)
+            cells.append(f"{(f'{ms:.2f}' if ms is not None else '-'):>10}{mode['gbps'][key]:>10.2f}")
+        print(f"{label:<30}{cells[0]}  {cells[1]}")
+    for name, mode in (("single op", single), (f"{r['layers']}-layer program", stack)):
+        print(f"{name:>20}: gather/all_gather {mode['gather_vs_all_gather']:.2f}  "
+              f"scatter/psum_scatter {mode['scatter_vs_psum_scatter']:.2f}  "
+              f"scatter/(psum_scatter+acc) {mode['scatter_vs_psum_scatter_accumulate']:.2f}  "
+              f"gather/memcpy(2 thr) {mode['gather_vs_memcpy']:.2f}")
 
 
 def main(args) -> dict:
     repeats = 8 if args.quick else args.repeats
-    r = run(args.devices, args.mib, repeats)
+    r = run(args.devices, args.mib, repeats, 2 if args.quick else args.layers)
     print_table(r)
-    line = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("gbps", "ms")}
-    line.update({f"{k}_gbps": round(v, 3) for k, v in r["gbps"].items()})
+    line = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "modes"}
+    for mode, values in r["modes"].items():
+        for k, v in values.items():
+            if k in ("gbps", "ms"):
+                line.update({f"{mode}_{name}_{k}": round(x, 3) for name, x in v.items()})
+            else:
+                line[f"{mode}_{k}"] = round(v, 4)
     print(json.dumps(line))
     if not args.no_save:
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "primitives.json")
