@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -45,7 +46,7 @@ def microbatch_cost_table(plan: Plan, cost_model: CostModel | None = None) -> np
             if cost_model is None:
                 table[d, m] = mb.cost
             elif not mb.is_empty:
-                table[d, m] = float(sequence_costs(cost_model, np.asarray(mb.seq_lengths)).sum())
+                table[d, m] = math.fsum(sequence_costs(cost_model, np.asarray(mb.seq_lengths)))
     return table
 
 

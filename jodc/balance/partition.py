@@ -10,14 +10,16 @@
 * :func:`partition` -- Karmarkar-Karp followed by :func:`~jodc.balance.refine.refine_by_swaps` (also trying the
   refined LPT result), then a node-bounded exact search (:mod:`jodc.balance.search`).
 
-All three are deterministic: ties are broken by item index and creation order, never by hashing or randomness, so
-every host computes the same partition from the same costs. Returned parts are lists of item indices (ascending)
+All three are deterministic: ties are broken by item index and creation order, never by hashing or randomness,
+and part sums are exactly rounded (``math.fsum``, independent of summation order or SIMD width), so every host
+computes the same partition from the same costs. Returned parts are lists of item indices (ascending)
 ordered heaviest first (ties: the part holding the smaller first index first; empty parts last).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 
 import numpy as np
 
@@ -34,7 +36,7 @@ def order_parts(costs, parts: list[list[int]]) -> list[list[int]]:
     sorted_parts = [sorted(int(i) for i in part) for part in parts]
 
     def key(part):
-        return (0, -float(cost[part].sum()), part[0]) if part else (1, 0.0, 0)
+        return (0, -math.fsum(cost[part]), part[0]) if part else (1, 0.0, 0)
 
     return sorted(sorted_parts, key=key)
 
@@ -123,4 +125,4 @@ def partition(
 def part_sums(costs, parts: list[list[int]]) -> np.ndarray:
     """Cost sum of each part, as a float64 array."""
     cost = np.asarray(costs, dtype=np.float64)
-    return np.array([float(cost[part].sum()) if part else 0.0 for part in parts])
+    return np.array([math.fsum(cost[part]) for part in parts])

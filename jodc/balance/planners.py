@@ -17,6 +17,7 @@ a pure function of its arguments: the same input gives the same plan on every ho
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -33,7 +34,7 @@ Planner = Callable[..., Plan]
 def _microbatch(indices, lengths: np.ndarray, costs: np.ndarray) -> Microbatch:
     """A microbatch of the given global sequence indices, kept in ascending index order."""
     ordered = sorted(int(i) for i in indices)
-    return Microbatch(tuple(ordered), tuple(int(lengths[i]) for i in ordered), float(costs[ordered].sum()))
+    return Microbatch(tuple(ordered), tuple(int(lengths[i]) for i in ordered), math.fsum(costs[ordered]))
 
 
 def _device_microbatches(share: list[int], packed: list[list[int]], lengths, costs) -> tuple[Microbatch, ...]:

@@ -21,11 +21,14 @@ Constraints: ``allow_moves=False`` only exchanges groups of equal size, so each 
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from jodc.balance.validation import costs_array
+from jodc.balance.validation import check_partition, costs_array
 
-# Largest give x take table of 2-item groups tabulated at once (floats); about 2 MB. Parts of up to ~40 items fit.
+# Largest give x take table of groups of up to 2 items tabulated at once (floats, about 2 MB): two parts of up to
+# about 30 items each fit; larger pairs use single-item exchanges only.
 MAX_PAIR_TABLE = 250_000
 # Refinement stops once the heaviest part is within this relative distance of the lower bound max(item, mean).
 LOWER_BOUND_TOLERANCE = 1e-6
@@ -68,15 +71,15 @@ class _Refiner:
         self.allow_moves, self.max_group = allow_moves, max_group
         self.memo: dict = {}
         self.group_memo: dict = {}
-        self.tolerance = 1e-12 * max(float(cost.sum()), 1e-300)
+        self.tolerance = 1e-12 * max(math.fsum(cost), 1e-300)
 
     def sums(self):
-        return np.array([float(self.cost[part].sum()) if part else 0.0 for part in self.parts])
+        return np.array([math.fsum(self.cost[part]) for part in self.parts])
 
     def totals(self):
         if self.size is None:
             return None
-        return np.array([float(self.size[part].sum()) if part else 0.0 for part in self.parts])
+        return np.array([math.fsum(self.size[part]) for part in self.parts])
 
     def best_exchange(self, p, q, gap, totals, max_items):
         """Best improving exchange from heavier part p to lighter part q: (new gap, give, take) or None.
@@ -171,7 +174,7 @@ def refine_by_swaps(
     Returns the refined partition, each part's indices ascending, in the same part order as given.
     """
     cost = costs_array(costs)
-    _check_partition(parts, cost.size)
+    check_partition(parts, cost.size)
     if (sizes is None) != (capacity is None):
         raise ValueError("sizes and capacity must be given together")
     size = costs_array(sizes, "sizes") if sizes is not None else None
@@ -181,7 +184,7 @@ def refine_by_swaps(
         raise ValueError(f"max_group must be 1 or 2, got {max_group!r}")
     refiner = _Refiner(cost, size, capacity, parts, allow_moves, max_group)
     rounds = 10 * cost.size + 100 if max_rounds is None else max_rounds
-    lower_bound = max(float(cost.max(initial=0.0)), float(cost.sum()) / max(len(parts), 1))
+    lower_bound = max(float(cost.max(initial=0.0)), math.fsum(cost) / max(len(parts), 1))
     for _ in range(rounds):
         if refiner.sums().max(initial=0.0) <= lower_bound * (1.0 + LOWER_BOUND_TOLERANCE):
             break  # nothing can lower the heaviest part further
@@ -194,16 +197,3 @@ def refine_by_swaps(
             break
         refiner.apply(*step)
     return refiner.parts
-
-
-def _check_partition(parts, num_items: int) -> None:
-    """``ValueError`` unless ``parts`` holds each of ``range(num_items)`` exactly once."""
-    seen = np.zeros(num_items, dtype=np.int64)
-    for part in parts:
-        for i in part:
-            if not (0 <= int(i) < num_items):
-                raise ValueError(f"partition refers to item {i}, outside range({num_items})")
-            seen[int(i)] += 1
-    if np.any(seen != 1):
-        bad = int(np.flatnonzero(seen != 1)[0])
-        raise ValueError(f"partition must hold every item exactly once; item {bad} appears {seen[bad]} times")

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from jodc.balance.validation import costs_array
+from jodc.balance.validation import check_partition, costs_array
 
 DEFAULT_NODE_BUDGET = 3_000
 
@@ -50,13 +50,16 @@ def improve_by_search(
     if isinstance(node_budget, bool) or not isinstance(node_budget, int) or node_budget < 0:
         raise ValueError(f"node_budget must be an integer >= 0, got {node_budget!r}")
     size = costs_array(sizes, "sizes") if sizes is not None else np.zeros_like(cost)
+    if size.shape != cost.shape:
+        raise ValueError(f"sizes has {size.size} entries for {cost.size} costs")
     k = len(parts)
     n = cost.size
     if k == 0:
         raise ValueError("parts is empty: a partition has at least one part")
+    check_partition(parts, n)
     incumbent = [sorted(int(i) for i in part) for part in parts]
-    best_max = max((float(cost[part].sum()) for part in incumbent), default=0.0)
-    total = float(cost.sum())
+    best_max = max((math.fsum(cost[part]) for part in incumbent), default=0.0)
+    total = math.fsum(cost)
     if node_budget == 0 or n == 0 or k == 1:
         return incumbent
     tolerance = 1e-12 * max(total, 1e-300)

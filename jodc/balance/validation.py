@@ -80,3 +80,16 @@ def costs_array(costs, name: str = "costs", *, allow_empty: bool = True) -> np.n
     if bad.size:
         raise ValueError(f"{name} must be finite and >= 0; {name}[{bad[0]}] = {array[bad[0]]!r}")
     return array
+
+
+def check_partition(parts, num_items: int) -> None:
+    """``ValueError`` unless ``parts`` (lists of item indices) holds each of ``range(num_items)`` exactly once."""
+    seen = np.zeros(num_items, dtype=np.int64)
+    for part in parts:
+        for i in part:
+            if not (0 <= int(i) < num_items):
+                raise ValueError(f"partition refers to item {i}, outside range({num_items})")
+            seen[int(i)] += 1
+    if np.any(seen != 1):
+        bad = int(np.flatnonzero(seen != 1)[0])
+        raise ValueError(f"partition must hold every item exactly once; item {bad} appears {seen[bad]} times")

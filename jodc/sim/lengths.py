@@ -4,7 +4,7 @@ Every generator is a log-normal distribution restricted to ``[min_len, max_len]`
 that the restricted distribution has the published (or assumed) mean exactly; ``sigma`` sets the tail. Two ways
 to restrict it:
 
-* ``truncate`` -- lengths outside the range are redrawn (a data set filtered by length);
+* ``truncate`` -- the distribution conditioned on the range (a data set filtered by length);
 * ``clip`` -- lengths above ``max_len`` become ``max_len`` (generation stopped at a length cap, as in RL rollouts,
   which piles a spike of truncated responses at the cap), and below ``min_len`` become ``min_len``.
 
@@ -38,8 +38,19 @@ from jodc.balance.validation import positive_int
 TAILS = ("truncate", "clip")
 
 
-def _normal_cdf(x: float) -> float:
-    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+GRID_POINTS = 16385  # resolution of the grid on which truncated distributions are integrated and sampled
+LOG_REACH = 40.0  # the grid covers where the integrand is within e^-40 of its peak (the rest is negligible)
+MAX_SIGMA = 5.0  # beyond this a log-normal spans >10^10 in length within two sigmas: not a length distribution
+
+
+def _normal_mass(low: float, high: float) -> float:
+    """P(low < Z < high) for a standard normal Z, accurate in either tail (no 1 - 1 cancellation)."""
+    root2 = math.sqrt(2.0)
+    if low > 0:
+        return 0.5 * (math.erfc(low / root2) - math.erfc(high / root2))
+    if high < 0:
+        return 0.5 * (math.erfc(-high / root2) - math.erfc(-low / root2))
+    return 0.5 * (math.erf(high / root2) - math.erf(low / root2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,27 +85,56 @@ class LengthDistribution:
                 raise ValueError(f"{field} must be a finite number, got {value!r}")
         if not self.min_len < self.mean < self.max_len:
             raise ValueError(f"mean={self.mean} must lie strictly between min_len and max_len")
-        if self.sigma <= 0:
-            raise ValueError(f"sigma must be > 0, got {self.sigma}")
+        if not 0 < self.sigma <= MAX_SIGMA:
+            raise ValueError(f"sigma must be in (0, {MAX_SIGMA}], got {self.sigma}")
         if self.tail not in TAILS:
             raise ValueError(f"tail must be one of {TAILS}, got {self.tail!r}")
+
+    def _truncated_grid(self, mu: float) -> tuple[np.ndarray, np.ndarray]:
+        """Grid ``z`` of standardised log-lengths on the truncated range, and the log-density there (max 0).
+
+        The grid spans only where the density, or the density tilted by ``exp(sigma z)`` (the integrand of the
+        mean), is within ``e^-LOG_REACH`` of its peak, so a steep density far in a tail is still resolved.
+        """
+        a = (math.log(self.min_len) - mu) / self.sigma
+        b = (math.log(self.max_len) - mu) / self.sigma
+        low, high = b, a
+        for centre in (0.0, self.sigma):
+            peak = min(max(centre, a), b)
+            reach = math.sqrt((peak - centre) ** 2 + 2.0 * LOG_REACH)
+            low, high = min(low, max(a, centre - reach)), max(high, min(b, centre + reach))
+        z = np.linspace(low, high, GRID_POINTS)
+        peak = min(max(0.0, a), b)
+        return z, -(z * z - peak * peak) / 2.0
 
     def mean_for(self, mu: float) -> float:
         """The restricted distribution's mean when the log-length has location ``mu``."""
         s = self.sigma
-        a, b = math.log(self.min_len), math.log(self.max_len)
-        partial = math.exp(mu + s * s / 2) * (_normal_cdf((b - mu - s * s) / s) - _normal_cdf((a - mu - s * s) / s))
-        below, above = _normal_cdf((a - mu) / s), 1.0 - _normal_cdf((b - mu) / s)
+        a, b = (math.log(self.min_len) - mu) / s, (math.log(self.max_len) - mu) / s
         if self.tail == "clip":
-            return self.min_len * below + partial + self.max_len * above
-        inside = 1.0 - below - above
-        return partial / inside if inside > 0 else (self.min_len if mu < a else self.max_len)
+            # E[X; inside] = exp(mu + s^2 / 2) * P(a - s < Z < b - s), in log space so it cannot overflow
+            mass = _normal_mass(a - s, b - s)
+            inside = math.exp(mu + s * s / 2 + math.log(mass)) if mass > 0 else 0.0
+            return self.min_len * _normal_mass(-math.inf, a) + inside + self.max_len * _normal_mass(b, math.inf)
+        z, log_density = self._truncated_grid(mu)
+        log_tilted = log_density + s * z
+        top = float(log_tilted.max())
+        ratio = _trapezoid(np.exp(log_tilted - top), z) / _trapezoid(np.exp(log_density), z)
+        return min(max(math.exp(mu + top) * ratio, float(self.min_len)), float(self.max_len))
 
     @functools.cached_property
     def mu(self) -> float:
         """The log-location that gives the target mean (bisection; the mean grows with ``mu``)."""
         low = math.log(self.min_len) - 10 * self.sigma
         high = math.log(self.max_len) + 10 * self.sigma
+        step = 10 * self.sigma
+        while self.mean_for(high) < self.mean:  # widen the bracket for means close to an end of the range
+            high += step
+            step *= 2
+        step = 10 * self.sigma
+        while self.mean_for(low) > self.mean:
+            low -= step
+            step *= 2
         for _ in range(200):
             mid = 0.5 * (low + high)
             if self.mean_for(mid) < self.mean:
@@ -111,11 +151,18 @@ class LengthDistribution:
         if self.tail == "clip":
             raw = np.exp(rng.normal(self.mu, self.sigma, n))
             return np.clip(np.rint(raw), self.min_len, self.max_len).astype(np.int64)
-        kept = np.zeros(0)
-        while kept.size < n:
-            raw = np.exp(rng.normal(self.mu, self.sigma, max(2 * (n - kept.size), 64)))
-            kept = np.concatenate([kept, raw[(raw >= self.min_len) & (raw <= self.max_len)]])
-        return np.clip(np.rint(kept[:n]), self.min_len, self.max_len).astype(np.int64)
+        # Truncated: invert the CDF of the standardised log-length, tabulated on the grid (no rejection loop, so
+        # the cost does not depend on how much of the log-normal the range cuts away).
+        z, log_density = self._truncated_grid(self.mu)
+        density = np.exp(log_density)
+        cdf = np.concatenate([[0.0], np.cumsum((density[1:] + density[:-1]) / 2.0 * np.diff(z))])
+        draws = np.interp(rng.random(n) * cdf[-1], cdf, z)
+        raw = np.exp(self.mu + self.sigma * draws)
+        return np.clip(np.rint(raw), self.min_len, self.max_len).astype(np.int64)
+
+
+def _trapezoid(values: np.ndarray, z: np.ndarray) -> float:
+    return float(np.sum((values[1:] + values[:-1]) / 2.0 * np.diff(z)))
 
 
 LONGALIGN_SFT = LengthDistribution(

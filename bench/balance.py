@@ -1,0 +1,204 @@
+"""Balancing benchmark: imbalance and simulated ODC / collective-FSDP speed-up on LongAlign-like minibatches.
+
+For 8 devices and 1, 2, 4, 8, 16 sequences per device, draws minibatches from the LongAlign-like length
+distribution (8K-64K tokens, mean 16.5K; jodc.sim.lengths), plans each with local_sort, lb_micro and lb_mini
+(FLOP cost model of the 1.5B golden model, T = 64K), and simulates both schedules on A100-class numbers
+(jodc.sim.hardware). Per row it reports, averaged over the minibatches:
+
+* imbalance -- max / mean of per-device FLOPs (1.0 = perfect);
+* speed-up, same plan -- collective step time / ODC step time when both run that planner's plan;
+* ODC+lb_mini over collective+lb_micro, and over the best collective planner -- what switching both the
+  engine and the planner buys (the paper's comparison).
+
+Speed-ups are ratios of summed step times over the minibatches (i.e. of throughput over a run). Prints a table,
+then one JSON line for the golden setting (4 sequences per device) with the per-row results attached; saves the
+JSON to bench/results/balance.json, the table to bench/results/balance_table.md, and two plots to docs/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import numpy as np
+
+from jodc.balance import DEEPSEEK_R1_DISTILL_QWEN_1_5B, FlopsCost, get_planner, plan_metrics
+from jodc.sim import A100_SXM_80GB, LONGALIGN_SFT, compare_schedules, simulate_collective, simulate_odc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PLANNERS = ("local_sort", "lb_micro", "lb_mini")
+SEQS_PER_DEVICE = (1, 2, 4, 8, 16)
+GOLDEN_SEQS_PER_DEVICE = 4
+
+
+def run_row(per_device: int, devices: int, token_cap: int, minibatches: int, seed: int) -> dict:
+    """Plan and simulate ``minibatches`` minibatches of ``per_device * devices`` sequences."""
+    model = DEEPSEEK_R1_DISTILL_QWEN_1_5B
+    cost_model = FlopsCost(model)
+    imbalance = {p: [] for p in PLANNERS}
+    collective = {p: 0.0 for p in PLANNERS}
+    odc = {p: 0.0 for p in PLANNERS}
+    bubbles = {f"{s}_{p}": [] for s in ("collective", "odc") for p in PLANNERS}
+    best_collective = 0.0
+    sequences = 0
+    for r in range(minibatches):
+        lengths = LONGALIGN_SFT.sample(per_device * devices, seed=seed + 1000 * per_device + r)
+        sequences += lengths.size
+        step_collective = []
+        for name in PLANNERS:
+            plan = get_planner(name)(lengths, devices, token_cap, cost_model=cost_model)
+            imbalance[name].append(plan_metrics(plan).imbalance)
+            comparison = compare_schedules(plan, model, A100_SXM_80GB)
+            collective[name] += comparison.collective.step_time
+            odc[name] += comparison.odc.step_time
+            bubbles[f"collective_{name}"].append(comparison.collective.bubble_rate)
+            bubbles[f"odc_{name}"].append(comparison.odc.bubble_rate)
+            step_collective.append(comparison.collective.step_time)
+        best_collective += min(step_collective)
+    row = {"seqs_per_device": per_device, "minibatches": minibatches}
+    for name in PLANNERS:
+        row[f"{name}_imbalance"] = float(np.mean(imbalance[name]))
+        row[f"odc_speedup_{name}"] = collective[name] / odc[name]
+        row[f"collective_{name}_samples_per_s"] = sequences / collective[name]
+        row[f"odc_{name}_samples_per_s"] = sequences / odc[name]
+    for key, values in bubbles.items():
+        row[f"{key}_bubble_rate"] = float(np.mean(values))
+    row["odc_lb_mini_over_collective_lb_micro"] = collective["lb_micro"] / odc["lb_mini"]
+    row["odc_lb_mini_over_best_collective"] = best_collective / odc["lb_mini"]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    header = (
+        "| seqs/device | imbalance local_sort | lb_micro | lb_mini | ODC/coll. same plan: local_sort | lb_micro | "
+        "lb_mini | ODC+lb_mini / coll.+lb_micro | ODC+lb_mini / best coll. |"
+    )
+    lines = [header, "|" + "---:|" * 9]
+    for row in rows:
+        cells = [str(row["seqs_per_device"])]
+        cells += [f"{row[f'{p}_imbalance']:.3f}" for p in PLANNERS]
+        cells += [f"{row[f'odc_speedup_{p}']:.3f}" for p in PLANNERS]
+        cells += [f"{row['odc_lb_mini_over_collective_lb_micro']:.3f}", f"{row['odc_lb_mini_over_best_collective']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_speedups(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [row["seqs_per_device"] for row in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, style in zip(PLANNERS, ("o--", "s--", "^--")):
+        ax.plot(x, [row[f"odc_speedup_{name}"] for row in rows], style, label=f"ODC / collective, both on {name}")
+    ax.plot(x, [row["odc_lb_mini_over_collective_lb_micro"] for row in rows], "D-", lw=2.2,
+            label="ODC + lb_mini / collective + lb_micro")
+    ax.plot(x, [row["odc_lb_mini_over_best_collective"] for row in rows], "v:", lw=1.8,
+            label="ODC + lb_mini / best collective planner")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(v) for v in x])
+    ax.set_xlabel("sequences per device in the minibatch")
+    ax.set_ylabel("simulated speed-up (step time ratio)")
+    ax.set_title("LongAlign-like SFT, 1.5B model, 8 x A100, T = 64K (simulated)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plot_timelines(devices: int, token_cap: int, seed: int, path: pathlib.Path) -> None:
+    """Per-device timelines of one golden minibatch: collective + lb_micro above, ODC + lb_mini below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model = DEEPSEEK_R1_DISTILL_QWEN_1_5B
+    cost_model = FlopsCost(model)
+    lengths = LONGALIGN_SFT.sample(GOLDEN_SEQS_PER_DEVICE * devices, seed=seed + 1000 * GOLDEN_SEQS_PER_DEVICE)
+    runs = [
+        ("collective FSDP + lb_micro", simulate_collective(
+            get_planner("lb_micro")(lengths, devices, token_cap, cost_model=cost_model), model, A100_SXM_80GB,
+            with_timeline=True)),
+        ("ODC + lb_mini", simulate_odc(
+            get_planner("lb_mini")(lengths, devices, token_cap, cost_model=cost_model), model, A100_SXM_80GB,
+            with_timeline=True)),
+    ]
+    colors = {"compute": "#4C72B0", "comm": "#DD8452", "sync": "#C44E52"}
+    horizon = max(result.step_time for _, result in runs)
+    fig, axes = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
+    for ax, (title, result) in zip(axes, runs):
+        for kind, color in colors.items():
+            for d in range(devices):
+                spans = [(s.start, s.end - s.start) for s in result.timeline if s.device == d and s.kind == kind]
+                if spans:
+                    ax.broken_barh(spans, (d - 0.4, 0.8), color=color, linewidth=0)
+        ax.axvline(result.step_time, color="black", lw=1)
+        ax.set_yticks(range(devices), [f"dev {d}" for d in range(devices)])
+        ax.set_title(f"{title}: step {result.step_time:.2f} s, bubble rate {result.bubble_rate:.0%}", fontsize=10)
+        ax.set_xlim(0, horizon * 1.02)
+        ax.invert_yaxis()
+    axes[-1].set_xlabel("seconds (blue: compute, orange: communication, white: waiting)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--token-cap", type=int, default=65536)
+    parser.add_argument("--minibatches", type=int, default=20, help="minibatches averaged per row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-save", action="store_true", help="print only: write no JSON, table or plots")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    rows = [run_row(k, args.devices, args.token_cap, args.minibatches, args.seed) for k in SEQS_PER_DEVICE]
+    text = table(rows)
+    print(f"LongAlign-like lengths ({LONGALIGN_SFT.min_len}-{LONGALIGN_SFT.max_len} tokens, mean "
+          f"{LONGALIGN_SFT.mean:.0f}), {DEEPSEEK_R1_DISTILL_QWEN_1_5B.name}, {args.devices} x {A100_SXM_80GB.name}, "
+          f"T = {args.token_cap}, FLOP cost model, {args.minibatches} minibatches per row (simulated)")
+    print(text)
+    golden = next(row for row in rows if row["seqs_per_device"] == GOLDEN_SEQS_PER_DEVICE)
+    result = {
+        "benchmark": "balance",
+        "setting": {
+            "model": DEEPSEEK_R1_DISTILL_QWEN_1_5B.name,
+            "devices": args.devices,
+            "seqs_per_device": GOLDEN_SEQS_PER_DEVICE,
+            "token_cap": args.token_cap,
+            "hardware": A100_SXM_80GB.name,
+            "peak_flops": A100_SXM_80GB.peak_flops,
+            "achieved_fraction": A100_SXM_80GB.achieved_fraction,
+            "link_bandwidth": A100_SXM_80GB.link_bandwidth,
+            "lengths": LONGALIGN_SFT.name,
+            "cost_model": "flops",
+            "minibatches": args.minibatches,
+            "seed": args.seed,
+        },
+        **{k: v for k, v in golden.items() if k not in ("seqs_per_device", "minibatches")},
+        "rows": rows,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    line = json.dumps(result, sort_keys=False)
+    print(line)
+    if args.no_save:
+        return
+    results = ROOT / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "balance.json").write_text(json.dumps(result, indent=1) + "\n")
+    (results / "balance_table.md").write_text(text + "\n")
+    if not args.no_plots:
+        plot_speedups(rows, ROOT / "docs" / "balance_speedup.png")
+        plot_timelines(args.devices, args.token_cap, args.seed, ROOT / "docs" / "balance_timeline.png")
+
+
+if __name__ == "__main__":
+    main()
