@@ -1,6 +1,5 @@
 """Loss aggregation modes, global normalisers across microbatches, and packed (segment-id) sequences."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -200,11 +199,12 @@ def test_packed_segments_equal_one_sequence_per_row(loss_name, mode):
     kwargs = dict(aggregation=mode, norm_length=5)
     if loss_name == "gspo":
         kwargs.update(clip_low=0.2, clip_high=0.2)
-    unpacked_loss, unpacked_metrics = fn(logits, tokens, old, adv, mask, **kwargs)
-    packed_loss, packed_metrics = fn(p_logits, p_tokens, p_old, p_adv, p_mask, segment_ids=segment_ids, **kwargs)
+    run = jax.jit(lambda *args, segment_ids=None: fn(*args, segment_ids=segment_ids, **kwargs))
+    unpacked_loss, unpacked_metrics = run(logits, tokens, old, adv, mask)
+    packed_loss, packed_metrics = run(p_logits, p_tokens, p_old, p_adv, p_mask, segment_ids=segment_ids)
     np.testing.assert_allclose(packed_loss, unpacked_loss, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(packed_metrics["ratio_mean"], unpacked_metrics["ratio_mean"], rtol=1e-5)
     if loss_name == "gspo":
         # without segment ids, the two sequences sharing a packed row would share one ratio
-        merged_loss, _ = fn(p_logits, p_tokens, p_old, p_adv, p_mask, **kwargs)
+        merged_loss, _ = run(p_logits, p_tokens, p_old, p_adv, p_mask)
         assert abs(float(merged_loss) - float(unpacked_loss)) > 1e-4

@@ -159,11 +159,18 @@ def test_logprobs_under_jit_and_vmap():
     logits, tokens = _batch(9, b=2, t=4, v=7)
     stacked_logits = np.stack([logits, logits[::-1]])
     stacked_tokens = np.stack([tokens, tokens[::-1]])
-    fn = jax.jit(jax.vmap(lambda x, y: token_logprobs(x, y, chunk_size=3)))
-    got = fn(stacked_logits, stacked_tokens)
+    weights = np.random.default_rng(10).standard_normal(tokens.shape).astype(np.float32)
+
+    def value_and_grad(x, y, chunk):
+        return jax.value_and_grad(lambda z: jnp.sum(weights * token_logprobs(z, y, chunk_size=chunk)))(x)
+
+    fn = jax.jit(jax.vmap(lambda x, y: (token_logprobs(x, y, chunk_size=3), value_and_grad(x, y, 3))))
+    lps, (_, grads) = fn(stacked_logits, stacked_tokens)
     for i in range(2):
-        np.testing.assert_allclose(got[i], np_gather(stacked_logits[i], stacked_tokens[i][..., None])[..., 0],
+        np.testing.assert_allclose(lps[i], np_gather(stacked_logits[i], stacked_tokens[i][..., None])[..., 0],
                                    rtol=1e-5, atol=1e-5)
+        _, grad_ref = value_and_grad(stacked_logits[i], stacked_tokens[i], None)
+        np.testing.assert_allclose(grads[i], grad_ref, rtol=1e-5, atol=1e-6)
 
 
 def test_logprob_argument_errors():

@@ -16,6 +16,11 @@ def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(np.shape(x))
 
 
+def dtype_of(x: Any) -> np.dtype:
+    """The dtype of an array-like, without copying it (tracers, jax and numpy arrays carry one)."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.asarray(x).dtype
+
+
 def check_choice(fn: str, name: str, value: Any, choices: Iterable[str]) -> None:
     """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
     choices = tuple(choices)
@@ -28,8 +33,8 @@ def check_logits(fn: str, logits: Any) -> tuple[int, int, int]:
     shape = shape_of(logits)
     if len(shape) != 3:
         raise ValueError(f"{fn}: logits must have shape [B, T, V], got shape {shape}")
-    if not jnp.issubdtype(jnp.asarray(logits).dtype, jnp.floating):
-        raise ValueError(f"{fn}: logits must be a floating dtype, got {jnp.asarray(logits).dtype}")
+    if not jnp.issubdtype(dtype_of(logits), jnp.floating):
+        raise ValueError(f"{fn}: logits must be a floating dtype, got {dtype_of(logits)}")
     return shape  # type: ignore[return-value]
 
 
@@ -40,8 +45,8 @@ def check_bt(fn: str, name: str, x: Any, bt: tuple[int, int], *, integer: bool =
         raise ValueError(
             f"{fn}: {name} has shape {shape} but logits imply [B, T] = {tuple(bt)}"
         )
-    if integer and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
-        raise ValueError(f"{fn}: {name} must be an integer array, got dtype {jnp.asarray(x).dtype}")
+    if integer and not jnp.issubdtype(dtype_of(x), jnp.integer):
+        raise ValueError(f"{fn}: {name} must be an integer array, got dtype {dtype_of(x)}")
 
 
 def check_btk(fn: str, name: str, x: Any, bt: tuple[int, int], *, integer: bool = False) -> int:
@@ -51,8 +56,8 @@ def check_btk(fn: str, name: str, x: Any, bt: tuple[int, int], *, integer: bool 
         raise ValueError(
             f"{fn}: {name} has shape {shape} but must be [B, T, K] with [B, T] = {tuple(bt)} and K >= 1"
         )
-    if integer and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
-        raise ValueError(f"{fn}: {name} must be an integer array, got dtype {jnp.asarray(x).dtype}")
+    if integer and not jnp.issubdtype(dtype_of(x), jnp.integer):
+        raise ValueError(f"{fn}: {name} must be an integer array, got dtype {dtype_of(x)}")
     return shape[2]
 
 

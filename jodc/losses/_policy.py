@@ -14,7 +14,6 @@ from jax import lax
 
 from jodc.losses._checks import (
     check_bt,
-    check_btk,
     check_choice,
     check_chunk_size,
     check_logits,
@@ -56,8 +55,9 @@ def prepare(
     extra_ids=None,
 ) -> PolicyBatch:
     """Check shapes and options, compute log pi (and entropy) at the tokens, sanitise the per-token fields."""
-    _, t_len, _ = check_logits(fn, logits)
-    bt = tuple(jnp.shape(logits)[:2])
+    check_logits(fn, logits)
+    logits = jnp.asarray(logits)
+    bt = tuple(logits.shape[:2])
     check_bt(fn, "tokens", tokens, bt, integer=True)
     check_bt(fn, "mask", mask, bt)
     for name, value in fields.items():
@@ -74,7 +74,7 @@ def prepare(
     lp_btk, entropy_bt = _gather(
         logits, ids_btk, temperature=temperature, chunk_size=chunk_size, entropy_has_grad=False
     )
-    cdt = compute_dtype(jnp.asarray(logits).dtype)
+    cdt = compute_dtype(logits.dtype)
     valid_bt = valid_tokens(mask, segment_ids)
     clean = {name: jnp.where(valid_bt, jnp.asarray(value).astype(cdt), 0) for name, value in fields.items()}
     return PolicyBatch(

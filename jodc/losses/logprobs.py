@@ -37,20 +37,20 @@ def _scaled(x: jax.Array, temperature: float) -> jax.Array:
 
 
 def _as_storage(x_nv: jax.Array) -> jax.Array:
-    """The array the chunk loops slice from: the logits themselves, except sub-fp32 logits on the CPU backend,
-    which are reinterpreted as same-width unsigned ints (see ``_load_chunk``)."""
-    if x_nv.dtype.itemsize < 4 and jax.default_backend() == "cpu":
-        return lax.bitcast_convert_type(x_nv, jnp.uint16 if x_nv.dtype.itemsize == 2 else jnp.uint8)
+    """The array the chunk loops slice from: the logits themselves, except bf16 logits on the CPU backend, which
+    are reinterpreted as uint16 (see ``_load_chunk``)."""
+    if x_nv.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return lax.bitcast_convert_type(x_nv, jnp.uint16)
     return x_nv
 
 
 def _load_chunk(x_storage_nv: jax.Array, dtype, start, rows: int, temperature: float) -> jax.Array:
     """Rows [start, start + rows) of the logits, scaled, in the compute dtype.
 
-    On CPU, bf16 / fp16 logits travel through the loop as raw bits (``_as_storage``): XLA's CPU backend upcasts
-    bf16 loop state to fp32 and hoists that conversion out of the loop, which would materialise exactly the full
-    fp32 copy that chunking exists to avoid. (The reinterpretation itself costs one copy at the logits' own
-    2-byte width on CPU; GPU backends slice bf16 natively and skip it.)"""
+    On CPU, bf16 logits travel through the loop as raw bits (``_as_storage``): XLA's CPU backend upcasts bf16
+    loop state to fp32 and hoists that conversion out of the loop, which would materialise exactly the full fp32
+    copy that chunking exists to avoid. (The reinterpretation itself costs one copy at bf16 width on CPU; GPU
+    backends slice bf16 natively and skip it; fp16 is not affected.)"""
     chunk = lax.dynamic_slice_in_dim(x_storage_nv, start, rows, axis=0)
     if chunk.dtype != dtype:
         chunk = lax.bitcast_convert_type(chunk, dtype)
@@ -178,7 +178,7 @@ def _gather(logits_btv, ids_btk, *, temperature, chunk_size, entropy_has_grad):
     """Shared body of the public gathers: (log pi at ids [B, T, K], entropy [B, T]) in the compute dtype."""
     b, t, v = logits_btv.shape
     ids_btk = _clip_ids(ids_btk, v)
-    if chunk_size is None:
+    if chunk_size is None or b * t == 0:
         return _gather_unchunked(logits_btv, ids_btk, temperature)
     k = ids_btk.shape[-1]
     lp_nk, entropy_n = _gather_chunked(
@@ -196,6 +196,7 @@ def gather_logprobs(logits, ids, *, temperature: float = 1.0, chunk_size: int | 
     """
     fn = "gather_logprobs"
     check_logits(fn, logits)
+    logits = jnp.asarray(logits)
     b, t, _ = logits.shape
     check_btk(fn, "ids", ids, (b, t), integer=True)
     check_positive(fn, "temperature", temperature)
@@ -214,6 +215,7 @@ def token_logprobs(logits, tokens, *, temperature: float = 1.0, chunk_size: int 
     """
     fn = "token_logprobs"
     check_logits(fn, logits)
+    logits = jnp.asarray(logits)
     b, t, _ = logits.shape
     check_bt(fn, "tokens", tokens, (b, t), integer=True)
     check_positive(fn, "temperature", temperature)
@@ -233,6 +235,7 @@ def token_logprobs_and_entropy(
     """
     fn = "token_logprobs_and_entropy"
     check_logits(fn, logits)
+    logits = jnp.asarray(logits)
     b, t, _ = logits.shape
     check_bt(fn, "tokens", tokens, (b, t), integer=True)
     check_positive(fn, "temperature", temperature)
@@ -253,6 +256,7 @@ def topk_logprobs(logits, tokens, k: int, *, temperature: float = 1.0) -> tuple[
     """
     fn = "topk_logprobs"
     check_logits(fn, logits)
+    logits = jnp.asarray(logits)
     b, t, v = logits.shape
     check_bt(fn, "tokens", tokens, (b, t), integer=True)
     check_positive(fn, "temperature", temperature)

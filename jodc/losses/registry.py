@@ -17,7 +17,6 @@ time override the presets.
 """
 from __future__ import annotations
 
-from functools import partial
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -30,7 +29,7 @@ from jodc.losses.gspo import gspo_loss
 from jodc.losses.ppo import decoupled_ppo_loss, ppo_loss, tis_loss
 from jodc.losses.sapo import sapo_loss
 
-PolicyLoss = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
+PolicyLoss = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 def _dg_with_anchor(logits, tokens, anchor_logprobs, advantages, mask, **options):
