@@ -10,6 +10,8 @@ import dataclasses
 
 import numpy as np
 
+RESERVED = ("normalizer",)
+
 FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
 
@@ -23,6 +25,8 @@ class MinibatchArrays:
     counts: np.ndarray       # int32 [D] real microbatches per device
     normalizer: float        # global loss-token count
     num_sequences: int = 0
+    # more per-token fields for the loss ([D, M, T, ...] each), e.g. behaviour log-probs and advantages for RL
+    extras: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         shape = self.tokens.shape
@@ -32,6 +36,11 @@ class MinibatchArrays:
             arr = getattr(self, f)
             if arr.shape != shape:
                 raise ValueError(f"minibatch field {f!r} has shape {arr.shape}, tokens have {shape}")
+        for name, arr in self.extras.items():
+            if name in FIELDS or name in RESERVED:
+                raise ValueError(f"extra field {name!r} clashes with a built-in minibatch field")
+            if tuple(np.shape(arr)[:3]) != shape:
+                raise ValueError(f"extra field {name!r} has shape {np.shape(arr)}, it must start with {shape}")
         self.counts = np.asarray(self.counts, np.int32)
         if self.counts.shape != (shape[0],) or (self.counts < 0).any() or (self.counts > shape[1]).any():
             raise ValueError(f"counts {self.counts.tolist()} do not fit {shape[0]} devices x {shape[1]} microbatches")
@@ -51,10 +60,12 @@ class MinibatchArrays:
         return int((self.segment_ids > 0).sum())
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        return {f: getattr(self, f) for f in FIELDS}
+        """Every per-token field (built-in and extras), as the engines hand them to the model's stages."""
+        return {**{f: getattr(self, f) for f in FIELDS}, **self.extras}
 
 
-def minibatch_from_plan(plan, inputs, targets, loss_masks) -> MinibatchArrays:
+def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None = None,
+                        normalizer: float | None = None) -> MinibatchArrays:
     """Packs a minibatch by a `jodc.balance.Plan`.
 
     Args:
@@ -62,6 +73,8 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks) -> MinibatchArrays:
       inputs, targets: per sequence, int token arrays of its planned length (targets[t] is the token after
         inputs[t]).
       loss_masks: per sequence, 1 where the prediction of targets[t] is trained (e.g. completion tokens).
+      extras: more per-token fields by name, each a list with one array per sequence ([s_i, ...]).
+      normalizer: the global denominator the loss divides by (default: the total of `loss_masks`).
 
     Device d gets all of its planned microbatches (empty ones from lock-step planners included); the microbatch
     axis is padded to the largest count with empty microbatches. The normaliser is the minibatch's total of
@@ -86,6 +99,19 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks) -> MinibatchArrays:
         fields["tokens"][d, :n] = pack_arrays(plan, d, [np.asarray(x, np.int32) for x in inputs])
         fields["targets"][d, :n] = pack_arrays(plan, d, [np.asarray(x, np.int32) for x in targets])
         fields["loss_mask"][d, :n] = pack_arrays(plan, d, [np.asarray(x, np.float32) for x in loss_masks])
-    normalizer = float(sum(float(np.sum(x)) for x in loss_masks))
+    packed_extras = {}
+    for name, per_sequence in (extras or {}).items():
+        per_sequence = [np.asarray(x) for x in per_sequence]
+        trailing = per_sequence[0].shape[1:] if per_sequence else ()
+        dtype = np.result_type(*per_sequence) if per_sequence else np.float32
+        out = np.zeros(shape + trailing, dtype)
+        for d in range(num_devices):
+            n = len(plan.devices[d])
+            if n:
+                out[d, :n] = pack_arrays(plan, d, per_sequence)
+        packed_extras[name] = out
+    if normalizer is None:
+        normalizer = float(sum(float(np.sum(x)) for x in loss_masks))
     counts = np.array([len(mbs) for mbs in plan.devices], np.int32)
-    return MinibatchArrays(counts=counts, normalizer=max(normalizer, 1.0), num_sequences=len(inputs), **fields)
+    return MinibatchArrays(counts=counts, normalizer=max(float(normalizer), 1.0), num_sequences=len(inputs),
+                           extras=packed_extras, **fields)

@@ -16,7 +16,7 @@ from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.odc_engine import P_tree
 from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
-from jodc.fsdp.stages import StagedModel
+from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import shard_tree, unshard_tree
 from jodc.ops import _native
 
@@ -62,34 +62,41 @@ class CollectiveEngine(Engine):
             # remat: the gathered parameters are dropped after forward and re-gathered in backward (FSDP memory)
             h = jax.checkpoint(stage)(tuple(shards[g] for g in st.groups), h)
             if recorder is not None:
-                h = recorder.probe(h, i, index)
-        return h.astype(jnp.float32)
+                last = index == len(self.model.stages) - 1  # the loss: its cotangent is a constant
+                h = recorder.mark(h, i, timeline.STAGE_FORWARD, index) if last else recorder.probe(h, i, index)
+        loss, metrics = split_loss(h, self.model.metric_names)
+        return loss.astype(jnp.float32), metrics
 
     def _device_step(self, shards, opt_state, arrays, normalizer, recorder=None):
         shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
         num_micro = next(iter(arrays.values())).shape[0]
-        grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder))
+        grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder), has_aux=True)
 
         def body(i, carry):
-            grads, loss_sum = carry
+            grads, loss_sum, metric_sums = carry
             if recorder is not None:
                 loss_sum = recorder.mark(loss_sum, i, timeline.MICROBATCH_START)
             microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
             microbatch["normalizer"] = normalizer
-            loss, g = grad_fn(shards, microbatch, i)
+            (loss, metrics), g = grad_fn(shards, microbatch, i)
             if recorder is not None:
                 g = recorder.mark(g, i, timeline.MICROBATCH_END)
-            return jax.tree.map(jnp.add, grads, g), loss_sum + loss
+            metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
+            return jax.tree.map(jnp.add, grads, g), loss_sum + loss, metric_sums
 
         zeros = jax.tree.map(jnp.zeros_like, shards)
-        loss0 = lax.pcast(jnp.zeros((), jnp.float32), "d", to="varying")
-        grads, loss_sum = lax.fori_loop(0, num_micro, body, (zeros, loss0))
+        def varying_zero():
+            return lax.pcast(jnp.zeros((), jnp.float32), "d", to="varying")
+
+        init = (zeros, varying_zero(), {m: varying_zero() for m in self.model.metric_names})
+        grads, loss_sum, metric_sums = lax.fori_loop(0, num_micro, body, init)
         global_sq = lax.psum(squared_norm(grads), "d")
         grads, norm = clip_by_global_norm(grads, global_sq, self.optimizer.max_grad_norm)
         updates, opt_state = self.tx.update(grads, opt_state, shards)
         shards = jax.tree.map(lambda p, u: p + u, shards, updates)
         loss = lax.psum(loss_sum, "d")
-        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None]
+        metric_sums = {k: lax.psum(v, "d")[None] for k, v in metric_sums.items()}
+        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None], metric_sums
 
     def _run(self, batch: MinibatchArrays, recorder=None):
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
@@ -102,12 +109,13 @@ class CollectiveEngine(Engine):
                      P())
             device_step = functools.partial(self._device_step, recorder=recorder)
             fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
-                                       out_specs=(specs[0], specs[1], P("d"), P("d"))), donate_argnums=(0, 1))
+                                       out_specs=(specs[0], specs[1], P("d"), P("d"), P("d"))),
+                         donate_argnums=(0, 1))
             self._step_fns[key] = fn
-        self.shards, self.opt_state, loss, norm = fn(self.shards, self.opt_state,
-                                                     sharding.put_per_device(self.mesh, arrays),
-                                                     jnp.float32(batch.normalizer))
-        return loss, norm
+        self.shards, self.opt_state, loss, norm, metrics = fn(self.shards, self.opt_state,
+                                                              sharding.put_per_device(self.mesh, arrays),
+                                                              jnp.float32(batch.normalizer))
+        return loss, norm, metrics
 
     def flat_params(self) -> dict[str, np.ndarray]:
         return {g: np.asarray(self.shards[g]).reshape(-1)[: self.numels[g]].copy() for g in self.model.group_names}

@@ -18,8 +18,14 @@ def sft_loss_from_logits(logits_btv, microbatch, *, chunk_size: int | None = Non
 
 
 def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, seed: int = 0,
-                         logprob_chunk_size: int | None = None) -> tuple[StagedModel, dict]:
-    """Returns (staged model, initial group params). `groups` defaults to a random initialisation from `seed`."""
+                         logprob_chunk_size: int | None = None, head_loss=None,
+                         metric_names: tuple[str, ...] = ()) -> tuple[StagedModel, dict]:
+    """Returns (staged model, initial group params). `groups` defaults to a random initialisation from `seed`.
+
+    `head_loss(logits_btv, microbatch)` turns the logits of a microbatch (fields: tokens, targets, loss_mask,
+    positions, segment_ids, normalizer, plus the minibatch's extras) into its loss, or into (loss, {metric: value})
+    with the metrics named in `metric_names` (e.g. an RL policy loss); the default is next-token cross-entropy.
+    """
     if groups is None:
         groups = layerwise.init_params(config, jax.random.PRNGKey(seed))
     names = layerwise.param_groups(config)
@@ -36,6 +42,8 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
     def head(params, h, mb):
         embed_params = params[1] if config.tie_word_embeddings else None
         logits = layerwise.head_apply(config, params[0], h, embed_params)
+        if head_loss is not None:
+            return head_loss(logits, mb)
         return sft_loss_from_logits(logits, mb, chunk_size=logprob_chunk_size)
 
     stages = [Stage(layerwise.EMBED, (layerwise.EMBED,), embed)]
@@ -43,4 +51,4 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
     head_groups = (layerwise.HEAD, layerwise.EMBED) if config.tie_word_embeddings else (layerwise.HEAD,)
     stages.append(Stage(layerwise.HEAD, head_groups, head))
     ordered = {n: groups[n] for n in names}
-    return StagedModel.build(ordered, stages), ordered
+    return StagedModel.build(ordered, stages, metric_names), ordered

@@ -23,6 +23,8 @@ class StepResult:
     seconds: float           # wall time of the step, dispatch to result
     microbatches: list[int]  # microbatches each device ran
     timeline: list[dict] | None = None  # per-device busy / wait events (see jodc.fsdp.timeline), when recorded
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the model's metrics, summed over
+    # every microbatch of every device (StagedModel.metric_names)
 
 
 class Engine(abc.ABC):
@@ -47,7 +49,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def _run(self, batch: MinibatchArrays, recorder: TimelineRecorder | None) -> tuple[Any, Any]:
-        """Dispatches one minibatch; returns device arrays (loss, grad_norm)."""
+        """Dispatches one minibatch; returns device arrays (loss, grad_norm, {metric: sum})."""
 
     def step(self, batch: MinibatchArrays, *, record_timeline: bool = False) -> StepResult:
         """Runs one minibatch and waits for it. With `record_timeline`, host callbacks mark every stage of every
@@ -60,11 +62,12 @@ class Engine(abc.ABC):
             recorder = self._recorder
             recorder.reset()
         t0 = time.perf_counter()
-        loss, norm = jax.block_until_ready(self._run(batch, recorder))
+        loss, norm, metrics = jax.block_until_ready(self._run(batch, recorder))
         seconds = time.perf_counter() - t0
         self.steps_done += 1
         return StepResult(float(np.asarray(loss).reshape(-1)[0]), float(np.asarray(norm).reshape(-1)[0]), seconds,
-                          [int(c) for c in batch.counts], recorder.events() if recorder else None)
+                          [int(c) for c in batch.counts], recorder.events() if recorder else None,
+                          {k: float(np.asarray(v).reshape(-1)[0]) for k, v in metrics.items()})
 
     def _check_batch(self, batch: MinibatchArrays) -> None:
         if batch.num_devices != self.num_devices:

@@ -16,7 +16,7 @@ from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import FIELDS, MinibatchArrays
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
-from jodc.fsdp.stages import StagedModel
+from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import shard_tree, unshard_tree
 
 
@@ -88,21 +88,26 @@ class ODCEngine(Engine):
                 if recorder is not None:
                     last = s == len(layers) - 1  # the loss: its cotangent is a constant, no backward mark
                     h = recorder.mark(h, i, timeline.STAGE_FORWARD, s) if last else recorder.probe(h, i, s)
-            return h, token
+            loss, metrics = split_loss(h, self.model.metric_names)
+            return loss, (token, metrics)
+
+        def varying_zero():
+            return lax.pcast(jnp.zeros((), jnp.float32), "d", to="varying")
 
         def body(carry):
-            i, token, loss_sum = carry
+            i, token, loss_sum, metric_sums = carry
             microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
             microbatch["normalizer"] = per_device_normalizer
             anchor = lax.pcast(jnp.zeros(()), "d", to="varying")
-            loss, vjp_fn, token = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor, token,
-                                          has_aux=True)
+            loss, vjp_fn, (token, metrics) = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor,
+                                                     token, has_aux=True)
             d_anchor, _ = vjp_fn(jnp.ones_like(loss))
             token = ops.after(token, d_anchor)  # every push of this microbatch precedes what follows
-            return i + 1, token, loss_sum + loss.astype(jnp.float32)
+            metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
+            return i + 1, token, loss_sum + loss.astype(jnp.float32), metric_sums
 
-        _, token, loss_sum = lax.while_loop(lambda c: c[0] < count, body,
-                                            (jnp.int32(0), ops.new_token("d"), lax.pcast(jnp.zeros(()), "d", to="varying")))
+        init = (jnp.int32(0), ops.new_token("d"), varying_zero(), {m: varying_zero() for m in self.model.metric_names})
+        _, token, loss_sum, metric_sums = lax.while_loop(lambda c: c[0] < count, body, init)
         token = self._barrier(token, recorder)  # every device's pushes have landed
         grads = {}
         for g in self.model.group_names:
@@ -116,8 +121,9 @@ class ODCEngine(Engine):
             token = ops.publish(self.buckets[g], shards[g], token)
         token = self._barrier(token, recorder)  # nobody gathers the next minibatch before everyone published
         loss = lax.psum(loss_sum, "d")
+        metric_sums = {k: lax.psum(v, "d")[None] for k, v in metric_sums.items()}
         shards = jax.tree.map(lambda s: ops.depend_on(s, token), shards)  # results wait for the last barrier
-        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None]
+        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None], metric_sums
 
     def _barrier(self, token, recorder):
         if recorder is not None:
@@ -138,7 +144,7 @@ class ODCEngine(Engine):
             device_step = functools.partial(self._device_step, recorder=recorder)
             fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                        out_specs=(specs[0], specs[1], jax.sharding.PartitionSpec("d"),
-                                                  jax.sharding.PartitionSpec("d"))),
+                                                  jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec("d"))),
                          donate_argnums=(0, 1))
             self._step_fns[key] = fn
         return fn
@@ -147,10 +153,10 @@ class ODCEngine(Engine):
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
         arrays = _pad_microbatches(arrays)
         fn = self._step_fn(arrays, recorder)
-        self.shards, self.opt_state, loss, norm = fn(
+        self.shards, self.opt_state, loss, norm, metrics = fn(
             self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
             sharding.put_per_device(self.mesh, batch.counts), jnp.float32(batch.normalizer))
-        return loss, norm
+        return loss, norm, metrics
 
     # -- state ---------------------------------------------------------------------------------------------------
     def flat_params(self) -> dict[str, np.ndarray]:

@@ -36,32 +36,36 @@ class ReferenceEngine(Engine):
 
     def _loss(self, flats, microbatch):
         groups = {g: self.model.layouts[g].unflatten(v.astype(self.compute_dtype)) for g, v in flats.items()}
-        return self.model.loss(groups, microbatch).astype(jnp.float32)
+        loss, metrics = self.model.loss_and_metrics(groups, microbatch)
+        return loss.astype(jnp.float32), metrics
 
     def _full_step(self, flats, opt_state, arrays, normalizer):
-        grad_fn = jax.value_and_grad(self._loss)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def body(i, carry):
-            grads, loss_sum = carry
+            grads, loss_sum, metric_sums = carry
             microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
             microbatch["normalizer"] = normalizer
-            loss, g = grad_fn(flats, microbatch)
-            return jax.tree.map(jnp.add, grads, g), loss_sum + loss
+            (loss, metrics), g = grad_fn(flats, microbatch)
+            metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
+            return jax.tree.map(jnp.add, grads, g), loss_sum + loss, metric_sums
 
         n = next(iter(arrays.values())).shape[0]
-        grads, loss = lax.fori_loop(0, n, body, (jax.tree.map(jnp.zeros_like, flats), jnp.zeros((), jnp.float32)))
+        init = (jax.tree.map(jnp.zeros_like, flats), jnp.zeros((), jnp.float32),
+                {m: jnp.zeros((), jnp.float32) for m in self.model.metric_names})
+        grads, loss, metric_sums = lax.fori_loop(0, n, body, init)
         grads, norm = clip_by_global_norm(grads, squared_norm(grads), self.optimizer.max_grad_norm)
         updates, opt_state = self.tx.update(grads, opt_state, flats)
-        return jax.tree.map(lambda p, u: p + u, flats, updates), opt_state, loss, norm
+        return jax.tree.map(lambda p, u: p + u, flats, updates), opt_state, loss, norm, metric_sums
 
     def _run(self, batch: MinibatchArrays, recorder=None):  # no timeline: one device, nothing to wait for
         rows = [(d, m) for d in range(batch.num_devices) for m in range(int(batch.counts[d]))]
         arrays = {k: np.stack([v[d, m] for d, m in rows]) if rows else v[0, :0]
                   for k, v in batch.as_dict().items()}
-        self.flats, self.opt_state, loss, norm = self._step(self.flats, self.opt_state,
+        self.flats, self.opt_state, loss, norm, metrics = self._step(self.flats, self.opt_state,
                                                             jax.device_put(arrays, self.device),
                                                             jnp.float32(batch.normalizer))
-        return loss, norm
+        return loss, norm, metrics
 
     def _check_batch(self, batch: MinibatchArrays) -> None:
         pass  # any device count: the reference flattens the plan

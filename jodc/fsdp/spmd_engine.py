@@ -48,26 +48,29 @@ class SPMDEngine(Engine):
     def _loss(self, flats, microbatch):
         groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
                   for g, v in flats.items()}
-        return self.model.loss(groups, microbatch, remat=self.remat).astype(jnp.float32)
+        loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
+        return loss.astype(jnp.float32), metrics
 
     def _full_step(self, flats, opt_state, arrays, normalizer):
-        grad_fn = jax.value_and_grad(self._loss)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def body(i, carry):
-            grads, loss_sum = carry
+            grads, loss_sum, metric_sums = carry
             microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in arrays.items()}
             microbatch["normalizer"] = normalizer
-            loss, g = grad_fn(flats, microbatch)
-            return jax.tree.map(jnp.add, grads, g), loss_sum + loss
+            (loss, metrics), g = grad_fn(flats, microbatch)
+            metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
+            return jax.tree.map(jnp.add, grads, g), loss_sum + loss, metric_sums
 
         m = next(iter(arrays.values())).shape[0]
         zeros = jax.tree.map(jnp.zeros_like, flats)
-        grads, loss = lax.fori_loop(0, m, body, (zeros, jnp.zeros((), jnp.float32)))
+        init = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in self.model.metric_names})
+        grads, loss, metric_sums = lax.fori_loop(0, m, body, init)
         grads, norm = clip_by_global_norm(grads, squared_norm(grads), self.optimizer.max_grad_norm)
         updates, opt_state = self.tx.update(grads, opt_state, flats)
         flats = jax.tree.map(lambda p, u: p + u, flats, updates)
         flats = jax.tree.map(lambda p: lax.with_sharding_constraint(p, self.param_sharding), flats)
-        return flats, opt_state, loss, norm
+        return flats, opt_state, loss, norm, metric_sums
 
     def _run(self, batch: MinibatchArrays, recorder=None):
         if recorder is not None:
@@ -76,9 +79,9 @@ class SPMDEngine(Engine):
         arrays = {k: np.ascontiguousarray(np.swapaxes(np.asarray(v)[:, :m], 0, 1))  # [M, D, T]
                   for k, v in batch.as_dict().items()}
         arrays = jax.device_put(arrays, self.batch_sharding)
-        self.flats, self.opt_state, loss, norm = self._step(self.flats, self.opt_state, arrays,
+        self.flats, self.opt_state, loss, norm, metrics = self._step(self.flats, self.opt_state, arrays,
                                                             jnp.float32(batch.normalizer))
-        return loss, norm
+        return loss, norm, metrics
 
     def flat_params(self) -> dict[str, np.ndarray]:
         return {g: np.asarray(v)[: self.numels[g]].copy() for g, v in self.flats.items()}

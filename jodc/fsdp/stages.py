@@ -59,13 +59,29 @@ class GroupLayout:
         return jax.tree.unflatten(self.treedef, out)
 
 
+def split_loss(out, metric_names: tuple[str, ...]):
+    """The last stage returns a loss, or (loss, {metric: scalar}) when the model declares metric names."""
+    if not metric_names:
+        return out, {}
+    loss, metrics = out
+    missing = [m for m in metric_names if m not in metrics]
+    if missing:
+        raise ValueError(f"the last stage did not return the declared metrics {missing}")
+    return loss, {m: jnp.asarray(metrics[m], jnp.float32) for m in metric_names}
+
+
 @dataclasses.dataclass(frozen=True)
 class StagedModel:
-    """Parameter groups (ordered) with their layouts, and the stages that consume them."""
+    """Parameter groups (ordered) with their layouts, and the stages that consume them.
+
+    `metric_names`: scalars the last stage returns next to the loss (``(loss, {name: value})``); the engines sum
+    them over microbatches and devices and report them with the step (e.g. an RL loss's masked-token count).
+    """
 
     group_names: tuple[str, ...]
     layouts: dict[str, GroupLayout]
     stages: tuple[Stage, ...]
+    metric_names: tuple[str, ...] = ()
 
     def __post_init__(self):
         known = set(self.group_names)
@@ -78,8 +94,9 @@ class StagedModel:
             raise ValueError(f"groups {sorted(known - used)} are read by no stage")
 
     @staticmethod
-    def build(groups: dict[str, Any], stages: Sequence[Stage]) -> "StagedModel":
-        return StagedModel(tuple(groups), {k: GroupLayout.of(v) for k, v in groups.items()}, tuple(stages))
+    def build(groups: dict[str, Any], stages: Sequence[Stage], metric_names: Sequence[str] = ()) -> "StagedModel":
+        return StagedModel(tuple(groups), {k: GroupLayout.of(v) for k, v in groups.items()}, tuple(stages),
+                           tuple(metric_names))
 
     def flatten_groups(self, groups: dict[str, Any]) -> dict[str, np.ndarray]:
         return {g: np.asarray(self.layouts[g].flatten(groups[g])) for g in self.group_names}
@@ -89,7 +106,8 @@ class StagedModel:
 
     def loss(self, groups: dict[str, Any], microbatch: dict, *, remat: bool = False):
         """The plain (unsharded) forward pass: what every engine must reproduce. With `remat`, every stage is
-        rematerialised in the backward pass (the activation memory policy of the sharded engines)."""
+        rematerialised in the backward pass (the activation memory policy of the sharded engines). Returns what
+        the last stage returns (see `loss_and_metrics`)."""
         h = None
         for st in self.stages:
             params = tuple(groups[g] for g in st.groups)
@@ -98,3 +116,7 @@ class StagedModel:
             else:
                 h = st.fn(params, h, microbatch)
         return h
+
+    def loss_and_metrics(self, groups: dict[str, Any], microbatch: dict, *, remat: bool = False):
+        """(loss, {metric: value}) of one microbatch."""
+        return split_loss(self.loss(groups, microbatch, remat=remat), self.metric_names)
