@@ -52,6 +52,8 @@ PYBIND11_MODULE(_ffi, m) {
     d["jodc_read_accumulator"] = Capsule(JodcReadAccumulatorCpu);
     d["jodc_zero_accumulator"] = Capsule(JodcZeroAccumulatorCpu);
     d["jodc_publish"] = Capsule(JodcPublishCpu);
+    d["jodc_after"] = Capsule(JodcAfterCpu);
+    d["jodc_depend_on"] = Capsule(JodcDependOnCpu);
     return d;
   });
 

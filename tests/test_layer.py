@@ -55,7 +55,8 @@ def odc_grads(world, xs, w1, w2, *, dtype=None, deterministic=False, residual_lo
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d"))))
         loss, dx = jax.block_until_ready(fn(xs))
         hlo = fn.lower(xs).as_text()
-        return np.asarray(loss).sum(), b1.accumulated(), b2.accumulated(), np.asarray(dx), hlo
+        compiled = fn.lower(xs).compile().as_text()
+        return np.asarray(loss).sum(), b1.accumulated(), b2.accumulated(), np.asarray(dx), (hlo, compiled)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -73,7 +74,7 @@ def test_gradient_equals_unsharded_grad(world):
 def test_bf16_compute_accumulates_in_fp32():
     w1, w2 = make_params(1)
     xs = np.random.default_rng(3).standard_normal((4, BATCH, D_IN)).astype(np.float32)
-    _, g1, g2, _, hlo = odc_grads(4, xs, w1, w2, dtype=jnp.bfloat16)
+    _, g1, g2, _, (hlo, _) = odc_grads(4, xs, w1, w2, dtype=jnp.bfloat16)
     _, (r1, r2) = jax.value_and_grad(reference_loss, argnums=(0, 1))(w1, w2, xs)
     assert g1.dtype == np.float32
     np.testing.assert_allclose(g1, r1, rtol=0.05, atol=0.05 * np.abs(r1).max())
@@ -86,9 +87,21 @@ def test_backward_regathers_and_saves_only_activations():
     w1, w2 = make_params()
     xs = np.ones((2, BATCH, D_IN), np.float32)
     residuals = []
-    _, _, _, _, hlo = odc_grads(2, xs, w1, w2, residual_log=residuals)
+    _, _, _, _, (hlo, compiled) = odc_grads(2, xs, w1, w2, residual_log=residuals)
     assert hlo.count("custom_call @jodc_gather(") == 4
     assert hlo.count("custom_call @jodc_scatter_accumulate(") == 2
+    # in the compiled schedule, compute separates the gathers: layer 2's forward gather waits for layer 1's output,
+    # and the backward re-gathers wait for the cotangents (XLA must not hoist them into the forward pass)
+    import re
+
+    schedule = re.findall(r'custom_call_target="(jodc_gather|jodc_scatter_accumulate)"|= \S+ (fusion|dot)\(',
+                          compiled)
+    ops_in_order = [a or "compute" for a, b in schedule]
+    gathers = [i for i, op in enumerate(ops_in_order) if op == "jodc_gather"]
+    assert len(gathers) == 4
+    for first, second in zip(gathers, gathers[1:3]):
+        assert "compute" in ops_in_order[first + 1:second], ops_in_order
+    assert ops_in_order.index("jodc_scatter_accumulate") > gathers[2], ops_in_order
     assert residuals, "vjp saved nothing?"
     biggest = max(int(np.prod(s)) for s in residuals)
     assert biggest < min(w1.size, w2.size), f"a residual of {biggest} elements looks like saved parameters"

@@ -13,5 +13,7 @@ JODC_EXPORT XLA_FFI_Error* JodcBarrierCuda(XLA_FFI_CallFrame* call_frame);
 JODC_EXPORT XLA_FFI_Error* JodcReadAccumulatorCuda(XLA_FFI_CallFrame* call_frame);
 JODC_EXPORT XLA_FFI_Error* JodcZeroAccumulatorCuda(XLA_FFI_CallFrame* call_frame);
 JODC_EXPORT XLA_FFI_Error* JodcPublishCuda(XLA_FFI_CallFrame* call_frame);
+JODC_EXPORT XLA_FFI_Error* JodcAfterCuda(XLA_FFI_CallFrame* call_frame);
+JODC_EXPORT XLA_FFI_Error* JodcDependOnCuda(XLA_FFI_CallFrame* call_frame);
 
 #endif  // JODC_FFI_CUDA_HANDLERS_CUH_

@@ -109,6 +109,9 @@ class ODCEngine(Engine):
         init = (jnp.int32(0), ops.new_token("d"), varying_zero(), {m: varying_zero() for m in self.model.metric_names})
         _, token, loss_sum, metric_sums = lax.while_loop(lambda c: c[0] < count, body, init)
         token = self._barrier(token, recorder)  # every device's pushes have landed
+        # the reductions below are collectives: keep them after the barrier (XLA would otherwise hoist them, and
+        # the devices would meet there instead, invisibly)
+        loss_sum, metric_sums = ops.depend_on((loss_sum, metric_sums), token)
         grads = {}
         for g in self.model.group_names:
             grads[g], token = ops.read_accumulator(self.buckets[g], token)

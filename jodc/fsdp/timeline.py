@@ -19,6 +19,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
+from jodc.ops.token import depend_on
+
 # event codes
 MICROBATCH_START, STAGE_FORWARD, STAGE_BACKWARD, MICROBATCH_END, BARRIER_ENTER, BARRIER_EXIT, STEP_START = range(7)
 
@@ -57,7 +59,7 @@ class TimelineRecorder:
         exactly between what produced `value` and what consumes it)."""
         done = io_callback(self._record, jax.ShapeDtypeStruct((), jnp.int32), lax.axis_index("d"), microbatch,
                            code, stage, lax.stop_gradient(_first(value)))
-        return lax.optimization_barrier((value, done))[0]
+        return depend_on(value, done)
 
     def reset(self) -> None:
         with self._lock:
@@ -124,15 +126,4 @@ class TimelineRecorder:
         return self.stage_names[index] if 0 <= index < len(self.stage_names) else f"stage{index}"
 
 
-def bubble_rate(events: list[dict], num_devices: int | None = None) -> float:
-    """1 - sum(busy) / (devices x wall), wall = last end - first start over all devices."""
-    if not events:
-        return 0.0
-    devices = num_devices or len({e["device"] for e in events})
-    wall = max(e["end"] for e in events) - min(e["start"] for e in events)
-    busy = sum(e["end"] - e["start"] for e in events if e["kind"] == "busy")
-    return float(max(0.0, 1.0 - busy / (devices * wall))) if wall > 0 else 0.0
-
-
-
-__all__ = ["TimelineRecorder", "bubble_rate"]
+__all__ = ["TimelineRecorder"]  # bubble rates and plots: jodc.train.timeline

@@ -7,7 +7,7 @@ import numpy as np
 from jax import lax
 
 from jodc.ops.heap import Bucket, SymmetricHeap
-from jodc.ops.token import check_token
+from jodc.ops.token import TOKEN_TYPE, as_varying, check_token  # noqa: F401 (TOKEN_TYPE re-exported)
 
 
 def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
@@ -51,16 +51,6 @@ def float_dtype(dtype, what: str, op: str) -> jnp.dtype:
     return dt
 
 
-TOKEN_TYPE = jax.ShapeDtypeStruct((), jnp.int32)
-
-
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))  # later releases
-
 
 def per_device(x, axis_name: str):
     """Marks a native op's result as varying over `axis_name`: each device got its own value.
@@ -68,6 +58,4 @@ def per_device(x, axis_name: str):
     Without this, shard_map's type system takes an FFI result for a device-invariant value, and autodiff would
     psum its cotangent over the axis (pushing every gradient world times).
     """
-    if axis_name in _varying_axes(x):
-        return x
-    return lax.pcast(x, axis_name, to="varying")
+    return as_varying(x, {axis_name})

@@ -26,6 +26,8 @@ HANDLER_SYMBOLS = {
     "jodc_read_accumulator": "JodcReadAccumulatorCuda",
     "jodc_zero_accumulator": "JodcZeroAccumulatorCuda",
     "jodc_publish": "JodcPublishCuda",
+    "jodc_after": "JodcAfterCuda",
+    "jodc_depend_on": "JodcDependOnCuda",
 }
 
 _ERR_CAPACITY = 16384

@@ -12,6 +12,8 @@ TARGETS = (
     "jodc_read_accumulator",
     "jodc_zero_accumulator",
     "jodc_publish",
+    "jodc_after",
+    "jodc_depend_on",
 )
 
 _lock = threading.Lock()
@@ -53,3 +55,15 @@ def ensure_registered(platform: str) -> None:
         for name in TARGETS:
             jax.ffi.register_ffi_target(name, handlers[name], platform=xla_platform)
         _registered.add(platform)
+
+
+def ensure_token_ops() -> None:
+    """Registers the token ops (after, depend_on) for the CPU, and for CUDA when its library is built: they are
+    used without a heap too (e.g. by timeline probes)."""
+    ensure_registered("cpu")
+    if "cuda" in _registered:
+        return
+    try:
+        ensure_registered("cuda")
+    except (ImportError, OSError):
+        pass  # no CUDA build: CPU only

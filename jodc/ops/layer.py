@@ -10,26 +10,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.ops._call import _varying_axes
 from jodc.ops.gather import gather
 from jodc.ops.heap import Bucket
 from jodc.ops.scatter_accumulate import scatter_accumulate
+from jodc.ops.token import after, depend_on, varying_axes
 
 
 def _is_float(leaf) -> bool:
     return jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
-
-
-def _tie_to_token(tree, token):
-    """Makes every float leaf of `tree` depend on `token` (so the consumer runs after the op that made it)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    idx = [i for i, leaf in enumerate(leaves) if _is_float(leaf) and jnp.result_type(leaf) != jax.dtypes.float0]
-    if not idx:
-        return tree
-    tied = lax.optimization_barrier(([leaves[i] for i in idx], token))[0]
-    for i, leaf in zip(idx, tied):
-        leaves[i] = leaf
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def odc_layer(fn: Callable, bucket: Bucket | Sequence[Bucket], *, dtype=None,
@@ -78,10 +66,10 @@ def odc_layer(fn: Callable, bucket: Bucket | Sequence[Bucket], *, dtype=None,
     def check_inputs(x, fulls):
         """Under shard_map's type checks, a float input that is the same on every device would get a cotangent
         summed over devices (a collective in every backward pass): refuse it with a clear message instead."""
-        if axis not in _varying_axes(fulls[0]):
+        if axis not in varying_axes(fulls[0]):
             return  # check_vma=False: no axis typing
         for path, leaf in jax.tree_util.tree_leaves_with_path(x):
-            if _is_float(leaf) and axis not in _varying_axes(leaf):
+            if _is_float(leaf) and axis not in varying_axes(leaf):
                 raise ValueError(
                     f"odc_layer: input {jax.tree_util.keystr(path)} is the same on every device (not varying over "
                     f"{axis!r}); pass per-device values (e.g. lax.pcast(x, {axis!r}, to='varying')) so its gradient "
@@ -89,24 +77,26 @@ def odc_layer(fn: Callable, bucket: Bucket | Sequence[Bucket], *, dtype=None,
 
     @jax.custom_vjp
     def layer(x, token):
-        fulls, token = gather_all(token)
+        fulls, token = gather_all(after(token, x))
         return apply(fulls, x), token
 
     def layer_fwd(x, token):
-        fulls, token = gather_all(token)
+        # gather only once the input exists: otherwise XLA hoists every layer's gather to the start of the forward
+        # pass and all full parameters are alive at once
+        fulls, token = gather_all(after(token, x))
         check_inputs(x, fulls)
         return (apply(fulls, x), token), (x, token)  # residuals: activations and the token only
 
     def layer_bwd(residuals, cotangents):
         x, token = residuals
         dy, _ = cotangents
-        dy, token = lax.optimization_barrier((dy, token))  # re-gather only once the cotangent exists
+        token = after(token, dy)  # re-gather only once the cotangent exists (not in the forward pass)
         fulls, token = gather_all(token)
         _, vjp = jax.vjp(apply, fulls, x)
         dfulls, dx = vjp(dy)
         for b, g in zip(buckets, dfulls):
             token = scatter_accumulate(b, g, token)
-        return _tie_to_token(dx, token), None  # None: the token (an int) has no cotangent
+        return depend_on(dx, token), None  # dx only after the push; None: the token (an int) has no cotangent
 
     layer.defvjp(layer_fwd, layer_bwd)
     return layer

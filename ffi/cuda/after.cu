@@ -1,0 +1,27 @@
+// after: a token that exists only once every operand exists (the CUDA twin of ffi/cpu/after.cc). Stream order does
+// the waiting; a one-thread kernel writes token + 1.
+#include "cuda/device_util.cuh"
+#include "cuda/handler_util.cuh"
+#include "cuda/handlers.cuh"
+
+namespace jodc::cuda {
+namespace {
+
+__global__ void AfterKernel(const int32_t* token_in, int32_t* token_out) { AdvanceToken(token_in, token_out); }
+
+ffi::Error After(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::RemainingArgs values,
+                 ffi::Result<ffi::Buffer<ffi::S32>> token_out) {
+  if (token.element_count() != 1) return InvalidArgument("jodc after: the token must be an int32 scalar");
+  AfterKernel<<<1, 1, 0, stream>>>(token.typed_data(), token_out->typed_data());
+  return LaunchResult("after");
+}
+
+}  // namespace
+}  // namespace jodc::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcAfterCuda, jodc::cuda::After,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .RemainingArgs()                         // values to wait for (not read)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
