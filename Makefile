@@ -35,9 +35,10 @@ native: $(NATIVE)
 test: $(NATIVE)
 	$(PY) -m pytest -q -x --durations=15 tests
 
-# Until the SFT trainer lands, the main job is the primitives benchmark on 4 simulated devices (quick mode).
+# The main job: SFT of the default small model with ODC on 4 simulated CPU devices, on the embedded data (a fresh
+# run directory each time; rerun a finished one with --steps N to extend it).
 demo: $(NATIVE)
-	$(PY) bench/primitives.py --quick --devices 4 --no-save
+	$(PY) -m jodc.train sft --config configs/sft_demo.yaml --out_dir runs/sft_demo_$$(date +%Y%m%d_%H%M%S)
 
 bench: $(NATIVE)
 	for f in bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

@@ -1,0 +1,136 @@
+"""jodc.train config: YAML + overrides, aliases, validation errors that name the field, resume checks, and the
+CLI's handling of XLA flags (which must happen before JAX is imported)."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jodc.train import config as C
+from jodc.train.cli import main, set_host_device_count
+
+
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_valid_and_engine_picks_the_planner():
+    cfg = C.load_config()
+    assert cfg.trainer.engine == "odc" and cfg.trainer.planner_name == "lb_mini"
+    assert cfg.token_cap == cfg.data.max_length and cfg.total_steps == cfg.trainer.steps
+    assert C.load_config(None, ["--engine", "collective"]).trainer.planner_name == "lb_micro"
+    assert C.load_config(None, ["--engine", "collective", "--planner", "local_sort"]).trainer.planner_name == "local_sort"
+
+
+def test_yaml_then_overrides_in_every_form(tmp_path):
+    path = write(tmp_path, "trainer:\n  engine: collective\n  devices: 2\noptimizer:\n  learning_rate: 1.0e-3\n")
+    cfg = C.load_config(path, ["--trainer.devices", "8", "--steps=7", "--learning-rate", "3e-3", "--deterministic",
+                               "--engine", "odc", "--no-progress", "--optimizer.max_grad_norm", "null"])
+    assert cfg.trainer.devices == 8 and cfg.trainer.steps == 7 and cfg.trainer.engine == "odc"
+    assert cfg.optimizer.learning_rate == 3e-3  # YAML 1.1 reads '3e-3' as a string: coerced to float
+    assert cfg.trainer.deterministic is True and cfg.trainer.progress is False
+    assert cfg.optimizer.max_grad_norm is None
+
+
+def test_round_trip_through_dict_and_yaml(tmp_path):
+    cfg = C.load_config(None, ["--engine", "collective", "--max_length", "256", "--seed", "3"])
+    assert C.config_from_dict(C.to_dict(cfg)) == cfg
+    C.save_yaml(cfg, str(tmp_path / "saved.yaml"))
+    assert C.load_config(str(tmp_path / "saved.yaml")) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--trainer.engnie", "odc"], "unknown config key 'trainer.engnie' .*did you mean trainer.engine"),
+    (["--engine", "mpi"], "trainer.engine must be one of odc, collective, reference; got 'mpi'"),
+    (["--planner", "greedy"], "trainer.planner must be one of lb_mini, lb_micro, local_sort"),
+    (["--devices", "two"], "trainer.devices must be an integer"),
+    (["--devices", "0"], "trainer.devices must be >= 1"),
+    (["--deterministic", "yes please"], "trainer.deterministic must be true or false"),
+    (["--steps"], "override --steps needs a value"),
+    (["steps", "3"], "expected an override like"),
+    (["--token_cap", "64"], "trainer.token_cap=64 is below data.max_length=1024"),
+    (["--engine", "collective", "--deterministic"], "deterministic=true needs engine odc or reference"),
+    (["--learning_rate", "0"], "optimizer.learning_rate must be > 0, got 0.0"),
+    (["--max_grad_norm", "0"], "optimizer.max_grad_norm must be > 0 or null"),
+    (["--b2", "1.0"], "optimizer.b1 and optimizer.b2 must lie in"),
+    (["--overlong", "wrap"], "data.overlong must be one of truncate, drop"),
+    (["--preset", "huge"], "model.preset must be one of tiny, small, base"),
+])
+def test_bad_overrides_name_the_field(overrides, message):
+    with pytest.raises(C.ConfigError, match=message):
+        C.load_config(None, overrides)
+
+
+def test_bad_yaml_files_name_the_problem(tmp_path):
+    with pytest.raises(C.ConfigError, match="does not exist"):
+        C.load_config(str(tmp_path / "absent.yaml"))
+    with pytest.raises(C.ConfigError, match="not valid YAML"):
+        C.load_config(write(tmp_path, "trainer: [engine: odc\n"))
+    with pytest.raises(C.ConfigError, match="unknown section\\(s\\) 'trainr'"):
+        C.load_config(write(tmp_path, "trainr:\n  engine: odc\n"))
+    with pytest.raises(C.ConfigError, match="unknown key 'data.max_len' .*did you mean data.max_length"):
+        C.load_config(write(tmp_path, "data:\n  max_len: 5\n"))
+    with pytest.raises(C.ConfigError, match="section 'model' must be a mapping"):
+        C.load_config(write(tmp_path, "model: small\n"))
+    with pytest.raises(C.ConfigError, match="top level must be a mapping"):
+        C.load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_aliases_cover_unique_names_and_refuse_ambiguous_ones(monkeypatch):
+    alias = C.aliases()
+    assert alias["engine"] == "trainer.engine" and alias["learning_rate"] == "optimizer.learning_rate"
+    assert set(alias.values()) == set(C.all_keys())  # every field name is unique today
+
+    @dataclasses.dataclass
+    class Clash:
+        engine: str = "x"
+
+    monkeypatch.setitem(C.SECTIONS, "extra", Clash)
+    with pytest.raises(C.ConfigError, match="'engine' is ambiguous: use one of trainer.engine, extra.engine"):
+        C.resolve_key("engine")
+
+
+def test_optimizer_section_mirrors_the_engines_optimizer_config():
+    from jodc.fsdp import OptimizerConfig
+
+    assert [f.name for f in dataclasses.fields(C.OptimizerSettings)] == \
+        [f.name for f in dataclasses.fields(OptimizerConfig)]
+
+
+def test_resume_mismatches_list_what_changed():
+    base = C.load_config()
+    saved = C.to_dict(base)
+    assert C.resume_mismatches(saved, base) == []
+    # engine, devices, steps may change between a run and its resumption; model, data and order may not
+    assert C.resume_mismatches(saved, C.load_config(None, ["--engine", "collective", "--devices", "2",
+                                                           "--steps", "500"])) == []
+    changed = C.resume_mismatches(saved, C.load_config(None, ["--preset", "tiny", "--seed", "1"]))
+    assert changed == ["model.preset: 'small' -> 'tiny'", "trainer.seed: 0 -> 1"]
+
+
+def test_set_host_device_count_keeps_other_flags_and_never_lowers():
+    env = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"}
+    set_host_device_count(4, env)
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    set_host_device_count(2, env)
+    assert env["XLA_FLAGS"].endswith("device_count=4")
+    empty = {}
+    set_host_device_count(3, empty)
+    assert empty["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
+
+
+def test_cli_reports_config_errors_and_prints_config(tmp_path, capsys):
+    assert main(["sft", "--engine", "mpi"]) == 2
+    assert "config error: trainer.engine must be one of" in capsys.readouterr().err
+    assert main(["sft", "--devices", "3", "--print-config"]) == 0
+    assert "devices: 3" in capsys.readouterr().out
+
+
+def test_cli_module_does_not_import_jax():
+    code = "import sys, jodc.train, jodc.train.cli, jodc.train.config; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "XLA_FLAGS": ""})
+    assert out.stdout.strip() == "False"

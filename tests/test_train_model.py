@@ -1,0 +1,70 @@
+"""jodc.train.model: presets sized by the tokenizer, HF checkpoints, and the planner's cost models."""
+import numpy as np
+import pytest
+
+from jodc.balance import FlopsCost, LinearCost
+from jodc.train.config import ModelConfig
+from jodc.train.model import build_decoder, cost_model, model_shape, preset_config
+from jodc.train.presets import MODEL_PRESETS
+from jodc.train.tokenizer import byte_level_tokenizer
+
+TOK = byte_level_tokenizer()
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_presets_take_vocabulary_and_special_tokens_from_the_tokenizer(name):
+    config = preset_config(name, TOK, max_length=8192)
+    assert config.vocab_size == 264 and config.num_layers == MODEL_PRESETS[name]["num_layers"]
+    assert (config.bos_token_id, config.eos_token_ids, config.pad_token_id) == (257, (258,), 256)
+    assert config.max_position_embeddings == 8192
+
+
+def test_build_decoder_from_a_preset_is_seeded():
+    a_config, a = build_decoder(ModelConfig(preset="tiny"), TOK, max_length=64, compute_dtype="float32", seed=0)
+    _, b = build_decoder(ModelConfig(preset="tiny"), TOK, max_length=64, compute_dtype="float32", seed=0)
+    _, c = build_decoder(ModelConfig(preset="tiny"), TOK, max_length=64, compute_dtype="float32", seed=1)
+    assert set(a) == {"embed", "layer_0", "layer_1", "head"} and a_config.hidden_size == 32
+    assert isinstance(a["embed"]["embedding"], np.ndarray)
+    np.testing.assert_array_equal(a["embed"]["embedding"], b["embed"]["embedding"])
+    assert not np.array_equal(a["embed"]["embedding"], c["embed"]["embedding"])
+
+
+def test_build_decoder_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        preset_config("huge", TOK, max_length=64)
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        build_decoder(ModelConfig(hf_path=str(tmp_path / "absent")), TOK, max_length=64, compute_dtype="float32",
+                      seed=0)
+
+
+def test_hf_checkpoint_must_cover_the_tokenizer_and_the_length(tmp_path):
+    from jodc.models import Decoder, DecoderConfig, save_pretrained
+    from flax import nnx
+
+    small_vocab = DecoderConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, max_position_embeddings=256)
+    save_pretrained(Decoder(small_vocab, rngs=nnx.Rngs(0)), str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="tokenizer has 263 ids but the model's vocabulary has 100 rows"):
+        build_decoder(ModelConfig(hf_path=str(tmp_path / "m")), TOK, max_length=64, compute_dtype="float32", seed=0)
+    fits = DecoderConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, max_position_embeddings=256)
+    save_pretrained(Decoder(fits, rngs=nnx.Rngs(0)), str(tmp_path / "m2"))
+    config, groups = build_decoder(ModelConfig(hf_path=str(tmp_path / "m2")), TOK, max_length=256,
+                                   compute_dtype="float32", seed=0)
+    assert config.vocab_size == 300 and groups["embed"]["embedding"].shape == (300, 16)
+    with pytest.raises(ValueError, match="max_length=512 exceeds the model's max_position_embeddings=256"):
+        build_decoder(ModelConfig(hf_path=str(tmp_path / "m2")), TOK, max_length=512, compute_dtype="float32",
+                      seed=0)
+
+
+def test_cost_models():
+    config = preset_config("small", TOK, max_length=1024)
+    shape = model_shape(config)
+    assert (shape.num_layers, shape.hidden, shape.vocab) == (4, 64, 264)
+    flops = cost_model("flops", config)
+    assert isinstance(flops, FlopsCost)
+    c = flops(np.array([100, 200]))
+    assert c[1] > 2 * c[0]  # attention makes it superlinear
+    assert isinstance(cost_model("linear", config), LinearCost)
+    with pytest.raises(ValueError, match="unknown cost model 'cubic'"):
+        cost_model("cubic", config)

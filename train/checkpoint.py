@@ -1,0 +1,138 @@
+"""Checkpoints of a training run (orbax) and the final Hugging Face export.
+
+A checkpoint is one orbax step directory `out_dir/checkpoints/<step>/` with two items:
+
+* `engine`: the engine's canonical state (`Engine.state_dict()` less its step count: flat fp32 parameters per
+  group and the optimizer state), independent of the engine kind and the device count;
+* `trainer`: JSON with the step, the data sampler's position, the config and a few numbers for humans.
+
+Orbax writes each step into a temporary directory and renames it into place only when complete, so a crash
+while saving leaves the previous checkpoints intact and the half-written one is never taken for a checkpoint
+(it is removed the next time a manager opens the directory). Only the `keep` most recent steps are kept.
+
+The HF export writes `config.json` + safetensors (`jodc.models.save_pretrained`) and the tokenizer into a
+temporary directory next to the target and swaps it in, so an earlier export is replaced only by a complete one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jodc.models import DecoderConfig, merge_params, save_pretrained
+from jodc.models.tokenizer import Tokenizer
+
+from .tokenizer import save_tokenizer
+
+ENGINE_ITEM, TRAINER_ITEM = "engine", "trainer"
+
+
+def _preservation_options(keep: int) -> dict:
+    """Keep-the-latest-N option for this orbax version (`preservation_policy` from 0.11.2 on, else max_to_keep)."""
+    policies = getattr(ocp, "checkpoint_managers", None)
+    if policies is not None and hasattr(policies, "LatestN"):
+        return {"preservation_policy": policies.LatestN(keep)}
+    return {"max_to_keep": keep}
+
+
+class CheckpointStore:
+    """Saves and restores a run's checkpoints in `directory`, keeping the `keep` most recent."""
+
+    def __init__(self, directory: str, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False,
+                                               cleanup_tmp_directories=True, **_preservation_options(keep))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(ENGINE_ITEM, TRAINER_ITEM))
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints present, ascending."""
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, engine_state: dict[str, Any], trainer_state: dict[str, Any]) -> str:
+        """Writes checkpoint `step` (replacing nothing: a step that already exists is an error) and returns its
+        directory. `engine_state` is `Engine.state_dict()`; `trainer_state` must be JSON-serialisable."""
+        if step in self.manager.all_steps():
+            raise ValueError(f"checkpoint step {step} already exists in {self.directory}")
+        state = _arrays_only(engine_state)
+        saved = self.manager.save(step, args=ocp.args.Composite(**{
+            ENGINE_ITEM: ocp.args.StandardSave(state),
+            TRAINER_ITEM: ocp.args.JsonSave({**trainer_state, "step": int(step)}),
+        }), force=True)
+        self.manager.wait_until_finished()
+        if not saved:
+            raise RuntimeError(f"orbax declined to save checkpoint step {step} in {self.directory}")
+        return self.step_dir(step)
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def read_trainer_state(self, step: int) -> dict[str, Any]:
+        """The JSON item of checkpoint `step` (cheap: no arrays are read)."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{TRAINER_ITEM: ocp.args.JsonRestore()}))
+        return dict(restored[TRAINER_ITEM])
+
+    def restore(self, step: int, engine_template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(engine state, trainer state) of checkpoint `step`. `engine_template` is the current engine's
+        `state_dict()`: it gives the tree structure and shapes, and a checkpoint of another model is refused."""
+        template = _arrays_only(engine_template)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{
+                ENGINE_ITEM: ocp.args.StandardRestore(template),
+                TRAINER_ITEM: ocp.args.JsonRestore(),
+            }))
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"checkpoint {self.step_dir(step)} does not match this model and optimizer: {e}"
+                             ) from None
+        engine_state = dict(restored[ENGINE_ITEM])
+        _check_shapes(engine_state, template, self.step_dir(step))
+        trainer_state = dict(restored[TRAINER_ITEM])
+        engine_state["step"] = int(trainer_state["step"])
+        return engine_state, trainer_state
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _arrays_only(engine_state: dict[str, Any]) -> dict[str, Any]:
+    """The engine state without its step count (kept in the JSON item), every leaf a numpy array (orbax restores
+    numpy scalars such as optax's step counter only as 0-d arrays)."""
+    return jax.tree.map(np.asarray, {k: v for k, v in engine_state.items() if k != "step"})
+
+
+def _check_shapes(restored, template, where: str) -> None:
+    got = jax.tree.leaves(restored)
+    want = jax.tree.leaves(template)
+    if len(got) != len(want):
+        raise ValueError(f"checkpoint {where} has {len(got)} arrays, this model and optimizer have {len(want)}")
+    for a, b in zip(got, want):
+        if np.shape(a) != np.shape(b):
+            raise ValueError(f"checkpoint {where} holds an array of shape {np.shape(a)} where this model has "
+                             f"{np.shape(b)}")
+
+
+def export_hf(config: DecoderConfig, params: dict[str, Any], tokenizer: Tokenizer | None, path: str) -> str:
+    """Writes the parameters (group pytrees, as `Engine.params()` returns them) as a HF checkpoint directory at
+    `path`, with the tokenizer; an existing export at `path` is replaced only once the new one is complete."""
+    path = os.path.abspath(path)
+    staging, previous = path + ".tmp", path + ".old"
+    shutil.rmtree(staging, ignore_errors=True)  # a leftover of an interrupted export, never a finished one
+    save_pretrained(merge_params(config, params), staging)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, staging)
+    if os.path.exists(path):
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(path, previous)
+        os.rename(staging, path)
+        shutil.rmtree(previous)
+    else:
+        os.rename(staging, path)
+    return path

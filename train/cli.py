@@ -1,0 +1,71 @@
+"""`jodc-train`: the command line of the trainers.
+
+    jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --trainer.steps 50 ...]
+    python -m jodc.train sft ...
+
+The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
+that many host devices (XLA_FLAGS) before JAX is imported. This module must therefore not import JAX at import
+time; the trainer is imported only after the flags are set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Sequence
+
+from .config import ConfigError, all_keys, load_config
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def set_host_device_count(count: int, environ=os.environ) -> None:
+    """Makes XLA's CPU backend expose at least `count` devices (a no-op if JAX was already imported, which the
+    trainer then reports)."""
+    flags = environ.get("XLA_FLAGS", "")
+    match = re.search(rf"{DEVICE_COUNT_FLAG}=(\d+)", flags)
+    if match and int(match.group(1)) >= count:
+        return
+    flags = re.sub(rf"{DEVICE_COUNT_FLAG}=\d+", "", flags).strip()
+    environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jodc-train", description="jodc trainers (SFT; RL to come).", allow_abbrev=False,
+        epilog="Overrides: --section.field value, --section.field=value, or a short alias when the field name is "
+               "unique (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys()))
+    commands = parser.add_subparsers(dest="command", required=True)
+    sft = commands.add_parser("sft", help="supervised fine-tuning", allow_abbrev=False,
+                              description="Supervised fine-tuning with the ODC, collective or reference engine.")
+    sft.add_argument("--config", help="YAML file with sections model, data, optimizer, trainer")
+    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    args, overrides = _parser().parse_known_args(argv)
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"jodc-train: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        from .config import to_dict
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    if config.trainer.platform == "cpu" and config.trainer.devices > 1:
+        set_host_device_count(config.trainer.devices)
+    from .sft import run_sft  # imports JAX: only now
+
+    run_sft(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Per-step training metrics, written three ways: JSON lines (`metrics.jsonl`, one object per logged step, the
+record to analyse), TensorBoard scalars (`tb/`, tensorboardX) and a tqdm progress bar (loss, tokens/s, ETA).
+
+On resume, records of steps after the restored checkpoint are removed from `metrics.jsonl` (the resumed run
+logs them again), so the file always holds one curve; the file is rewritten atomically.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tb"
+
+
+def step_metrics(*, step: int, loss: float, grad_norm: float, seconds: float, tokens: int, loss_tokens: int,
+                 sequences: int, microbatches: list[int], learning_rate: float, **extra: Any) -> dict[str, Any]:
+    """One step's record: the inputs plus throughput (tokens/s and samples/s over the step's wall time)."""
+    record = {"step": int(step), "loss": float(loss), "grad_norm": float(grad_norm),
+              "learning_rate": float(learning_rate), "step_seconds": float(seconds), "tokens": int(tokens),
+              "loss_tokens": int(loss_tokens), "sequences": int(sequences),
+              "tokens_per_s": tokens / seconds if seconds > 0 else math.inf,
+              "samples_per_s": sequences / seconds if seconds > 0 else math.inf,
+              "microbatches": [int(m) for m in microbatches]}
+    record.update(extra)
+    return record
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file ([] when it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str, last_step: int) -> int:
+    """Drops records with step > last_step (atomically); returns how many were dropped."""
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= last_step]
+    if len(kept) == len(records):
+        return 0
+    staging = path + ".tmp"
+    with open(staging, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    os.replace(staging, path)
+    return len(records) - len(kept)
+
+
+class MetricsLogger:
+    """Writes step records to out_dir/metrics.jsonl and out_dir/tb/, and drives the progress bar.
+
+    start_step: steps already done (a resumed run); total_steps: the run's length (for the bar's ETA).
+    """
+
+    def __init__(self, out_dir: str, *, total_steps: int, start_step: int = 0, progress: bool = True):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, METRICS_FILE)
+        self.dropped_on_resume = truncate_metrics(self.path, start_step)
+        self._file = open(self.path, "a")
+        self._tb = SummaryWriter(os.path.join(out_dir, TENSORBOARD_DIR))
+        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         disable=not progress)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Appends one record (flushed, so a crash loses nothing logged) and adds its numbers to TensorBoard."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(f"train/{key}", value, step)
+        self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        """Moves the progress bar (called every step, logged or not)."""
+        self._bar.update(steps)
+
+    def write(self, message: str) -> None:
+        """Prints a line without breaking the progress bar."""
+        self._bar.write(message)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._tb.close()
+        self._file.close()

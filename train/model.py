@@ -1,0 +1,79 @@
+"""The decoder a run trains: a built-in preset initialised from the seed, or a local HF checkpoint; plus the
+planner's cost model for that decoder's shape."""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from jodc.balance import FlopsCost, LinearCost, ModelShape
+from jodc.models import DecoderConfig, init_params, load_pretrained, split_params
+from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer
+
+from .config import ModelConfig
+from .presets import MODEL_PRESETS
+from .tokenizer import model_vocab_size
+
+
+def preset_config(name: str, tokenizer: Tokenizer, *, max_length: int, compute_dtype: str = "float32",
+                  attention_impl: str = "blockwise", attention_block_size: int = 128) -> DecoderConfig:
+    """The DecoderConfig of preset `name` with the tokenizer's vocabulary and special tokens."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets are {', '.join(MODEL_PRESETS)}")
+    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return DecoderConfig(vocab_size=model_vocab_size(tokenizer), **MODEL_PRESETS[name],
+                         max_position_embeddings=max(4096, max_length), compute_dtype=compute_dtype,
+                         attention_impl=attention_impl, attention_block_size=attention_block_size,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_ids=eos,
+                         pad_token_id=tokenizer.pad_token_id)
+
+
+def hf_tokenizer_path(model: ModelConfig) -> str | None:
+    """The HF model directory when it ships a tokenizer.json (the tokenizer to use by default)."""
+    if model.hf_path and os.path.exists(os.path.join(model.hf_path, TOKENIZER_FILE)):
+        return model.hf_path
+    return None
+
+
+def build_decoder(model: ModelConfig, tokenizer: Tokenizer, *, max_length: int, compute_dtype: str, seed: int
+                  ) -> tuple[DecoderConfig, dict]:
+    """(config, group params as host fp32 arrays) of the model to train."""
+    if model.hf_path:
+        if not os.path.isdir(model.hf_path):
+            raise FileNotFoundError(f"model.hf_path {model.hf_path} is not a directory")
+        decoder = load_pretrained(model.hf_path, dtype="float32", compute_dtype=compute_dtype,
+                                  attention_impl=model.attention_impl,
+                                  attention_block_size=model.attention_block_size)
+        config = decoder.config
+        groups = jax.tree.map(np.asarray, split_params(decoder))
+    else:
+        config = preset_config(model.preset, tokenizer, max_length=max_length, compute_dtype=compute_dtype,
+                               attention_impl=model.attention_impl,
+                               attention_block_size=model.attention_block_size)
+        groups = jax.tree.map(np.asarray, init_params(config, jax.random.PRNGKey(seed)))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has "
+                         f"{config.vocab_size} rows")
+    if max_length > config.max_position_embeddings:
+        raise ValueError(f"data.max_length={max_length} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    return config, groups
+
+
+def model_shape(config: DecoderConfig) -> ModelShape:
+    """The decoder's shape as the balance package's FLOP counter sees it."""
+    return ModelShape(name="decoder", num_layers=config.num_layers, hidden=config.hidden_size,
+                      intermediate=config.intermediate_size, num_heads=config.num_heads,
+                      num_kv_heads=config.num_kv_heads, vocab=config.vocab_size, head_dim=config.head_dim,
+                      tie_embeddings=config.tie_word_embeddings, qkv_bias=config.qkv_bias)
+
+
+def cost_model(name: str, config: DecoderConfig):
+    """The planner's cost model: 'flops' (forward FLOPs of this decoder: attention makes it quadratic) or
+    'linear' (token count)."""
+    if name == "flops":
+        return FlopsCost(model_shape(config))
+    if name == "linear":
+        return LinearCost()
+    raise ValueError(f"unknown cost model {name!r}; choose flops or linear")

@@ -1,0 +1,299 @@
+"""The RL loop (GRPO-style, DPPO by default): prompts -> rollout with the current policy -> rewards -> group
+advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) -> metrics / checkpoints.
+
+`run_rl(config)` is the whole job. One *step* is one rollout and its `trainer.updates_per_step` optimizer updates.
+The prompts, the sampling key and the minibatch split of step k are pure functions of (seed, k), and rollouts
+are sampled from the engine's parameters, so a run resumed from a checkpoint continues exactly (bit for bit with
+`trainer.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
+function that fails, or a non-finite loss, stops the run before anything of that step is saved, so the latest
+checkpoint stays the last consistent state. With `warmstart.sft_steps > 0` the run first fine-tunes the model on
+the task's solutions with the SFT trainer (`rl_warmstart`) and starts RL from that policy; with
+`loss.kl_coef > 0` the KL penalty is taken to that initial policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jodc.balance import get_planner
+from jodc.fsdp.decoder import decoder_staged_model
+from jodc.fsdp.optim import learning_rate_schedule
+from jodc.losses import grpo_advantages
+
+from . import rl_config
+from .checkpoint import CheckpointStore, export_hf
+from .metrics import TENSORBOARD_DIR, read_metrics
+from .model import build_decoder, cost_model, hf_tokenizer_path
+from .rl_batch import pack_minibatch, split_minibatches, training_sequences
+from .rl_config import RLConfig
+from .rl_loss import build_objective, summarize_metrics
+from .rl_metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics, update_metrics
+from .rl_reference import ReferencePolicy
+from .rl_rewards import RewardFunction, load_reward_function, score
+from .rl_rollout import sample_rollout, sampling_params
+from .rl_tasks import eval_problems, make_task, step_problems
+from .rl_warmstart import run_warmstart
+from .sft import make_engine, optimizer_config
+from .tokenizer import load_tokenizer
+
+CHECKPOINT_DIR, HF_DIR, CONFIG_FILE = "checkpoints", "hf", "config.yaml"
+
+
+class RLRun:
+    """One invocation of an RL run (see `run_rl`); its parts are built in `__init__`, `train` runs it."""
+
+    def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
+                 log: Callable[[str], None] = print):
+        self.config, self.log = config, log
+        t, r = config.trainer, config.rollout
+        self.out_dir = os.path.abspath(t.out_dir)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
+        self.engine = None
+        try:
+            resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
+            self.objective = build_objective(config.loss, r)
+            self.task = make_task(config.task.name, **config.task.task_options())
+            if reward_fn is not None:
+                self.reward_fn = reward_fn
+            elif config.task.reward_fn:
+                self.reward_fn = load_reward_function(config.task.reward_fn)
+            else:
+                self.reward_fn = self.task.reward
+            model_section = config.model
+            if config.warmstart.sft_steps:
+                model_section = dataclasses.replace(model_section,
+                                                    hf_path=run_warmstart(config, self.task, log=log))
+            self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
+            self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=t.token_cap,
+                                                      compute_dtype=t.compute_dtype, seed=t.seed)
+            self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed,
+                                                      head_loss=self.objective.head_loss,
+                                                      metric_names=self.objective.metric_names)
+            self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
+                                              bucket=r.prompt_bucket) if config.loss.kl_coef else None)
+            self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,
+                                            temperature=r.temperature,
+                                            top_k=r.top_k if self.objective.uses_topk else 0,
+                                            prompt_bucket=r.prompt_bucket)
+            self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
+            self.planner = get_planner(t.planner_name)
+            self.cost_model = cost_model(t.cost_model, self.model_config)
+            self.lr_schedule = learning_rate_schedule(optimizer_config(config))
+            self.engine = make_engine(config, self.model, groups)
+            self.start_step = self._restore(resume_from) if resume_from is not None else 0
+        except BaseException:
+            self.close()
+            raise
+        rl_config.save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
+        self.last_saved_step = self.start_step if self.start_step else None
+        self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems) if t.eval_every else []
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+    def _resumable_step(self) -> int | None:
+        latest = self.store.latest_step()
+        if latest is None:
+            return None
+        if not self.config.trainer.resume:
+            raise RuntimeError(f"{self.store.directory} already holds checkpoints (steps {self.store.steps()}) and "
+                               "trainer.resume is false: choose another trainer.out_dir, or resume")
+        saved = self.store.read_trainer_state(latest)
+        mismatches = rl_config.resume_mismatches(saved.get("config", {}), self.config)
+        if mismatches:
+            raise RuntimeError(f"the checkpoint at {self.store.step_dir(latest)} was written for another run "
+                               f"({'; '.join(mismatches)}); use another trainer.out_dir for a new run")
+        return latest
+
+    def _restore(self, step: int) -> int:
+        engine_state, trainer_state = self.store.restore(step, self.engine.state_dict())
+        expected_updates = step * self.config.trainer.updates_per_step
+        if trainer_state.get("optimizer_updates") != expected_updates:
+            raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
+                               f"{trainer_state.get('optimizer_updates')} optimizer updates, expected "
+                               f"{expected_updates}")
+        engine_state["step"] = expected_updates
+        self.engine.load_state_dict(engine_state)
+        self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
+        return step
+
+    def _save(self, done: int) -> None:
+        if self.last_saved_step == done:
+            return
+        trainer_state = {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done,
+                         "engine": self.config.trainer.engine, "devices": self.config.trainer.devices}
+        self.store.save(done, self.engine.state_dict(), trainer_state)
+        self.last_saved_step = done
+
+    # -- pieces of a step ------------------------------------------------------------------------------------------
+    def rollout_key(self, step: int) -> jax.Array:
+        """The sampling key of 0-based step `step`."""
+        return jax.random.fold_in(jax.random.PRNGKey(self.config.trainer.seed), step)
+
+    def evaluate(self) -> float:
+        """Greedy accuracy of the current policy on the fixed evaluation set."""
+        problems = self.eval_set or eval_problems(self.task, self.config.trainer.seed, self.config.task.eval_problems)
+        rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer, [p.prompt for p in problems],
+                                 group_size=1, sampling=self.greedy, key=jax.random.PRNGKey(0))
+        rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=self.engine.steps_done)
+        return float(np.mean(rewards >= self.config.task.success_reward))
+
+    def _step(self, step: int) -> dict[str, Any]:
+        """Runs 0-based step `step`; returns its metrics record."""
+        t, r = self.config.trainer, self.config.rollout
+        started = time.perf_counter()
+        record: dict[str, Any] = {"step": step + 1}
+        if t.eval_every and step % t.eval_every == 0:
+            eval_started = time.perf_counter()
+            record["eval_accuracy"] = self.evaluate()
+            record["eval_seconds"] = time.perf_counter() - eval_started
+        problems = step_problems(self.task, t.seed, step, r.prompts_per_step)
+        rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer, [p.prompt for p in problems],
+                                 group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step))
+        reward_started = time.perf_counter()
+        rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
+        reward_seconds = time.perf_counter() - reward_started
+        advantages = np.asarray(grpo_advantages(rewards.astype(np.float32), r.group_size,
+                                                normalize_std=self.config.loss.normalize_std))
+        ref_started = time.perf_counter()
+        ref_logprobs = self.reference.response_logprobs(rollout) if self.reference else None
+        reference_seconds = time.perf_counter() - ref_started
+        sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
+                                       ref_logprobs=ref_logprobs)
+        updates, train_seconds, tokens, microbatches = [], 0.0, 0, []
+        learning_rate = float(self.lr_schedule(self.engine.steps_done))
+        for indices in split_minibatches(len(sequences), t.updates_per_step, seed=t.seed, step=step):
+            update_started = time.perf_counter()
+            _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=t.devices,
+                                       token_cap=t.token_cap, cost_model=self.cost_model,
+                                       aggregation=self.objective.aggregation,
+                                       skip_empty_microbatches=t.engine == "odc")
+            result = self.engine.step(arrays)
+            train_seconds += time.perf_counter() - update_started
+            if not np.isfinite(result.loss):
+                raise FloatingPointError(f"step {step + 1}: the loss is {result.loss}; stopping without saving "
+                                         f"(latest checkpoint: step {self.store.latest_step()})")
+            updates.append({"loss": result.loss, "grad_norm": result.grad_norm,
+                            **summarize_metrics(result.metrics, self.objective)})
+            tokens += arrays.num_tokens
+            microbatches.append(result.microbatches)
+        seconds = time.perf_counter() - started
+        record.update(rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
+                                      success_reward=self.config.task.success_reward))
+        record.update(update_metrics(updates, unstable_kl=t.unstable_kl))
+        record.update({"learning_rate": learning_rate, "tokens": tokens,
+                       "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
+                       "microbatches": microbatches, "rollout_seconds": rollout.seconds,
+                       "reward_seconds": reward_seconds, "reference_seconds": reference_seconds,
+                       "train_seconds": train_seconds, "step_seconds": seconds,
+                       "rollout_fraction": rollout.seconds / seconds, "train_fraction": train_seconds / seconds})
+        return record
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
+        """Runs steps start_step+1 .. trainer.steps (or stop_at_step), then finishes the run.
+
+        Ctrl-C between steps saves a checkpoint of the last finished step before stopping; an error inside a step
+        (a failing reward function, a non-finite loss) saves nothing, so the latest checkpoint stays consistent.
+        """
+        t = self.config.trainer
+        last = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
+        started = time.perf_counter()
+        logger = RLMetricsLogger(self.out_dir, total_steps=t.steps, start_step=self.start_step, progress=t.progress)
+        done, consistent = self.start_step, True
+        try:
+            for step in range(self.start_step, last):
+                consistent = False
+                record = self._step(step)
+                done, consistent = step + 1, True
+                if done % t.log_every == 0 or done == last:
+                    logger.log(record)
+                logger.advance()
+                if t.save_every and done % t.save_every == 0:
+                    consistent = False
+                    self._save(done)
+                    consistent = True
+            consistent = False
+            self._save(done)
+        except KeyboardInterrupt:
+            if consistent and done > (self.last_saved_step or 0):
+                self._save(done)
+            latest = self.store.latest_step()
+            logger.write(f"interrupted; the latest checkpoint is {self.store.step_dir(latest)}"
+                         if latest is not None else "interrupted before any checkpoint")
+            raise
+        finally:
+            logger.close()
+        return self._finish(done, time.perf_counter() - started, logger.path)
+
+    def _finish(self, done: int, seconds: float, metrics_path: str) -> dict[str, Any]:
+        t = self.config.trainer
+        records = read_metrics(metrics_path)
+        curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE),
+                             title=f"{self.config.loss.name} on {self.config.task.name}") if records else None
+        final_eval = self.evaluate() if t.eval_every and done > self.start_step else None
+        hf_path = None
+        if t.export_hf and done == t.steps and done > self.start_step:
+            hf_path = export_hf(self.model_config, self.engine.params(), self.tokenizer,
+                                os.path.join(self.out_dir, HF_DIR))
+        ran = [r for r in records if r["step"] > self.start_step]
+        summary = {
+            "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done, "seconds": seconds,
+            "rewards": [(r["step"], r["reward_mean"]) for r in records],
+            "first_reward": ran[0]["reward_mean"] if ran else None,
+            "last_reward": ran[-1]["reward_mean"] if ran else None,
+            "final_eval_accuracy": final_eval,
+            "unstable_steps": sum(1 for r in records if r.get("unstable")),
+            "checkpoint": self.store.step_dir(done) if done in self.store.steps() else None,
+            "metrics": metrics_path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
+            "curves": curves, "hf_export": hf_path,
+        }
+        self.log(format_summary(summary))
+        return summary
+
+    def close(self) -> None:
+        """Releases the engine's native resources and the checkpoint manager."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self.store.close()
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The lines printed at the end of a run: what was done and where everything is."""
+    lines = []
+    ran = summary["steps_done"] - summary["start_step"]
+    if ran:
+        lines.append(f"done: {ran} RL steps (now at step {summary['steps_done']}) in {summary['seconds']:.1f} s, "
+                     f"mean reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, "
+                     f"{summary['unstable_steps']} unstable step(s)")
+    else:
+        lines.append(f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
+                     "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
+    if summary["final_eval_accuracy"] is not None:
+        lines.append(f"greedy eval accuracy at the end: {summary['final_eval_accuracy']:.3f}")
+    lines.append(f"checkpoint: {summary['checkpoint']}")
+    lines.append(f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})")
+    if summary["curves"]:
+        lines.append(f"curves:     {summary['curves']}")
+    if summary["hf_export"]:
+        lines.append(f"HF export:  {summary['hf_export']}")
+    return "\n".join(lines)
+
+
+def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,
+           log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Trains (or resumes) the RL run described by `config`; returns the summary (see `format_summary`).
+
+    reward_fn: a `reward(prompt, response) -> float` to use instead of the task's own / `task.reward_fn`.
+    stop_at_step: stop after that global step and checkpoint it, as a preempted job would.
+    """
+    run = RLRun(config, reward_fn=reward_fn, log=log)
+    try:
+        return run.train(stop_at_step=stop_at_step)
+    finally:
+        run.close()

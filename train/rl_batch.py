@@ -1,0 +1,117 @@
+"""A scored rollout -> training sequences -> the minibatches of one RL step, packed for the engines.
+
+Sequence i is `prompt_i + response_i`; the model reads tokens[:-1] and predicts tokens[1:], and the loss covers
+the predictions of response tokens. Per predicted position the sequence carries the extras the objective reads:
+the behaviour log-prob of the sampled token, the response's advantage, and when used the behaviour top-k and the
+reference log-prob (prompt positions hold zeros and are masked out).
+
+The rollout is shuffled (a pure function of the seed and the step) and cut into `updates_per_step` minibatches
+of near-equal size; each is balanced over the devices by the planner (LB-Mini for ODC: by compute cost, so
+devices may run different numbers of microbatches) and packed. Every update after the first sees a policy the
+rollout did not come from: the off-policy regime the trust region is for. The loss normaliser is the
+minibatch's total number of response tokens (token-mean) or of responses (sequence-level aggregations).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jodc.fsdp import MinibatchArrays
+from jodc.fsdp.batch import minibatch_from_plan
+
+from .batching import without_empty_microbatches
+from .rl_rollout import Rollout
+
+_SPLIT_STREAM = 4  # random stream of the minibatch split (see rl_tasks for the others)
+
+
+@dataclasses.dataclass
+class TrainingSequences:
+    """Per sequence arrays of length s_i = len(prompt) + len(response) - 1 (extras [s_i, K] for top-k)."""
+
+    inputs: list[np.ndarray]
+    targets: list[np.ndarray]
+    loss_masks: list[np.ndarray]
+    extras: dict[str, list[np.ndarray]]
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.inputs]
+
+
+def _place(prompt_length: int, values: np.ndarray, length: int) -> np.ndarray:
+    """`values` of the response tokens at their predicting positions (prompt_length - 1 ...), zeros before."""
+    out = np.zeros((length,) + values.shape[1:], values.dtype)
+    out[prompt_length - 1:] = values
+    return out
+
+
+def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: bool = False,
+                       ref_logprobs: Sequence[np.ndarray] | None = None) -> TrainingSequences:
+    """The rollout's training sequences; `advantages` [N] per response; `ref_logprobs` per response token."""
+    n = len(rollout)
+    advantages = np.asarray(advantages, np.float32)
+    if advantages.shape != (n,):
+        raise ValueError(f"advantages must have shape ({n},), got {advantages.shape}")
+    if with_topk and rollout.topk_ids is None:
+        raise ValueError("the objective needs the behaviour top-k, but the rollout did not store it")
+    inputs, targets, masks = [], [], []
+    extras: dict[str, list[np.ndarray]] = {"behaviour_logprobs": [], "advantages": []}
+    if with_topk:
+        extras["topk_ids"], extras["topk_logprobs"] = [], []
+    if ref_logprobs is not None:
+        extras["ref_logprobs"] = []
+    for i in range(n):
+        prompt, response = rollout.prompt_ids[i], rollout.response_ids[i]
+        tokens = np.concatenate([prompt, response]).astype(np.int32)
+        length = len(tokens) - 1
+        inputs.append(tokens[:-1])
+        targets.append(tokens[1:])
+        masks.append(_place(len(prompt), np.ones(len(response), np.float32), length))
+        extras["behaviour_logprobs"].append(_place(len(prompt), rollout.logprobs[i], length))
+        extras["advantages"].append(_place(len(prompt), np.full(len(response), advantages[i], np.float32), length))
+        if with_topk:
+            extras["topk_ids"].append(_place(len(prompt), rollout.topk_ids[i], length))
+            extras["topk_logprobs"].append(_place(len(prompt), rollout.topk_logprobs[i], length))
+        if ref_logprobs is not None:
+            extras["ref_logprobs"].append(_place(len(prompt), np.asarray(ref_logprobs[i], np.float32), length))
+    return TrainingSequences(inputs, targets, masks, extras)
+
+
+def split_minibatches(num_sequences: int, updates: int, *, seed: int, step: int) -> list[np.ndarray]:
+    """`updates` disjoint index sets covering 0..num_sequences-1 in a seeded random order (sizes differ by at
+    most one)."""
+    if not 1 <= updates <= num_sequences:
+        raise ValueError(f"cannot split {num_sequences} sequences into {updates} minibatches")
+    order = np.random.default_rng([seed, _SPLIT_STREAM, step]).permutation(num_sequences)
+    return [np.sort(part) for part in np.array_split(order, updates)]
+
+
+def minibatch_normalizer(masks: Sequence[np.ndarray], aggregation: str) -> float:
+    """The minibatch's global denominator: response tokens (token-mean) or responses (seq-* aggregations)."""
+    if aggregation == "token-mean":
+        return float(sum(float(m.sum()) for m in masks))
+    return float(sum(1 for m in masks if m.any()))
+
+
+def pack_minibatch(sequences: TrainingSequences, indices: np.ndarray, *, planner: Callable, num_devices: int,
+                   token_cap: int, cost_model, aggregation: str, skip_empty_microbatches: bool = True
+                   ) -> tuple[object, MinibatchArrays]:
+    """(plan, engine arrays) of the sequences at `indices`. ValueError when a sequence exceeds `token_cap`."""
+    lengths = [sequences.lengths[i] for i in indices]
+    if max(lengths) > token_cap:
+        raise ValueError(f"a prompt + response of {max(lengths)} tokens exceeds trainer.token_cap={token_cap}; "
+                         "raise trainer.token_cap or lower rollout.max_new_tokens")
+    plan = planner(lengths, num_devices, token_cap, cost_model=cost_model)
+    if skip_empty_microbatches:
+        plan = without_empty_microbatches(plan)
+    masks = [sequences.loss_masks[i] for i in indices]
+    arrays = minibatch_from_plan(plan, [sequences.inputs[i] for i in indices], [sequences.targets[i] for i in indices],
+                                 masks, extras={k: [v[i] for i in indices] for k, v in sequences.extras.items()},
+                                 normalizer=minibatch_normalizer(masks, aggregation))
+    return plan, arrays

@@ -1,0 +1,203 @@
+"""The RL objective as the decoder's head loss: a `jodc.losses` policy loss chosen by name, an optional KL
+penalty to the initial policy, and diagnostics that are the same whatever the loss.
+
+The head sees one packed microbatch (`jodc.fsdp.decoder.decoder_staged_model`): `targets` are the sampled tokens,
+`loss_mask` marks response tokens, and the minibatch extras carry per token `behaviour_logprobs` (the rollout's
+log-probs under its sampling distribution), `advantages` (the response's group advantage), and when needed
+`topk_ids` / `topk_logprobs` [.., K] (DPPO Top-K) and `ref_logprobs` (KL penalty). Losses aggregate with the
+minibatch's global normaliser and the microbatch's `segment_ids`, so the sum over microbatches and devices is the
+minibatch loss.
+
+Anchor: every loss's ratio is taken against the behaviour log-probs. That is DPPO's definition; for the PPO
+family it is the "old policy" because rollouts are synchronous: the weights that sampled the rollout are the
+weights before the rollout's first update (the only difference is the kernels: the KV-cache sampler vs the
+packed training forward, equal to float rounding in fp32). Decoupled PPO's proximal policy and TIS's trainer-side
+log-probs are therefore the behaviour log-probs too (no recomputation; with bf16 rollouts they would differ).
+
+Metrics come back from the engine summed over microbatches and devices, so the head reports token-weighted sums
+(a loss metric m averaged over a microbatch's n valid tokens is reported as m * n, plus n as `tokens`); the
+trainer divides by the total. Loss metrics that are maxima (`divergence_max`) cannot be summed and are left out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jodc.losses import get_policy_loss, kl_penalty, token_logprobs
+
+from .config import ConfigError
+from .rl_config import LossConfig, RolloutConfig
+
+#: Loss keyword arguments the trainer fills with the behaviour log-probs (see the module docstring).
+BEHAVIOUR_ARRAYS = ("behaviour_logprobs", "rollout_logprobs", "proximal_logprobs")
+#: Diagnostics every objective reports (token sums): ratio r = pi(a) / mu(a) of the sampled token, its square,
+#: binary TV |pi(a) - mu(a)|, and r - 1 - log r, whose mean estimates KL(mu || pi) from the rollout's samples.
+DIAGNOSTICS = ("tokens", "ratio_sum", "ratio_sq_sum", "policy_tv_sum", "policy_kl_sum")
+_LOG_RATIO_CLAMP = 20.0
+
+
+def _default_aggregation(fn) -> str:
+    """The loss's own default aggregation (registry presets hide the signature: their bases use token-mean)."""
+    parameter = inspect.signature(fn).parameters.get("aggregation")
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return "token-mean"
+    return parameter.default
+
+
+def _behaviour_array_names(fn) -> tuple[str, ...]:
+    """Required keyword-only array arguments of the loss that the behaviour log-probs stand in for."""
+    names = []
+    for name, parameter in inspect.signature(fn).parameters.items():
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is inspect.Parameter.empty:
+            if name not in BEHAVIOUR_ARRAYS:
+                raise ConfigError(f"loss: the policy loss needs the array {name!r}, which the RL trainer does not "
+                                  "provide")
+            names.append(name)
+    return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyObjective:
+    """A policy loss bound to its options; `head_loss` is the decoder head's loss for a packed microbatch."""
+
+    name: str
+    loss_fn: Any
+    options: dict
+    aggregation: str
+    temperature: float
+    norm_length: int
+    uses_topk: bool
+    behaviour_arrays: tuple[str, ...]
+    kl_coef: float
+    kl_estimator: str
+    loss_metric_names: tuple[str, ...]
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """Every metric the head reports (sums over valid tokens; see the module docstring)."""
+        extra = ("ref_kl_sum",) if self.kl_coef else ()
+        return DIAGNOSTICS + tuple(f"{m}_sum" for m in self.loss_metric_names) + extra
+
+    @property
+    def extras(self) -> tuple[str, ...]:
+        """Per-token minibatch extras the head reads."""
+        names = ("behaviour_logprobs", "advantages")
+        if self.uses_topk:
+            names += ("topk_ids", "topk_logprobs")
+        if self.kl_coef:
+            names += ("ref_logprobs",)
+        return names
+
+    def _loss_kwargs(self, mb) -> dict:
+        kwargs = dict(self.options, aggregation=self.aggregation, normalizer=mb["normalizer"],
+                      segment_ids=mb["segment_ids"], temperature=self.temperature)
+        if self.aggregation == "seq-mean-token-sum-norm":
+            kwargs["norm_length"] = self.norm_length
+        if self.uses_topk:
+            kwargs["topk_ids"], kwargs["topk_logprobs"] = mb["topk_ids"], mb["topk_logprobs"]
+        for name in self.behaviour_arrays:
+            kwargs[name] = mb["behaviour_logprobs"]
+        return kwargs
+
+    def policy_loss(self, logits_btv, mb) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The chosen policy loss on a microbatch: (partial loss, its local metric means)."""
+        return self.loss_fn(logits_btv, mb["targets"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"],
+                            **self._loss_kwargs(mb))
+
+    def head_loss(self, logits_btv, mb) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, {metric: token-weighted sum}) of one packed microbatch."""
+        loss, loss_metrics = self.policy_loss(logits_btv, mb)
+        valid = (mb["loss_mask"] != 0) & (mb["segment_ids"] > 0)
+        count = jnp.sum(valid).astype(jnp.float32)
+        metrics = {f"{m}_sum": lax.stop_gradient(loss_metrics[m]).astype(jnp.float32) * count
+                   for m in self.loss_metric_names}
+        if self.kl_coef:
+            kl_loss, kl_metrics = kl_penalty(
+                logits_btv, mb["targets"], mb["ref_logprobs"], mb["loss_mask"], estimator=self.kl_estimator,
+                aggregation=self.aggregation, normalizer=mb["normalizer"], segment_ids=mb["segment_ids"],
+                temperature=self.temperature,
+                norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
+            loss = loss + self.kl_coef * kl_loss
+            metrics["ref_kl_sum"] = lax.stop_gradient(kl_metrics["kl_mean"]) * count
+        metrics.update(policy_diagnostics(logits_btv, mb, valid, self.temperature))
+        return loss, metrics
+
+
+def policy_diagnostics(logits_btv, mb, valid, temperature: float) -> dict[str, jax.Array]:
+    """Token sums of the sampled-token ratio, its square, binary TV and the k3 estimate of KL(mu || pi)
+    (no gradient); see DIAGNOSTICS."""
+    logprobs = lax.stop_gradient(token_logprobs(logits_btv, mb["targets"], temperature=temperature))
+    behaviour = jnp.where(valid, mb["behaviour_logprobs"].astype(jnp.float32), 0.0)
+    logprobs = jnp.where(valid, logprobs, 0.0)
+    log_ratio = jnp.clip(logprobs - behaviour, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+
+    def total(x):
+        return jnp.sum(jnp.where(valid, x, 0.0))
+
+    return {"tokens": jnp.sum(valid).astype(jnp.float32), "ratio_sum": total(ratio),
+            "ratio_sq_sum": total(ratio * ratio),
+            "policy_tv_sum": total(jnp.abs(jnp.exp(logprobs) - jnp.exp(behaviour))),
+            "policy_kl_sum": total(ratio - 1.0 - log_ratio)}
+
+
+def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective:
+    """The objective of the `loss` section; ConfigError when the loss is unknown or rejects an option (checked
+    by tracing the loss once on a tiny dummy microbatch, which also names its metrics)."""
+    try:
+        fn = get_policy_loss(loss.name)
+    except ValueError as e:
+        raise ConfigError(f"loss.name: {e}") from None
+    aggregation = loss.aggregation or _default_aggregation(fn)
+    objective = PolicyObjective(
+        name=loss.name, loss_fn=fn, options=loss.options(), aggregation=aggregation, temperature=rollout.temperature,
+        norm_length=rollout.max_new_tokens, uses_topk=loss.uses_topk, behaviour_arrays=_behaviour_array_names(fn),
+        kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator, loss_metric_names=())
+    try:
+        metrics = jax.eval_shape(lambda mb: objective.policy_loss(mb["logits"], mb)[1], _dummy_microbatch(rollout))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"loss {loss.name!r} rejects the loss section's options {objective.options} "
+                          f"(aggregation {aggregation!r}): {e}") from None
+    names = tuple(sorted(m for m, v in metrics.items() if v.shape == () and not m.endswith("_max")))
+    return dataclasses.replace(objective, loss_metric_names=names)
+
+
+def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:
+    """Shapes of a one-row microbatch of 4 tokens over a vocabulary of 8 (for tracing the loss only)."""
+    b, t, k, v = 1, 4, min(rollout.top_k, 8), 8
+
+    def spec(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    return {"logits": spec((b, t, v)), "targets": spec((b, t), jnp.int32), "loss_mask": spec((b, t)),
+            "segment_ids": spec((b, t), jnp.int32), "normalizer": spec(()), "behaviour_logprobs": spec((b, t)),
+            "advantages": spec((b, t)), "topk_ids": spec((b, t, k), jnp.int32), "topk_logprobs": spec((b, t, k)),
+            "ref_logprobs": spec((b, t))}
+
+
+def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dict[str, float]:
+    """Token means from one update's summed head metrics: every loss metric as `loss_<name>`, `entropy`, the
+    sampled-token ratio's mean and std, the policy's TV and KL to the behaviour policy, the KL to the reference,
+    and `trust_region_fraction` (the fraction of tokens whose gradient the trust region removed: DPPO's masked
+    fraction, or the PPO family's clipped fraction; absent for losses without either)."""
+    tokens = max(sums["tokens"], 1.0)
+    out = {f"loss_{m}": sums[f"{m}_sum"] / tokens for m in objective.loss_metric_names}
+    ratio_mean = sums["ratio_sum"] / tokens
+    out.update(ratio_mean=ratio_mean,
+               ratio_std=float(np.sqrt(max(sums["ratio_sq_sum"] / tokens - ratio_mean ** 2, 0.0))),
+               policy_tv=sums["policy_tv_sum"] / tokens, policy_kl=sums["policy_kl_sum"] / tokens)
+    if objective.kl_coef:
+        out["ref_kl"] = sums["ref_kl_sum"] / tokens
+    if "loss_entropy" in out:
+        out["entropy"] = out["loss_entropy"]
+    for name in ("loss_masked_fraction", "loss_clip_fraction"):
+        if name in out:
+            out["trust_region_fraction"] = out[name]
+            break
+    return out

@@ -1,0 +1,93 @@
+"""Per-step RL metrics: the record of one step (rollout, rewards, the updates' diagnostics, time split), the
+progress bar that shows reward instead of loss, and the PNG of reward and trust-region masked fraction vs step.
+
+Records go to `metrics.jsonl` and TensorBoard through the SFT trainer's `MetricsLogger` (same files, same
+resume behaviour: records after the restored checkpoint are dropped).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .metrics import MetricsLogger
+
+CURVES_FILE = "rl_curves.png"
+
+
+class RLMetricsLogger(MetricsLogger):
+    """`MetricsLogger` whose progress bar shows mean reward, accuracy and the trust-region masked fraction."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        super().log(record)
+        postfix = {"reward": f"{record['reward_mean']:.3f}", "acc": f"{record['accuracy']:.2f}"}
+        if "trust_region_fraction" in record:
+            postfix["masked"] = f"{record['trust_region_fraction']:.3f}"
+        self._bar.set_postfix(postfix, refresh=False)
+
+
+def rollout_metrics(rewards: np.ndarray, group_size: int, response_lengths: np.ndarray, finished: np.ndarray, *,
+                    success_reward: float) -> dict[str, float]:
+    """What the rollout itself says: mean / std reward, accuracy (reward >= success_reward), response length,
+    responses cut by the budget, and the fraction of groups whose rewards are all equal (no learning signal)."""
+    groups = rewards.reshape(-1, group_size)
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "accuracy": float(np.mean(rewards >= success_reward)),
+            "response_length": float(response_lengths.mean()), "response_length_max": int(response_lengths.max()),
+            "unfinished_fraction": float(np.mean(~finished)),
+            "zero_advantage_groups": float(np.mean(groups.max(axis=1) == groups.min(axis=1)))}
+
+
+def update_metrics(per_update: Sequence[dict[str, float]], *, unstable_kl: float) -> dict[str, Any]:
+    """One step's view of its updates (dicts from `rl_loss.summarize_metrics` plus loss and grad_norm): means over
+    the updates, the largest policy KL to the behaviour policy (the stalest update), whether it exceeded
+    `unstable_kl` (a blow-up), and the last update's KL and masked fraction (the most off-policy one)."""
+    keys = sorted(set().union(*per_update))
+    out: dict[str, Any] = {k: float(np.mean([u[k] for u in per_update if k in u])) for k in keys}
+    kls = [u["policy_kl"] for u in per_update]
+    out["policy_kl_max"] = float(max(kls))
+    out["policy_kl_last"] = float(kls[-1])
+    out["unstable"] = bool(max(kls) > unstable_kl)
+    out["grad_norm_max"] = float(max(u["grad_norm"] for u in per_update))
+    if "trust_region_fraction" in per_update[-1]:
+        out["trust_region_fraction_last"] = float(per_update[-1]["trust_region_fraction"])
+    return out
+
+
+def plot_curves(records: Sequence[dict[str, Any]], path: str, *, title: str = "RL") -> str:
+    """Draws mean reward, accuracy (and greedy eval accuracy where measured) and the trust-region masked
+    fraction (mean over the step's updates and its last update) against step to a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not records:
+        raise ValueError("plot_curves: no records")
+    steps = [r["step"] for r in records]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, [r["reward_mean"] for r in records], label="mean reward", color="tab:blue")
+    top.plot(steps, [r["accuracy"] for r in records], label="accuracy (samples)", color="tab:cyan", alpha=0.7)
+    evaluated = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    if evaluated:
+        top.plot(*zip(*evaluated), "o-", label="greedy eval accuracy (before the step)", color="tab:green")
+    top.set_ylabel("reward")
+    top.legend(fontsize="small")
+    top.grid(alpha=0.3)
+    for key, label, style in (("trust_region_fraction", "masked / clipped fraction (mean over updates)", "-"),
+                              ("trust_region_fraction_last", "same, last (stalest) update", "--")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            bottom.plot(*zip(*points), style, label=label, color="tab:red")
+    bottom.set_ylabel("fraction of tokens")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    if bottom.lines:
+        bottom.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,102 @@
+"""Rollouts: sample `group_size` responses per prompt from the current policy with `jodc.models.generate` (one
+compiled sampler with a KV cache), keeping what the losses need: each response token's log-prob under the
+sampling distribution (the behaviour policy) and, for DPPO Top-K, the behaviour's top-k ids and log-probs.
+
+Prompts are encoded as `[bos] prompt` (the SFT trainer's prompt/completion layout, so a warm-started policy
+sees what it was trained on) and a response ends at the tokenizer's eos, which is part of the response (trained
+on, scored as text without it). Compiled shapes stay few: the batch is always prompts x group_size rows, the
+prompt width is rounded up to `prompt_bucket`, the response budget is fixed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jodc.models import DecoderConfig, SamplingParams, generate
+from jodc.models.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Rollout:
+    """N = prompts x group_size responses, group after group (responses of prompt i are rows i*G .. i*G+G-1)."""
+
+    prompts: list[str]                 # per response: its prompt's text
+    prompt_ids: list[np.ndarray]       # per response: int32 [p_i] the encoded prompt
+    response_ids: list[np.ndarray]     # per response: int32 [n_i] sampled tokens (stop token included)
+    logprobs: list[np.ndarray]         # per response: fp32 [n_i] behaviour log-probs of those tokens
+    topk_ids: list[np.ndarray] | None  # per response: int32 [n_i, K] behaviour top-k (sampled token forced in)
+    topk_logprobs: list[np.ndarray] | None  # per response: fp32 [n_i, K]
+    responses: list[str]               # per response: decoded text (special tokens removed)
+    finished: np.ndarray               # bool [N]: the response ended with a stop token (else it hit the budget)
+    group_size: int
+    seconds: float                     # wall time of sampling and decoding
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def response_lengths(self) -> np.ndarray:
+        """Tokens per response (stop token included)."""
+        return np.array([len(r) for r in self.response_ids], np.int64)
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str]) -> list[np.ndarray]:
+    """`[bos] prompt` token ids of each prompt (no bos when the tokenizer has none)."""
+    start = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    encoded = tokenizer.encode_batch(list(prompts), add_special_tokens=False)
+    out = [np.asarray(start + ids, np.int32) for ids in encoded]
+    empty = [i for i, ids in enumerate(out) if ids.size == 0]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} encode to no tokens")
+    return out
+
+
+def stop_token_ids(tokenizer: Tokenizer, config: DecoderConfig) -> tuple[int, ...]:
+    """The tokens that end a response: the tokenizer's eos and the model's eos ids."""
+    ids = set(config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model defines an eos token: responses could never end")
+    return tuple(sorted(ids))
+
+
+def sampling_params(tokenizer: Tokenizer, config: DecoderConfig, *, max_new_tokens: int, temperature: float,
+                    top_k: int = 0, prompt_bucket: int = 16) -> SamplingParams:
+    """SamplingParams of a rollout (temperature 0: greedy, for evaluation); full-vocabulary sampling (top_p 1),
+    so the stored log-probs are those of softmax(logits / temperature), which the losses recompute."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=1.0,
+                          stop_token_ids=stop_token_ids(tokenizer, config), top_k_logprobs=top_k, pad_token_id=pad,
+                          prompt_bucket=prompt_bucket)
+
+
+def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: int,
+                   sampling: SamplingParams, key: jax.Array) -> Rollout:
+    """Samples `group_size` responses to each prompt with `params` (group pytrees, e.g. `Engine.params()`)."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    started = time.perf_counter()
+    repeated = [p for p in prompts for _ in range(group_size)]
+    prompt_ids = [ids for ids in encode_prompts(tokenizer, prompts) for _ in range(group_size)]
+    out = jax.device_get(generate(config, prompt_ids, key=key, sampling=sampling, params=params))
+    lengths = np.asarray(out.lengths)
+    tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs, np.float32)
+    stops = np.asarray(sampling.stop_token_ids, np.int32)
+    response_ids = [tokens[i, :n].astype(np.int32) for i, n in enumerate(lengths)]
+    finished = np.array([n > 0 and np.isin(r[-1], stops) for r, n in zip(response_ids, lengths)], bool)
+    texts = tokenizer.backend.decode_batch([(r[:-1] if f else r).tolist() for r, f in zip(response_ids, finished)],
+                                           skip_special_tokens=True)
+    topk_ids = topk_logprobs = None
+    if sampling.top_k_logprobs:
+        ids, lps = np.asarray(out.topk_ids), np.asarray(out.topk_logprobs, np.float32)
+        topk_ids = [ids[i, :n].astype(np.int32) for i, n in enumerate(lengths)]
+        topk_logprobs = [lps[i, :n] for i, n in enumerate(lengths)]
+    return Rollout(prompts=repeated, prompt_ids=prompt_ids, response_ids=response_ids,
+                   logprobs=[logprobs[i, :n] for i, n in enumerate(lengths)], topk_ids=topk_ids,
+                   topk_logprobs=topk_logprobs, responses=list(texts), finished=finished, group_size=group_size,
+                   seconds=time.perf_counter() - started)

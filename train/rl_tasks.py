@@ -1,0 +1,259 @@
+"""Verifiable tasks for RL post-training: problems generated locally from a seed, and rewards computed from the
+(prompt, response) strings alone.
+
+A task makes `Problem`s (a prompt and one correct response, the latter only for the SFT warm start) and scores a
+response with an exact-match reward, 1.0 or 0.0. The reward re-derives everything it needs from the prompt, so
+the built-in rewards have the same signature as a user's reward function: `reward(prompt, response) -> float`.
+
+* `arithmetic`: sums and differences of 2..max_terms integers of 1..max_digits digits, `"47+8-160="` -> `"-105"`.
+* `countdown`: reach a target with some of the given numbers and + - * (each number at most once, parentheses
+  allowed), `"3 7 25>46:"` -> `"25+3*7"` (or any other expression that evaluates to 46).
+* `jsonl`: prompts (and optional solutions) read from a file; the reward must come from the user.
+
+Prompts and responses vary in length (the number of terms / numbers and their digits are drawn per problem), so
+rollouts are ragged and balancing them over devices matters.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+from typing import Callable
+
+import numpy as np
+
+TASK_NAMES = ("arithmetic", "countdown", "jsonl")
+
+# Disjoint random streams of one seed: training prompts of step k, the evaluation set, the warm-start data.
+_TRAIN_STREAM, _EVAL_STREAM, _WARMSTART_STREAM = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One prompt and one correct response (None when the task does not know one)."""
+
+    prompt: str
+    solution: str | None
+
+
+class ArithmeticTask:
+    """Multi-digit integer sums and differences: prompt `"<a><op><b>...="`, response the decimal result."""
+
+    name = "arithmetic"
+    _PROMPT = re.compile(r"^\d+(?:[+-]\d+)+=$")
+
+    def __init__(self, min_terms: int = 2, max_terms: int = 3, max_digits: int = 2):
+        if not 2 <= min_terms <= max_terms:
+            raise ValueError(f"arithmetic task: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
+        if max_digits < 1:
+            raise ValueError(f"arithmetic task: max_digits must be >= 1, got {max_digits}")
+        self.min_terms, self.max_terms, self.max_digits = min_terms, max_terms, max_digits
+
+    def problem(self, rng: np.random.Generator) -> Problem:
+        """A random problem: the number of terms and each term's digit count are drawn uniformly."""
+        terms = int(rng.integers(self.min_terms, self.max_terms + 1))
+        numbers = [int(rng.integers(0, 10 ** int(rng.integers(1, self.max_digits + 1)))) for _ in range(terms)]
+        operators = ["+" if rng.random() < 0.5 else "-" for _ in range(terms - 1)]
+        text = str(numbers[0]) + "".join(op + str(n) for op, n in zip(operators, numbers[1:]))
+        prompt = text + "="
+        return Problem(prompt, str(self.answer(prompt)))
+
+    def answer(self, prompt: str) -> int:
+        """The value of the expression in an arithmetic prompt; ValueError if it is not one."""
+        if not self._PROMPT.match(prompt):
+            raise ValueError(f"not an arithmetic prompt (digits joined by + or -, then '='): {prompt!r}")
+        return sum(int(term) for term in re.findall(r"[+-]?\d+", prompt[:-1]))
+
+    def reward(self, prompt: str, response: str) -> float:
+        """1.0 when the response (surrounding whitespace ignored) is exactly the decimal answer, else 0.0."""
+        return 1.0 if response.strip() == str(self.answer(prompt)) else 0.0
+
+
+class CountdownTask:
+    """Countdown-style puzzles: prompt `"n1 n2 ... >target:"`, response an expression over some of the numbers."""
+
+    name = "countdown"
+    _PROMPT = re.compile(r"^(\d+(?: \d+)*)>(-?\d+):$")
+    _MAX_RESPONSE_CHARS = 64  # longer responses are not parsed (reward 0): keeps the evaluator cheap
+
+    def __init__(self, min_numbers: int = 2, max_numbers: int = 4, max_number: int = 25):
+        if not 2 <= min_numbers <= max_numbers:
+            raise ValueError(f"countdown task: need 2 <= min_numbers <= max_numbers, got {min_numbers}, "
+                             f"{max_numbers}")
+        if max_number < 1:
+            raise ValueError(f"countdown task: max_number must be >= 1, got {max_number}")
+        self.min_numbers, self.max_numbers, self.max_number = min_numbers, max_numbers, max_number
+
+    def problem(self, rng: np.random.Generator) -> Problem:
+        """Random numbers; the target is the value of a random expression over a random ordered subset of them
+        (so every puzzle is solvable, and that expression is the warm start's solution). Targets are >= 0."""
+        while True:
+            count = int(rng.integers(self.min_numbers, self.max_numbers + 1))
+            numbers = [int(rng.integers(1, self.max_number + 1)) for _ in range(count)]
+            used = int(rng.integers(2, count + 1))
+            order = rng.permutation(count)[:used]
+            operators = [str(rng.choice(["+", "-", "*"])) for _ in range(used - 1)]
+            expression = str(numbers[order[0]]) + "".join(op + str(numbers[i]) for op, i in zip(operators, order[1:]))
+            target = _evaluate(expression)
+            if target is not None and target >= 0:
+                return Problem(f"{' '.join(map(str, numbers))}>{target}:", expression)
+
+    def parse_prompt(self, prompt: str) -> tuple[list[int], int]:
+        """(numbers, target) of a countdown prompt; ValueError if it is not one."""
+        match = self._PROMPT.match(prompt)
+        if not match:
+            raise ValueError(f"not a countdown prompt ('<numbers separated by spaces>><target>:'): {prompt!r}")
+        return [int(n) for n in match.group(1).split()], int(match.group(2))
+
+    def reward(self, prompt: str, response: str) -> float:
+        """1.0 when the response is an expression of + - * and parentheses over integer literals, each literal
+        one of the prompt's numbers (each used at most as often as it is given), whose value is the target."""
+        numbers, target = self.parse_prompt(prompt)
+        response = response.strip()
+        if not response or len(response) > self._MAX_RESPONSE_CHARS:
+            return 0.0
+        literals = _literals(response)
+        if literals is None:
+            return 0.0
+        available = list(numbers)
+        for value in literals:
+            if value not in available:
+                return 0.0
+            available.remove(value)
+        return 1.0 if _evaluate(response) == target else 0.0
+
+
+_ALLOWED_OPERATORS = (ast.Add, ast.Sub, ast.Mult)
+
+
+def _parse(expression: str) -> ast.AST | None:
+    """The expression's syntax tree when it uses only integer literals, + - * and parentheses, else None."""
+    try:
+        tree = ast.parse(expression, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp):
+            if not isinstance(node.op, _ALLOWED_OPERATORS):
+                return None
+        elif isinstance(node, ast.Constant):
+            if type(node.value) is not int:
+                return None
+        elif not isinstance(node, ast.operator):
+            return None
+    return tree
+
+
+def _literals(expression: str) -> list[int] | None:
+    """The integer literals of an allowed expression, left to right (None if it is not allowed)."""
+    tree = _parse(expression)
+    if tree is None:
+        return None
+    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+    return [n.value for n in sorted(nodes, key=lambda n: n.col_offset)]
+
+
+def _evaluate(expression: str) -> int | None:
+    """The value of an allowed expression (None if it is not allowed)."""
+    tree = _parse(expression)
+    if tree is None:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        left, right = value(node.left), value(node.right)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        return left * right
+
+    return value(tree)
+
+
+class JsonlTask:
+    """Prompts read from a JSONL file of `{"prompt": str, "solution": str (optional)}` records; it has no reward
+    of its own (give the run a reward function)."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str):
+        self.path = path
+        self.problems = read_prompts(path)
+
+    def problem(self, rng: np.random.Generator) -> Problem:
+        """A record drawn uniformly."""
+        return self.problems[int(rng.integers(len(self.problems)))]
+
+    def reward(self, prompt: str, response: str) -> float:
+        raise ValueError(f"the jsonl task ({self.path}) has no built-in reward: set task.reward_fn (or pass "
+                         "reward_fn= to run_rl)")
+
+
+def read_prompts(path: str) -> list[Problem]:
+    """The problems of a JSONL prompt file; ValueError naming `path:line` for a malformed record."""
+    problems = []
+    try:
+        f = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"task.path {path} does not exist (a .jsonl file of {{\"prompt\": ...}} records)"
+                                ) from None
+    with f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+                raise ValueError(f"{path}:{line_no}: a record needs a non-empty string 'prompt'")
+            solution = record.get("solution")
+            if solution is not None and not isinstance(solution, str):
+                raise ValueError(f"{path}:{line_no}: 'solution' must be a string when present")
+            problems.append(Problem(record["prompt"], solution))
+    if not problems:
+        raise ValueError(f"{path}: no prompts")
+    return problems
+
+
+Task = ArithmeticTask | CountdownTask | JsonlTask
+
+
+def make_task(name: str, **options) -> Task:
+    """The task called `name` with its options (arithmetic: min_terms, max_terms, max_digits; countdown:
+    min_numbers, max_numbers, max_number; jsonl: path)."""
+    factories: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "countdown": CountdownTask,
+                                                 "jsonl": JsonlTask}
+    if name not in factories:
+        raise ValueError(f"unknown task {name!r}; tasks are {', '.join(TASK_NAMES)}")
+    return factories[name](**options)
+
+
+def _problems(task: Task, rng: np.random.Generator, count: int) -> list[Problem]:
+    return [task.problem(rng) for _ in range(count)]
+
+
+def step_problems(task: Task, seed: int, step: int, count: int) -> list[Problem]:
+    """The `count` training prompts of 0-based step `step`: a pure function of (seed, step), so a resumed run
+    sees the same prompts."""
+    return _problems(task, np.random.default_rng([seed, _TRAIN_STREAM, step]), count)
+
+
+def eval_problems(task: Task, seed: int, count: int) -> list[Problem]:
+    """The run's fixed evaluation prompts."""
+    return _problems(task, np.random.default_rng([seed, _EVAL_STREAM]), count)
+
+
+def warmstart_records(task: Task, seed: int, count: int) -> list[dict]:
+    """`count` prompt/completion records of correct solutions, for the SFT warm start."""
+    records = []
+    for p in _problems(task, np.random.default_rng([seed, _WARMSTART_STREAM]), count):
+        if p.solution is None:
+            raise ValueError(f"the {task.name} task has a prompt without a solution ({p.prompt!r}); the warm start "
+                             "needs one per prompt (set warmstart.steps: 0, or add 'solution' to every record)")
+        records.append({"prompt": p.prompt, "completion": p.solution})
+    return records
+

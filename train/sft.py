@@ -1,0 +1,303 @@
+"""The SFT loop: data -> planner -> packed minibatch -> engine step -> metrics / checkpoints, and the end of a run
+(final checkpoint, HF export, timeline plot, summary).
+
+`run_sft(config)` is the whole job. It resumes from the latest checkpoint in `trainer.out_dir` when there is one:
+the engine state, the step and the data position are restored, and minibatch k is a pure function of
+(seed, k), so with `trainer.deterministic` a stopped and resumed run reproduces an uninterrupted one bit for bit.
+A checkpoint whose model or data differ from the config is refused rather than overwritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodc.balance import get_planner
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine
+from jodc.fsdp.decoder import decoder_staged_model
+from jodc.fsdp.optim import learning_rate_schedule
+
+from . import config as config_lib
+from .batching import minibatch_arrays
+from .checkpoint import CheckpointStore, export_hf
+from .config import EMBEDDED, SFTConfig
+from .data import Example, LoadReport, load_jsonl, load_records
+from .embedded import generate_records
+from .metrics import TENSORBOARD_DIR, MetricsLogger, step_metrics
+from .model import build_decoder, cost_model, hf_tokenizer_path
+from .sampler import MinibatchSampler
+from .timeline import events_from_plan, plot_timeline, save_events
+from .tokenizer import load_tokenizer
+
+CHECKPOINT_DIR, HF_DIR, TIMELINE_DIR, CONFIG_FILE = "checkpoints", "hf", "timeline", "config.yaml"
+
+
+def optimizer_config(config: SFTConfig) -> OptimizerConfig:
+    """The engines' OptimizerConfig from the optimizer section (total_steps defaults to the run's steps)."""
+    fields = dataclasses.asdict(config.optimizer)
+    fields["total_steps"] = config.total_steps
+    return OptimizerConfig(**fields)
+
+
+def mesh_devices(platform: str, count: int) -> list:
+    """The first `count` devices of `platform`; a clear error when there are fewer."""
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError as e:
+        raise RuntimeError(f"trainer.platform={platform!r} has no devices here: {e}") from None
+    if len(devices) < count:
+        hint = (f" On a CPU host, set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX is "
+                "imported (the jodc-train CLI does this).") if platform == "cpu" else ""
+        raise RuntimeError(f"trainer.devices={count} but only {len(devices)} {platform} device(s) exist.{hint}")
+    return devices[:count]
+
+
+def load_dataset(config: SFTConfig, tokenizer) -> tuple[list[Example], LoadReport]:
+    """The run's examples: the generated default dataset or a JSONL file."""
+    data = config.data
+    if data.path == EMBEDDED:
+        records = generate_records(data.embedded_examples, seed=data.embedded_seed)
+        return load_records(records, tokenizer, max_length=data.max_length, overlong=data.overlong,
+                            source=f"the embedded dataset (seed {data.embedded_seed})")
+    return load_jsonl(data.path, tokenizer, max_length=data.max_length, overlong=data.overlong)
+
+
+def make_engine(config: SFTConfig, model, groups):
+    """The engine of `trainer.engine` on a 1-D mesh of `trainer.devices` devices."""
+    t = config.trainer
+    optimizer = optimizer_config(config)
+    dtype = jnp.dtype(t.compute_dtype)
+    if t.engine == "reference":
+        return ReferenceEngine(model, groups, optimizer=optimizer, compute_dtype=dtype, num_devices=t.devices,
+                               device=mesh_devices(t.platform, 1)[0])
+    mesh = jax.sharding.Mesh(np.array(mesh_devices(t.platform, t.devices)), ("d",))
+    if t.engine == "odc":
+        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=t.deterministic)
+    return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype)
+
+
+def _engine_records_timelines(engine) -> bool:
+    return "record_timeline" in inspect.signature(engine.step).parameters
+
+
+class SFTRun:
+    """One invocation of a training run (see `run_sft`); its parts are built in `__init__`, `train` runs it."""
+
+    def __init__(self, config: SFTConfig, *, log: Callable[[str], None] = print):
+        self.config = config
+        self.log = log
+        t = config.trainer
+        self.out_dir = os.path.abspath(t.out_dir)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
+        self.engine = None
+        try:
+            resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
+            self.tokenizer = load_tokenizer(config.data.tokenizer or hf_tokenizer_path(config.model))
+            self.examples, report = load_dataset(config, self.tokenizer)
+            self.log(f"data: {report.summary()}")
+            self.model_config, groups = build_decoder(config.model, self.tokenizer,
+                                                      max_length=config.data.max_length,
+                                                      compute_dtype=t.compute_dtype, seed=t.seed)
+            self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed)
+            self.sampler = MinibatchSampler(len(self.examples), t.sequences_per_minibatch, seed=t.seed)
+            self.planner = get_planner(t.planner_name)
+            self.cost_model = cost_model(t.cost_model, self.model_config)
+            self.lr_schedule = learning_rate_schedule(optimizer_config(config))
+            self.engine = make_engine(config, self.model, groups)
+            self.start_step = self._restore(resume_from) if resume_from is not None else 0
+        except BaseException:
+            self.close()
+            raise
+        config_lib.save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
+        self.last_saved_step = self.start_step if self.start_step else None
+        self.timeline: dict[str, Any] | None = None
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+    def _resumable_step(self) -> int | None:
+        """The latest checkpoint's step when this run may resume from it (None without checkpoints); refuses
+        checkpoints of another model, data or data order before anything expensive is built."""
+        latest = self.store.latest_step()
+        if latest is None:
+            return None
+        if not self.config.trainer.resume:
+            raise RuntimeError(f"{self.store.directory} already holds checkpoints (steps {self.store.steps()}) and "
+                               "trainer.resume is false: choose another trainer.out_dir, or resume")
+        saved = self.store.read_trainer_state(latest)
+        mismatches = config_lib.resume_mismatches(saved.get("config", {}), self.config)
+        if mismatches:
+            raise RuntimeError(f"the checkpoint at {self.store.step_dir(latest)} was written for another model, data "
+                               f"or data order ({'; '.join(mismatches)}); use another trainer.out_dir for a new run")
+        return latest
+
+    def _restore(self, step: int) -> int:
+        """Loads checkpoint `step` into the engine; returns the number of steps already done."""
+        engine_state, trainer_state = self.store.restore(step, self.engine.state_dict())
+        next_minibatch = self.sampler.check_state(trainer_state["sampler"])
+        if next_minibatch != step:
+            raise RuntimeError(f"checkpoint {step} is inconsistent: its sampler is at minibatch {next_minibatch}")
+        self.engine.load_state_dict(engine_state)
+        self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
+        return step
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def minibatch(self, step: int):
+        """(plan, arrays, examples) of 0-based step `step`."""
+        examples = [self.examples[i] for i in self.sampler.minibatch(step)]
+        plan = self.planner([e.length for e in examples], self.config.trainer.devices, self.config.token_cap,
+                            cost_model=self.cost_model)
+        arrays = minibatch_arrays(plan, examples, skip_empty_microbatches=self.config.trainer.engine == "odc")
+        return plan, arrays, examples
+
+    def _wants_timeline(self, done: int, last: int) -> bool:
+        every = self.config.trainer.timeline_every
+        return every > 0 and (done % every == 0 or done == last)
+
+    def _record_timeline(self, done: int, plan, result) -> None:
+        events = getattr(result, "timeline", None)
+        source = "engine"
+        if not events:
+            events = events_from_plan(plan, result.seconds, lockstep=self.config.trainer.engine == "collective")
+            source = "planner-cost estimate"
+        directory = os.path.join(self.out_dir, TIMELINE_DIR)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"step_{done:06d}.png")
+        t = self.config.trainer
+        rate = plot_timeline(events, path, num_devices=t.devices,
+                             title=f"{t.engine} / {t.planner_name}, step {done} ({source})")
+        save_events(events, path[:-4] + ".json")
+        self.timeline = {"path": path, "bubble_rate": rate, "step": done, "source": source}
+
+    def _save(self, done: int) -> None:
+        if self.last_saved_step == done:
+            return
+        trainer_state = {"sampler": self.sampler.state_dict(done), "config": config_lib.to_dict(self.config),
+                         "engine": self.config.trainer.engine, "devices": self.config.trainer.devices}
+        self.store.save(done, self.engine.state_dict(), trainer_state)
+        self.last_saved_step = done
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
+        """Runs steps start_step+1 .. trainer.steps (or stop_at_step), then finishes the run.
+
+        Ctrl-C between steps saves a checkpoint of the last finished step before stopping; during a step or a
+        save the engine state is not known to be consistent, so the latest earlier checkpoint stays the one.
+        """
+        t = self.config.trainer
+        last = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
+        losses: list[tuple[int, float]] = []
+        started = time.perf_counter()
+        logger = MetricsLogger(self.out_dir, total_steps=t.steps, start_step=self.start_step, progress=t.progress)
+        done, consistent = self.start_step, True
+        try:
+            for step in range(self.start_step, last):
+                consistent = False
+                loss = self._step(step, last, logger)
+                done, consistent = step + 1, True
+                losses.append((done, loss))
+                logger.advance()
+                if t.save_every and done % t.save_every == 0:
+                    consistent = False
+                    self._save(done)
+                    consistent = True
+            consistent = False
+            self._save(done)
+        except KeyboardInterrupt:
+            if consistent and done > (self.last_saved_step or 0):
+                self._save(done)
+            logger.write(f"interrupted; the latest checkpoint is {self.store.step_dir(self.store.latest_step())}"
+                         if self.store.latest_step() is not None else "interrupted before any checkpoint")
+            raise
+        finally:
+            logger.close()
+        return self._finish(done, losses, time.perf_counter() - started, logger.path)
+
+    def _step(self, step: int, last: int, logger: MetricsLogger) -> float:
+        """Runs 0-based step `step`, logs it, draws its timeline if due; returns the loss."""
+        t = self.config.trainer
+        host_start = time.perf_counter()
+        plan, arrays, examples = self.minibatch(step)
+        host_seconds = time.perf_counter() - host_start
+        want_timeline = self._wants_timeline(step + 1, t.steps)  # the same steps whether resumed or not
+        kwargs = {"record_timeline": True} if want_timeline and _engine_records_timelines(self.engine) else {}
+        learning_rate = float(self.lr_schedule(self.engine.steps_done))
+        result = self.engine.step(arrays, **kwargs)
+        done = step + 1
+        if not np.isfinite(result.loss):
+            raise FloatingPointError(f"step {done}: the loss is {result.loss}; stopping without saving (latest "
+                                     f"checkpoint: step {self.store.latest_step()})")
+        extra = {"host_seconds": host_seconds}
+        extra.update({f"model_{k}": v for k, v in (getattr(result, "metrics", None) or {}).items()})
+        if want_timeline:
+            self._record_timeline(done, plan, result)
+            extra["bubble_rate"] = self.timeline["bubble_rate"]
+        if done % t.log_every == 0 or done == last:
+            logger.log(step_metrics(
+                step=done, loss=result.loss, grad_norm=result.grad_norm, seconds=result.seconds,
+                tokens=arrays.num_tokens, loss_tokens=int(arrays.normalizer), sequences=len(examples),
+                microbatches=result.microbatches, learning_rate=learning_rate, **extra))
+        return result.loss
+
+    def _finish(self, done: int, losses, seconds: float, metrics_path: str) -> dict[str, Any]:
+        hf_path = None
+        if self.config.trainer.export_hf and done == self.config.trainer.steps:
+            hf_path = export_hf(self.model_config, self.engine.params(), self.tokenizer,
+                                os.path.join(self.out_dir, HF_DIR))
+        summary = {
+            "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done,
+            "losses": losses, "first_loss": losses[0][1] if losses else None,
+            "last_loss": losses[-1][1] if losses else None, "seconds": seconds,
+            "checkpoint": self.store.step_dir(done) if done in self.store.steps() else None,
+            "metrics": metrics_path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
+            "timeline": self.timeline["path"] if self.timeline else None,
+            "bubble_rate": self.timeline["bubble_rate"] if self.timeline else None,
+            "hf_export": hf_path,
+        }
+        self.log(format_summary(summary))
+        return summary
+
+    def close(self) -> None:
+        """Releases the engine's native resources and the checkpoint manager."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self.store.close()
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The lines printed at the end of a run: what was done and where everything is."""
+    lines = []
+    ran = summary["steps_done"] - summary["start_step"]
+    if summary["losses"]:
+        lines.append(f"done: {ran} steps (now at step {summary['steps_done']}) in {summary['seconds']:.1f} s, loss "
+                     f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}")
+    else:
+        lines.append(f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
+                     "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
+    lines.append(f"checkpoint: {summary['checkpoint']}")
+    lines.append(f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})")
+    if summary["timeline"]:
+        lines.append(f"timeline:   {summary['timeline']} (bubble rate {summary['bubble_rate']:.1%})")
+    if summary["hf_export"]:
+        lines.append(f"HF export:  {summary['hf_export']}")
+    return "\n".join(lines)
+
+
+def run_sft(config: SFTConfig, *, stop_at_step: int | None = None, log: Callable[[str], None] = print
+            ) -> dict[str, Any]:
+    """Trains (or resumes) the run described by `config`; returns the summary (see `format_summary`).
+
+    stop_at_step: stop after that global step and checkpoint it, as a preempted job would (the run resumes
+    from there when called again with the same config).
+    """
+    run = SFTRun(config, log=log)
+    try:
+        return run.train(stop_at_step=stop_at_step)
+    finally:
+        run.close()

@@ -1,0 +1,134 @@
+"""Per-device timelines of one training step: the bubble rate, and a PNG with one lane per device.
+
+An event is `{"device": int, "start": s, "end": s, "kind": "busy" | "wait", "label": str}` (times in seconds,
+any origin). The engines record them when asked (`Engine.step(batch, record_timeline=True)`); when an engine
+cannot, `events_from_plan` estimates them from the planner's cost model and the measured step time.
+
+The bubble rate is `1 - sum(busy) / (devices x wall)`, wall = last end - first start over all devices: the
+fraction of device time spent not computing (waiting at a barrier or for a collective, or idle at the end).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+KINDS = ("busy", "wait")
+
+
+def check_events(events: Sequence[dict], num_devices: int | None = None) -> None:
+    """ValueError naming the first event that is not a well-formed timeline event."""
+    for i, e in enumerate(events):
+        missing = {"device", "start", "end", "kind"} - set(e)
+        if missing:
+            raise ValueError(f"timeline event {i} lacks {sorted(missing)}: {e}")
+        if e["kind"] not in KINDS:
+            raise ValueError(f"timeline event {i} has kind {e['kind']!r}; kinds are {', '.join(KINDS)}")
+        if not e["end"] >= e["start"]:
+            raise ValueError(f"timeline event {i} ends before it starts: {e}")
+        if e["device"] < 0 or (num_devices is not None and e["device"] >= num_devices):
+            raise ValueError(f"timeline event {i} is on device {e['device']}, outside 0..{(num_devices or 1) - 1}")
+
+
+def bubble_rate(events: Sequence[dict], num_devices: int | None = None) -> float:
+    """1 - sum(busy) / (devices x wall); `num_devices` counts devices with no event as idle (default: the
+    devices that appear). 0 for no events or zero wall time."""
+    check_events(events, num_devices)
+    if not events:
+        return 0.0
+    devices = num_devices or len({e["device"] for e in events})
+    wall = max(e["end"] for e in events) - min(e["start"] for e in events)
+    if wall <= 0:
+        return 0.0
+    busy = sum(e["end"] - e["start"] for e in events if e["kind"] == "busy")
+    return float(min(1.0, max(0.0, 1.0 - busy / (devices * wall))))
+
+
+def events_from_plan(plan, seconds: float, *, lockstep: bool) -> list[dict]:
+    """Estimated events of a step that took `seconds`: each device runs its microbatches back to back with
+    durations proportional to their planned costs; the slowest device defines the wall time.
+
+    lockstep=False (ODC): devices run independently and wait once, at the end, for the slowest.
+    lockstep=True (collective): round i ends on every device when the slowest device's i-th microbatch ends.
+    """
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    counts = plan.microbatch_counts()
+    rounds = max(counts, default=0)
+    costs = np.zeros((plan.num_devices, rounds))
+    for d, device in enumerate(plan.devices):
+        for m, mb in enumerate(device):
+            costs[d, m] = mb.cost
+    total = costs.max(axis=0).sum() if lockstep else costs.sum(axis=1).max()
+    if total <= 0:
+        return [{"device": d, "start": 0.0, "end": seconds, "kind": "wait", "label": "idle"}
+                for d in range(plan.num_devices)]
+    scale = seconds / total
+    events = []
+    for d in range(plan.num_devices):
+        t = 0.0
+        for m in range(rounds):
+            duration = costs[d, m] * scale
+            if duration > 0:
+                events.append({"device": d, "start": t, "end": t + duration, "kind": "busy", "label": f"mb{m}"})
+            round_end = t + costs[:, m].max() * scale if lockstep else t + duration
+            if round_end > t + duration:
+                events.append({"device": d, "start": t + duration, "end": round_end, "kind": "wait",
+                               "label": f"wait mb{m}"})
+            t = round_end
+        if t < seconds * (1 - 1e-9):
+            events.append({"device": d, "start": t, "end": seconds, "kind": "wait", "label": "barrier"})
+    return events
+
+
+def plot_timeline(events: Sequence[dict], path: str, *, num_devices: int | None = None, title: str = "step"
+                  ) -> float:
+    """Draws one lane per device (busy segments coloured by label, waits hatched grey) to a PNG at `path`,
+    with the bubble rate in the title; returns the bubble rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rate = bubble_rate(events, num_devices)
+    devices = num_devices or (max((e["device"] for e in events), default=-1) + 1) or 1
+    t0 = min((e["start"] for e in events), default=0.0)
+    labels = sorted({_label_group(e["label"]) for e in events if e["kind"] == "busy"})
+    colours = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
+    fig, ax = plt.subplots(figsize=(10, 0.6 * devices + 2.0))
+    for e in events:
+        start, width = e["start"] - t0, e["end"] - e["start"]
+        if e["kind"] == "busy":
+            ax.broken_barh([(start, width)], (e["device"] - 0.4, 0.8), facecolors=colours[_label_group(e["label"])],
+                           edgecolor="white", linewidth=0.3)
+        else:
+            ax.broken_barh([(start, width)], (e["device"] - 0.4, 0.8), facecolors="#dddddd", hatch="//",
+                           edgecolor="#999999", linewidth=0.3)
+    ax.set_yticks(range(devices), [f"device {d}" for d in range(devices)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(f"{title} - bubble rate {rate:.1%}")
+    handles = [Patch(facecolor=colours[label], label=label) for label in labels]
+    handles.append(Patch(facecolor="#dddddd", hatch="//", edgecolor="#999999", label="wait"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3 if devices < 4 else -0.15),
+              fontsize="small", ncol=min(len(handles), 7), frameon=False)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return rate
+
+
+def _label_group(label: str) -> str:
+    """Colour key of a busy label: engine labels 'mb3 layer_1 fwd' -> 'fwd'; plan estimates 'mb3' -> 'compute'."""
+    last = label.split()[-1] if label else ""
+    return last if last in ("fwd", "bwd", "optimizer", "input", "tail") else "compute"
+
+
+def save_events(events: Sequence[dict], path: str) -> None:
+    """Writes events as JSON (to redraw or compare later)."""
+    with open(path, "w") as f:
+        json.dump(list(events), f)
