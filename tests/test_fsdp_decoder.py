@@ -5,7 +5,7 @@ import pytest
 
 from conftest import cpu_mesh
 from jodc.balance import get_planner
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
 from jodc.fsdp.batch import minibatch_from_plan
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.models.config import DecoderConfig
@@ -111,3 +111,27 @@ def test_custom_head_loss_with_extras_and_metrics():
         # one Adam step normalises each gradient element: near-zero gradients (advantages of both signs cancel)
         # amplify float reassociation, hence an absolute tolerance of 1% of the learning rate
         np.testing.assert_allclose(odc_params[g], v, rtol=1e-5, atol=1e-4, err_msg=g)
+
+
+@pytest.mark.parametrize("engine_cls", [ODCEngine, CollectiveEngine, SPMDEngine])
+def test_length_buckets_change_cost_not_results(engine_cls):
+    """Microbatches run at the smallest bucket length that holds them; parameters equal the full-length run."""
+    config = tiny_config()
+    model, groups = decoder_staged_model(config, seed=4)
+    planner = "lb_mini" if engine_cls is ODCEngine else "lb_micro"
+    data = batches(planner, 2, steps=2, token_cap=32)
+    engine = engine_cls(model, groups, cpu_mesh(2), optimizer=OPT, length_buckets=(8, 16))
+    assert engine.bucket_lengths(32) == (8, 16, 32)
+    idx = engine.bucket_indices(data[0])
+    used = (data[0].segment_ids > 0).sum(-1)
+    assert np.all(np.asarray((8, 16, 32))[idx] >= used)
+    assert np.all((idx == 0) | (np.asarray((0, 8, 16))[idx] < used))  # the smallest that fits
+    ref = ReferenceEngine(model, groups, optimizer=OPT)
+    try:
+        losses = [engine.step(b).loss for b in data]
+        params = engine.flat_params()
+    finally:
+        engine.close()
+    np.testing.assert_allclose(losses, [ref.step(b).loss for b in data], rtol=2e-5)
+    for g, v in ref.flat_params().items():
+        np.testing.assert_allclose(params[g], v, rtol=1e-5, atol=1e-5, err_msg=g)

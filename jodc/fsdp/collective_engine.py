@@ -28,8 +28,9 @@ class CollectiveEngine(Engine):
     name = "collective"
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
-                 compute_dtype=jnp.float32):
-        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
+                 compute_dtype=jnp.float32, length_buckets=None):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
+                         length_buckets=length_buckets)
         if "d" not in mesh.shape or len(mesh.shape) != 1:
             raise ValueError(f"the collective engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
         self.mesh = mesh
@@ -67,18 +68,26 @@ class CollectiveEngine(Engine):
         loss, metrics = split_loss(h, self.model.metric_names)
         return loss.astype(jnp.float32), metrics
 
-    def _device_step(self, shards, opt_state, arrays, normalizer, recorder=None):
+    def _device_step(self, shards, opt_state, arrays, round_bucket, normalizer, recorder=None, lengths=()):
         shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
         num_micro = next(iter(arrays.values())).shape[0]
         grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder), has_aux=True)
+
+        def run_microbatch(length, full, i):
+            microbatch = {k: v[:, :length] for k, v in full.items()}
+            microbatch["normalizer"] = normalizer
+            return grad_fn(shards, microbatch, i)
 
         def body(i, carry):
             grads, loss_sum, metric_sums = carry
             if recorder is not None:
                 loss_sum = recorder.mark(loss_sum, i, timeline.MICROBATCH_START)
-            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
-            microbatch["normalizer"] = normalizer
-            (loss, metrics), g = grad_fn(shards, microbatch, i)
+            full = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
+            if len(lengths) == 1:
+                (loss, metrics), g = run_microbatch(lengths[0], full, i)
+            else:  # lock-step: every device runs round i at the longest bucket any device needs in that round
+                branches = [functools.partial(run_microbatch, length) for length in lengths]
+                (loss, metrics), g = lax.switch(round_bucket[i], branches, full, i)
             if recorder is not None:
                 g = recorder.mark(g, i, timeline.MICROBATCH_END)
             metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
@@ -102,19 +111,21 @@ class CollectiveEngine(Engine):
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
         m = int(batch.counts.max()) if batch.counts.size else 0
         arrays = {k: v[:, : max(m, 1)] for k, v in arrays.items()}  # lock-step over the largest count
-        key = (tuple(sorted((k, v.shape) for k, v in arrays.items())), recorder is not None)
+        lengths = self.bucket_lengths(batch.token_cap)
+        round_bucket = self.bucket_indices(batch)[:, : max(m, 1)].max(axis=0)
+        key = (tuple(sorted((k, v.shape) for k, v in arrays.items())), recorder is not None, lengths)
         fn = self._step_fns.get(key)
         if fn is None:
             specs = (sharding.device_spec(self.shards), P_tree(self.tx, self.shards), sharding.device_spec(arrays),
-                     P())
-            device_step = functools.partial(self._device_step, recorder=recorder)
+                     P(), P())
+            device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
             fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                        out_specs=(specs[0], specs[1], P("d"), P("d"), P("d"))),
                          donate_argnums=(0, 1))
             self._step_fns[key] = fn
         self.shards, self.opt_state, loss, norm, metrics = fn(self.shards, self.opt_state,
                                                               sharding.put_per_device(self.mesh, arrays),
-                                                              jnp.float32(batch.normalizer))
+                                                              jnp.asarray(round_bucket), jnp.float32(batch.normalizer))
         return loss, norm, metrics
 
     def flat_params(self) -> dict[str, np.ndarray]:

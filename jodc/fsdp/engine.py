@@ -35,7 +35,7 @@ class Engine(abc.ABC):
     name: str = "engine"
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
-                 compute_dtype=jnp.float32):
+                 compute_dtype=jnp.float32, length_buckets=None):
         missing = [g for g in model.group_names if g not in groups]
         if missing:
             raise ValueError(f"initial parameters lack groups {missing}")
@@ -46,6 +46,26 @@ class Engine(abc.ABC):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype}")
         self.steps_done = 0
         self._recorder: TimelineRecorder | None = None
+        if length_buckets is not None:
+            length_buckets = tuple(sorted({int(b) for b in length_buckets}))
+            if not length_buckets or length_buckets[0] < 1:
+                raise ValueError(f"length_buckets must be positive token counts, got {length_buckets}")
+        self.length_buckets = length_buckets
+
+    def bucket_lengths(self, token_cap: int) -> tuple[int, ...]:
+        """The static lengths a microbatch runs at: the configured buckets below `token_cap`, then `token_cap`.
+
+        A microbatch holds its sequences from position 0, so running only its first L tokens (L >= its token
+        count) changes nothing but the cost: with buckets, a short microbatch costs what it holds, not T. Bucket
+        lengths must suit the model (e.g. multiples of the attention block size)."""
+        short = [b for b in (self.length_buckets or ()) if b < token_cap]
+        return tuple(short) + (token_cap,)
+
+    def bucket_indices(self, batch: MinibatchArrays) -> np.ndarray:
+        """int32 [D, M]: for every microbatch, the smallest bucket that holds its tokens."""
+        lengths = np.asarray(self.bucket_lengths(batch.token_cap))
+        used = (np.asarray(batch.segment_ids) > 0).sum(-1)
+        return np.searchsorted(lengths, used, side="left").astype(np.int32)
 
     @abc.abstractmethod
     def _run(self, batch: MinibatchArrays, recorder: TimelineRecorder | None) -> tuple[Any, Any]:

@@ -37,8 +37,10 @@ class ODCEngine(Engine):
     name = "odc"
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
-                 compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float = 300.0):
-        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
+                 compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float = 300.0,
+                 length_buckets=None):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
+                         length_buckets=length_buckets)
         if "d" not in mesh.shape or len(mesh.shape) != 1:
             raise ValueError(f"the ODC engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
         self.mesh = mesh
@@ -73,9 +75,10 @@ class ODCEngine(Engine):
                 unflatten=tuple(self.model.layouts[g].unflatten for g in st.groups)))
         return layers
 
-    def _device_step(self, shards, opt_state, arrays, counts, normalizer, recorder=None):
+    def _device_step(self, shards, opt_state, arrays, counts, bucket_index, normalizer, recorder=None,
+                     lengths=()):
         shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
-        count = counts[0]
+        count, bucket_index = counts[0], bucket_index[0]
         layers = self._layers()
         per_device_normalizer = lax.pcast(normalizer, "d", to="varying")  # no collective in the backward pass
 
@@ -94,17 +97,27 @@ class ODCEngine(Engine):
         def varying_zero():
             return lax.pcast(jnp.zeros((), jnp.float32), "d", to="varying")
 
-        def body(carry):
-            i, token, loss_sum, metric_sums = carry
-            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
+        def run_microbatch(length, full, token, i):
+            """Forward + backward of one microbatch on its first `length` tokens (a static bucket length)."""
+            microbatch = {k: v[:, :length] for k, v in full.items()}
             microbatch["normalizer"] = per_device_normalizer
             anchor = lax.pcast(jnp.zeros(()), "d", to="varying")
             loss, vjp_fn, (token, metrics) = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor,
                                                      token, has_aux=True)
             d_anchor, _ = vjp_fn(jnp.ones_like(loss))
             token = ops.after(token, d_anchor)  # every push of this microbatch precedes what follows
+            return loss.astype(jnp.float32), token, metrics
+
+        def body(carry):
+            i, token, loss_sum, metric_sums = carry
+            full = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
+            if len(lengths) == 1:
+                loss, token, metrics = run_microbatch(lengths[0], full, token, i)
+            else:  # each device picks its own length per microbatch: no collective, so branches may differ
+                branches = [functools.partial(run_microbatch, length) for length in lengths]
+                loss, token, metrics = lax.switch(bucket_index[i], branches, full, token, i)
             metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
-            return i + 1, token, loss_sum + loss.astype(jnp.float32), metric_sums
+            return i + 1, token, loss_sum + loss, metric_sums
 
         init = (jnp.int32(0), ops.new_token("d"), varying_zero(), {m: varying_zero() for m in self.model.metric_names})
         _, token, loss_sum, metric_sums = lax.while_loop(lambda c: c[0] < count, body, init)
@@ -137,14 +150,15 @@ class ODCEngine(Engine):
         return token
 
     def _step_fn(self, arrays_template, recorder):
+        lengths = self.bucket_lengths(next(iter(arrays_template.values())).shape[2])
         key = jax.tree.map(lambda x: x.shape, arrays_template)
-        key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None)
+        key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None, lengths)
         fn = self._step_fns.get(key)
         if fn is None:
             specs = (sharding.device_spec(self.shards), P_tree(self.tx, self.shards),
                      sharding.device_spec(arrays_template), jax.sharding.PartitionSpec("d"),
-                     jax.sharding.PartitionSpec())
-            device_step = functools.partial(self._device_step, recorder=recorder)
+                     jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec())
+            device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
             fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                        out_specs=(specs[0], specs[1], jax.sharding.PartitionSpec("d"),
                                                   jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec("d"))),
@@ -156,9 +170,12 @@ class ODCEngine(Engine):
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
         arrays = _pad_microbatches(arrays)
         fn = self._step_fn(arrays, recorder)
+        bucket_index = self.bucket_indices(batch)
+        bucket_index = np.pad(bucket_index, ((0, 0), (0, arrays["tokens"].shape[1] - bucket_index.shape[1])))
         self.shards, self.opt_state, loss, norm, metrics = fn(
             self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
-            sharding.put_per_device(self.mesh, batch.counts), jnp.float32(batch.normalizer))
+            sharding.put_per_device(self.mesh, batch.counts), sharding.put_per_device(self.mesh, bucket_index),
+            jnp.float32(batch.normalizer))
         return loss, norm, metrics
 
     # -- state ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 run in lock-step over the same number of microbatches, one row per device (feed it lock-step plans, `lb_micro`)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -23,8 +24,9 @@ class SPMDEngine(Engine):
     name = "xla_spmd"
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
-                 compute_dtype=jnp.float32, remat: bool = True):
-        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
+                 compute_dtype=jnp.float32, remat: bool = True, length_buckets=None):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
+                         length_buckets=length_buckets)
         if "d" not in mesh.shape or len(mesh.shape) != 1:
             raise ValueError(f"the SPMD engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
         self.mesh = mesh
@@ -39,7 +41,7 @@ class SPMDEngine(Engine):
         self.tx = make_optimizer(optimizer)
         self.opt_state = jax.jit(self.tx.init)(self.flats)
         self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
-        self._step = jax.jit(self._full_step, donate_argnums=(0, 1))
+        self._steps: dict[tuple, Any] = {}
 
     @property
     def num_devices(self) -> int:
@@ -51,14 +53,22 @@ class SPMDEngine(Engine):
         loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
         return loss.astype(jnp.float32), metrics
 
-    def _full_step(self, flats, opt_state, arrays, normalizer):
+    def _full_step(self, flats, opt_state, arrays, round_bucket, normalizer, lengths=()):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def run_microbatch(length, full):
+            microbatch = {k: v[:, :length] for k, v in full.items()}
+            microbatch["normalizer"] = normalizer
+            return grad_fn(flats, microbatch)
 
         def body(i, carry):
             grads, loss_sum, metric_sums = carry
-            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in arrays.items()}
-            microbatch["normalizer"] = normalizer
-            (loss, metrics), g = grad_fn(flats, microbatch)
+            full = {k: lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in arrays.items()}
+            if len(lengths) == 1:
+                (loss, metrics), g = run_microbatch(lengths[0], full)
+            else:  # one program for all devices: round i runs at the longest bucket any device needs
+                branches = [functools.partial(run_microbatch, length) for length in lengths]
+                (loss, metrics), g = lax.switch(round_bucket[i], branches, full)
             metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
             return jax.tree.map(jnp.add, grads, g), loss_sum + loss, metric_sums
 
@@ -79,8 +89,12 @@ class SPMDEngine(Engine):
         arrays = {k: np.ascontiguousarray(np.swapaxes(np.asarray(v)[:, :m], 0, 1))  # [M, D, T]
                   for k, v in batch.as_dict().items()}
         arrays = jax.device_put(arrays, self.batch_sharding)
-        self.flats, self.opt_state, loss, norm, metrics = self._step(self.flats, self.opt_state, arrays,
-                                                            jnp.float32(batch.normalizer))
+        lengths = self.bucket_lengths(batch.token_cap)
+        round_bucket = self.bucket_indices(batch)[:, :m].max(axis=0)
+        if lengths not in self._steps:
+            self._steps[lengths] = jax.jit(functools.partial(self._full_step, lengths=lengths), donate_argnums=(0, 1))
+        self.flats, self.opt_state, loss, norm, metrics = self._steps[lengths](
+            self.flats, self.opt_state, arrays, jnp.asarray(round_bucket), jnp.float32(batch.normalizer))
         return loss, norm, metrics
 
     def flat_params(self) -> dict[str, np.ndarray]:
