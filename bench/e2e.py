@@ -4,7 +4,9 @@ The same decoder, data and optimizer under each engine on 2 simulated CPU device
 (so a waiting device really idles), on (a) imbalanced minibatches drawn from a LongAlign-like long-tailed length
 distribution scaled to CPU size and (b) perfectly balanced minibatches (all sequences the same length).
 
-Busy time is calibrated, not guessed: every microbatch a plan contains is timed alone (forward + backward on one
+Every engine runs a microbatch at the smallest of T/4, T/2, T that holds it: ODC per device and microbatch (its
+devices never meet inside the step), the lock-step engines per round (the longest any device needs). Busy time is
+calibrated, not guessed: every microbatch a plan contains is timed alone (forward + backward on one
 device, no communication). A plan's ideal step time is its total busy time / devices; an engine's efficiency is
 ideal / measured, and its bubble rate 1 - busy / (devices x wall). Each engine runs all minibatches once to compile,
 then again timed; the medians of the per-minibatch walls are reported.
@@ -85,10 +87,12 @@ class BusyCalibrator:
         self.grad = jax.jit(jax.value_and_grad(functools.partial(model.loss, remat=True)))
         self.cache: dict[bytes, float] = {}
 
-    def seconds(self, microbatch: dict) -> float:
-        key = microbatch["tokens"].tobytes() + microbatch["segment_ids"].tobytes()
+    def seconds(self, microbatch: dict, length: int | None = None) -> float:
+        """Forward + backward of one microbatch on its first `length` tokens (default: all)."""
+        length = length or microbatch["tokens"].shape[-1]
+        key = microbatch["tokens"].tobytes() + microbatch["segment_ids"].tobytes() + bytes(str(length), "ascii")
         if key not in self.cache:
-            mb = {k: jnp.asarray(v[None]) for k, v in microbatch.items()}
+            mb = {k: jnp.asarray(v[None, :length]) for k, v in microbatch.items()}
             mb["normalizer"] = jnp.float32(1.0)
             jax.block_until_ready(self.grad(self.params, mb))
             times = []
@@ -99,19 +103,21 @@ class BusyCalibrator:
             self.cache[key] = float(np.median(times))
         return self.cache[key]
 
-    def busy(self, batch) -> np.ndarray:
-        """Busy seconds per device: its non-empty microbatches, each timed alone."""
+    def busy(self, batch, lengths) -> np.ndarray:
+        """Busy seconds per device: its non-empty microbatches, each timed alone at its own (smallest) bucket."""
         arrays = batch.as_dict()
+        used = (np.asarray(batch.segment_ids) > 0).sum(-1)
         out = np.zeros(batch.num_devices)
         for d in range(batch.num_devices):
             for m in range(int(batch.counts[d])):
-                if arrays["segment_ids"][d, m].any():
-                    out[d] += self.seconds({k: v[d, m] for k, v in arrays.items()})
+                if used[d, m]:
+                    length = int(lengths[np.searchsorted(lengths, used[d, m])])
+                    out[d] += self.seconds({k: v[d, m] for k, v in arrays.items()}, length)
         return out
 
 
-def run_contender(engine_cls, model, groups, mesh, batches, optimizer):
-    engine = engine_cls(model, groups, mesh, optimizer=optimizer)
+def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets):
+    engine = engine_cls(model, groups, mesh, optimizer=optimizer, length_buckets=length_buckets)
     try:
         for b in batches:  # compile every shape
             engine.step(b)
@@ -132,7 +138,11 @@ def run(args) -> dict:
     model, groups = decoder_staged_model(config, seed=args.seed)
     calibrator = BusyCalibrator(model, groups)
     optimizer = OptimizerConfig(learning_rate=1e-4)
-    # plans balance a quadratic cost fitted to this model: time a few lengths alone
+    # every engine runs a microbatch at the smallest of these lengths that holds it (per device under ODC, per
+    # lock-step round under the others), so a microbatch costs about what it holds
+    length_buckets = tuple(args.token_cap // f for f in (4, 2))
+    lengths = np.asarray(length_buckets + (args.token_cap,))
+    # plans balance a quadratic cost fitted to this model: time a few lengths alone, each at its bucket
     probe_lengths = np.array([64, 256, 512, 1024])
     probe_costs = []
     for s in probe_lengths:
@@ -140,7 +150,7 @@ def run(args) -> dict:
               "loss_mask": np.zeros(args.token_cap, np.float32), "positions": np.zeros(args.token_cap, np.int32),
               "segment_ids": (np.arange(args.token_cap) < s).astype(np.int32)}
         mb["positions"][:s] = np.arange(s)
-        probe_costs.append(calibrator.seconds(mb))
+        probe_costs.append(calibrator.seconds(mb, int(lengths[np.searchsorted(lengths, s)])))
     try:
         cost_model = QuadraticCost.fit(probe_lengths, np.asarray(probe_costs))
     except ValueError:
@@ -148,7 +158,8 @@ def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     results = {"config": {"devices": args.devices, "layers": args.layers, "hidden": args.hidden,
                           "token_cap": args.token_cap, "seqs_per_device": args.seqs_per_device,
-                          "minibatches": args.minibatches, "cost_model": repr(cost_model)}}
+                          "minibatches": args.minibatches, "cost_model": repr(cost_model),
+                          "length_buckets": [int(x) for x in lengths]}}
     for scenario in ("imbalanced", "balanced"):
         lengths_per_mb = scenario_lengths(scenario, args, rng)
         data = [make_sequences(lengths, rng, config.vocab_size) for lengths in lengths_per_mb]
@@ -157,8 +168,8 @@ def run(args) -> dict:
             plan_fn = get_planner(planner)
             batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
                                            *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
-            busy = [calibrator.busy(b) for b in batches]
-            walls = run_contender(engine_cls, model, groups, mesh, batches, optimizer)
+            busy = [calibrator.busy(b, lengths) for b in batches]
+            walls = run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets)
             busy_total = np.array([b.sum() for b in busy])
             tokens = np.array([b.num_tokens for b in batches])
             rows[name] = {

@@ -44,7 +44,7 @@ def test_round_trip_through_dict_and_yaml(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["--trainer.engnie", "odc"], "unknown config key 'trainer.engnie' .*did you mean trainer.engine"),
-    (["--engine", "mpi"], "trainer.engine must be one of odc, collective, reference; got 'mpi'"),
+    (["--engine", "mpi"], "trainer.engine must be one of odc, collective, xla_spmd, reference; got 'mpi'"),
     (["--planner", "greedy"], "trainer.planner must be one of lb_mini, lb_micro, local_sort"),
     (["--devices", "two"], "trainer.devices must be an integer"),
     (["--devices", "0"], "trainer.devices must be >= 1"),
@@ -134,3 +134,17 @@ def test_cli_module_does_not_import_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "XLA_FLAGS": ""})
     assert out.stdout.strip() == "False"
+
+
+def test_length_buckets_and_spmd_engine_are_configurable():
+    from jodc.train.config import ConfigError, load_config, parse_length_buckets
+
+    assert parse_length_buckets("512, 256") == (256, 512)
+    with pytest.raises(ConfigError, match="positive integers"):
+        parse_length_buckets("a,b")
+    config = load_config(None, ["--engine", "xla_spmd", "--trainer.length_buckets", "64,128"])
+    assert config.trainer.planner_name == "lb_micro"
+    with pytest.raises(ConfigError, match="must not exceed the token cap"):
+        load_config(None, ["--trainer.length_buckets", "999999"])
+    with pytest.raises(ConfigError, match="deterministic"):
+        load_config(None, ["--engine", "xla_spmd", "--deterministic"])

@@ -19,9 +19,9 @@ import yaml
 
 from .presets import MODEL_PRESETS
 
-ENGINES = ("odc", "collective", "reference")
+ENGINES = ("odc", "collective", "xla_spmd", "reference")
 PLANNERS = ("lb_mini", "lb_micro", "local_sort")
-DEFAULT_PLANNER = {"odc": "lb_mini", "collective": "lb_micro", "reference": "lb_mini"}
+DEFAULT_PLANNER = {"odc": "lb_mini", "collective": "lb_micro", "xla_spmd": "lb_micro", "reference": "lb_mini"}
 COST_MODELS = ("flops", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 PLATFORMS = ("cpu", "gpu")
@@ -84,13 +84,17 @@ class OptimizerSettings:
 class TrainerConfig:
     """How the run is executed: engine and devices, balancing, length, precision, outputs."""
 
-    engine: str = _field("odc", choices=ENGINES, doc="odc (on-demand), collective (lock-step FSDP), reference")
+    engine: str = _field("odc", choices=ENGINES,
+                         doc="odc (on-demand), collective (lock-step FSDP), xla_spmd (NamedSharding + jit), reference")
     devices: int = _field(4, minimum=1, doc="data-parallel devices (simulated CPU devices on a CPU host)")
     platform: str = _field("cpu", choices=PLATFORMS, doc="JAX platform whose devices form the mesh")
     planner: str | None = _field(None, choices=PLANNERS, doc="default: lb_mini for odc, lb_micro for collective")
     cost_model: str = _field("flops", choices=COST_MODELS, doc="how the planner weighs a sequence")
     sequences_per_minibatch: int = _field(32, minimum=1, doc="sequences per optimizer step")
     token_cap: int | None = _field(None, minimum=8, doc="tokens per microbatch buffer; default data.max_length")
+    length_buckets: str | None = _field(None, doc="shorter buffer lengths a microbatch may run at, comma-separated "
+                                        "(e.g. '256,512'): it runs at the smallest that holds it; use multiples "
+                                        "of the attention block size")
     steps: int = _field(100, minimum=1, doc="optimizer steps of the whole run")
     seed: int = _field(0, doc="model initialisation and data order")
     compute_dtype: str = _field("float32", choices=COMPUTE_DTYPES)
@@ -203,6 +207,8 @@ def _coerce(key: str, value: Any, annotation) -> Any:
     elif base is str:
         if isinstance(value, str) and value:
             return value
+        if isinstance(value, int) and not isinstance(value, bool):  # a YAML number where text is expected ('512')
+            return str(value)
     kind = {bool: "true or false", int: "an integer", float: "a number", str: "a non-empty string"}[base]
     raise ConfigError(f"{key} must be {kind}{' or null' if optional else ''}, got {value!r}")
 
@@ -265,15 +271,32 @@ def config_from_dict(raw: dict | None, *, source: str = "config") -> SFTConfig:
     return config
 
 
+def parse_length_buckets(text) -> tuple[int, ...]:
+    """'256,512' -> (256, 512); ConfigError unless every entry is a positive integer."""
+    parts = [p.strip() for p in str(text).replace(" ", ",").split(",") if p.strip()]
+    try:
+        buckets = tuple(sorted({int(p) for p in parts}))
+    except ValueError:
+        buckets = ()
+    if not buckets or buckets[0] < 1:
+        raise ConfigError(f"trainer.length_buckets must be positive integers like '256,512', got {text!r}")
+    return buckets
+
+
 def validate(config: SFTConfig) -> None:
     """Checks that span fields (field-local checks happen while building)."""
     t, d, o = config.trainer, config.data, config.optimizer
     if config.token_cap < d.max_length:
         raise ConfigError(f"trainer.token_cap={config.token_cap} is below data.max_length={d.max_length}: the "
                           "longest sequences would not fit in a microbatch")
-    if t.deterministic and t.engine == "collective":
-        raise ConfigError("trainer.deterministic=true needs engine odc or reference (the collective engine's "
+    if t.deterministic and t.engine in ("collective", "xla_spmd"):
+        raise ConfigError("trainer.deterministic=true needs engine odc or reference (the collective engines' "
                           "reductions are not guaranteed bit-for-bit reproducible)")
+    if t.length_buckets is not None:
+        buckets = parse_length_buckets(t.length_buckets)
+        if any(b > config.token_cap for b in buckets):
+            raise ConfigError(f"trainer.length_buckets {list(buckets)} must not exceed the token cap "
+                              f"{config.token_cap}")
     if not (o.b1 < 1 and o.b2 < 1):
         raise ConfigError(f"optimizer.b1 and optimizer.b2 must lie in [0, 1), got {o.b1} and {o.b2}")
     if o.learning_rate <= 0:

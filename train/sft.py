@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodc.balance import get_planner
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 
 from . import config as config_lib
 from .batching import minibatch_arrays
 from .checkpoint import CheckpointStore, export_hf
-from .config import EMBEDDED, SFTConfig
+from .config import EMBEDDED, SFTConfig, parse_length_buckets
 from .data import Example, LoadReport, load_jsonl, load_records
 from .embedded import generate_records
 from .metrics import TENSORBOARD_DIR, MetricsLogger, step_metrics
@@ -77,9 +77,13 @@ def make_engine(config: SFTConfig, model, groups):
         return ReferenceEngine(model, groups, optimizer=optimizer, compute_dtype=dtype, num_devices=t.devices,
                                device=mesh_devices(t.platform, 1)[0])
     mesh = jax.sharding.Mesh(np.array(mesh_devices(t.platform, t.devices)), ("d",))
+    buckets = parse_length_buckets(t.length_buckets) if t.length_buckets else None
     if t.engine == "odc":
-        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=t.deterministic)
-    return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype)
+        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=t.deterministic,
+                         length_buckets=buckets)
+    if t.engine == "xla_spmd":
+        return SPMDEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
+    return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
 
 
 def _engine_records_timelines(engine) -> bool:

@@ -1,0 +1,75 @@
+"""The `rl` subcommand of `jodc-train`:
+
+    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 --group_size 4 ...]
+    python -m jodc.train.rl_cli --config configs/rl_demo.yaml ...        (the same, standalone)
+
+Like the SFT command, the config is loaded and validated before JAX is imported, so that a CPU run on several
+devices can set XLA_FLAGS first. `train/cli.py` registers the subcommand with `add_rl_parser` and hands it to
+`run_rl_command`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .config import ConfigError
+from .rl_config import all_keys, load_rl_config, to_dict
+
+DESCRIPTION = ("RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference "
+               "engine, on a verifiable task or your own reward function.")
+
+
+def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `rl` command's own arguments (everything else is a config override)."""
+    parser.add_argument("--config", help="YAML file with sections model, task, rollout, loss, optimizer, trainer, "
+                                         "warmstart")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.epilog = ("Overrides: --section.field value, --section.field=value, or the field name alone when it is "
+                     "unique (--steps 20 --group_size 4 --loss.name ppo). Keys: " + ", ".join(all_keys()))
+    return parser
+
+
+def add_rl_parser(commands) -> argparse.ArgumentParser:
+    """Registers `rl` on an argparse subparsers object (that of `jodc-train`)."""
+    parser = commands.add_parser("rl", help="RL post-training (DPPO by default)", description=DESCRIPTION,
+                                 allow_abbrev=False)
+    return add_rl_arguments(parser)
+
+
+def run_rl_command(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    """Loads the config (exit status 2 with the message on a config error), sets the host device count, runs."""
+    try:
+        config = load_rl_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"jodc-train rl: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    if config.trainer.platform == "cpu" and config.trainer.devices > 1:
+        from .cli import set_host_device_count
+
+        set_host_device_count(config.trainer.devices)
+    from .rl import run_rl  # imports JAX: only now
+
+    try:
+        run_rl(config)
+    except ConfigError as e:  # some checks need JAX (the loss's options): reported like the others
+        print(f"jodc-train rl: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point (`python -m jodc.train.rl_cli`)."""
+    parser = add_rl_arguments(argparse.ArgumentParser(prog="jodc-train rl", description=DESCRIPTION,
+                                                      allow_abbrev=False))
+    args, overrides = parser.parse_known_args(argv)
+    return run_rl_command(args, overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
