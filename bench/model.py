@@ -8,8 +8,10 @@
    and for the whole model is reported too (there the projections, MLP and lm_head cost the same for both
    rows, so the ratio is diluted).
 
-Each timing is the median of repeats, with the two sides interleaved so load changes hit both. Prints a table
-and one JSON line, and writes the JSON to bench/results/model.json.
+Each timing is the median of repeats, with the two sides interleaved so load changes hit both; the ratio of
+process CPU time per step is reported too (train_step_cpu_time_ratio), since wall time on a shared 2-core
+machine swings with other people's jobs. Prints a table and one JSON line, and writes the JSON to
+bench/results/model.json.
 """
 from __future__ import annotations
 
@@ -32,32 +34,33 @@ from jodc.models import attention, forward, layer_apply, load_pretrained, split_
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "model.json")
 
 
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict:
-    """Median seconds per call of each fn, calling them round-robin so noise hits all alike."""
+def interleaved(fns: dict, repeats: int, warmup: int = 1) -> tuple[dict, dict]:
+    """Median wall seconds and median process CPU seconds per call of each fn, calling them round-robin so
+    load changes on the shared machine hit all of them alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    samples = {name: [] for name in fns}
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            samples[name].append(median_seconds(fn, 1))
-    return {name: statistics.median(s) for name, s in samples.items()}
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - start_wall)
+            cpu[name].append(time.process_time() - start_cpu)
+    return ({name: statistics.median(s) for name, s in wall.items()},
+            {name: statistics.median(s) for name, s in cpu.items()})
 
 
 def next_token_loss(logits_btv, tokens_bt):
-    """Mean cross-entropy of predicting token t+1 from position t (fp32 log-softmax)."""
-    logprobs = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logprobs, tokens_bt[:, 1:, None], axis=-1)[..., 0]
-    return -jnp.mean(picked)
+    """Mean cross-entropy of predicting token t+1 from position t (fp32): logsumexp minus the label's logit,
+    with the last position masked out (no [B, T-1, V] slice copy, no materialised log-softmax)."""
+    b, t, _ = logits_btv.shape
+    logits = logits_btv.astype(jnp.float32)
+    labels = jnp.roll(tokens_bt, -1, axis=1)
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    has_label = (jnp.arange(t) < t - 1).astype(jnp.float32)[None, :]
+    return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * has_label) / (b * (t - 1))
 
 
 def main():
@@ -106,11 +109,11 @@ def main():
         theirs.zero_grad(set_to_none=True)
         loss = theirs(input_ids=tokens_torch, labels=tokens_torch).loss
         loss.backward()
-        return loss
+        return loss.detach()
 
     our_loss = float(our_step(params, tokens_jax)[0])
     their_loss = float(run_theirs())
-    step = interleaved({"ours": run_ours, "theirs": run_theirs}, args.repeats)
+    step, step_cpu = interleaved({"ours": run_ours, "theirs": run_theirs}, args.repeats)
     n_tokens = args.batch * args.seq
     ours_tps, theirs_tps = n_tokens / step["ours"], n_tokens / step["theirs"]
 
@@ -141,7 +144,7 @@ def main():
         return jax.grad(lambda p: next_token_loss(forward(config, p, one_row, None, seg), one_row))(params)
 
     layer0 = params["layer_0"]
-    cost = interleaved({
+    cost, _ = interleaved({
         "attention_long": lambda: jax.block_until_ready(attention_fwd_bwd(q, kv, kv, seg_long)),
         "attention_packed": lambda: jax.block_until_ready(attention_fwd_bwd(q, kv, kv, seg_packed)),
         "layer_long": lambda: jax.block_until_ready(layer_fwd_bwd(layer0, h, seg_long)),
@@ -156,6 +159,7 @@ def main():
         "packed_short_vs_long_cost": round(cost["attention_packed"] / cost["attention_long"], 3),
         "packed_short_vs_long_layer_cost": round(cost["layer_packed"] / cost["layer_long"], 3),
         "packed_short_vs_long_model_cost": round(cost["model_packed"] / cost["model_long"], 3),
+        "train_step_cpu_time_ratio": round(step_cpu["theirs"] / step_cpu["ours"], 3),
         "ours_tokens_per_s": round(ours_tps, 1),
         "transformers_tokens_per_s": round(theirs_tps, 1),
         "loss_ours": round(our_loss, 5),
@@ -165,6 +169,7 @@ def main():
                    "seq": args.seq, "short": args.short, "dtype": "float32",
                    "attention_block_size": config.attention_block_size},
         "threads": args.threads,
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "repeats": args.repeats,
         "versions": {"jax": jax.__version__, "torch": torch.__version__.split("+")[0],
                      "python": platform.python_version()},
@@ -173,6 +178,7 @@ def main():
         ("train step, ours (tokens/s)", f"{ours_tps:,.0f}"),
         ("train step, transformers (tokens/s)", f"{theirs_tps:,.0f}"),
         ("train_step_vs_transformers (target >= 1.0)", f"{result['train_step_vs_transformers']:.3f}"),
+        ("same, by process CPU time (theirs / ours)", f"{result['train_step_cpu_time_ratio']:.3f}"),
         ("loss ours / transformers", f"{our_loss:.5f} / {their_loss:.5f}"),
         (f"attention fwd+bwd, 1 x {args.seq} (ms)", f"{cost['attention_long'] * 1e3:.1f}"),
         (f"attention fwd+bwd, {n_short} x {args.short} packed (ms)", f"{cost['attention_packed'] * 1e3:.1f}"),

@@ -140,15 +140,24 @@ def blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, *, block_size: i
     return out[:, :t]
 
 
+def _q_to_blocks(x_bthd, kv_heads, block):
+    """[B, T, H, D] -> block-major [B, nb, KV, G, blk, D] (query heads grouped by their key/value head)."""
+    b, t, h, d = x_bthd.shape
+    return x_bthd.reshape(b, t // block, block, kv_heads, h // kv_heads, d).transpose(0, 1, 3, 4, 2, 5)
+
+
+def _kv_to_blocks(x_btkd, block):
+    """[B, T, KV, D] -> block-major [B, nb, KV, blk, D]."""
+    b, t, kv, d = x_btkd.shape
+    return x_btkd.reshape(b, t // block, block, kv, d).transpose(0, 1, 3, 2, 4)
+
+
 def _to_blocks(q_bthd, k_btkd, v_btkd, seg_bt, block):
-    """Reshape to block-major layouts: q [B, nb, KV, G, blk, D], k/v [B, nb, KV, blk, D], seg [B, nb, blk]."""
-    b, t, h, d = q_bthd.shape
+    """Block-major q, k, v and segment ids [B, nb, blk]."""
     kv = k_btkd.shape[2]
-    nb = t // block
-    q_blocks = q_bthd.reshape(b, nb, block, kv, h // kv, d).transpose(0, 1, 3, 4, 2, 5)
-    k_blocks = k_btkd.reshape(b, nb, block, kv, d).transpose(0, 1, 3, 2, 4)
-    v_blocks = v_btkd.reshape(b, nb, block, kv, d).transpose(0, 1, 3, 2, 4)
-    return q_blocks, k_blocks, v_blocks, seg_bt.reshape(b, nb, block)
+    b, t = seg_bt.shape
+    return (_q_to_blocks(q_bthd, kv, block), _kv_to_blocks(k_btkd, block), _kv_to_blocks(v_btkd, block),
+            seg_bt.reshape(b, t // block, block))
 
 
 def _q_blocks_to_bthd(x_bnkgqd):
@@ -163,6 +172,18 @@ def _kv_blocks_to_btkd(x_bnksd):
     return x_bnksd.transpose(0, 1, 3, 2, 4).reshape(b, nb * blk, kv, d)
 
 
+def _varying_zero(*refs) -> jax.Array:
+    """An fp32 scalar 0 that, inside shard_map, varies over the same mesh axes as `refs`.
+
+    Loop carries must have one type across iterations; adding this to freshly created accumulators gives them
+    the varying-ness their updates will have (outside shard_map it is just 0).
+    """
+    zero = jnp.zeros((), jnp.float32)
+    for ref in refs:
+        zero = zero + jnp.zeros_like(ref, dtype=jnp.float32, shape=())
+    return zero
+
+
 def _read_block(blocks, row, index):
     """blocks[row, index] with traced indices, as a dynamic slice (no gather)."""
     starts = (row, index) + (0,) * (blocks.ndim - 2)
@@ -175,17 +196,24 @@ def _write_block(blocks, row, index, value):
     return jax.lax.dynamic_update_slice(blocks, value[None, None].astype(blocks.dtype), starts)
 
 
-def _pair_mask(seg_q, seg_k, i, j, block):
-    """Mask [blk_q, blk_k] for query block i and key block j of one row."""
+def _pair_mask(seg_q, seg_k, i, j, block, groups):
+    """Mask [G*blk_q, blk_k] for query block i and key block j of one row, repeated for the G query heads
+    that share a key/value head (rows are (group, query) pairs, group-major, like `_rows`)."""
     q_index = i * block + jnp.arange(block)
     k_index = j * block + jnp.arange(block)
-    return segment_mask(seg_q[None], seg_k[None], q_index, k_index)[0]
+    return jnp.tile(segment_mask(seg_q[None], seg_k[None], q_index, k_index)[0], (groups, 1))
 
 
-def _pair_scores(q_kgqd, k_ksd, mask_qs, scale):
-    """Scaled fp32 scores [KV, G, blk_q, blk_k], masked entries set to a finite minimum."""
-    scores = jnp.einsum("kgqd,ksd->kgqs", q_kgqd, k_ksd, preferred_element_type=jnp.float32) * scale
-    return jnp.where(mask_qs[None, None], scores, _MASKED)
+def _rows(x_kgq):
+    """Merge the (group, query) axes 1 and 2 into one row axis, so every block product is a batched GEMM
+    with one contracting axis (fast on XLA:CPU; a two-axis contraction makes it transpose operands)."""
+    return x_kgq.reshape(x_kgq.shape[0], x_kgq.shape[1] * x_kgq.shape[2], *x_kgq.shape[3:])
+
+
+def _pair_scores(q_krd, k_ksd, mask_rs, scale):
+    """Scaled fp32 scores [KV, rows, blk_k], masked entries set to a finite minimum."""
+    scores = jnp.einsum("krd,ksd->krs", q_krd, k_ksd, preferred_element_type=jnp.float32) * scale
+    return jnp.where(mask_rs[None], scores, _MASKED)
 
 
 def _blockwise_forward(q_bthd, k_btkd, v_btkd, seg_bt, block):
@@ -194,21 +222,22 @@ def _blockwise_forward(q_bthd, k_btkd, v_btkd, seg_bt, block):
     b, nb, kv, g, _, d = q_blocks.shape
     scale = d**-0.5
     overlap, first_key_block = block_interactions(seg_bt, block)
+    zero = _varying_zero(q_bthd, k_btkd, v_btkd, seg_bt)
 
     def one_query_block(index, state):
         out_blocks, lse_blocks = state
         row, i = index // nb, index % nb
-        q_blk = _read_block(q_blocks, row, i)
+        q_blk = _rows(_read_block(q_blocks, row, i))
         seg_q = _read_block(seg_blocks, row, i)
 
         def visit(j, m, l, acc):
-            mask = _pair_mask(seg_q, _read_block(seg_blocks, row, j), i, j, block)
+            mask = _pair_mask(seg_q, _read_block(seg_blocks, row, j), i, j, block, g)
             scores = _pair_scores(q_blk, _read_block(k_blocks, row, j), mask, scale)
             m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-            probs = jnp.where(mask[None, None], jnp.exp(scores - m_new[..., None]), 0.0)
+            probs = jnp.where(mask[None], jnp.exp(scores - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
             l_new = l * correction + jnp.sum(probs, axis=-1)
-            pv = jnp.einsum("kgqs,ksd->kgqd", probs.astype(v_blocks.dtype), _read_block(v_blocks, row, j),
+            pv = jnp.einsum("krs,ksd->krd", probs.astype(v_blocks.dtype), _read_block(v_blocks, row, j),
                             preferred_element_type=jnp.float32)
             return m_new, l_new, acc * correction[..., None] + pv
 
@@ -219,18 +248,19 @@ def _blockwise_forward(q_bthd, k_btkd, v_btkd, seg_bt, block):
 
         init = (
             first_key_block[row, i],
-            jnp.full((kv, g, block), _MASKED, jnp.float32),
-            jnp.zeros((kv, g, block), jnp.float32),
-            jnp.zeros((kv, g, block, d), jnp.float32),
+            jnp.full((kv, g * block), _MASKED, jnp.float32) + zero,
+            jnp.zeros((kv, g * block), jnp.float32) + zero,
+            jnp.zeros((kv, g * block, d), jnp.float32) + zero,
         )
         _, m, l, acc = jax.lax.while_loop(lambda c: c[0] <= i, body, init)
         has_keys = l > 0
         out_blk = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, l, 1.0)[..., None], 0.0)
         lse_blk = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), 0.0)
-        return _write_block(out_blocks, row, i, out_blk), _write_block(lse_blocks, row, i, lse_blk)
+        return (_write_block(out_blocks, row, i, out_blk.reshape(kv, g, block, d)),
+                _write_block(lse_blocks, row, i, lse_blk.reshape(kv, g, block)))
 
-    out_blocks = jnp.zeros(q_blocks.shape, q_bthd.dtype)
-    lse_blocks = jnp.zeros((b, nb, kv, g, block), jnp.float32)
+    out_blocks = (jnp.zeros(q_blocks.shape, jnp.float32) + zero).astype(q_bthd.dtype)
+    lse_blocks = jnp.zeros((b, nb, kv, g, block), jnp.float32) + zero
     out_blocks, lse_blocks = jax.lax.fori_loop(0, b * nb, one_query_block, (out_blocks, lse_blocks))
     return _q_blocks_to_bthd(out_blocks), lse_blocks
 
@@ -241,31 +271,32 @@ def _blockwise_backward(q_bthd, k_btkd, v_btkd, seg_bt, block, out_bthd, lse_blo
     b, nb, kv, g, _, d = q_blocks.shape
     scale = d**-0.5
     overlap, first_key_block = block_interactions(seg_bt, block)
-    dout_blocks = _to_blocks(dout_bthd, k_btkd, v_btkd, seg_bt, block)[0]
-    out_blocks = _to_blocks(out_bthd, k_btkd, v_btkd, seg_bt, block)[0]
+    dout_blocks = _q_to_blocks(dout_bthd, kv, block)
+    out_blocks = _q_to_blocks(out_bthd, kv, block)
     # delta_i = rowsum(dO_i * O_i): the softmax-Jacobian correction term, one scalar per query.
     delta_blocks = jnp.sum(dout_blocks.astype(jnp.float32) * out_blocks.astype(jnp.float32), axis=-1)
+    zero = _varying_zero(q_bthd, k_btkd, v_btkd, seg_bt, dout_bthd)
 
     def one_query_block(index, state):
         dq_blocks, dk_blocks, dv_blocks = state
         row, i = index // nb, index % nb
-        q_blk = _read_block(q_blocks, row, i)
-        dout_blk = _read_block(dout_blocks, row, i)
-        lse_blk = _read_block(lse_blocks, row, i)
-        delta_blk = _read_block(delta_blocks, row, i)
+        q_blk = _rows(_read_block(q_blocks, row, i))
+        dout_blk = _rows(_read_block(dout_blocks, row, i))
+        lse_blk = _rows(_read_block(lse_blocks, row, i))
+        delta_blk = _rows(_read_block(delta_blocks, row, i))
         seg_q = _read_block(seg_blocks, row, i)
 
         def visit(j, dq_acc, dk_blocks, dv_blocks):
             k_blk, v_blk = _read_block(k_blocks, row, j), _read_block(v_blocks, row, j)
-            mask = _pair_mask(seg_q, _read_block(seg_blocks, row, j), i, j, block)
+            mask = _pair_mask(seg_q, _read_block(seg_blocks, row, j), i, j, block, g)
             scores = _pair_scores(q_blk, k_blk, mask, scale)
-            probs = jnp.where(mask[None, None], jnp.exp(scores - lse_blk[..., None]), 0.0)
-            dv_j = jnp.einsum("kgqs,kgqd->ksd", probs.astype(dout_blk.dtype), dout_blk,
+            probs = jnp.where(mask[None], jnp.exp(scores - lse_blk[..., None]), 0.0)
+            dv_j = jnp.einsum("krs,krd->ksd", probs.astype(dout_blk.dtype), dout_blk,
                               preferred_element_type=jnp.float32)
-            dprobs = jnp.einsum("kgqd,ksd->kgqs", dout_blk, v_blk, preferred_element_type=jnp.float32)
+            dprobs = jnp.einsum("krd,ksd->krs", dout_blk, v_blk, preferred_element_type=jnp.float32)
             dscores = (probs * (dprobs - delta_blk[..., None]) * scale).astype(q_blk.dtype)
-            dq_acc = dq_acc + jnp.einsum("kgqs,ksd->kgqd", dscores, k_blk, preferred_element_type=jnp.float32)
-            dk_j = jnp.einsum("kgqs,kgqd->ksd", dscores, q_blk, preferred_element_type=jnp.float32)
+            dq_acc = dq_acc + jnp.einsum("krs,ksd->krd", dscores, k_blk, preferred_element_type=jnp.float32)
+            dk_j = jnp.einsum("krs,krd->ksd", dscores, q_blk, preferred_element_type=jnp.float32)
             dk_blocks = _write_block(dk_blocks, row, j, _read_block(dk_blocks, row, j) + dk_j)
             dv_blocks = _write_block(dv_blocks, row, j, _read_block(dv_blocks, row, j) + dv_j)
             return dq_acc, dk_blocks, dv_blocks
@@ -276,13 +307,13 @@ def _blockwise_backward(q_bthd, k_btkd, v_btkd, seg_bt, block, out_bthd, lse_blo
                 overlap[row, i, j], visit, lambda j, *acc: acc, j, dq_acc, dk_blocks, dv_blocks)
             return j + 1, dq_acc, dk_blocks, dv_blocks
 
-        init = (first_key_block[row, i], jnp.zeros((kv, g, block, d), jnp.float32), dk_blocks, dv_blocks)
+        init = (first_key_block[row, i], jnp.zeros((kv, g * block, d), jnp.float32) + zero, dk_blocks, dv_blocks)
         _, dq_acc, dk_blocks, dv_blocks = jax.lax.while_loop(lambda c: c[0] <= i, body, init)
-        return _write_block(dq_blocks, row, i, dq_acc), dk_blocks, dv_blocks
+        return _write_block(dq_blocks, row, i, dq_acc.reshape(kv, g, block, d)), dk_blocks, dv_blocks
 
-    dq_blocks = jnp.zeros(q_blocks.shape, jnp.float32)
-    dk_blocks = jnp.zeros(k_blocks.shape, jnp.float32)
-    dv_blocks = jnp.zeros(v_blocks.shape, jnp.float32)
+    dq_blocks = jnp.zeros(q_blocks.shape, jnp.float32) + zero
+    dk_blocks = jnp.zeros(k_blocks.shape, jnp.float32) + zero
+    dv_blocks = jnp.zeros(v_blocks.shape, jnp.float32) + zero
     dq_blocks, dk_blocks, dv_blocks = jax.lax.fori_loop(
         0, b * nb, one_query_block, (dq_blocks, dk_blocks, dv_blocks))
     return (

@@ -18,6 +18,10 @@ from .config import DecoderConfig
 from .layerwise import EMBED, HEAD, check_group_params, forward, init_params, layer_group_name, param_groups
 
 
+# Compiled once per (config, shapes); inside an outer jit / nnx transform it is simply inlined.
+_forward_jit = jax.jit(forward, static_argnums=0)
+
+
 class ParamGroup(nnx.Module):
     """The parameters of one group, one `nnx.Param` attribute per name, in the group's fixed order."""
 
@@ -61,7 +65,7 @@ class Decoder(nnx.Module):
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                  segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """fp32 logits [B, T, V] for int tokens [B, T] (optionally packed: see attention.py for segment ids)."""
-        return forward(self.config, split_params(self), tokens_bt, positions_bt, segment_ids_bt)
+        return _forward_jit(self.config, split_params(self), tokens_bt, positions_bt, segment_ids_bt)
 
 
 def split_params(model: Decoder) -> dict[str, dict[str, jax.Array]]:

@@ -14,13 +14,14 @@ import re
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from .config import DTYPES, DecoderConfig, RopeScaling
 from .decoder import Decoder, split_params
-from .layerwise import EMBED, HEAD, group_param_shapes, layer_group_name, param_groups
+from .layerwise import EMBED, HEAD, group_param_shapes, param_groups
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -279,7 +280,7 @@ def load_pretrained(path: str, *, dtype: str = "float32", compute_dtype: str | N
     if unexpected:
         raise ValueError(f"{path}: unexpected tensors {unexpected} (not part of a {config.family} model "
                          "with this config)")
-    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    np_dtype = np.dtype(jnp.dtype(dtype))
     groups: dict[str, dict[str, np.ndarray]] = {g: {} for g in param_groups(config)}
     by_file: dict[str, list[tuple[str, str, str]]] = {}
     for (group, param), name in wanted.items():
