@@ -17,11 +17,11 @@ from jodc.fsdp.engine import Engine
 from jodc.fsdp.odc_engine import P_tree
 from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
 from jodc.fsdp.stages import StagedModel, split_loss
-from jodc.fsdp.state import shard_tree, unshard_tree
+from jodc.fsdp.state import ShardedStateMixin, shard_tree
 from jodc.ops import _native
 
 
-class CollectiveEngine(Engine):
+class CollectiveEngine(ShardedStateMixin, Engine):
     """all_gather / psum_scatter inside shard_map. All devices run max(counts) microbatches (plans from
     `lb_micro` give equal counts; extra ones are empty and cost compute)."""
 
@@ -127,20 +127,3 @@ class CollectiveEngine(Engine):
                                                               sharding.put_per_device(self.mesh, arrays),
                                                               jnp.asarray(round_bucket), jnp.float32(batch.normalizer))
         return loss, norm, metrics
-
-    def flat_params(self) -> dict[str, np.ndarray]:
-        return {g: np.asarray(self.shards[g]).reshape(-1)[: self.numels[g]].copy() for g in self.model.group_names}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"params": self.flat_params(), "opt_state": unshard_tree(self.opt_state, self.numels),
-                "step": self.steps_done}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        params = {g: np.asarray(state["params"][g], np.float32) for g in self.model.group_names}
-        self.shards = sharding.put_per_device(self.mesh, shard_tree(params, self.numels, self.shard_numels,
-                                                                    self.num_devices))
-        template = unshard_tree(self.opt_state, self.numels)
-        loaded = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(state["opt_state"]))
-        self.opt_state = sharding.put_per_device(
-            self.mesh, shard_tree(loaded, self.numels, self.shard_numels, self.num_devices))
-        self.steps_done = int(state["step"])

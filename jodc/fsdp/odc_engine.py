@@ -17,7 +17,7 @@ from jodc.fsdp.batch import FIELDS, MinibatchArrays
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
 from jodc.fsdp.stages import StagedModel, split_loss
-from jodc.fsdp.state import shard_tree, unshard_tree
+from jodc.fsdp.state import ShardedStateMixin
 
 
 def _stage_layer_fn(stage):
@@ -28,7 +28,7 @@ def _stage_layer_fn(stage):
     return fn
 
 
-class ODCEngine(Engine):
+class ODCEngine(ShardedStateMixin, Engine):
     """On-Demand Communication. Use with per-device microbatch counts (e.g. `lb_mini` plans).
 
     `deterministic=True` makes gradient accumulation bit-for-bit reproducible (per-source landing slots).
@@ -179,24 +179,9 @@ class ODCEngine(Engine):
         return loss, norm, metrics
 
     # -- state ---------------------------------------------------------------------------------------------------
-    def flat_params(self) -> dict[str, np.ndarray]:
-        return {g: np.asarray(self.shards[g]).reshape(-1)[: self.numels[g]].copy() for g in self.model.group_names}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"params": self.flat_params(), "opt_state": unshard_tree(self.opt_state, self.numels),
-                "step": self.steps_done}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        params = {g: np.asarray(state["params"][g], np.float32) for g in self.model.group_names}
+    def _params_loaded(self, params: dict[str, np.ndarray]) -> None:
         for g, b in self.buckets.items():
             b.set_full(params[g])
-        shards = shard_tree(params, self.numels, self.shard_numels, self.num_devices)
-        self.shards = sharding.put_per_device(self.mesh, shards)
-        template = jax.tree.map(np.asarray, unshard_tree(self.opt_state, self.numels))
-        loaded = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(state["opt_state"]))
-        self.opt_state = sharding.put_per_device(
-            self.mesh, shard_tree(loaded, self.numels, self.shard_numels, self.num_devices))
-        self.steps_done = int(state["step"])
 
     def close(self) -> None:
         self.heap.free()

@@ -42,3 +42,31 @@ def shard_tree(tree, numels: dict[str, int], shard_numels: dict[str, int], devic
         return padded.reshape(devices, shard_numels[g])
 
     return jax.tree_util.tree_map_with_path(convert, tree)
+
+
+class ShardedStateMixin:
+    """flat_params / state_dict / load_state_dict for engines whose state is `shards` and `opt_state` with a
+    leading device axis ([D, shard] per group), `numels` and `shard_numels` per group, on `mesh`."""
+
+    def flat_params(self) -> dict[str, np.ndarray]:
+        return {g: np.asarray(self.shards[g]).reshape(-1)[: self.numels[g]].copy() for g in self.model.group_names}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": self.flat_params(), "opt_state": unshard_tree(self.opt_state, self.numels),
+                "step": self.steps_done}
+
+    def _params_loaded(self, params: dict[str, np.ndarray]) -> None:
+        """Hook: the canonical flat parameters were just loaded (the ODC engine republishes them)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from jodc.fsdp import sharding
+
+        params = {g: np.asarray(state["params"][g], np.float32) for g in self.model.group_names}
+        self._params_loaded(params)
+        self.shards = sharding.put_per_device(
+            self.mesh, shard_tree(params, self.numels, self.shard_numels, self.num_devices))
+        template = unshard_tree(self.opt_state, self.numels)
+        loaded = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(state["opt_state"]))
+        self.opt_state = sharding.put_per_device(
+            self.mesh, shard_tree(loaded, self.numels, self.shard_numels, self.num_devices))
+        self.steps_done = int(state["step"])

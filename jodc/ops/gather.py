@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, per_device, prepare
 from jodc.ops.heap import Bucket

@@ -8,7 +8,6 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jodc.ops.gather import gather
 from jodc.ops.heap import Bucket
