@@ -1,6 +1,7 @@
 """`jodc-train`: the command line of the trainers.
 
     jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --trainer.steps 50 ...]
+    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl_cli.py)
     python -m jodc.train sft ...
 
 The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
@@ -16,6 +17,7 @@ import sys
 from typing import Sequence
 
 from .config import ConfigError, all_keys, load_config
+from .rl_cli import add_rl_parser, run_rl_command
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -33,7 +35,7 @@ def set_host_device_count(count: int, environ=os.environ) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jodc-train", description="jodc trainers (SFT; RL to come).", allow_abbrev=False,
+        prog="jodc-train", description="jodc trainers (SFT and RL).", allow_abbrev=False,
         epilog="Overrides: --section.field value, --section.field=value, or a short alias when the field name is "
                "unique (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys()))
     commands = parser.add_subparsers(dest="command", required=True)
@@ -41,12 +43,15 @@ def _parser() -> argparse.ArgumentParser:
                               description="Supervised fine-tuning with the ODC, collective or reference engine.")
     sft.add_argument("--config", help="YAML file with sections model, data, optimizer, trainer")
     sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_rl_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     args, overrides = _parser().parse_known_args(argv)
+    if args.command == "rl":
+        return run_rl_command(args, overrides)
     try:
         config = load_config(args.config, overrides)
     except ConfigError as e:

@@ -25,8 +25,10 @@ from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.losses import grpo_advantages
 
+from . import config as sft_config
 from . import rl_config
 from .checkpoint import CheckpointStore, export_hf
+from .config import ConfigError
 from .metrics import TENSORBOARD_DIR, read_metrics
 from .model import build_decoder, cost_model, hf_tokenizer_path
 from .rl_batch import pack_minibatch, split_minibatches, training_sequences
@@ -36,12 +38,24 @@ from .rl_metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metri
 from .rl_reference import ReferencePolicy
 from .rl_rewards import RewardFunction, load_reward_function, score
 from .rl_rollout import sample_rollout, sampling_params
-from .rl_tasks import eval_problems, make_task, step_problems
+from .rl_tasks import eval_problems, make_task, step_problems, training_pool
 from .rl_warmstart import run_warmstart
 from .sft import make_engine, optimizer_config
 from .tokenizer import load_tokenizer
 
 CHECKPOINT_DIR, HF_DIR, CONFIG_FILE = "checkpoints", "hf", "config.yaml"
+EVAL_SAMPLES = 4  # sampled responses per evaluation problem
+
+
+def engine_settings(config: RLConfig) -> sft_config.SFTConfig:
+    """The RL run's engine and optimizer settings as an SFT config, so the engine is built exactly as the SFT
+    trainer builds it (`sft.make_engine`); the learning-rate schedule spans the run's optimizer updates."""
+    t = config.trainer
+    optimizer = dict(dataclasses.asdict(config.optimizer), total_steps=config.total_steps)
+    trainer = {"engine": t.engine, "devices": t.devices, "platform": t.platform, "compute_dtype": t.compute_dtype,
+               "deterministic": t.deterministic, "token_cap": t.token_cap, "seed": t.seed}
+    return sft_config.config_from_dict({"optimizer": optimizer, "trainer": trainer,
+                                        "data": {"max_length": t.token_cap}}, source="the RL engine settings")
 
 
 class RLRun:
@@ -59,10 +73,15 @@ class RLRun:
             resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
             self.objective = build_objective(config.loss, r)
             self.task = make_task(config.task.name, **config.task.task_options())
+            self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
+            self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems)
             if reward_fn is not None:
                 self.reward_fn = reward_fn
             elif config.task.reward_fn:
                 self.reward_fn = load_reward_function(config.task.reward_fn)
+            elif config.task.name == "jsonl":
+                raise ConfigError("task.name=jsonl has no built-in reward: set task.reward_fn ('module:function' "
+                                  "or 'file.py:function'), or pass reward_fn= to run_rl")
             else:
                 self.reward_fn = self.task.reward
             model_section = config.model
@@ -82,17 +101,18 @@ class RLRun:
                                             top_k=r.top_k if self.objective.uses_topk else 0,
                                             prompt_bucket=r.prompt_bucket)
             self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
+            self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
             self.planner = get_planner(t.planner_name)
             self.cost_model = cost_model(t.cost_model, self.model_config)
-            self.lr_schedule = learning_rate_schedule(optimizer_config(config))
-            self.engine = make_engine(config, self.model, groups)
+            settings = engine_settings(config)
+            self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
+            self.engine = make_engine(settings, self.model, groups)
             self.start_step = self._restore(resume_from) if resume_from is not None else 0
         except BaseException:
             self.close()
             raise
         rl_config.save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
         self.last_saved_step = self.start_step if self.start_step else None
-        self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems) if t.eval_every else []
 
     # -- resume ----------------------------------------------------------------------------------------------------
     def _resumable_step(self) -> int | None:
@@ -134,13 +154,21 @@ class RLRun:
         """The sampling key of 0-based step `step`."""
         return jax.random.fold_in(jax.random.PRNGKey(self.config.trainer.seed), step)
 
-    def evaluate(self) -> float:
-        """Greedy accuracy of the current policy on the fixed evaluation set."""
-        problems = self.eval_set or eval_problems(self.task, self.config.trainer.seed, self.config.task.eval_problems)
-        rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer, [p.prompt for p in problems],
-                                 group_size=1, sampling=self.greedy, key=jax.random.PRNGKey(0))
-        rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=self.engine.steps_done)
-        return float(np.mean(rewards >= self.config.task.success_reward))
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The current policy on the fixed held-out evaluation set: `eval_accuracy` (greedy decoding) and
+        `eval_sampled_reward` (mean reward of `EVAL_SAMPLES` responses per problem at the rollout temperature,
+        fixed key: the quantity RL optimises); `step` is for error messages."""
+        prompts = [p.prompt for p in self.eval_set]
+        params = self.engine.params()
+        out = {}
+        for key, group_size, sampling in (("eval_accuracy", 1, self.greedy),
+                                          ("eval_sampled_reward", EVAL_SAMPLES, self.eval_sampling)):
+            rollout = sample_rollout(self.model_config, params, self.tokenizer, prompts, group_size=group_size,
+                                     sampling=sampling, key=jax.random.PRNGKey(self.config.trainer.seed))
+            rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step)
+            out[key] = float(np.mean(rewards >= self.config.task.success_reward) if group_size == 1
+                             else np.mean(rewards))
+        return out
 
     def _step(self, step: int) -> dict[str, Any]:
         """Runs 0-based step `step`; returns its metrics record."""
@@ -149,9 +177,9 @@ class RLRun:
         record: dict[str, Any] = {"step": step + 1}
         if t.eval_every and step % t.eval_every == 0:
             eval_started = time.perf_counter()
-            record["eval_accuracy"] = self.evaluate()
+            record.update(self.evaluate(step + 1))
             record["eval_seconds"] = time.perf_counter() - eval_started
-        problems = step_problems(self.task, t.seed, step, r.prompts_per_step)
+        problems = step_problems(self.task, t.seed, step, r.prompts_per_step, pool=self.pool)
         rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer, [p.prompt for p in problems],
                                  group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step))
         reward_started = time.perf_counter()
@@ -233,9 +261,9 @@ class RLRun:
     def _finish(self, done: int, seconds: float, metrics_path: str) -> dict[str, Any]:
         t = self.config.trainer
         records = read_metrics(metrics_path)
-        curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE),
+        final_eval = self.evaluate(done) if t.eval_every and done > self.start_step else None
+        curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE), final_eval=final_eval,
                              title=f"{self.config.loss.name} on {self.config.task.name}") if records else None
-        final_eval = self.evaluate() if t.eval_every and done > self.start_step else None
         hf_path = None
         if t.export_hf and done == t.steps and done > self.start_step:
             hf_path = export_hf(self.model_config, self.engine.params(), self.tokenizer,
@@ -246,7 +274,8 @@ class RLRun:
             "rewards": [(r["step"], r["reward_mean"]) for r in records],
             "first_reward": ran[0]["reward_mean"] if ran else None,
             "last_reward": ran[-1]["reward_mean"] if ran else None,
-            "final_eval_accuracy": final_eval,
+            "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
+            "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
             "unstable_steps": sum(1 for r in records if r.get("unstable")),
             "checkpoint": self.store.step_dir(done) if done in self.store.steps() else None,
             "metrics": metrics_path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
@@ -275,7 +304,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
                      "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
     if summary["final_eval_accuracy"] is not None:
-        lines.append(f"greedy eval accuracy at the end: {summary['final_eval_accuracy']:.3f}")
+        lines.append(f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
+                     f"sampled reward {summary['final_eval_sampled_reward']:.3f}")
     lines.append(f"checkpoint: {summary['checkpoint']}")
     lines.append(f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})")
     if summary["curves"]:

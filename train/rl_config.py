@@ -55,6 +55,7 @@ class TaskConfig:
     path: str | None = _field(None, doc="jsonl task: file of {\"prompt\": ..., \"solution\": ...} records")
     reward_fn: str | None = _field(None, doc="'module:function' or 'file.py:function'; default: the task's own")
     success_reward: float = _field(1.0, doc="a response with at least this reward counts as correct (accuracy)")
+    pool_size: int = _field(0, minimum=0, doc="train on a fixed set of this many problems (0: fresh ones every step)")
     min_terms: int = _field(2, minimum=2, doc="arithmetic: fewest terms")
     max_terms: int = _field(3, minimum=2, doc="arithmetic: most terms")
     max_digits: int = _field(2, minimum=1, doc="arithmetic: most digits per term")
@@ -311,9 +312,8 @@ def validate(config: RLConfig) -> None:
                           f"{r.rollout_size} responses (rollout.prompts_per_step x rollout.group_size)")
     if task.name == "jsonl" and not task.path:
         raise ConfigError("task.name=jsonl needs task.path (a .jsonl file of {\"prompt\": ...} records)")
-    if task.name == "jsonl" and not task.reward_fn:
-        raise ConfigError("task.name=jsonl has no built-in reward: set task.reward_fn ('module:function' or "
-                          "'file.py:function'), or pass reward_fn= to run_rl")
+    if task.name == "jsonl" and task.pool_size:
+        raise ConfigError("task.pool_size applies to the generated tasks; the jsonl task's file is its pool")
     if task.min_terms > task.max_terms:
         raise ConfigError(f"task.min_terms={task.min_terms} exceeds task.max_terms={task.max_terms}")
     if task.min_numbers > task.max_numbers:

@@ -55,9 +55,12 @@ def update_metrics(per_update: Sequence[dict[str, float]], *, unstable_kl: float
     return out
 
 
-def plot_curves(records: Sequence[dict[str, Any]], path: str, *, title: str = "RL") -> str:
-    """Draws mean reward, accuracy (and greedy eval accuracy where measured) and the trust-region masked
-    fraction (mean over the step's updates and its last update) against step to a PNG at `path`."""
+def plot_curves(records: Sequence[dict[str, Any]], path: str, *, title: str = "RL",
+                final_eval: dict[str, float] | None = None, smoothing: int = 10) -> str:
+    """Draws mean reward, accuracy (and the held-out evaluation where measured) and the trust-region masked
+    fraction (mean over the step's updates and its last update) against step to a PNG at `path`. The reward
+    also gets a trailing moving average over `smoothing` steps; `final_eval` (the evaluation after the last
+    step) is drawn one step after it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,12 +71,21 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str, *, title: str = "R
     steps = [r["step"] for r in records]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     top.plot(steps, [r["reward_mean"] for r in records], label="mean reward", color="tab:blue")
-    top.plot(steps, [r["accuracy"] for r in records], label="accuracy (samples)", color="tab:cyan", alpha=0.7)
-    evaluated = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
-    if evaluated:
-        top.plot(*zip(*evaluated), "o-", label="greedy eval accuracy (before the step)", color="tab:green")
+    top.plot(steps, [r["accuracy"] for r in records], label="accuracy (samples)", color="tab:cyan", alpha=0.5)
+    if smoothing > 1 and len(records) >= smoothing:
+        rewards = np.array([r["reward_mean"] for r in records])
+        average = np.convolve(rewards, np.ones(smoothing) / smoothing, mode="valid")
+        top.plot(steps[smoothing - 1:], average, label=f"mean reward, {smoothing}-step average", color="tab:purple",
+                 linewidth=2)
+    for key, label, colour in (("eval_accuracy", "held-out greedy accuracy (before the step)", "tab:green"),
+                               ("eval_sampled_reward", "held-out sampled reward (before the step)", "tab:olive")):
+        evaluated = [(r["step"], r[key]) for r in records if key in r]
+        if final_eval is not None and key in final_eval:
+            evaluated.append((steps[-1] + 1, final_eval[key]))
+        if evaluated:
+            top.plot(*zip(*evaluated), "o-", label=label, color=colour)
     top.set_ylabel("reward")
-    top.legend(fontsize="small")
+    top.legend(fontsize="small", loc="lower right", ncol=2)
     top.grid(alpha=0.3)
     for key, label, style in (("trust_region_fraction", "masked / clipped fraction (mean over updates)", "-"),
                               ("trust_region_fraction_last", "same, last (stalest) update", "--")):

@@ -25,8 +25,9 @@ import numpy as np
 
 TASK_NAMES = ("arithmetic", "countdown", "jsonl")
 
-# Disjoint random streams of one seed: training prompts of step k, the evaluation set, the warm-start data.
-_TRAIN_STREAM, _EVAL_STREAM, _WARMSTART_STREAM = 1, 2, 3
+# Disjoint random streams of one seed: training prompts of step k, the evaluation set, the warm-start data, the
+# training pool.
+_TRAIN_STREAM, _EVAL_STREAM, _WARMSTART_STREAM, _POOL_STREAM = 1, 2, 3, 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +237,23 @@ def _problems(task: Task, rng: np.random.Generator, count: int) -> list[Problem]
     return [task.problem(rng) for _ in range(count)]
 
 
-def step_problems(task: Task, seed: int, step: int, count: int) -> list[Problem]:
+def training_pool(task: Task, seed: int, size: int) -> list[Problem]:
+    """A fixed training set of `size` problems (an RL prompt dataset, trained on for many epochs)."""
+    if size < 1:
+        raise ValueError(f"a training pool needs at least one problem, got {size}")
+    return _problems(task, np.random.default_rng([seed, _POOL_STREAM]), size)
+
+
+def step_problems(task: Task, seed: int, step: int, count: int, pool: list[Problem] | None = None
+                  ) -> list[Problem]:
     """The `count` training prompts of 0-based step `step`: a pure function of (seed, step), so a resumed run
-    sees the same prompts."""
-    return _problems(task, np.random.default_rng([seed, _TRAIN_STREAM, step]), count)
+    sees the same prompts. Without a pool every step draws fresh problems; with one, the step draws `count`
+    of its problems (distinct ones while the pool is large enough, else with repetition)."""
+    rng = np.random.default_rng([seed, _TRAIN_STREAM, step])
+    if pool is None:
+        return _problems(task, rng, count)
+    picks = rng.choice(len(pool), size=count, replace=count > len(pool))
+    return [pool[int(i)] for i in picks]
 
 
 def eval_problems(task: Task, seed: int, count: int) -> list[Problem]:

@@ -1,0 +1,165 @@
+"""DPPO against PPO clipping and GRPO under stale rollouts, on the shipped arithmetic task, on CPU.
+
+One warm start (SFT on the task's solutions, shared by every run), then for each loss and seed one RL run with
+the same prompts, sampling seeds, model, optimizer and budget, and several minibatch updates per rollout, so
+every update after the first is off-policy (`--updates-per-step`, default 8: the last update is 7 optimizer steps
+away from the policy that sampled the rollout). Variants:
+
+* `dppo` (binary TV, delta 0.15), `dppo_kl` (binary KL, delta 0.05), `dppo_topk` (Top-K TV, K 20): the trust
+  region on the divergence between the behaviour policy and the current one (Qi et al., arXiv 2602.04879);
+* `ppo`: PPO's clipped ratio (0.2, dual clip 3), token-mean;
+* `grpo`: GRPO as published: the same clipped ratio, sequence-mean aggregation and a k3 KL penalty (beta 0.04)
+  to the initial policy.
+
+All take the rollout's behaviour log-probs as their anchor (synchronous rollouts: the "old" policy of PPO/GRPO is
+the behaviour policy). Reported per variant (means over seeds): final greedy accuracy on a fixed evaluation set,
+mean sampled reward over the last steps, the number of steps whose policy change blew up (the largest per-update
+KL(behaviour || policy) of the step above `--unstable-kl`), the fraction of tokens the trust region masked or
+clipped, and the wall time split between rollout and training (steps 2.., after compilation).
+
+Prints a table and one JSON line (also written to bench/results/rl.json unless --no-save) with at least
+`dppo_final_accuracy`, `ppo_final_accuracy`, `dppo_unstable_steps` and `ppo_unstable_steps`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+DEVICES = 2
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
+
+KL_THRESHOLDS = (0.05, 0.1, 0.2, 0.5)  # also counted: steps whose largest per-update KL exceeds each
+
+VARIANTS = {
+    "dppo": ["--loss.name", "dppo"],
+    "dppo_kl": ["--loss.name", "dppo_kl"],
+    "dppo_topk": ["--loss.name", "dppo_topk"],
+    "ppo": ["--loss.name", "ppo"],
+    "grpo": ["--loss.name", "grpo", "--aggregation", "seq-mean-token-mean", "--kl_coef", "0.04"],
+}
+
+
+def common_overrides(args, out_dir: str) -> list[str]:
+    """The settings every run shares (model, task, rollout, optimizer, budget)."""
+    return ["--preset", "small", "--max_digits", "1", "--max_terms", "3", "--pool_size", "256",
+            "--devices", str(DEVICES), "--token_cap", "128", "--prompt_bucket", "16", "--max_new_tokens", "4",
+            "--prompts_per_step", str(args.prompts), "--group_size", "8", "--updates_per_step",
+            str(args.updates_per_step),
+            "--learning_rate", str(args.learning_rate), "--warmup_steps", "0", "--steps", str(args.steps),
+            "--eval_every", str(args.steps), "--eval_problems", "256", "--unstable_kl", str(args.unstable_kl),
+            "--sft_examples", "8192", "--sft_steps", str(args.sft_steps), "--no-progress", "--no-export_hf",
+            "--save_every", "0", "--out_dir", out_dir]
+
+
+def run_variant(name: str, seed: int, args, work: str, warm_hf: str) -> dict:
+    """One RL run from the shared warm start; returns its summary numbers."""
+    from jodc.train.metrics import read_metrics
+    from jodc.train.rl import run_rl
+    from jodc.train.rl_config import load_rl_config
+
+    out_dir = os.path.join(work, f"{name}_seed{seed}")
+    # every run starts from the same warm-started model (its HF export), whatever its seed
+    config = load_rl_config(None, common_overrides(args, out_dir) + VARIANTS[name] +
+                            ["--seed", str(seed), "--hf_path", warm_hf, "--sft_steps", "0"])
+    started = time.perf_counter()
+    summary = run_rl(config, log=lambda _: None)
+    wall = time.perf_counter() - started
+    records = read_metrics(summary["metrics"])
+    tail = records[-args.tail:]
+    return {
+        "final_accuracy": summary["final_eval_accuracy"],
+        "initial_accuracy": records[0]["eval_accuracy"],
+        "final_eval_sampled_reward": summary["final_eval_sampled_reward"],
+        "initial_eval_sampled_reward": records[0]["eval_sampled_reward"],
+        "final_reward": statistics.fmean(r["reward_mean"] for r in tail),
+        "initial_reward": statistics.fmean(r["reward_mean"] for r in records[:args.tail]),
+        "unstable_steps": sum(1 for r in records if r["unstable"]),
+        **{f"steps_kl_over_{t}": sum(1 for r in records if r["policy_kl_max"] > t) for t in KL_THRESHOLDS},
+        "policy_kl_max": max(r["policy_kl_max"] for r in records),
+        "masked_fraction": statistics.fmean(r.get("trust_region_fraction", 0.0) for r in records),
+        # step 1 includes compilation (the first run also compiles the sampler): timed from step 2 on
+        "rollout_seconds": sum(r["rollout_seconds"] for r in records[1:]),
+        "train_seconds": sum(r["train_seconds"] for r in records[1:]),
+        "wall_seconds": wall,
+    }
+
+
+def warm_start(args, work: str) -> str:
+    """Runs the shared warm start once; returns its HF export."""
+    from jodc.train.rl_config import load_rl_config
+    from jodc.train.rl_tasks import make_task
+    from jodc.train.rl_warmstart import run_warmstart
+
+    config = load_rl_config(None, common_overrides(args, os.path.join(work, "warm")))
+    return run_warmstart(config, make_task("arithmetic", **config.task.task_options()), log=lambda _: None)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="RL steps per run")
+    parser.add_argument("--seeds", type=int, default=3, help="runs per variant (seeds 0..n-1)")
+    parser.add_argument("--updates-per-step", type=int, default=8, help="minibatch updates per rollout")
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x 8 responses)")
+    parser.add_argument("--sft-steps", type=int, default=600, help="warm-start SFT steps")
+    parser.add_argument("--unstable-kl", type=float, default=0.1, help="KL(behaviour || policy) of a blow-up")
+    parser.add_argument("--tail", type=int, default=5, help="steps averaged for the final sampled reward")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (10 steps, one seed)")
+    parser.add_argument("--no-save", action="store_true", help="do not write bench/results/rl.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds, args.sft_steps, args.tail = 10, 1, 300, 3
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    import jax
+
+    started = time.perf_counter()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="jodc_bench_rl_") as work:
+        warm_hf = warm_start(args, work)
+        warm_seconds = time.perf_counter() - started
+        for name in names:
+            runs = [run_variant(name, seed, args, work, warm_hf) for seed in range(args.seeds)]
+            results[name] = {key: round(statistics.fmean(r[key] for r in runs), 4) for key in runs[0]}
+            results[name]["unstable_steps_per_seed"] = [r["unstable_steps"] for r in runs]
+            results[name]["final_accuracy_per_seed"] = [r["final_accuracy"] for r in runs]
+            print(f"  {name}: done ({results[name]['wall_seconds']:.0f} s per run)", file=sys.stderr)
+
+    header = (f"{'loss':<10} {'greedy acc':>13} {'held-out reward':>15} {'train reward':>13} "
+              f"{'unstable':>8} {'max KL':>7} {'masked':>7} {'rollout s':>9} {'train s':>8}")
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        print(f"{name:<10} {r['initial_accuracy']:>6.3f}>{r['final_accuracy']:<6.3f} "
+              f"{r['initial_eval_sampled_reward']:>7.3f}>{r['final_eval_sampled_reward']:<7.3f} "
+              f"{r['initial_reward']:>6.3f}>{r['final_reward']:<6.3f} {r['unstable_steps']:>8.1f} "
+              f"{r['policy_kl_max']:>7.3f} {r['masked_fraction']:>7.4f} {r['rollout_seconds']:>9.1f} "
+              f"{r['train_seconds']:>8.1f}")
+    line = {"bench": "rl", "steps": args.steps, "seeds": args.seeds, "updates_per_step": args.updates_per_step,
+            "learning_rate": args.learning_rate, "prompts_per_step": args.prompts, "group_size": 8,
+            "unstable_kl": args.unstable_kl, "warm_start_seconds": round(warm_seconds, 1)}
+    for name, r in results.items():
+        line[f"{name}_final_accuracy"] = r["final_accuracy"]
+        line[f"{name}_unstable_steps"] = r["unstable_steps"]
+    line["by_loss"] = results
+    line.update(total_seconds=round(time.perf_counter() - started, 1), jax=jax.__version__,
+                platform=platform.platform(), cpu_count=os.cpu_count())
+    print(json.dumps(line))
+    if not args.no_save:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rl.json")
+        with open(path, "w") as f:
+            f.write(json.dumps(line) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The RL trainer end to end on the tiny preset (2 simulated devices, ODC, deterministic): a warm-started policy
+raises its mean reward on the arithmetic task, every output is written, a stopped and resumed run equals the
+uninterrupted one bit for bit, a reward function that raises or returns a non-number stops the run with an
+error naming the sample and leaves the checkpoints as they were, and the loss name switches the loss in a run
+started from the command line."""
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jodc.train.checkpoint import CheckpointStore
+from jodc.train.metrics import read_metrics
+from jodc.train.rl import CHECKPOINT_DIR, run_rl
+from jodc.train.cli import main as train_main
+from jodc.train.rl_config import load_rl_config
+from jodc.train.rl_rewards import RewardError
+from jodc.train.rl_warmstart import WARMSTART_DIR
+
+STEPS = 20
+#: Metrics that depend only on the computation (not on timing); a resumed run must reproduce them exactly.
+EXACT_KEYS = ("reward_mean", "accuracy", "response_length", "loss", "grad_norm", "policy_kl", "policy_kl_max",
+              "ratio_mean", "entropy", "trust_region_fraction", "tokens", "microbatches")
+
+
+def overrides(out_dir, *extra):
+    return ["--preset", "tiny", "--attention_block_size", "16", "--token_cap", "64", "--prompt_bucket", "8",
+            "--max_new_tokens", "4", "--max_digits", "1", "--max_terms", "2", "--pool_size", "8",
+            "--sft_steps", "300", "--sft_examples", "4096", "--prompts_per_step", "16", "--group_size", "8",
+            "--updates_per_step", "4", "--learning_rate", "3e-4", "--steps", str(STEPS), "--devices", "2",
+            "--deterministic", "--no-progress", "--save_every", "4", "--keep_checkpoints", "2", "--eval_every",
+            "10", "--eval_problems", "32", "--out_dir", str(out_dir), *extra]
+
+
+def quiet(_message):
+    pass
+
+
+def with_warm_start(source_out, target_out):
+    """A new run directory holding the warm start of `source_out` (reused, as a resumed run would)."""
+    os.makedirs(target_out, exist_ok=True)
+    shutil.copytree(os.path.join(source_out, WARMSTART_DIR), os.path.join(target_out, WARMSTART_DIR))
+    return target_out
+
+
+def engine_state(out_dir, step):
+    """The flat parameters and optimizer state saved in checkpoint `step`, as a list of numpy arrays."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(out_dir, CHECKPOINT_DIR, str(step), "engine")
+    return [np.asarray(x) for x in jax.tree.leaves(ocp.StandardCheckpointer().restore(path))]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl_straight")
+    summary = run_rl(load_rl_config(None, overrides(out)), log=quiet)
+    return str(out), summary
+
+
+def test_reward_rises_and_outputs_are_written(straight):
+    out, summary = straight
+    records = read_metrics(summary["metrics"])
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    rewards = [r["reward_mean"] for r in records]
+    start, end = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    assert start > 0.05, "the warm start should give a non-zero reward"
+    assert end > start + 0.05, rewards
+    first = records[0]
+    for key in ("accuracy", "response_length", "trust_region_fraction", "policy_kl", "entropy", "ratio_mean",
+                "ratio_std", "rollout_seconds", "train_seconds", "rollout_fraction", "train_fraction"):
+        assert key in first, key
+    assert first["policy_kl_max"] >= first["policy_kl"] >= 0 and 0 <= first["trust_region_fraction"] < 1
+    assert len(first["microbatches"]) == 4 and all(len(m) == 2 for m in first["microbatches"])
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [1, 11]
+    assert all(0 <= r["eval_sampled_reward"] <= 1 for r in records if "eval_accuracy" in r)
+    assert summary["final_eval_accuracy"] is not None and summary["final_eval_sampled_reward"] is not None
+    assert os.path.exists(summary["curves"]) and os.listdir(summary["tensorboard"])
+    assert os.path.exists(os.path.join(summary["hf_export"], "config.json"))
+    store = CheckpointStore(os.path.join(out, CHECKPOINT_DIR), keep=2)
+    try:
+        assert store.steps() == [16, 20]
+        assert store.read_trainer_state(20)["optimizer_updates"] == STEPS * 4
+    finally:
+        store.close()
+
+
+def test_resume_is_exact_and_a_failing_reward_leaves_the_checkpoints_intact(straight, tmp_path):
+    out, _ = straight
+    run_dir = with_warm_start(out, tmp_path / "run")
+    config = load_rl_config(None, overrides(run_dir))
+    first = run_rl(config, stop_at_step=6, log=quiet)  # "preempted" after step 6 (checkpoints 4 and 6)
+    assert first["steps_done"] == 6 and first["hf_export"] is None
+    saved = engine_state(run_dir, 6)
+
+    def raising(prompt, response):
+        if response.startswith("1"):
+            raise ZeroDivisionError("bad sample")
+        return 0.0
+
+    for bad, message in [(raising, r"raised ZeroDivisionError on step 7, sample \d+ \(prompt '\d[+-]\d=', "
+                                    r"response '1"),
+                         (lambda p, r: None, r"returned None \(NoneType\) on step 7, sample 0 ")]:
+        with pytest.raises(RewardError, match=message):
+            run_rl(config, reward_fn=bad, log=quiet)
+        store = CheckpointStore(os.path.join(run_dir, CHECKPOINT_DIR), keep=2)
+        try:
+            assert store.steps() == [4, 6]  # nothing of step 7 was saved
+        finally:
+            store.close()
+        for a, b in zip(saved, engine_state(run_dir, 6)):
+            assert a.tobytes() == b.tobytes()
+
+    second = run_rl(config, log=quiet)
+    assert second["start_step"] == 6 and second["steps_done"] == STEPS
+    want = read_metrics(os.path.join(out, "metrics.jsonl"))
+    got = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for key in EXACT_KEYS:
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    for a, b in zip(engine_state(out, STEPS), engine_state(run_dir, STEPS)):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_the_command_line_runs_another_loss(straight, tmp_path):
+    out, _ = straight
+    run_dir = with_warm_start(out, tmp_path / "ppo")
+    assert train_main(["rl", *overrides(run_dir, "--loss.name", "ppo", "--steps", "2", "--eval_every", "0",
+                                        "--no-export_hf")]) == 0
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert len(records) == 2
+    assert "loss_clip_fraction" in records[0] and "loss_masked_fraction" not in records[0]
+    straight_records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert records[0]["reward_mean"] == straight_records[0]["reward_mean"]  # same rollout, another loss
+    assert records[1]["loss"] != straight_records[1]["loss"]
+
+
+def test_prompts_from_a_file_need_a_reward_function(tmp_path):
+    from jodc.train.config import ConfigError
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "2+2="}\n')
+    config = load_rl_config(None, overrides(tmp_path / "out", "--task.name", "jsonl", "--path", str(prompts),
+                                            "--sft_steps", "0", "--pool_size", "0"))
+    with pytest.raises(ConfigError, match="jsonl has no built-in reward: set task.reward_fn"):
+        run_rl(config, log=quiet)

@@ -1,0 +1,132 @@
+"""The RL objective: the loss name picks the `jodc.losses` function (same value and gradient as calling it
+directly), options reach it, bad options are config errors, the KL penalty adds to it, the diagnostics measure
+the policy's distance from the behaviour policy, and summed metrics turn back into token means."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jodc.losses import dppo_loss, kl_penalty, ppo_loss
+from jodc.train.config import ConfigError
+from jodc.train.rl_config import load_rl_config
+from jodc.train.rl_loss import DIAGNOSTICS, build_objective, summarize_metrics
+
+B, T, V, K = 2, 6, 11, 3
+
+
+def objective(*overrides):
+    cfg = load_rl_config(None, list(overrides))
+    return build_objective(cfg.loss, cfg.rollout)
+
+
+def microbatch(seed=0, shift=1.5):
+    """A packed microbatch (row 0: two sequences, row 1: one and padding) whose behaviour log-probs come from
+    logits that differ from the current ones by `shift`-scaled noise (an off-policy update)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(B, T, V)).astype(np.float32)
+    behaviour_logits = logits + shift * rng.normal(size=logits.shape).astype(np.float32)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    behaviour = np.take_along_axis(jax.nn.log_softmax(behaviour_logits), targets[..., None], -1)[..., 0]
+    segment_ids = np.array([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 0, 0]], np.int32)
+    loss_mask = np.array([[0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 0, 0]], np.float32)
+    advantages = np.where(segment_ids == 2, -1.0, 0.7).astype(np.float32) * (segment_ids > 0)
+    top_ids = np.argsort(-behaviour_logits, axis=-1)[..., :K].astype(np.int32)
+    top_lps = np.take_along_axis(np.asarray(jax.nn.log_softmax(behaviour_logits)), top_ids, -1)
+    mb = {"targets": targets, "loss_mask": loss_mask, "segment_ids": segment_ids,
+          "normalizer": np.float32(loss_mask.sum()), "behaviour_logprobs": np.asarray(behaviour, np.float32),
+          "advantages": advantages, "topk_ids": top_ids, "topk_logprobs": top_lps.astype(np.float32),
+          "ref_logprobs": np.asarray(behaviour, np.float32) - 0.3}
+    return jnp.asarray(logits), {k: jnp.asarray(v) for k, v in mb.items()}
+
+
+def direct_kwargs(mb):
+    return dict(normalizer=mb["normalizer"], segment_ids=mb["segment_ids"], aggregation="token-mean")
+
+
+def test_the_loss_name_switches_the_loss():
+    logits, mb = microbatch(4)
+    args = (mb["targets"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"])
+    want = {"dppo": dppo_loss(logits, *args, **direct_kwargs(mb))[0],
+            "dppo_kl": dppo_loss(logits, *args, divergence="kl", **direct_kwargs(mb))[0],
+            "dppo_topk": dppo_loss(logits, *args, approximation="topk", topk_ids=mb["topk_ids"],
+                                   topk_logprobs=mb["topk_logprobs"], **direct_kwargs(mb))[0],
+            "ppo": ppo_loss(logits, *args, **direct_kwargs(mb))[0]}
+    got = {}
+    for name in want:
+        obj = objective("--loss.name", name)
+        got[name], metrics = obj.head_loss(logits, mb)
+        assert set(metrics) == set(obj.metric_names)
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
+    assert len({round(float(v), 6) for v in got.values()}) == 4  # four different losses on this batch
+    assert "masked_fraction" in objective("--loss.name", "dppo").loss_metric_names
+    assert "clip_fraction" in objective("--loss.name", "ppo").loss_metric_names
+    assert objective("--loss.name", "dppo_topk").extras == ("behaviour_logprobs", "advantages", "topk_ids",
+                                                           "topk_logprobs")
+
+
+def test_gradients_match_the_library_loss_and_options_reach_it():
+    logits, mb = microbatch(1)
+    args = (mb["targets"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"])
+    obj = objective("--loss.name", "ppo", "--clip_low", "0.1", "--clip_high", "0.3", "--dual_clip", "0")
+    got = jax.grad(lambda x: obj.head_loss(x, mb)[0])(logits)
+    want = jax.grad(lambda x: ppo_loss(x, *args, clip_low=0.1, clip_high=0.3, dual_clip=None,
+                                       **direct_kwargs(mb))[0])(logits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    default = jax.grad(lambda x: ppo_loss(x, *args, **direct_kwargs(mb))[0])(logits)
+    assert not np.allclose(got, default)  # the options changed the loss
+    strict = objective("--loss.name", "dppo", "--delta_low", "0", "--delta_high", "0")
+    loose = objective("--loss.name", "dppo")
+    masked = [o.head_loss(logits, mb)[1]["masked_fraction_sum"] for o in (strict, loose)]
+    assert masked[0] > masked[1]
+
+
+def test_sequence_level_losses_get_their_own_aggregation_and_behaviour_arrays_are_filled():
+    assert objective("--loss.name", "gspo").aggregation == "seq-mean-token-mean"
+    assert objective("--loss.name", "gspo", "--aggregation", "token-mean").aggregation == "token-mean"
+    obj = objective("--loss.name", "tis")
+    assert obj.behaviour_arrays == ("rollout_logprobs",)
+    logits, mb = microbatch(2)
+    loss, _ = obj.head_loss(logits, mb)
+    # trainer-side old log-probs == rollout log-probs (synchronous rollouts): the TIS weight is 1, loss = PPO's
+    want = ppo_loss(logits, mb["targets"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"],
+                    **direct_kwargs(mb))[0]
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+
+
+def test_kl_penalty_to_the_reference_is_added():
+    logits, mb = microbatch(3)
+    base = objective("--loss.name", "dppo")
+    with_kl = objective("--loss.name", "dppo", "--kl_coef", "0.5", "--kl_estimator", "k2")
+    assert "ref_kl_sum" in with_kl.metric_names and "ref_kl_sum" not in base.metric_names
+    kl, _ = kl_penalty(logits, mb["targets"], mb["ref_logprobs"], mb["loss_mask"], estimator="k2",
+                       **direct_kwargs(mb))
+    np.testing.assert_allclose(with_kl.head_loss(logits, mb)[0], base.head_loss(logits, mb)[0] + 0.5 * kl, rtol=1e-6)
+
+
+def test_bad_loss_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="loss.name: .*unknown policy loss 'ppo2'"):
+        objective("--loss.name", "ppo2")
+    with pytest.raises(ConfigError, match="loss 'dppo' rejects .*'clip_low': 0.2.*unexpected keyword"):
+        objective("--loss.name", "dppo", "--clip_low", "0.2")
+    with pytest.raises(ConfigError, match="loss 'ppo' rejects .*clip_low must be < 1"):
+        objective("--loss.name", "ppo", "--clip_low", "1.5")
+
+
+def test_diagnostics_are_zero_on_policy_and_grow_off_policy():
+    obj = objective()
+    logits, mb = microbatch(4, shift=0.0)
+    _, on = obj.head_loss(logits, mb)
+    tokens = float(mb["loss_mask"].sum())
+    assert set(DIAGNOSTICS) <= set(on) and float(on["tokens"]) == tokens
+    means = summarize_metrics({k: float(v) for k, v in on.items()}, obj)
+    assert means["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and means["ratio_std"] < 1e-3
+    assert means["policy_kl"] == pytest.approx(0.0, abs=1e-6) and means["policy_tv"] == pytest.approx(0, abs=1e-6)
+    assert means["trust_region_fraction"] == 0.0 and means["entropy"] > 0
+    logits, mb = microbatch(4, shift=2.0)
+    strict = objective("--delta_low", "0", "--delta_high", "0")  # masks every token moving away from mu
+    off = summarize_metrics({k: float(v) for k, v in strict.head_loss(logits, mb)[1].items()}, strict)
+    assert off["policy_kl"] > 0.05 and off["ratio_std"] > 0.1 and off["trust_region_fraction"] > 0
+    assert off["loss_masked_fraction"] == off["trust_region_fraction"]
+    assert "trust_region_fraction" not in summarize_metrics(
+        {k: float(v) for k, v in objective("--loss.name", "sapo").head_loss(logits, mb)[1].items()},
+        objective("--loss.name", "sapo"))
