@@ -80,6 +80,22 @@ class CheckpointStore:
         restored = self.manager.restore(step, args=ocp.args.Composite(**{TRAINER_ITEM: ocp.args.JsonRestore()}))
         return dict(restored[TRAINER_ITEM])
 
+    def resumable_step(self, resume: bool, mismatches, *, written_for: str = "another run") -> int | None:
+        """The latest checkpoint's step when a run may resume from it (None without checkpoints). Refuses when
+        `resume` is false, or when `mismatches(saved_config) -> [reasons]` finds the checkpoint was written for
+        another run; cheap (no arrays are read), so it runs before anything expensive is built."""
+        latest = self.latest_step()
+        if latest is None:
+            return None
+        if not resume:
+            raise RuntimeError(f"{self.directory} already holds checkpoints (steps {self.steps()}) and "
+                               "trainer.resume is false: choose another trainer.out_dir, or resume")
+        reasons = mismatches(self.read_trainer_state(latest).get("config", {}))
+        if reasons:
+            raise RuntimeError(f"the checkpoint at {self.step_dir(latest)} was written for {written_for} "
+                               f"({'; '.join(reasons)}); use another trainer.out_dir for a new run")
+        return latest
+
     def restore(self, step: int, engine_template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(engine state, trainer state) of checkpoint `step`. `engine_template` is the current engine's
         `state_dict()`: it gives the tree structure and shapes, and a checkpoint of another model is refused."""

@@ -141,27 +141,31 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optimize
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _fields(section: str) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+# Every loader below takes `sections` ({name: dataclass}); the SFT trainer's are the default, and the RL trainer
+# passes its own, so both configs share one set of rules for keys, overrides and values.
 
 
-def all_keys() -> list[str]:
+def _fields(section: str, sections: dict[str, type] = SECTIONS) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(sections[section])}
+
+
+def all_keys(sections: dict[str, type] = SECTIONS) -> list[str]:
     """Every dotted key, e.g. 'trainer.engine'."""
-    return [f"{s}.{name}" for s in SECTIONS for name in _fields(s)]
+    return [f"{s}.{name}" for s in sections for name in _fields(s, sections)]
 
 
-def aliases() -> dict[str, str]:
+def aliases(sections: dict[str, type] = SECTIONS) -> dict[str, str]:
     """Short name -> dotted key, for every field name that occurs in one section only."""
     owners: dict[str, list[str]] = {}
-    for key in all_keys():
+    for key in all_keys(sections):
         owners.setdefault(key.split(".", 1)[1], []).append(key)
     return {name: keys[0] for name, keys in owners.items() if len(keys) == 1}
 
 
-def resolve_key(name: str) -> str:
+def resolve_key(name: str, sections: dict[str, type] = SECTIONS) -> str:
     """'trainer.engine', 'engine' or 'learning-rate' -> the dotted key; ConfigError naming close matches."""
     name = name.replace("-", "_")
-    keys = all_keys()
+    keys = all_keys(sections)
     if name in keys:
         return name
     if "." not in name:
@@ -170,7 +174,7 @@ def resolve_key(name: str) -> str:
             return owners[0]
         if len(owners) > 1:
             raise ConfigError(f"'{name}' is ambiguous: use one of {', '.join(owners)}")
-    close = difflib.get_close_matches(name, keys + list(aliases()), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, keys + list(aliases(sections)), n=3, cutoff=0.6)
     if close:
         raise ConfigError(f"unknown config key '{name}' (did you mean {' or '.join(close)}?)")
     raise ConfigError(f"unknown config key '{name}'; keys are {', '.join(keys)} (or the field name alone)")
@@ -237,22 +241,23 @@ def parse_value(text: str) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def config_from_dict(raw: dict | None, *, source: str = "config") -> SFTConfig:
-    """An SFTConfig from nested {section: {field: value}}; missing fields take their defaults."""
+def build_sections(raw: dict | None, sections: dict[str, type], *, source: str = "config") -> dict[str, Any]:
+    """{name: section dataclass instance} from nested {section: {field: value}}; missing fields take their
+    defaults; every value is type- and bound-checked, and unknown sections or keys name close matches."""
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections "
-                          f"({', '.join(SECTIONS)}), got {type(raw).__name__}")
-    unknown = [s for s in raw if s not in SECTIONS]
+                          f"({', '.join(sections)}), got {type(raw).__name__}")
+    unknown = [s for s in raw if s not in sections]
     if unknown:
         raise ConfigError(f"{source}: unknown section(s) {', '.join(map(repr, unknown))}; "
-                          f"sections are {', '.join(SECTIONS)}")
-    sections = {}
-    for name, cls in SECTIONS.items():
+                          f"sections are {', '.join(sections)}")
+    built = {}
+    for name, cls in sections.items():
         values = raw.get(name) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{name}' must be a mapping, got {type(values).__name__}")
-        fields = _fields(name)
+        fields = _fields(name, sections)
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for key, value in values.items():
@@ -265,8 +270,13 @@ def config_from_dict(raw: dict | None, *, source: str = "config") -> SFTConfig:
             dotted = f"{name}.{key}"
             kwargs[key] = _coerce(dotted, value, hints[key])
             _check_bounds(dotted, kwargs[key], fields[key])
-        sections[name] = cls(**kwargs)
-    config = SFTConfig(**sections)
+        built[name] = cls(**kwargs)
+    return built
+
+
+def config_from_dict(raw: dict | None, *, source: str = "config") -> SFTConfig:
+    """An SFTConfig from nested {section: {field: value}}; missing fields take their defaults; validated."""
+    config = SFTConfig(**build_sections(raw, SECTIONS, source=source))
     validate(config)
     return config
 
@@ -310,20 +320,20 @@ def to_dict(config: SFTConfig) -> dict[str, dict[str, Any]]:
     return {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
 
 
-def _negated_bool(name: str) -> str | None:
+def _negated_bool(name: str, sections: dict[str, type] = SECTIONS) -> str | None:
     """'no-progress' / 'no_trainer.progress' -> 'trainer.progress' when that is a bool field, else None."""
     name = name.replace("-", "_")
     if not name.startswith("no_"):
         return None
     try:
-        key = resolve_key(name[3:])
+        key = resolve_key(name[3:], sections)
     except ConfigError:
         return None
     section, field = key.split(".", 1)
-    return key if typing.get_type_hints(SECTIONS[section])[field] is bool else None
+    return key if typing.get_type_hints(sections[section])[field] is bool else None
 
 
-def apply_overrides(raw: dict | None, overrides: Sequence[str]) -> dict:
+def apply_overrides(raw: dict | None, overrides: Sequence[str], sections: dict[str, type] = SECTIONS) -> dict:
     """Returns a copy of nested `raw` with command-line overrides applied (see the module docstring)."""
     out = {name: dict(values or {}) for name, values in (raw or {}).items() if isinstance(values, dict)}
     out.update({name: values for name, values in (raw or {}).items() if not isinstance(values, dict)})
@@ -332,10 +342,10 @@ def apply_overrides(raw: dict | None, overrides: Sequence[str]) -> dict:
     while i < len(tokens):
         token = tokens[i]
         if not token.startswith("--") or token == "--":
-            raise ConfigError(f"expected an override like --trainer.engine odc, got {token!r}")
+            raise ConfigError(f"expected an override like --trainer.steps 20, got {token!r}")
         name, eq, text = token[2:].partition("=")
-        negated = _negated_bool(name) if not eq else None
-        key = negated or resolve_key(name)
+        negated = _negated_bool(name, sections) if not eq else None
+        key = negated or resolve_key(name, sections)
         section, field = key.split(".", 1)
         if negated:
             text = "false"
@@ -344,7 +354,7 @@ def apply_overrides(raw: dict | None, overrides: Sequence[str]) -> dict:
             if has_value:
                 text = tokens[i + 1]
                 i += 1
-            elif typing.get_type_hints(SECTIONS[section])[field] is bool:
+            elif typing.get_type_hints(sections[section])[field] is bool:
                 text = "true"
             else:
                 raise ConfigError(f"override --{name} needs a value")

@@ -116,18 +116,9 @@ class RLRun:
 
     # -- resume ----------------------------------------------------------------------------------------------------
     def _resumable_step(self) -> int | None:
-        latest = self.store.latest_step()
-        if latest is None:
-            return None
-        if not self.config.trainer.resume:
-            raise RuntimeError(f"{self.store.directory} already holds checkpoints (steps {self.store.steps()}) and "
-                               "trainer.resume is false: choose another trainer.out_dir, or resume")
-        saved = self.store.read_trainer_state(latest)
-        mismatches = rl_config.resume_mismatches(saved.get("config", {}), self.config)
-        if mismatches:
-            raise RuntimeError(f"the checkpoint at {self.store.step_dir(latest)} was written for another run "
-                               f"({'; '.join(mismatches)}); use another trainer.out_dir for a new run")
-        return latest
+        """The latest checkpoint's step when this run may resume from it (None without checkpoints)."""
+        return self.store.resumable_step(self.config.trainer.resume,
+                                         lambda saved: rl_config.resume_mismatches(saved, self.config))
 
     def _restore(self, step: int) -> int:
         engine_state, trainer_state = self.store.restore(step, self.engine.state_dict())

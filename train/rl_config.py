@@ -14,12 +14,11 @@ This module imports no JAX (the CLI validates the config before JAX is loaded).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from typing import Any, Sequence
 
 import yaml
 
+from . import config as sft_config
 from .config import (
     COMPUTE_DTYPES,
     COST_MODELS,
@@ -31,10 +30,7 @@ from .config import (
     ConfigError,
     ModelConfig,
     OptimizerSettings,
-    _check_bounds,
-    _coerce,
     _field,
-    parse_value,
     read_yaml,
 )
 from .rl_tasks import TASK_NAMES
@@ -201,102 +197,24 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "task": TaskConfig, "rollout"
                              "warmstart": WarmstartConfig}
 
 
-def _fields(section: str) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
-
-
 def all_keys() -> list[str]:
     """Every dotted key, e.g. 'loss.name'."""
-    return [f"{s}.{name}" for s in SECTIONS for name in _fields(s)]
+    return sft_config.all_keys(SECTIONS)
 
 
 def resolve_key(name: str) -> str:
     """'loss.name', 'group_size' or 'group-size' -> the dotted key; ConfigError naming close matches."""
-    name = name.replace("-", "_")
-    keys = all_keys()
-    if name in keys:
-        return name
-    if "." not in name:
-        owners = [k for k in keys if k.split(".", 1)[1] == name]
-        if len(owners) == 1:
-            return owners[0]
-        if len(owners) > 1:
-            raise ConfigError(f"'{name}' is ambiguous: use one of {', '.join(owners)}")
-    short = [k.split(".", 1)[1] for k in keys]
-    close = difflib.get_close_matches(name, keys + short, n=3, cutoff=0.6)
-    if close:
-        raise ConfigError(f"unknown config key '{name}' (did you mean {' or '.join(close)}?)")
-    raise ConfigError(f"unknown config key '{name}'; keys are {', '.join(keys)} (or the field name alone)")
-
-
-def _is_bool(key: str) -> bool:
-    section, field = key.split(".", 1)
-    return typing.get_type_hints(SECTIONS[section])[field] is bool
+    return sft_config.resolve_key(name, SECTIONS)
 
 
 def apply_overrides(raw: dict | None, overrides: Sequence[str]) -> dict:
-    """A copy of nested `raw` with command-line overrides applied (forms: see the module docstring; a bool
-    field alone is true, `--no-<field>` false)."""
-    out = {name: dict(values) if isinstance(values, dict) else values for name, values in (raw or {}).items()}
-    tokens = list(overrides)
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("--") or token == "--":
-            raise ConfigError(f"expected an override like --loss.name ppo, got {token!r}")
-        name, eq, text = token[2:].partition("=")
-        key = None
-        if not eq and name.replace("-", "_").startswith("no_"):
-            try:
-                negated = resolve_key(name.replace("-", "_")[3:])
-            except ConfigError:
-                negated = None
-            if negated and _is_bool(negated):
-                key, text = negated, "false"
-        if key is None:
-            key = resolve_key(name)
-            if not eq:
-                if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-                    text = tokens[i + 1]
-                    i += 1
-                elif _is_bool(key):
-                    text = "true"
-                else:
-                    raise ConfigError(f"override --{name} needs a value")
-        section, field = key.split(".", 1)
-        target = out.setdefault(section, {})
-        if not isinstance(target, dict):
-            raise ConfigError(f"section '{section}' must be a mapping, got {type(target).__name__}")
-        target[field] = parse_value(text)
-        i += 1
-    return out
+    """A copy of nested `raw` with command-line overrides applied (the SFT config's rules)."""
+    return sft_config.apply_overrides(raw, overrides, SECTIONS)
 
 
 def config_from_dict(raw: dict | None, *, source: str = "config") -> RLConfig:
     """An RLConfig from nested {section: {field: value}}; missing fields take their defaults; validated."""
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
-    unknown = [s for s in raw if s not in SECTIONS]
-    if unknown:
-        raise ConfigError(f"{source}: unknown section(s) {', '.join(map(repr, unknown))}; sections are "
-                          f"{', '.join(SECTIONS)}")
-    sections = {}
-    for name, cls in SECTIONS.items():
-        values = raw.get(name) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section '{name}' must be a mapping, got {type(values).__name__}")
-        fields, hints, kwargs = _fields(name), typing.get_type_hints(cls), {}
-        for key, value in values.items():
-            dotted = f"{name}.{key}"
-            if key not in fields:
-                close = difflib.get_close_matches(str(key), list(fields), n=3, cutoff=0.6)
-                hint = f" (did you mean {' or '.join(f'{name}.{c}' for c in close)}?)" if close else ""
-                raise ConfigError(f"{source}: unknown key '{dotted}'{hint}; section '{name}' has {', '.join(fields)}")
-            kwargs[key] = _coerce(dotted, value, hints[key])
-            _check_bounds(dotted, kwargs[key], fields[key])
-        sections[name] = cls(**kwargs)
-    config = RLConfig(**sections)
+    config = RLConfig(**sft_config.build_sections(raw, SECTIONS, source=source))
     validate(config)
     return config
 

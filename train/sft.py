@@ -125,20 +125,10 @@ class SFTRun:
 
     # -- resume ----------------------------------------------------------------------------------------------------
     def _resumable_step(self) -> int | None:
-        """The latest checkpoint's step when this run may resume from it (None without checkpoints); refuses
-        checkpoints of another model, data or data order before anything expensive is built."""
-        latest = self.store.latest_step()
-        if latest is None:
-            return None
-        if not self.config.trainer.resume:
-            raise RuntimeError(f"{self.store.directory} already holds checkpoints (steps {self.store.steps()}) and "
-                               "trainer.resume is false: choose another trainer.out_dir, or resume")
-        saved = self.store.read_trainer_state(latest)
-        mismatches = config_lib.resume_mismatches(saved.get("config", {}), self.config)
-        if mismatches:
-            raise RuntimeError(f"the checkpoint at {self.store.step_dir(latest)} was written for another model, data "
-                               f"or data order ({'; '.join(mismatches)}); use another trainer.out_dir for a new run")
-        return latest
+        """The latest checkpoint's step when this run may resume from it (None without checkpoints)."""
+        return self.store.resumable_step(self.config.trainer.resume,
+                                         lambda saved: config_lib.resume_mismatches(saved, self.config),
+                                         written_for="another model, data or data order")
 
     def _restore(self, step: int) -> int:
         """Loads checkpoint `step` into the engine; returns the number of steps already done."""
