@@ -8,7 +8,10 @@ Every engine runs a microbatch at the smallest of T/4, T/2, T that holds it: ODC
 devices never meet inside the step), the lock-step engines per round (the longest any device needs). Busy time is
 calibrated, not guessed: every microbatch a plan contains is timed alone (forward + backward on one
 device, no communication). A plan's ideal step time is its total busy time / devices; an engine's efficiency is
-ideal / measured, and its bubble rate 1 - busy / (devices x wall). Each engine runs all minibatches once to compile,
+ideal / measured, and its bubble rate 1 - busy / (devices x wall). The same calibration gives each schedule's
+compute-only wall for its plans (lock-step: sum over rounds of the slowest device's microbatch at the round's
+bucket; ODC: the busiest device's sum), and their ratio, the speed-up that balancing and decoupling alone can buy
+on these minibatches ("balance bound"), next to the measured one. Each engine runs all minibatches once to compile,
 then again timed; the medians of the per-minibatch walls are reported.
 
 Prints a table, then one JSON line (also written to bench/results/e2e.json unless --no-save).
@@ -42,7 +45,12 @@ ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={ARGS.devices}"
-                               " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+                               " --xla_cpu_multi_thread_eigen=false").strip()
+    # XLA's CPU client sizes the intra-op pool that its thunk executor spreads independent work over from NPROC
+    # (default: all cores). Left at 2, a device that waits lends its core to the other one, which hides exactly
+    # the idling this benchmark is about, and the calibration of busy time runs on two cores (measured: 1.6 cores
+    # busy for one device's step). 1 gives every device one compute thread.
+    os.environ.setdefault("NPROC", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -56,8 +64,9 @@ from jodc.fsdp.decoder import decoder_staged_model  # noqa: E402
 from jodc.models.config import DecoderConfig  # noqa: E402
 from jodc.sim.lengths import get_length_distribution  # noqa: E402
 
-CONTENDERS = (("odc", "lb_mini", ODCEngine), ("collective", "lb_micro", CollectiveEngine),
-              ("xla_spmd", "lb_micro", SPMDEngine))
+# (row, planner, engine); "odc_seq" is ODC with LB-Mini balancing sequence costs only, blind to the buckets
+CONTENDERS = (("odc", "lb_mini", ODCEngine), ("odc_seq", "lb_mini", ODCEngine),
+              ("collective", "lb_micro", CollectiveEngine), ("xla_spmd", "lb_micro", SPMDEngine))
 
 
 def make_sequences(lengths, rng, vocab):
@@ -78,7 +87,7 @@ def scenario_lengths(kind: str, args, rng) -> list[np.ndarray]:
 
 
 class BusyCalibrator:
-    """Times forward + backward of single microbatches on one device (memoised by content)."""
+    """Times forward + backward of single microbatches on one device (memoised by layout)."""
 
     def __init__(self, model, groups):
         flats = model.flatten_groups(groups)
@@ -90,18 +99,34 @@ class BusyCalibrator:
     def seconds(self, microbatch: dict, length: int | None = None) -> float:
         """Forward + backward of one microbatch on its first `length` tokens (default: all)."""
         length = length or microbatch["tokens"].shape[-1]
-        key = microbatch["tokens"].tobytes() + microbatch["segment_ids"].tobytes() + bytes(str(length), "ascii")
+        # compute time depends on the layout (segments, run length), not on the token ids: one timing per layout,
+        # so identical microbatches of two plans get identical busy times
+        key = microbatch["segment_ids"].tobytes() + bytes(str(length), "ascii")
         if key not in self.cache:
             mb = {k: jnp.asarray(v[None, :length]) for k, v in microbatch.items()}
             mb["normalizer"] = jnp.float32(1.0)
             jax.block_until_ready(self.grad(self.params, mb))
             times = []
-            for _ in range(3):
+            for _ in range(5):
                 t0 = time.perf_counter()
                 jax.block_until_ready(self.grad(self.params, mb))
                 times.append(time.perf_counter() - t0)
             self.cache[key] = float(np.median(times))
         return self.cache[key]
+
+    def lockstep_seconds(self, batch, lengths) -> float:
+        """Compute-only wall of a lock-step schedule: every round runs at the longest bucket any device needs in it,
+        and lasts as long as its slowest device."""
+        arrays = batch.as_dict()
+        used = (np.asarray(batch.segment_ids) > 0).sum(-1)
+        total = 0.0
+        for m in range(int(batch.counts.max()) if batch.counts.size else 0):
+            rows = [d for d in range(batch.num_devices) if m < batch.counts[d] and used[d, m]]
+            if not rows:
+                continue
+            length = int(max(lengths[np.searchsorted(lengths, used[d, m])] for d in rows))
+            total += max(self.seconds({k: v[d, m] for k, v in arrays.items()}, length) for d in rows)
+        return total
 
     def busy(self, batch, lengths) -> np.ndarray:
         """Busy seconds per device: its non-empty microbatches, each timed alone at its own (smallest) bucket."""
@@ -142,15 +167,16 @@ def run(args) -> dict:
     # lock-step round under the others), so a microbatch costs about what it holds
     length_buckets = tuple(args.token_cap // f for f in (4, 2))
     lengths = np.asarray(length_buckets + (args.token_cap,))
-    # plans balance a quadratic cost fitted to this model: time a few lengths alone, each at its bucket
-    probe_lengths = np.array([64, 256, 512, 1024])
+    # plans balance a quadratic cost fitted to this model: time a few lengths alone, each run at exactly its length
+    # (LB-Mini, told the buckets, adds the padding a packed microbatch runs with at the fit's linear rate)
+    probe_lengths = np.array([128, 256, 512, 1024])
     probe_costs = []
     for s in probe_lengths:
         mb = {"tokens": np.zeros(args.token_cap, np.int32), "targets": np.zeros(args.token_cap, np.int32),
               "loss_mask": np.zeros(args.token_cap, np.float32), "positions": np.zeros(args.token_cap, np.int32),
               "segment_ids": (np.arange(args.token_cap) < s).astype(np.int32)}
         mb["positions"][:s] = np.arange(s)
-        probe_costs.append(calibrator.seconds(mb, int(lengths[np.searchsorted(lengths, s)])))
+        probe_costs.append(calibrator.seconds(mb, int(s)))
     try:
         cost_model = QuadraticCost.fit(probe_lengths, np.asarray(probe_costs))
     except ValueError:
@@ -166,14 +192,20 @@ def run(args) -> dict:
         rows = {}
         for name, planner, engine_cls in CONTENDERS:
             plan_fn = get_planner(planner)
+            if name == "odc":  # ODC plans for the buckets it runs at (jodc.balance.buckets)
+                plan_fn = functools.partial(plan_fn, length_buckets=length_buckets)
             batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
                                            *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
             busy = [calibrator.busy(b, lengths) for b in batches]
             walls = run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets)
             busy_total = np.array([b.sum() for b in busy])
+            if engine_cls is ODCEngine:
+                ideal = np.array([b.max() for b in busy])
+            else:
+                ideal = np.array([calibrator.lockstep_seconds(b, lengths) for b in batches])
             tokens = np.array([b.num_tokens for b in batches])
             rows[name] = {
-                "planner": planner,
+                "planner": planner + ("+buckets" if name == "odc" else ""),
                 "wall_s": float(np.median(walls)),
                 "samples_per_s": float(np.sum([b.num_sequences for b in batches]) / walls.sum()),
                 "tokens_per_s": float(tokens.sum() / walls.sum()),
@@ -181,11 +213,21 @@ def run(args) -> dict:
                 "efficiency": float((busy_total.sum() / args.devices) / walls.sum()),
                 "imbalance": float(np.mean([b.max() / max(b.mean(), 1e-12) for b in busy])),
                 "microbatches_per_device": [int(c) for c in batches[0].counts],
+                "compute_only_wall_s": float(np.median(ideal)),
+                "schedule_efficiency": float(ideal.sum() / walls.sum()),
+                "_ideal_total": float(ideal.sum()),
             }
         best_baseline = max(rows["collective"]["samples_per_s"], rows["xla_spmd"]["samples_per_s"])
-        results[scenario] = {"engines": rows, "odc_speedup": rows["odc"]["samples_per_s"] / best_baseline}
+        best_name = max(("collective", "xla_spmd"), key=lambda n: rows[n]["samples_per_s"])
+        bound = rows[best_name].pop("_ideal_total") / rows["odc"].pop("_ideal_total")
+        for row in rows.values():
+            row.pop("_ideal_total", None)
+        results[scenario] = {"engines": rows, "odc_speedup": rows["odc"]["samples_per_s"] / best_baseline,
+                             "balance_bound": bound}
     results["odc_speedup_imbalanced"] = results["imbalanced"]["odc_speedup"]
     results["odc_speedup_balanced"] = results["balanced"]["odc_speedup"]
+    results["balance_bound_imbalanced"] = results["imbalanced"]["balance_bound"]
+    results["balance_bound_balanced"] = results["balanced"]["balance_bound"]
     return results
 
 
@@ -193,22 +235,28 @@ def print_table(r: dict) -> None:
     c = r["config"]
     print(f"End-to-end SFT step, {c['devices']} CPU devices x 1 thread, decoder {c['layers']} layers x {c['hidden']}, "
           f"T={c['token_cap']}, {c['seqs_per_device']} sequences/device, {c['minibatches']} minibatches")
-    print(f"{'scenario':<12}{'engine':<12}{'planner':<10}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}"
-          f"{'effic.':>8}{'imbal.':>8}  microbatches/device")
+    print(f"{'scenario':<12}{'engine':<12}{'planner':<16}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}"
+          f"{'effic.':>8}{'sched.':>8}{'imbal.':>8}  microbatches/device")
     for scenario in ("imbalanced", "balanced"):
         for name, row in r[scenario]["engines"].items():
-            print(f"{scenario:<12}{name:<12}{row['planner']:<10}{row['samples_per_s']:>10.2f}{row['tokens_per_s']:>10.0f}"
-                  f"{row['bubble_rate']:>8.2f}{row['efficiency']:>8.2f}{row['imbalance']:>8.2f}  "
+            print(f"{scenario:<12}{name:<12}{row['planner']:<16}{row['samples_per_s']:>10.2f}{row['tokens_per_s']:>10.0f}"
+                  f"{row['bubble_rate']:>8.2f}{row['efficiency']:>8.2f}{row['schedule_efficiency']:>8.2f}"
+                  f"{row['imbalance']:>8.2f}  "
                   f"{row['microbatches_per_device']}")
     print(f"ODC speed-up over the faster baseline: imbalanced {r['odc_speedup_imbalanced']:.2f}, "
           f"balanced {r['odc_speedup_balanced']:.2f}")
+    print(f"Balance bound (compute-only walls from the calibration, lock-step / ODC schedule): imbalanced "
+          f"{r['balance_bound_imbalanced']:.2f}, balanced {r['balance_bound_balanced']:.2f}")
+    print("effic. = ideal (busy / devices) / wall; sched. = the schedule's compute-only wall / measured wall")
 
 
 def main(args) -> dict:
     r = run(args)
     print_table(r)
     line = {"odc_speedup_imbalanced": round(r["odc_speedup_imbalanced"], 4),
-            "odc_speedup_balanced": round(r["odc_speedup_balanced"], 4)}
+            "odc_speedup_balanced": round(r["odc_speedup_balanced"], 4),
+            "balance_bound_imbalanced": round(r["balance_bound_imbalanced"], 4),
+            "balance_bound_balanced": round(r["balance_bound_balanced"], 4)}
     for scenario in ("imbalanced", "balanced"):
         for name, row in r[scenario]["engines"].items():
             line[f"{scenario}_{name}_samples_per_s"] = round(row["samples_per_s"], 3)

@@ -5,7 +5,10 @@ two ways: one op per jitted program, and `--layers` ops on as many buckets insid
 step issues them (one per layer). The JSON's headline ratios are the former (prefixed copies of both follow).
 Bandwidth is algorithmic: devices x bucket bytes / seconds (every device receives, or sends, a full bucket per op),
 so gather and all_gather (and scatter_accumulate and psum_scatter) are directly comparable. The memcpy rows copy a
-bucket-sized buffer per thread. Times are medians of `--repeats` calls of one jitted op each.
+bucket-sized buffer per thread. Times are medians of `--repeats` calls of one jitted op each. The ratios against
+XLA are medians of per-round ratios (each round times every contender once, back to back), which cancels the slow
+drifts of a shared machine's load; the memcpy reference is the median of measurements taken before and after
+the collectives.
 
 Prints a table, then one JSON line (also written to bench/results/primitives.json unless --no-save).
 """
@@ -44,9 +47,9 @@ from jodc import ops  # noqa: E402
 from jodc.ops import _native  # noqa: E402
 
 
-def interleaved_medians(contenders: dict, repeats: int) -> dict:
-    """Median seconds per call of each zero-argument callable, timed round-robin so that drifts in machine load
-    hit every contender alike."""
+def interleaved_times(contenders: dict, repeats: int) -> dict:
+    """Seconds per call of each zero-argument callable, `repeats` rounds each, timed round-robin so that drifts in
+    machine load hit every contender alike."""
     for call in contenders.values():  # compile and warm up
         for _ in range(3):
             jax.block_until_ready(call())
@@ -56,13 +59,13 @@ def interleaved_medians(contenders: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             jax.block_until_ready(call())
             times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(ts)) for name, ts in times.items()}
+    return {name: np.asarray(ts) for name, ts in times.items()}
 
 
 
 
 def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:
-    """Median seconds per op when one jitted program issues `layers` ops on `layers` different buckets (as a
+    """Seconds per op, one entry per round, when one jitted program issues `layers` ops on `layers` different buckets (as a
     forward pass does, one per layer); layers=1 is a single op per program."""
     sharding = jax.sharding.NamedSharding(mesh, P("d"))
 
@@ -117,7 +120,7 @@ def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:
                                               in_specs=(P("d"),) * (2 * layers), out_specs=P(None, "d")))
         accs = [jax.device_put(jnp.zeros((padded,), jnp.float32), sharding) for _ in range(layers)]
         zeros = jnp.zeros(devices)
-        seconds = interleaved_medians({
+        seconds = interleaved_times({
             "odc_gather": lambda: gather_fn(zeros),
             "xla_all_gather": lambda: all_gather_fn(*shards),
             "odc_scatter_accumulate": lambda: scatter_fn(*grads),
@@ -127,11 +130,15 @@ def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:
     return {k: v / layers for k, v in seconds.items()}
 
 
-def ratios(gbps: dict) -> dict:
+def ratios(rounds: dict, gbps: dict) -> dict:
+    """Throughput ratios: against XLA the median of paired per-round ratios, against memcpy the ratio of medians."""
+    def paired(ours, theirs):
+        return float(np.median(rounds[theirs] / rounds[ours]))
+
     return {
-        "gather_vs_all_gather": gbps["odc_gather"] / gbps["xla_all_gather"],
-        "scatter_vs_psum_scatter": gbps["odc_scatter_accumulate"] / gbps["xla_psum_scatter"],
-        "scatter_vs_psum_scatter_accumulate": gbps["odc_scatter_accumulate"] / gbps["xla_psum_scatter_accumulate"],
+        "gather_vs_all_gather": paired("odc_gather", "xla_all_gather"),
+        "scatter_vs_psum_scatter": paired("odc_scatter_accumulate", "xla_psum_scatter"),
+        "scatter_vs_psum_scatter_accumulate": paired("odc_scatter_accumulate", "xla_psum_scatter_accumulate"),
         "gather_vs_memcpy": gbps["odc_gather"] / gbps["memcpy_2_threads"],
     }
 
@@ -146,13 +153,23 @@ def run(devices: int, mib: float, repeats: int, layers: int) -> dict:
     moved = devices * bucket_bytes
     lib = _native.cpu_library()
     iters = max(3, repeats // 3)
-    memcpy = {t: float(np.median([lib.memcpy_bandwidth(bucket_bytes, t, iters) for _ in range(3)])) for t in (1, 2)}
+    memcpy_runs = {1: [], 2: []}
+
+    def time_memcpy():
+        for t in memcpy_runs:
+            memcpy_runs[t] += [lib.memcpy_bandwidth(bucket_bytes, t, iters) for _ in range(3)]
+
+    time_memcpy()
+    rounds = {mode: measure(mesh, devices, numel, n, repeats) for mode, n in (("single", 1), ("stack", layers))}
+    time_memcpy()
+    memcpy = {t: float(np.median(v)) for t, v in memcpy_runs.items()}
     out = {"devices": devices, "bucket_mib": mib, "layers": layers, "modes": {}}
-    for mode, n in (("single", 1), ("stack", layers)):
-        seconds = measure(mesh, devices, numel, n, repeats)
+    for mode, per_round in rounds.items():
+        seconds = {k: float(np.median(v)) for k, v in per_round.items()}
         gbps = {k: moved / v / 1e9 for k, v in seconds.items()}
         gbps["memcpy_1_thread"], gbps["memcpy_2_threads"] = memcpy[1], memcpy[2]
-        out["modes"][mode] = {"gbps": gbps, "ms": {k: v * 1e3 for k, v in seconds.items()}, **ratios(gbps)}
+        out["modes"][mode] = {"gbps": gbps, "ms": {k: v * 1e3 for k, v in seconds.items()},
+                              **ratios(per_round, gbps)}
     # headline: one op per program, the issue's definition; the layer-stack figures are reported beside it
     out.update({k: v for k, v in out["modes"]["single"].items() if k not in ("gbps", "ms")})
     return out

@@ -148,3 +148,18 @@ def test_length_buckets_and_spmd_engine_are_configurable():
         load_config(None, ["--trainer.length_buckets", "999999"])
     with pytest.raises(ConfigError, match="deterministic"):
         load_config(None, ["--engine", "xla_spmd", "--deterministic"])
+
+
+def test_lb_mini_is_told_the_engines_length_buckets():
+    from jodc.balance import QuadraticCost, lb_micro, lb_mini
+    from jodc.train.config import load_config
+    from jodc.train.sft import make_planner
+
+    assert make_planner(load_config(None, ["--engine", "odc"])) is lb_mini
+    assert make_planner(load_config(None, ["--engine", "collective", "--trainer.length_buckets", "256"])) is lb_micro
+    planner = make_planner(load_config(None, ["--engine", "odc", "--trainer.length_buckets", "512,256"]))
+    lengths = [250, 500, 120, 90, 700, 40]
+    cost = QuadraticCost(a=0.05, b=0.1, scale=1024)
+    assert planner(lengths, 2, 1024, cost_model=cost) == lb_mini(lengths, 2, 1024, cost_model=cost,
+                                                                 length_buckets=(256, 512))
+

@@ -94,7 +94,7 @@ class TrainerConfig:
     token_cap: int | None = _field(None, minimum=8, doc="tokens per microbatch buffer; default data.max_length")
     length_buckets: str | None = _field(None, doc="shorter buffer lengths a microbatch may run at, comma-separated "
                                         "(e.g. '256,512'): it runs at the smallest that holds it; use multiples "
-                                        "of the attention block size")
+                                        "of the attention block size; LB-Mini then plans for the padded lengths")
     steps: int = _field(100, minimum=1, doc="optimizer steps of the whole run")
     seed: int = _field(0, doc="model initialisation and data order")
     compute_dtype: str = _field("float32", choices=COMPUTE_DTYPES)

@@ -9,6 +9,7 @@ A checkpoint whose model or data differ from the config is refused rather than o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import time
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodc.balance import get_planner
+from jodc.balance import get_planner, lb_mini
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
@@ -86,6 +87,16 @@ def make_engine(config: SFTConfig, model, groups):
     return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
 
 
+def make_planner(config: SFTConfig):
+    """The planner of `trainer.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
+    microbatches cost at their padded lengths)."""
+    t = config.trainer
+    planner = get_planner(t.planner_name)
+    if planner is lb_mini and t.length_buckets:
+        return functools.partial(lb_mini, length_buckets=parse_length_buckets(t.length_buckets))
+    return planner
+
+
 def _engine_records_timelines(engine) -> bool:
     return "record_timeline" in inspect.signature(engine.step).parameters
 
@@ -111,7 +122,7 @@ class SFTRun:
                                                       compute_dtype=t.compute_dtype, seed=t.seed)
             self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed)
             self.sampler = MinibatchSampler(len(self.examples), t.sequences_per_minibatch, seed=t.seed)
-            self.planner = get_planner(t.planner_name)
+            self.planner = make_planner(config)
             self.cost_model = cost_model(t.cost_model, self.model_config)
             self.lr_schedule = learning_rate_schedule(optimizer_config(config))
             self.engine = make_engine(config, self.model, groups)

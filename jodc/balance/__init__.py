@@ -10,6 +10,7 @@ Pure Python + numpy (no JAX), deterministic, so every host computes the same pla
 
 See docs/balance.md for the algorithms and the conventions of the buffers.
 """
+from jodc.balance.buckets import PaddedMicrobatchCost, padding_rate, rebalance_for_buckets, run_lengths
 from jodc.balance.buffers import PackedMicrobatches, layout, materialize, pack_arrays
 from jodc.balance.cost import (
     COST_MODEL_NAMES,
@@ -38,6 +39,7 @@ __all__ = [
     "Microbatch",
     "ModelShape",
     "PLANNERS",
+    "PaddedMicrobatchCost",
     "PackedMicrobatches",
     "Plan",
     "PlanMetrics",
@@ -58,10 +60,13 @@ __all__ = [
     "order_parts",
     "pack_arrays",
     "pack_microbatches",
+    "padding_rate",
     "part_sums",
     "partition",
     "plan_metrics",
+    "rebalance_for_buckets",
     "refine_by_swaps",
+    "run_lengths",
     "sequence_costs",
     "try_pack",
 ]

@@ -14,6 +14,7 @@ a pure function of its arguments: the same input gives the same plan on every ho
 * :func:`lb_mini` -- balance for ODC. The partition balances total cost per device over the whole minibatch
   (counts may differ); each device packs its share into as few microbatches as fit, on its own. Microbatch
   counts may differ across devices: the plan is not lock-step (see :meth:`Plan.padded_to_equal_counts`).
+  Given the engine's ``length_buckets`` it balances what the packed microbatches cost at their padded lengths.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from jodc.balance.buckets import PaddedMicrobatchCost, rebalance_for_buckets
 from jodc.balance.cost import CostModel, LinearCost, sequence_costs
 from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
 from jodc.balance.partition import partition
@@ -70,15 +72,22 @@ def lb_micro(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel
     return Plan(devices, token_cap, planner="lb_micro", cost_model=cost_model.name)
 
 
-def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel = LinearCost()) -> Plan:
-    """Cost-balanced over the whole minibatch (counts may differ); each device packs its share on its own."""
+def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel = LinearCost(),
+            length_buckets=None) -> Plan:
+    """Cost-balanced over the whole minibatch (counts may differ); each device packs its share on its own.
+
+    With ``length_buckets`` (the engine's: a microbatch runs at the smallest bucket that holds it, else at
+    ``token_cap``) every device packs for the least padded length and the partition is rebalanced for what the
+    microbatches cost at their padded lengths (:mod:`jodc.balance.buckets`)."""
     lengths, num_devices, token_cap = planner_inputs(lengths, num_devices, token_cap)
     costs = sequence_costs(cost_model, lengths)
     shares = partition(costs, num_devices)
-    devices = tuple(
-        _device_microbatches(share, pack_microbatches(lengths[share], costs[share], token_cap), lengths, costs)
-        for share in shares
-    )
+    if length_buckets is None:
+        packings = [pack_microbatches(lengths[share], costs[share], token_cap) for share in shares]
+    else:
+        microbatch_cost = PaddedMicrobatchCost.for_buckets(cost_model, length_buckets, token_cap)
+        shares, packings = rebalance_for_buckets(lengths, costs, shares, token_cap, microbatch_cost)
+    devices = tuple(_device_microbatches(share, packed, lengths, costs) for share, packed in zip(shares, packings))
     return Plan(devices, token_cap, planner="lb_mini", cost_model=cost_model.name)
 
 
