@@ -11,7 +11,9 @@ device, no communication). A plan's ideal step time is its total busy time / dev
 ideal / measured, and its bubble rate 1 - busy / (devices x wall). The same calibration gives each schedule's
 compute-only wall for its plans (lock-step: sum over rounds of the slowest device's microbatch at the round's
 bucket; ODC: the busiest device's sum), and their ratio, the speed-up that balancing and decoupling alone can buy
-on these minibatches ("balance bound"), next to the measured one. Each engine runs all minibatches once to compile,
+on these minibatches ("balance bound"), next to the measured one. ODC's LB-Mini plans for the buckets, with a
+per-microbatch overhead measured first (ODC steps of 1 and 3 tiny microbatches per device, less their compute); the
+"odc_seq" row runs ODC on LB-Mini plans that balance sequence costs only. Each engine runs all minibatches once to compile,
 then again timed; the medians of the per-minibatch walls are reported.
 
 Prints a table, then one JSON line (also written to bench/results/e2e.json unless --no-save).
@@ -152,6 +154,28 @@ def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_bu
     return np.asarray(walls)
 
 
+def microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator, token_cap, vocab) -> float:
+    """Seconds one more microbatch adds to an ODC step beyond its own compute (per-layer gathers and pushes, the
+    loop): steps with 1 and 3 one-sequence microbatches of 16 tokens per device, less the calibrated compute of the
+    extra two."""
+    devices = int(mesh.shape["d"])
+    lengths = np.asarray(tuple(length_buckets) + (token_cap,))
+    rng = np.random.default_rng(12345)
+    engine = ODCEngine(model, groups, mesh, optimizer=optimizer, length_buckets=length_buckets)
+    walls, busy = {}, {}
+    try:
+        for k in (1, 3):
+            seq_lengths = np.full(k * devices, 16)
+            plan = get_planner("local_sort")(seq_lengths, devices, token_cap)  # one sequence per microbatch
+            batch = minibatch_from_plan(plan, *make_sequences(seq_lengths, rng, vocab))
+            engine.step(batch)
+            walls[k] = float(np.median([engine.step(batch).seconds for _ in range(7)]))
+            busy[k] = float(calibrator.busy(batch, lengths).max())
+    finally:
+        engine.close()
+    return max(0.0, (walls[3] - walls[1] - (busy[3] - busy[1])) / 2)
+
+
 def run(args) -> dict:
     if args.quick:
         args.minibatches, args.layers = 2, 2
@@ -181,10 +205,15 @@ def run(args) -> dict:
         cost_model = QuadraticCost.fit(probe_lengths, np.asarray(probe_costs))
     except ValueError:
         cost_model = LinearCost()
+    # what one more microbatch costs ODC beyond its tokens, in the cost model's units (seconds): LB-Mini weighs it
+    # against the padding a split into shorter buckets saves
+    overhead = microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator, args.token_cap,
+                                   config.vocab_size)
     rng = np.random.default_rng(args.seed)
     results = {"config": {"devices": args.devices, "layers": args.layers, "hidden": args.hidden,
                           "token_cap": args.token_cap, "seqs_per_device": args.seqs_per_device,
                           "minibatches": args.minibatches, "cost_model": repr(cost_model),
+                          "microbatch_overhead_s": overhead,
                           "length_buckets": [int(x) for x in lengths]}}
     for scenario in ("imbalanced", "balanced"):
         lengths_per_mb = scenario_lengths(scenario, args, rng)
@@ -193,7 +222,7 @@ def run(args) -> dict:
         for name, planner, engine_cls in CONTENDERS:
             plan_fn = get_planner(planner)
             if name == "odc":  # ODC plans for the buckets it runs at (jodc.balance.buckets)
-                plan_fn = functools.partial(plan_fn, length_buckets=length_buckets)
+                plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
             batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
                                            *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
             busy = [calibrator.busy(b, lengths) for b in batches]
@@ -234,7 +263,8 @@ def run(args) -> dict:
 def print_table(r: dict) -> None:
     c = r["config"]
     print(f"End-to-end SFT step, {c['devices']} CPU devices x 1 thread, decoder {c['layers']} layers x {c['hidden']}, "
-          f"T={c['token_cap']}, {c['seqs_per_device']} sequences/device, {c['minibatches']} minibatches")
+          f"T={c['token_cap']}, {c['seqs_per_device']} sequences/device, {c['minibatches']} minibatches, "
+          f"ODC microbatch overhead {1e3 * c['microbatch_overhead_s']:.1f} ms")
     print(f"{'scenario':<12}{'engine':<12}{'planner':<16}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}"
           f"{'effic.':>8}{'sched.':>8}{'imbal.':>8}  microbatches/device")
     for scenario in ("imbalanced", "balanced"):

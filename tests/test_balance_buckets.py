@@ -174,3 +174,28 @@ def test_planner_registry_and_bad_buckets():
     assert plan.planner == "lb_mini" and plan.num_devices == 2
     with pytest.raises(ValueError, match="positive integers"):
         lb_mini(lengths, 2, CAP, length_buckets=(0,))
+
+
+def test_microbatch_overhead_is_paid_once_per_microbatch_and_steers_packing():
+    cost = PaddedMicrobatchCost.for_buckets(LinearCost(), BUCKETS, CAP, overhead=300.0)
+    assert cost([100]) == 256 + 300 and cost([]) == 0.0
+    lengths = np.array([250, 500])
+    packing, total = pack_device(lengths, sequence_costs(LinearCost(), lengths), CAP, cost)
+    assert len(packing) == 1 and total == 1024 + 300  # two microbatches would cost 256 + 512 + 2 x 300
+    cheap = PaddedMicrobatchCost.for_buckets(LinearCost(), BUCKETS, CAP, overhead=100.0)
+    packing, total = pack_device(lengths, sequence_costs(LinearCost(), lengths), CAP, cheap)
+    assert len(packing) == 2 and total == 256 + 512 + 200
+    for bad in (-1.0, float("inf"), None):
+        with pytest.raises(ValueError, match="microbatch overhead"):
+            PaddedMicrobatchCost.for_buckets(LinearCost(), BUCKETS, CAP, overhead=bad)
+
+
+def test_lb_mini_microbatch_overhead():
+    lengths = scaled_longalign(16, 1)
+    with pytest.raises(ValueError, match="needs length_buckets"):
+        lb_mini(lengths, 2, CAP, microbatch_overhead=1.0)
+    few = lb_mini(lengths, 2, CAP, cost_model=QUAD, length_buckets=BUCKETS, microbatch_overhead=1e3)
+    many = lb_mini(lengths, 2, CAP, cost_model=QUAD, length_buckets=BUCKETS)
+    assert sum(map(len, few.devices)) <= sum(map(len, many.devices))
+    costly = PaddedMicrobatchCost.for_buckets(QUAD, BUCKETS, CAP, overhead=1e3)
+    assert max(device_costs(few, costly)) <= max(device_costs(many, costly)) * (1 + 1e-9)

@@ -50,21 +50,25 @@ def padding_rate(cost_model: CostModel) -> float:
 @dataclasses.dataclass(frozen=True)
 class PaddedMicrobatchCost:
     """Cost of a packed microbatch run at the smallest of ``lengths`` that holds it: its sequences' costs plus
-    ``rate`` per padding token up to that length. Without buckets (run length = token count) it is the plain sum of
-    sequence costs the planners balance."""
+    ``rate`` per padding token up to that length, plus ``overhead`` for being a microbatch at all. Without buckets
+    and overhead (run length = token count) it is the plain sum of sequence costs the planners balance."""
 
     sequence_cost: CostModel
     lengths: tuple[int, ...]  # ascending run lengths; the last is the token cap
     rate: float
+    overhead: float = 0.0  # per non-empty microbatch: work it brings whatever it holds (per-layer gathers, pushes)
 
     @classmethod
     def for_buckets(cls, sequence_cost: CostModel, length_buckets, token_cap: int, *,
-                    rate: float | None = None) -> "PaddedMicrobatchCost":
-        """The cost of microbatches under an engine with these ``length_buckets`` and ``token_cap``."""
+                    rate: float | None = None, overhead: float = 0.0) -> "PaddedMicrobatchCost":
+        """The cost of microbatches under an engine with these ``length_buckets`` and ``token_cap``; ``overhead``
+        is what one more microbatch costs beyond its tokens, in the cost model's units."""
         rate = padding_rate(sequence_cost) if rate is None else rate
-        if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate >= 0):
-            raise ValueError(f"padding rate must be a finite number >= 0, got {rate!r}")
-        return cls(sequence_cost, run_lengths(length_buckets, token_cap), float(rate))
+        for name, value in (("padding rate", rate), ("microbatch overhead", overhead)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        return cls(sequence_cost, run_lengths(length_buckets, token_cap), float(rate), float(overhead))
 
     def run_length(self, tokens: int) -> int:
         """The length a microbatch of ``tokens`` tokens runs at (0 for an empty one, which is skipped)."""
@@ -81,13 +85,14 @@ class PaddedMicrobatchCost:
         if tokens == 0:
             return 0.0
         padding = self.run_length(tokens) - tokens
-        return math.fsum(sequence_costs(self.sequence_cost, lengths)) + self.rate * padding
+        return math.fsum(sequence_costs(self.sequence_cost, lengths)) + self.rate * padding + self.overhead
 
 
 def pack_device(lengths: np.ndarray, costs: np.ndarray, token_cap: int,
                 microbatch_cost: PaddedMicrobatchCost) -> tuple[list[list[int]], float]:
-    """Pack one device's share for the least padded length: longest sequence first, each into the microbatch whose
-    run length grows least, or into a new one when that is cheaper. Cost balance between a device's own
+    """Pack one device's share for the least cost: longest sequence first, each into the microbatch whose run
+    length grows least, or into a new one when that (its padding plus the microbatch overhead) is cheaper. Cost
+    balance between a device's own
     microbatches does not matter to ODC (they run one after another), their padding does. Returns the packing
     (positions into ``lengths``, costliest microbatch first) and its cost."""
     n = int(lengths.size)
@@ -106,7 +111,9 @@ def pack_device(lengths: np.ndarray, costs: np.ndarray, token_cap: int,
                 growth = run(t + s) - run(t)
                 if best is None or growth < best[0]:
                     best = (growth, b)
-        if best is None or best[0] > run(s):
+        # joining pays the growth of the run length; a new microbatch its own padding and the overhead
+        if best is None or microbatch_cost.rate * best[0] > (microbatch_cost.rate * run(s)
+                                                              + microbatch_cost.overhead):
             parts.append([i])
             tokens.append(s)
         else:

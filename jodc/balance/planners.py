@@ -73,19 +73,24 @@ def lb_micro(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel
 
 
 def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel = LinearCost(),
-            length_buckets=None) -> Plan:
+            length_buckets=None, microbatch_overhead: float = 0.0) -> Plan:
     """Cost-balanced over the whole minibatch (counts may differ); each device packs its share on its own.
 
     With ``length_buckets`` (the engine's: a microbatch runs at the smallest bucket that holds it, else at
     ``token_cap``) every device packs for the least padded length and the partition is rebalanced for what the
-    microbatches cost at their padded lengths (:mod:`jodc.balance.buckets`)."""
+    microbatches cost at their padded lengths (:mod:`jodc.balance.buckets`), each microbatch also costing
+    ``microbatch_overhead`` (cost-model units) for existing."""
     lengths, num_devices, token_cap = planner_inputs(lengths, num_devices, token_cap)
     costs = sequence_costs(cost_model, lengths)
     shares = partition(costs, num_devices)
     if length_buckets is None:
+        if microbatch_overhead:
+            raise ValueError("microbatch_overhead needs length_buckets: without them LB-Mini already packs every "
+                             "device into the fewest microbatches")
         packings = [pack_microbatches(lengths[share], costs[share], token_cap) for share in shares]
     else:
-        microbatch_cost = PaddedMicrobatchCost.for_buckets(cost_model, length_buckets, token_cap)
+        microbatch_cost = PaddedMicrobatchCost.for_buckets(cost_model, length_buckets, token_cap,
+                                                           overhead=microbatch_overhead)
         shares, packings = rebalance_for_buckets(lengths, costs, shares, token_cap, microbatch_cost)
     devices = tuple(_device_microbatches(share, packed, lengths, costs) for share, packed in zip(shares, packings))
     return Plan(devices, token_cap, planner="lb_mini", cost_model=cost_model.name)
