@@ -17,6 +17,7 @@ import sys
 from typing import Sequence
 
 from .config import ConfigError, all_keys, load_config
+from .config import to_dict as config_to_dict
 from .rl_cli import add_rl_parser, run_rl_command
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -47,29 +48,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer) -> int:
+    """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
+    then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
+    trainer can detect (some checks need JAX), is printed and gives exit status 2."""
+    try:
+        config = load(args.config, overrides)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+            return 0
+        if config.trainer.platform == "cpu" and config.trainer.devices > 1:
+            set_host_device_count(config.trainer.devices)
+        trainer()(config)
+    except ConfigError as e:
+        print(f"{label}: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _sft_trainer():
+    from .sft import run_sft
+
+    return run_sft
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     args, overrides = _parser().parse_known_args(argv)
     if args.command == "rl":
         return run_rl_command(args, overrides)
-    try:
-        config = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"jodc-train: config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        import yaml
-
-        from .config import to_dict
-
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
-        return 0
-    if config.trainer.platform == "cpu" and config.trainer.devices > 1:
-        set_host_device_count(config.trainer.devices)
-    from .sft import run_sft  # imports JAX: only now
-
-    run_sft(config)
-    return 0
+    return run_command(args, overrides, label="jodc-train", load=load_config, to_dict=config_to_dict,
+                       trainer=_sft_trainer)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from .rl_rewards import RewardFunction, load_reward_function, score
 from .rl_rollout import sample_rollout, sampling_params
 from .rl_tasks import eval_problems, make_task, step_problems, training_pool
 from .rl_warmstart import run_warmstart
+from .run_common import TrainingRun, output_lines
 from .sft import make_engine, optimizer_config
 from .tokenizer import load_tokenizer
 
@@ -58,7 +59,7 @@ def engine_settings(config: RLConfig) -> sft_config.SFTConfig:
                                         "data": {"max_length": t.token_cap}}, source="the RL engine settings")
 
 
-class RLRun:
+class RLRun(TrainingRun):
     """One invocation of an RL run (see `run_rl`); its parts are built in `__init__`, `train` runs it."""
 
     def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
@@ -132,13 +133,8 @@ class RLRun:
         self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
         return step
 
-    def _save(self, done: int) -> None:
-        if self.last_saved_step == done:
-            return
-        trainer_state = {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done,
-                         "engine": self.config.trainer.engine, "devices": self.config.trainer.devices}
-        self.store.save(done, self.engine.state_dict(), trainer_state)
-        self.last_saved_step = done
+    def _trainer_state(self, done: int) -> dict[str, Any]:
+        return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done}
 
     # -- pieces of a step ------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:
@@ -275,12 +271,6 @@ class RLRun:
         self.log(format_summary(summary))
         return summary
 
-    def close(self) -> None:
-        """Releases the engine's native resources and the checkpoint manager."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        self.store.close()
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -297,13 +287,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary["final_eval_accuracy"] is not None:
         lines.append(f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
                      f"sampled reward {summary['final_eval_sampled_reward']:.3f}")
-    lines.append(f"checkpoint: {summary['checkpoint']}")
-    lines.append(f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})")
-    if summary["curves"]:
-        lines.append(f"curves:     {summary['curves']}")
-    if summary["hf_export"]:
-        lines.append(f"HF export:  {summary['hf_export']}")
-    return "\n".join(lines)
+    curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
+    return "\n".join(lines + output_lines(summary, curves))
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,

@@ -13,7 +13,6 @@ import argparse
 import sys
 from typing import Sequence
 
-from .config import ConfigError
 from .rl_config import all_keys, load_rl_config, to_dict
 
 DESCRIPTION = ("RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference "
@@ -37,30 +36,18 @@ def add_rl_parser(commands) -> argparse.ArgumentParser:
     return add_rl_arguments(parser)
 
 
+def _rl_trainer():
+    from .rl import run_rl
+
+    return run_rl
+
+
 def run_rl_command(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     """Loads the config (exit status 2 with the message on a config error), sets the host device count, runs."""
-    try:
-        config = load_rl_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"jodc-train rl: config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        import yaml
+    from .cli import run_command  # cli imports this module
 
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
-        return 0
-    if config.trainer.platform == "cpu" and config.trainer.devices > 1:
-        from .cli import set_host_device_count
-
-        set_host_device_count(config.trainer.devices)
-    from .rl import run_rl  # imports JAX: only now
-
-    try:
-        run_rl(config)
-    except ConfigError as e:  # some checks need JAX (the loss's options): reported like the others
-        print(f"jodc-train rl: config error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(args, overrides, label="jodc-train rl", load=load_rl_config, to_dict=to_dict,
+                       trainer=_rl_trainer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

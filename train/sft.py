@@ -32,6 +32,7 @@ from .data import Example, LoadReport, load_jsonl, load_records
 from .embedded import generate_records
 from .metrics import TENSORBOARD_DIR, MetricsLogger, step_metrics
 from .model import build_decoder, cost_model, hf_tokenizer_path
+from .run_common import TrainingRun, output_lines
 from .sampler import MinibatchSampler
 from .timeline import events_from_plan, plot_timeline, save_events
 from .tokenizer import load_tokenizer
@@ -101,7 +102,7 @@ def _engine_records_timelines(engine) -> bool:
     return "record_timeline" in inspect.signature(engine.step).parameters
 
 
-class SFTRun:
+class SFTRun(TrainingRun):
     """One invocation of a training run (see `run_sft`); its parts are built in `__init__`, `train` runs it."""
 
     def __init__(self, config: SFTConfig, *, log: Callable[[str], None] = print):
@@ -179,13 +180,8 @@ class SFTRun:
         save_events(events, path[:-4] + ".json")
         self.timeline = {"path": path, "bubble_rate": rate, "step": done, "source": source}
 
-    def _save(self, done: int) -> None:
-        if self.last_saved_step == done:
-            return
-        trainer_state = {"sampler": self.sampler.state_dict(done), "config": config_lib.to_dict(self.config),
-                         "engine": self.config.trainer.engine, "devices": self.config.trainer.devices}
-        self.store.save(done, self.engine.state_dict(), trainer_state)
-        self.last_saved_step = done
+    def _trainer_state(self, done: int) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(done), "config": config_lib.to_dict(self.config)}
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
@@ -267,12 +263,6 @@ class SFTRun:
         self.log(format_summary(summary))
         return summary
 
-    def close(self) -> None:
-        """Releases the engine's native resources and the checkpoint manager."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        self.store.close()
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -285,13 +275,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     else:
         lines.append(f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
                      "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
-    lines.append(f"checkpoint: {summary['checkpoint']}")
-    lines.append(f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})")
-    if summary["timeline"]:
-        lines.append(f"timeline:   {summary['timeline']} (bubble rate {summary['bubble_rate']:.1%})")
-    if summary["hf_export"]:
-        lines.append(f"HF export:  {summary['hf_export']}")
-    return "\n".join(lines)
+    timeline = ([f"timeline:   {summary['timeline']} (bubble rate {summary['bubble_rate']:.1%})"]
+                if summary["timeline"] else [])
+    return "\n".join(lines + output_lines(summary, timeline))
 
 
 def run_sft(config: SFTConfig, *, stop_at_step: int | None = None, log: Callable[[str], None] = print
