@@ -14,6 +14,7 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import build_cuda  # noqa: E402  (ffi/build_cuda.py: the one place that knows the nvcc command line)
+import sources  # noqa: E402  (ffi/sources.py: the CPU extension's source list, shared with the Bazel check)
 
 
 def xla_ffi_include_dir() -> str:
@@ -40,15 +41,9 @@ class BuildWithCuda(build_ext):
             build_cuda.build(os.path.join(out_dir, "_ffi_cuda.so"), xla_ffi_include_dir())
 
 
-cpu_sources = sorted(
-    [os.path.join("ffi", "module.cc")]
-    + [os.path.join("ffi", "cpu", f) for f in os.listdir(os.path.join(ROOT, "ffi", "cpu")) if f.endswith(".cc")]
-    + [os.path.join("ffi", "common", f) for f in os.listdir(os.path.join(ROOT, "ffi", "common")) if f.endswith(".cc")]
-)
-
 ext = Pybind11Extension(
     "jodc._ffi",
-    cpu_sources,
+    sources.cpu_sources(ROOT),
     include_dirs=[os.path.join(ROOT, "ffi")],
     cxx_std=17,
     # -isystem: the XLA headers are not ours; keep their warnings out of our build log.

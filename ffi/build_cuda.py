@@ -41,9 +41,12 @@ def build(out_path: str, include_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    import jax
-
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--include-dir", help="XLA FFI headers (default: jax.ffi.include_dir(); Bazel passes its own)")
     args = parser.parse_args()
-    print(build(args.out, jax.ffi.include_dir()))
+    if args.include_dir is None:
+        import jax
+
+        args.include_dir = jax.ffi.include_dir()
+    print(build(args.out, args.include_dir))

@@ -22,15 +22,7 @@ ffi::Error Gather(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
                            " elements, bucket " + std::to_string(bucket_id) + " has " +
                            std::to_string(b.layout.numel));
   }
-  char* dst = static_cast<char*>(out->untyped_data());
-  const int32_t world = b.layout.world;
-  // Start with the local shard, then walk the ring so concurrent gathers read different owners.
-  for (int32_t k = 0; k < world; ++k) {
-    const int32_t owner = (device + k) % world;
-    const int64_t n = b.layout.valid(owner);
-    if (n <= 0) continue;
-    CopyConvert(dst + b.layout.begin(owner) * DtypeBytes(out_t), out_t, b.shard(owner), b.master, n);
-  }
+  GatherBucket(b, device, out->untyped_data(), out_t);
   token_out->typed_data()[0] = tok + 1;
   return ffi::Error::Success();
 }

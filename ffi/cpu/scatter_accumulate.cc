@@ -26,21 +26,7 @@ ffi::Error ScatterAccumulate(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer gr
                            " elements, bucket " + std::to_string(bucket_id) + " has " +
                            std::to_string(b.layout.numel));
   }
-  const char* src = static_cast<const char*>(grad.untyped_data());
-  const int32_t world = b.layout.world;
-  const bool deterministic = t.heap->deterministic;
-  for (int32_t k = 1; k <= world; ++k) {
-    const int32_t owner = (device + k) % world;  // own shard last: remote owners are served first
-    const int64_t n = b.layout.valid(owner);
-    if (n <= 0) continue;
-    const void* slice = src + b.layout.begin(owner) * DtypeBytes(grad_t);
-    if (deterministic) {
-      AccumulateF32(b.landing_slot(owner, device), slice, grad_t, n);
-    } else {
-      std::lock_guard<std::mutex> lock(*b.owner_locks[owner]);
-      AccumulateF32(b.accumulator(owner), slice, grad_t, n);
-    }
-  }
+  ScatterAccumulateBucket(b, device, t.heap->deterministic, grad.untyped_data(), grad_t);
   token_out->typed_data()[0] = tok + 1;
   return ffi::Error::Success();
 }

@@ -1,6 +1,9 @@
 """Loads the native libraries and registers their FFI targets with XLA, once per platform, on first use."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 import threading
 
 import jax
@@ -20,8 +23,39 @@ _lock = threading.Lock()
 _registered: set[str] = set()
 
 
+LIBRARY_ENV = "JODC_FFI_LIBRARY"
+
+
+def _load_from_path(path: str):
+    """Imports the extension built elsewhere (e.g. by Bazel: bazel-bin/jodc/_ffi.so) as jodc._ffi."""
+    if not os.path.isfile(path):
+        raise ImportError(f"{LIBRARY_ENV}={path!r} does not name a file (build it, or unset {LIBRARY_ENV})")
+    spec = importlib.util.spec_from_file_location("jodc._ffi", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{LIBRARY_ENV}={path!r} is not a loadable Python extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # an ImportError here names the file and what is wrong with it
+    sys.modules["jodc._ffi"] = module  # later `from jodc import _ffi` gets this one, not the setuptools build
+    import jodc
+
+    jodc._ffi = module
+    return module
+
+
 def cpu_library():
-    """The pybind11 extension jodc._ffi (always built)."""
+    """The pybind11 extension jodc._ffi (always built): the setuptools build next to the package, or the file that
+    the environment variable JODC_FFI_LIBRARY names (how `make bazel-test` runs the ops tests on Bazel's build)."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        loaded = sys.modules.get("jodc._ffi")
+        if loaded is not None and os.path.realpath(getattr(loaded, "__file__", "")) == os.path.realpath(override):
+            return loaded
+        if loaded is not None:
+            raise ImportError(
+                f"{LIBRARY_ENV}={override!r} but jodc._ffi was already imported from {loaded.__file__!r}: "
+                "set the variable before anything imports jodc's native ops"
+            )
+        return _load_from_path(override)
     try:
         from jodc import _ffi
     except ImportError as e:  # pragma: no cover - only on a broken install

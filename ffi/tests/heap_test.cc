@@ -1,0 +1,173 @@
+// The CPU heap registry of ffi/cpu/heap.{h,cc}: create / register / free, the error strings users see, memory
+// accounting, alignment and zero-initialisation of shards and accumulators.
+#include "cpu/heap.h"
+
+#include <cstdint>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace jodc::cpu {
+namespace {
+
+bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+TEST(Heap, CreateRejectsBadArguments) {
+  std::string err;
+  EXPECT_EQ(CreateHeap(0, false, 10.0, &err), -1);
+  EXPECT_TRUE(Contains(err, "world size must be >= 1, got 0")) << err;
+  err.clear();
+  EXPECT_EQ(CreateHeap(2, false, 0.0, &err), -1);
+  EXPECT_TRUE(Contains(err, "barrier timeout must be > 0")) << err;
+  err.clear();
+  EXPECT_EQ(CreateHeap(2, false, -1.0, &err), -1);
+  EXPECT_FALSE(err.empty());
+}
+
+TEST(Heap, CreateFindFree) {
+  std::string err;
+  const int64_t before = LiveHeapCount();
+  const int64_t id = CreateHeap(3, false, 5.0, &err);
+  ASSERT_GT(id, 0) << err;
+  EXPECT_EQ(LiveHeapCount(), before + 1);
+  auto heap = FindHeap(id, &err);
+  ASSERT_NE(heap, nullptr) << err;
+  EXPECT_EQ(heap->world, 3);
+  EXPECT_FALSE(heap->deterministic);
+  EXPECT_DOUBLE_EQ(heap->barrier_timeout_s.load(), 5.0);
+  EXPECT_EQ(heap->arrivals.size(), 3u);
+
+  const int64_t other = CreateHeap(1, true, 1.0, &err);
+  EXPECT_NE(other, id) << "heap ids must be unique";
+
+  ASSERT_TRUE(FreeHeap(id, &err)) << err;
+  EXPECT_EQ(LiveHeapCount(), before + 1);
+  EXPECT_EQ(heap->poisoned, "heap " + std::to_string(id) + " was freed") << "a freed heap must poison waiters";
+  err.clear();
+  EXPECT_FALSE(FreeHeap(id, &err));
+  EXPECT_TRUE(Contains(err, "is not registered (already freed?)")) << err;
+  err.clear();
+  EXPECT_EQ(FindHeap(id, &err), nullptr);
+  EXPECT_TRUE(Contains(err, "heap " + std::to_string(id) + " is not registered")) << err;
+  ASSERT_TRUE(FreeHeap(other, &err)) << err;
+  EXPECT_EQ(LiveHeapCount(), before);
+}
+
+TEST(Heap, RegisterBucketLayoutAndMemory) {
+  std::string err;
+  const int64_t heap_id = CreateHeap(4, /*deterministic=*/false, 5.0, &err);
+  ASSERT_GT(heap_id, 0) << err;
+  const int64_t bytes_before = LiveHeapBytes();
+  const int64_t bucket_id = RegisterBucket(heap_id, 100, Dtype::kBF16, &err);
+  ASSERT_GT(bucket_id, 0) << err;
+  auto heap = FindHeap(heap_id, &err);
+  auto b = FindBucket(heap, bucket_id, &err);
+  ASSERT_NE(b, nullptr) << err;
+  EXPECT_EQ(b->layout.numel, 100);
+  EXPECT_EQ(b->layout.world, 4);
+  EXPECT_EQ(b->layout.shard_numel, ShardNumel(100, 4, 2));
+  EXPECT_EQ(b->master, Dtype::kBF16);
+  EXPECT_EQ(b->landing, nullptr) << "landing slots exist only in deterministic mode";
+  const int64_t padded = b->layout.padded_numel();
+  EXPECT_EQ(LiveHeapBytes() - bytes_before, padded * 2 + padded * 4) << "bf16 shards + fp32 accumulators";
+  for (int32_t d = 0; d < 4; ++d) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->shard(d)) % kShardAlignBytes, 0u) << "shard " << d;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->accumulator(d)) % kShardAlignBytes, 0u) << "accumulator " << d;
+    const uint16_t* s = static_cast<const uint16_t*>(b->shard(d));
+    for (int64_t i = 0; i < b->layout.shard_numel; ++i) {
+      ASSERT_EQ(s[i], 0) << "shard " << d << " not zero-initialised at " << i;
+      ASSERT_EQ(b->accumulator(d)[i], 0.0f) << "accumulator " << d << " not zero-initialised at " << i;
+    }
+  }
+  b.reset();
+  ASSERT_TRUE(FreeBucket(heap_id, bucket_id, &err)) << err;
+  EXPECT_EQ(LiveHeapBytes(), bytes_before) << "freeing the bucket must release its memory";
+  err.clear();
+  EXPECT_FALSE(FreeBucket(heap_id, bucket_id, &err));
+  EXPECT_TRUE(Contains(err, "bucket " + std::to_string(bucket_id) + " is not registered in heap")) << err;
+  err.clear();
+  EXPECT_EQ(FindBucket(heap, bucket_id, &err), nullptr);
+  EXPECT_TRUE(Contains(err, "(freed?)")) << err;
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+}
+
+TEST(Heap, DeterministicBucketHasLandingSlots) {
+  std::string err;
+  const int64_t heap_id = CreateHeap(3, /*deterministic=*/true, 5.0, &err);
+  const int64_t bytes_before = LiveHeapBytes();
+  const int64_t bucket_id = RegisterBucket(heap_id, 40, Dtype::kF32, &err);
+  ASSERT_GT(bucket_id, 0) << err;
+  auto b = FindBucket(FindHeap(heap_id, &err), bucket_id, &err);
+  ASSERT_NE(b, nullptr) << err;
+  ASSERT_NE(b->landing, nullptr);
+  const int64_t padded = b->layout.padded_numel();
+  EXPECT_EQ(LiveHeapBytes() - bytes_before, padded * 4 + padded * 4 + padded * 3 * 4);
+  // Slots of (owner, source) pairs are disjoint, consecutive, shard-sized.
+  for (int32_t o = 0; o < 3; ++o) {
+    for (int32_t s = 0; s < 3; ++s) {
+      EXPECT_EQ(b->landing_slot(o, s) - b->landing_slot(0, 0), (o * 3 + s) * b->layout.shard_numel);
+    }
+  }
+  b.reset();
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  EXPECT_EQ(LiveHeapBytes(), bytes_before) << "freeing the heap must release its buckets";
+}
+
+TEST(Heap, RegisterRejectsBadArguments) {
+  std::string err;
+  const int64_t heap_id = CreateHeap(2, false, 5.0, &err);
+  EXPECT_EQ(RegisterBucket(heap_id, 0, Dtype::kF32, &err), -1);
+  EXPECT_TRUE(Contains(err, "bucket size must be >= 1 element, got 0")) << err;
+  err.clear();
+  EXPECT_EQ(RegisterBucket(heap_id + 100000, 10, Dtype::kF32, &err), -1);
+  EXPECT_TRUE(Contains(err, "is not registered")) << err;
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+}
+
+TEST(Heap, ResolveTargetErrorsNameTheOp) {
+  std::string err;
+  const int64_t heap_id = CreateHeap(2, false, 5.0, &err);
+  const int64_t bucket_id = RegisterBucket(heap_id, 10, Dtype::kF32, &err);
+  OpTarget t;
+  EXPECT_TRUE(ResolveTarget("gather", heap_id, bucket_id, 1, &t, &err)) << err;
+  EXPECT_NE(t.bucket, nullptr);
+  OpTarget heap_only;
+  EXPECT_TRUE(ResolveTarget("barrier", heap_id, -1, 0, &heap_only, &err)) << err;
+  EXPECT_EQ(heap_only.bucket, nullptr);
+
+  err.clear();
+  OpTarget bad;
+  EXPECT_FALSE(ResolveTarget("gather", heap_id, bucket_id, 2, &bad, &err));
+  EXPECT_EQ(err, "jodc gather: device index 2 outside [0, 2) of heap " + std::to_string(heap_id));
+  err.clear();
+  EXPECT_FALSE(ResolveTarget("publish", heap_id, bucket_id, -1, &bad, &err));
+  EXPECT_TRUE(Contains(err, "jodc publish: device index -1 outside")) << err;
+  err.clear();
+  EXPECT_FALSE(ResolveTarget("scatter_accumulate", heap_id, bucket_id + 1000, 0, &bad, &err));
+  EXPECT_TRUE(Contains(err, "jodc scatter_accumulate: bucket ")) << err;
+  err.clear();
+  auto heap = FindHeap(heap_id, &err);
+  heap->poisoned = "barrier timed out";
+  EXPECT_FALSE(ResolveTarget("gather", heap_id, bucket_id, 0, &bad, &err));
+  EXPECT_EQ(err, "jodc gather: barrier timed out") << "a poisoned heap must fail every later op";
+  heap->poisoned.clear();
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  err.clear();
+  EXPECT_FALSE(ResolveTarget("gather", heap_id, bucket_id, 0, &bad, &err));
+  EXPECT_TRUE(Contains(err, "jodc gather: heap " + std::to_string(heap_id) + " is not registered")) << err;
+}
+
+TEST(Dtype, NamesAndSizes) {
+  Dtype d;
+  EXPECT_TRUE(ParseDtype("float32", &d));
+  EXPECT_EQ(d, Dtype::kF32);
+  EXPECT_TRUE(ParseDtype("bfloat16", &d));
+  EXPECT_EQ(d, Dtype::kBF16);
+  EXPECT_FALSE(ParseDtype("float16", &d));
+  EXPECT_EQ(DtypeBytes(Dtype::kF32), 4);
+  EXPECT_EQ(DtypeBytes(Dtype::kBF16), 2);
+  EXPECT_STREQ(DtypeName(Dtype::kBF16), "bfloat16");
+}
+
+}  // namespace
+}  // namespace jodc::cpu
