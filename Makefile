@@ -1,6 +1,7 @@
 # make demo  - set up .venv and run the main job on an embedded default
 # make test  - set up .venv and run the test suite
 # make bench - run every benchmark script (prints tables and JSON lines)
+# make bazel-test - the Bazel build: C++ unit tests, then the ops tests on Bazel's jodc._ffi (installs Bazel with apt)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ INSTALLED := $(VENV)/.jodc-installed
 JODC_CUDA ?=
 NATIVE := $(VENV)/.jodc-native$(if $(filter-out 0,$(JODC_CUDA)),-cuda,)
 
-.PHONY: setup native test demo demo-rl bench clean cuda-check
+.PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test
 
 setup: $(NATIVE)
 
@@ -51,5 +52,20 @@ bench: $(NATIVE)
 cuda-check: $(INSTALLED)
 	$(PY) ffi/build_cuda.py --out build/cuda-check/_ffi_cuda.so
 
+# Bazel (the reference build stays setuptools: `make native`). bazel-configure writes the venv's header paths
+# (third_party/bazel/python_paths.bzl); bazel-test installs Bazel and GoogleTest with apt when missing, runs the
+# C++ tests (ffi/tests/), builds //:jodc_ffi and runs the ops tests against it (JODC_FFI_LIBRARY).
+BAZEL ?= bazel
+bazel-configure: $(INSTALLED)
+	$(PY) third_party/bazel/configure.py
+
+bazel-test: bazel-configure
+	BAZEL=$(BAZEL) third_party/bazel/install_deps.sh
+	$(BAZEL) test //...
+	$(BAZEL) build //:jodc_ffi
+	JODC_FFI_LIBRARY=$(CURDIR)/bazel-bin/jodc/_ffi.so JODC_BAZEL=$(BAZEL) \
+		$(PY) -m pytest -q -x tests/test_ops.py tests/test_bazel_build.py
+
 clean:
 	rm -rf build jodc/_ffi*.so $(NATIVE)
+	if command -v $(BAZEL) >/dev/null 2>&1 && [ -f third_party/bazel/python_paths.bzl ]; then $(BAZEL) clean; fi
