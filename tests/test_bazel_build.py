@@ -127,3 +127,23 @@ def test_this_run_uses_the_library_named_by_the_environment():
     """Under `make bazel-test`: the ops tests of this pytest run exercised Bazel's build, not setup.py's."""
     lib = _native.cpu_library()
     assert os.path.realpath(lib.__file__) == os.path.realpath(os.environ["JODC_FFI_LIBRARY"])
+
+
+def test_configure_writes_the_venv_header_dirs(tmp_path):
+    out = tmp_path / "python_paths.bzl"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "third_party", "bazel", "configure.py"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    values = {}
+    for line in out.read_text().splitlines():
+        if " = " in line:
+            key, value = line.split(" = ", 1)
+            values[key] = ast.literal_eval(value)
+    assert os.path.isfile(os.path.join(values["XLA_FFI_INCLUDE"], "xla", "ffi", "api", "ffi.h"))
+    assert os.path.isfile(os.path.join(values["PYBIND11_INCLUDE"], "pybind11", "pybind11.h"))
+    assert os.path.isfile(os.path.join(values["PYTHON_INCLUDE"], "Python.h"))
+    # Rerunning with the same environment leaves the file alone (Bazel keeps its cached repositories).
+    mtime = out.stat().st_mtime_ns
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "third_party", "bazel", "configure.py"), "--out",
+                            str(out)], capture_output=True, text=True, timeout=120)
+    assert "is up to date" in again.stdout and out.stat().st_mtime_ns == mtime
