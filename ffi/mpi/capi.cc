@@ -93,12 +93,13 @@ JODC_MPI_EXPORT int jodc_mpi_heap_generations(int64_t heap_id, uint64_t* out, in
   return 0;
 }
 
-// The heap's failure message ("" while healthy); len gets its full length.
+// The heap's failure message ("" while healthy), a peer's abort included; len gets its full length.
 JODC_MPI_EXPORT int jodc_mpi_heap_poisoned(int64_t heap_id, char* out, int64_t cap, int64_t* len, char* err,
                                            int64_t err_cap) {
   std::string e;
   auto h = FindHeap(heap_id, &e);
   if (!h) return Fail(e, err, err_cap);
+  PollControl(*h, &e);  // a peer's abort word counts too (best effort: an MPI error here is reported by the ops)
   std::lock_guard<std::mutex> lock(h->mu);
   *len = static_cast<int64_t>(h->poisoned.size());
   Fail(h->poisoned, out, cap);

@@ -1,0 +1,111 @@
+"""Multi-process ODC: launches the workers of tests/multiprocess/ under `mpirun` (as mpi4jax's CI does), each run
+bounded by a timeout whose expiry kills the whole process group and fails with the output so far.
+
+Needs the `jodc[mpi]` extra (mpirun next to this Python, jodc/_ffi_mpi.so built); `make test` installs it.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jodc.ops import _mpi
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKERS = os.path.join(HERE, "multiprocess")
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+
+needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and _mpi.available()),
+                               reason="needs the jodc[mpi] extra (mpirun in the venv) and jodc/_ffi_mpi.so")
+
+
+def mpi_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers pick their own device counts
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1",
+               JAX_PLATFORMS="cpu")
+    return env
+
+
+def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 240, mpirun_args=()) -> tuple[int, str, float]:
+    """Runs `mpirun -np nprocs python -m mpi4py script args`; returns (exit status, output, seconds)."""
+    cmd = [MPIRUN, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", *mpirun_args,
+           sys.executable, "-m", "mpi4py", os.path.join(WORKERS, script), *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out[-6000:]}")
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def check_cases(out: str, rc: int, script_cases: list[str]):
+    assert rc == 0, out[-6000:]
+    for name in script_cases:
+        assert f"PASS {name}" in out, f"case {name} did not pass:\n{out[-6000:]}"
+
+
+OPS_CASES = ["transport_is_mpi", "gather_is_exact", "gather_bf16_master_keeps_shape",
+             "scatter_accumulate_matches_numpy_sum", "publish_then_gather_sees_new_shards", "zero_accumulator",
+             "deterministic_is_bitwise_source_ordered", "registration_mismatch_names_bucket_and_processes",
+             "barrier_timeout_names_missing_process"]
+
+
+@needs_mpi
+@pytest.mark.parametrize("nprocs,local", [(2, 1), (2, 2), (3, 1)])
+def test_ops_across_processes(nprocs, local):
+    rc, out, _ = run_mpi(nprocs, "ops_cases.py", str(local), *OPS_CASES)
+    check_cases(out, rc, OPS_CASES)
+
+
+@needs_mpi
+def test_killed_process_fails_survivors_within_timeout():
+    """A process SIGKILLed between two steps. With `--enable-recovery` the launcher lets the survivor run on: its
+    barrier fails within the timeout (+5 s) naming the dead process's device and the survivor exits non-zero. With
+    mpirun's default the launcher itself ends the whole job at once, non-zero."""
+    timeout_s = 3.0
+    _, out, _ = run_mpi(2, "kill_case.py", "1", str(timeout_s), timeout=180, mpirun_args=("--enable-recovery",))
+    assert "killing myself mid-step" in out, out[-6000:]
+    assert "unexpectedly succeeded" not in out, out[-6000:]
+    lines = [x for x in out.splitlines() if x.startswith("[rank 0] step failed after")]
+    assert lines, out[-6000:]
+    assert "device(s) [1] never arrived (held by process(es) [1]" in lines[0], lines[0]
+    assert float(lines[0].split("after ")[1].split(" s")[0]) <= timeout_s + 5, lines[0]
+    rc, out, _ = run_mpi(2, "kill_case.py", "1", str(timeout_s), timeout=180)
+    assert rc != 0, out[-6000:]
+    assert "unexpectedly succeeded" not in out, out[-6000:]
+
+
+@needs_mpi
+def test_ops_suite_on_forced_mpi_transport_in_one_process():
+    """tests/test_ops.py again, every heap on the MPI transport (one process: all ops through MPI windows). Two
+    tests inspect the in-process library itself and are left out."""
+    env = mpi_env()
+    env["JODC_TEST_TRANSPORT"] = "mpi"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(HERE, "test_ops.py"),
+           "--deselect", "tests/test_ops.py::test_heaps_are_released",
+           "--deselect", "tests/test_ops.py::test_native_handlers_return_errors_instead_of_crashing"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_mpi_heap_without_backend_says_how_to_get_it(monkeypatch):
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    monkeypatch.setattr(_mpi, "default_path", lambda: "/nonexistent/_ffi_mpi.so")
+    from jodc import ops
+
+    with pytest.raises(ImportError, match=r"pip install 'jodc\[mpi\]'"):
+        ops.SymmetricHeap(mesh, transport="mpi")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        ops.SymmetricHeap(mesh, transport="rdma")
+    with ops.SymmetricHeap(mesh) as heap:  # one process: the in-process transport, MPI never touched
+        assert heap.transport == "local"
