@@ -223,6 +223,30 @@ def case_barrier_timeout_names_missing_process():
     heap.free()
 
 
+def case_progress_thread_and_collective_bucket_free():
+    numel = 4099
+    grads = _pushes(numel, np.float32, 4)
+    with ops.SymmetricHeap(mesh, progress_thread=True) as heap:  # forced on (a one-host run defaults to off)
+        dead = heap.register(10, name="dead")
+        dead.free()  # collective: every process frees it here
+        b = heap.register(numel, name="w")
+
+        def fn(g):
+            tok = ops.scatter_accumulate(b, g, ops.new_token())
+            tok = ops.barrier(heap, tok)
+            full, tok = ops.gather(b, tok)
+            acc, tok = ops.read_accumulator(b, tok)
+            return acc
+
+        acc = _mp.spmd(jax, mesh, fn, grads)
+        want = grads.astype(np.float64).sum(0)
+        for d, a in acc.items():
+            lo, hi = b.owner_range(d)
+            np.testing.assert_allclose(a[: hi - lo], want[lo:hi], rtol=1e-5, atol=1e-5)
+        expect_raises(lambda: dead.shard(0), "freed")
+        assert [x.name for x in heap.buckets] == ["w"]
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
