@@ -53,7 +53,8 @@ def check_cases(out: str, rc: int, script_cases: list[str]):
 OPS_CASES = ["transport_is_mpi", "gather_is_exact", "gather_bf16_master_keeps_shape",
              "scatter_accumulate_matches_numpy_sum", "publish_then_gather_sees_new_shards", "zero_accumulator",
              "deterministic_is_bitwise_source_ordered", "registration_mismatch_names_bucket_and_processes",
-             "barrier_timeout_names_missing_process", "progress_thread_and_collective_bucket_free"]
+             "barrier_timeout_names_missing_process", "progress_thread_and_collective_bucket_free",
+             "native_handlers_return_errors"]
 
 
 @needs_mpi

@@ -247,6 +247,43 @@ def case_progress_thread_and_collective_bucket_free():
         assert [x.name for x in heap.buckets] == ["w"]
 
 
+def case_native_handlers_return_errors():
+    """Bypass the Python checks: the MPI handlers refuse unknown ids, bad sizes, out-of-range device indices and a
+    device index that belongs to another process (a mesh/placement mismatch), without poisoning the heap."""
+    with ops.SymmetricHeap(mesh) as heap:
+        b = heap.register(64)
+        tok_t = jax.ShapeDtypeStruct((), jnp.int32)
+        full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
+        ids = dict(heap=np.int64(heap.id), bucket=np.int64(b.id))
+
+        def raw(target, results, *args, dev=None, **attrs):
+            def fn():
+                d = lax.axis_index("d").astype(jnp.int32) if dev is None else jnp.int32(dev)
+                return jax.ffi.ffi_call(target, results, has_side_effect=True)(d, *args, **attrs)
+
+            return _mp.spmd(jax, mesh, fn)
+
+        expect_raises(lambda: raw("jodc_mpi_gather", (full_t, tok_t), jnp.int32(0), heap=np.int64(heap.id),
+                                  bucket=np.int64(999999)), "bucket 999999 is not registered")
+        expect_raises(lambda: raw("jodc_mpi_gather", (full_t, tok_t), jnp.int32(0), heap=np.int64(888888),
+                                  bucket=np.int64(b.id)), "heap 888888 is not registered")
+        expect_raises(lambda: raw("jodc_mpi_gather", (jax.ShapeDtypeStruct((63,), jnp.float32), tok_t),
+                                  jnp.int32(0), **ids), "output has 63 elements")
+        expect_raises(lambda: raw("jodc_mpi_scatter_accumulate", (tok_t,), jnp.zeros(65), jnp.int32(0), **ids),
+                      "gradient has 65 elements")
+        expect_raises(lambda: raw("jodc_mpi_barrier", (tok_t,), jnp.int32(0), dev=WORLD + 3, heap=np.int64(heap.id)),
+                      f"device index {WORLD + 3} outside [0, {WORLD})")
+        other = ((RANK + 1) % NPROCS) * L  # a device of the next process
+        expect_raises(lambda: raw("jodc_mpi_gather", (full_t, tok_t), jnp.int32(0), dev=other, **ids),
+                      f"device {other} belongs to process {(RANK + 1) % NPROCS}", f"this is process {RANK}")
+        expect_raises(lambda: raw("jodc_mpi_publish", (tok_t,), jnp.zeros(b.shard_numel, jnp.bfloat16),
+                                  jnp.int32(0), **ids), "master dtype float32")
+        comm.Barrier()
+        heap.check_alive()  # still healthy
+        full = _mp.spmd(jax, mesh, lambda: ops.gather(b, ops.new_token())[0])
+        assert all(v.shape == (64,) for v in full.values())
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
