@@ -131,3 +131,31 @@ def test_odc_engine_across_processes(tmp_path, nprocs, local):
     assert sorted(mp.files) == sorted(single.files)
     for k in mp.files:
         assert mp[k].tobytes() == single[k].tobytes(), (k, float(np.abs(mp[k] - single[k]).max()))
+
+
+def test_mpi_build_is_skipped_without_a_compiler(monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ffi"))
+    try:
+        import build_mpi
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("JODC_MPICXX", "/nonexistent/mpicxx")
+    assert build_mpi.find_mpicxx() is None
+    with pytest.raises(RuntimeError, match=r"pip install 'jodc\[mpi\]'"):
+        build_mpi.build("/tmp/never.so", "/nonexistent/include", mpicxx=None)
+    cmd = build_mpi.mpicxx_command("mpicxx", "out.so", "/inc")
+    assert all(s in cmd for s in build_mpi.sources()) and "-shared" in cmd and "-fPIC" in cmd
+
+
+def test_importing_jodc_never_loads_libmpi():
+    """The CPU extension does not link libmpi, and using single-process heaps does not load it."""
+    code = ("import jax, numpy as np\n"
+            "from jodc import ops\n"
+            "mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('d',))\n"
+            "with ops.SymmetricHeap(mesh) as h:\n"
+            "    assert h.transport == 'local'\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "assert 'libmpi' not in maps, [l for l in maps.splitlines() if 'libmpi' in l][:3]\n")
+    env = {k: v for k, v in os.environ.items()}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
