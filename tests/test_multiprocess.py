@@ -159,3 +159,41 @@ def test_importing_jodc_never_loads_libmpi():
     env = {k: v for k, v in os.environ.items()}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _sft_args(out_dir, steps):
+    return ["sft", "--preset", "tiny", "--max_length", "128", "--embedded_examples", "256", "--devices", "2",
+            "--sequences_per_minibatch", "8", "--steps", str(steps), "--total_steps", "4", "--learning_rate", "1e-2",
+            "--deterministic", "--no-progress", "--save_every", "2", "--timeline_every", "2", "--export_hf", "true",
+            "--out_dir", str(out_dir)]
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
+    """`mpirun -np 2 jodc-train sft` (2 processes x 1 device, ODC over the MPI transport): stopped after step 2 and
+    resumed to step 4, its exported parameters equal bit for bit those of one process driving both devices
+    uninterrupted; only process 0 prints and writes the run's files."""
+    env = mpi_env()
+    mp_dir = tmp_path / "mp"
+    for steps in (2, 4):
+        cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
+               "jodc.train", *_sft_args(mp_dir, steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420, start_new_session=True)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        assert proc.stdout.count("done: ") == 1, proc.stdout[-3000:]  # one process prints
+    assert "resumed from" in proc.stdout and "(step 2)" in proc.stdout, proc.stdout[-3000:]
+    single_dir = tmp_path / "single"
+    proc = subprocess.run([sys.executable, "-m", "jodc.train", *_sft_args(single_dir, 4)], capture_output=True,
+                          text=True, env=env, timeout=420)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    mp_files = sorted(p.name for p in (mp_dir / "hf").glob("*.safetensors"))
+    assert mp_files and mp_files == sorted(p.name for p in (single_dir / "hf").glob("*.safetensors"))
+    for name in mp_files:
+        assert (mp_dir / "hf" / name).read_bytes() == (single_dir / "hf" / name).read_bytes(), name
+    import json
+
+    def losses(d):
+        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+    assert losses(mp_dir) == losses(single_dir) and len(losses(mp_dir)) == 4

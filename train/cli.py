@@ -3,6 +3,7 @@
     jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --trainer.steps 50 ...]
     jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl_cli.py)
     python -m jodc.train sft ...
+    mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/distributed.py)
 
 The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
 that many host devices (XLA_FLAGS) before JAX is imported. This module must therefore not import JAX at import
@@ -16,6 +17,7 @@ import re
 import sys
 from typing import Sequence
 
+from . import distributed
 from .config import ConfigError, all_keys, load_config
 from .config import to_dict as config_to_dict
 from .rl_cli import add_rl_parser, run_rl_command
@@ -59,9 +61,19 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
 
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
-        if config.trainer.platform == "cpu" and config.trainer.devices > 1:
-            set_host_device_count(config.trainer.devices)
-        trainer()(config)
+        processes = distributed.launched_processes()
+        local = config.trainer.devices
+        if processes > 1:  # mpirun -np N: each process drives its share of the devices
+            try:
+                local = distributed.local_device_count(config.trainer.devices, processes)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if config.trainer.platform == "cpu" and local > 1:
+            set_host_device_count(local)
+        run = trainer()
+        if processes > 1:
+            distributed.initialize()
+        run(config)
     except ConfigError as e:
         print(f"{label}: config error: {e}", file=sys.stderr)
         return 2
