@@ -197,3 +197,22 @@ def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
         return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
     assert losses(mp_dir) == losses(single_dir) and len(losses(mp_dir)) == 4
+
+
+def test_launch_detection_and_device_split():
+    from jodc.train import distributed
+
+    assert distributed.launched_processes({}) == 1
+    assert distributed.launched_processes({"OMPI_COMM_WORLD_SIZE": "4"}) == 4
+    assert distributed.launched_processes({"PMI_SIZE": "2"}) == 2
+    assert distributed.local_device_count(4, 2) == 2
+    with pytest.raises(ValueError, match="does not split over 3 processes"):
+        distributed.local_device_count(4, 3)
+
+
+def test_cli_refuses_uneven_device_split(monkeypatch, capsys):
+    from jodc.train import cli
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    assert cli.main(["sft", "--preset", "tiny", "--devices", "4", "--steps", "1"]) == 2
+    assert "does not split over 3 processes" in capsys.readouterr().err
