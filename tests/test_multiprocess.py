@@ -216,3 +216,11 @@ def test_cli_refuses_uneven_device_split(monkeypatch, capsys):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
     assert cli.main(["sft", "--preset", "tiny", "--devices", "4", "--steps", "1"]) == 2
     assert "does not split over 3 processes" in capsys.readouterr().err
+
+
+def test_rl_refuses_to_run_across_processes(monkeypatch, capsys):
+    from jodc.train import cli
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert cli.main(["rl", "--steps", "1"]) == 2
+    assert "does not run across processes yet" in capsys.readouterr().err

@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer) -> int:
+def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer,
+                multiprocess: bool = False) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
     then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
     trainer can detect (some checks need JAX), is printed and gives exit status 2."""
@@ -64,6 +65,9 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
         processes = distributed.launched_processes()
         local = config.trainer.devices
         if processes > 1:  # mpirun -np N: each process drives its share of the devices
+            if not multiprocess:
+                raise ConfigError(f"{label} does not run across processes yet (launched as {processes}); run it "
+                                  "as one process")
             try:
                 local = distributed.local_device_count(config.trainer.devices, processes)
             except ValueError as e:
@@ -92,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "rl":
         return run_rl_command(args, overrides)
     return run_command(args, overrides, label="jodc-train", load=load_config, to_dict=config_to_dict,
-                       trainer=_sft_trainer)
+                       trainer=_sft_trainer, multiprocess=True)
 
 
 if __name__ == "__main__":
