@@ -22,11 +22,12 @@ $(PY):
 # Dependencies first (the build needs jaxlib's FFI headers), then the project itself in editable mode.
 $(INSTALLED): $(PY) pyproject.toml constraints-cpu.txt
 	$(PIP) install --quiet -c constraints-cpu.txt "setuptools>=69" wheel "pybind11>=2.12,<4" "jaxlib>=0.10.2,<0.13"
-	$(PIP) install --quiet -c constraints-cpu.txt --no-build-isolation -e ".[test]"
+	$(PIP) install --quiet -c constraints-cpu.txt --no-build-isolation -e ".[test,mpi]"
 	touch $@
 
 # Rebuild the native extension in place whenever a native source changes (JODC_CUDA=1 adds the CUDA library and
-# has its own stamp, so switching it on after a CPU-only build rebuilds).
+# has its own stamp, so switching it on after a CPU-only build rebuilds). The MPI library (jodc/_ffi_mpi.so) is
+# built too when the mpi extra's mpicxx is in the venv.
 $(NATIVE): $(INSTALLED) $(NATIVE_SOURCES)
 	JODC_CUDA=$(JODC_CUDA) $(PY) setup.py --quiet build_ext --inplace
 	touch $@

@@ -1,4 +1,5 @@
-"""Builds the native FFI handlers: jodc._ffi (C++, CPU, always) and jodc/_ffi_cuda.so (CUDA, on request).
+"""Builds the native FFI handlers: jodc._ffi (C++, CPU, always), jodc/_ffi_cuda.so (CUDA, on request) and
+jodc/_ffi_mpi.so (the MPI transport, when an MPI C++ compiler is found: the `jodc[mpi]` extra's mpicxx).
 
 The CUDA library is compiled when JODC_CUDA=1, or when nvcc is on PATH and a CUDA jaxlib plugin is installed
 (JODC_CUDA=0 turns it off). It is a plain shared library loaded with ctypes, so nvcc never sees pybind11.
@@ -14,6 +15,7 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import build_cuda  # noqa: E402  (ffi/build_cuda.py: the one place that knows the nvcc command line)
+import build_mpi  # noqa: E402  (ffi/build_mpi.py: the same for mpicxx)
 import sources  # noqa: E402  (ffi/sources.py: the CPU extension's source list, shared with the Bazel check)
 
 
@@ -39,6 +41,13 @@ class BuildWithCuda(build_ext):
             out_dir = os.path.join(ROOT, "jodc") if self.inplace else os.path.join(self.build_lib, "jodc")
             os.makedirs(out_dir, exist_ok=True)
             build_cuda.build(os.path.join(out_dir, "_ffi_cuda.so"), xla_ffi_include_dir())
+        out_dir = os.path.join(ROOT, "jodc") if self.inplace else os.path.join(self.build_lib, "jodc")
+        mpicxx = build_mpi.find_mpicxx()
+        if mpicxx is None:
+            print("jodc: no MPI C++ compiler found, the MPI transport is not built (pip install 'jodc[mpi]')")
+        else:
+            os.makedirs(out_dir, exist_ok=True)
+            build_mpi.build(os.path.join(out_dir, build_mpi.LIBRARY_NAME), xla_ffi_include_dir(), mpicxx)
 
 
 ext = Pybind11Extension(

@@ -30,3 +30,20 @@ def cpu_mesh(n: int, axis: str = "d"):
     import numpy as np
 
     return jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]), (axis,))
+
+
+# JODC_TEST_TRANSPORT=mpi reruns a test module with every heap forced onto the MPI transport (one process: all ops
+# go through MPI windows); tests/test_multiprocess.py does this for tests/test_ops.py in a subprocess.
+if os.environ.get("JODC_TEST_TRANSPORT"):
+    import functools
+
+    from jodc.ops import heap as _heap_module
+
+    _orig_init = _heap_module.SymmetricHeap.__init__
+
+    @functools.wraps(_orig_init)
+    def _init_with_transport(self, *args, **kwargs):
+        kwargs.setdefault("transport", os.environ["JODC_TEST_TRANSPORT"])
+        _orig_init(self, *args, **kwargs)
+
+    _heap_module.SymmetricHeap.__init__ = _init_with_transport

@@ -3,6 +3,7 @@
     jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --trainer.steps 50 ...]
     jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl_cli.py)
     python -m jodc.train sft ...
+    mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/distributed.py)
 
 The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
 that many host devices (XLA_FLAGS) before JAX is imported. This module must therefore not import JAX at import
@@ -16,6 +17,7 @@ import re
 import sys
 from typing import Sequence
 
+from . import distributed
 from .config import ConfigError, all_keys, load_config
 from .config import to_dict as config_to_dict
 from .rl_cli import add_rl_parser, run_rl_command
@@ -48,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer) -> int:
+def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer,
+                multiprocess: bool = False) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
     then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
     trainer can detect (some checks need JAX), is printed and gives exit status 2."""
@@ -59,9 +62,22 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
 
             print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
             return 0
-        if config.trainer.platform == "cpu" and config.trainer.devices > 1:
-            set_host_device_count(config.trainer.devices)
-        trainer()(config)
+        processes = distributed.launched_processes()
+        local = config.trainer.devices
+        if processes > 1:  # mpirun -np N: each process drives its share of the devices
+            if not multiprocess:
+                raise ConfigError(f"{label} does not run across processes yet (launched as {processes}); run it "
+                                  "as one process")
+            try:
+                local = distributed.local_device_count(config.trainer.devices, processes)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if config.trainer.platform == "cpu" and local > 1:
+            set_host_device_count(local)
+        run = trainer()
+        if processes > 1:
+            distributed.initialize()
+        run(config)
     except ConfigError as e:
         print(f"{label}: config error: {e}", file=sys.stderr)
         return 2
@@ -80,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "rl":
         return run_rl_command(args, overrides)
     return run_command(args, overrides, label="jodc-train", load=load_config, to_dict=config_to_dict,
-                       trainer=_sft_trainer)
+                       trainer=_sft_trainer, multiprocess=True)
 
 
 if __name__ == "__main__":

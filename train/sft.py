@@ -107,7 +107,8 @@ class SFTRun(TrainingRun):
 
     def __init__(self, config: SFTConfig, *, log: Callable[[str], None] = print):
         self.config = config
-        self.log = log
+        self.primary = jax.process_index() == 0  # under mpirun only process 0 prints and writes outputs
+        self.log = log if self.primary else (lambda *_: None)
         t = config.trainer
         self.out_dir = os.path.abspath(t.out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
@@ -131,7 +132,8 @@ class SFTRun(TrainingRun):
         except BaseException:
             self.close()
             raise
-        config_lib.save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
+        if self.primary:
+            config_lib.save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
         self.last_saved_step = self.start_step if self.start_step else None
         self.timeline: dict[str, Any] | None = None
 
@@ -194,7 +196,8 @@ class SFTRun(TrainingRun):
         last = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
         losses: list[tuple[int, float]] = []
         started = time.perf_counter()
-        logger = MetricsLogger(self.out_dir, total_steps=t.steps, start_step=self.start_step, progress=t.progress)
+        logger = (MetricsLogger(self.out_dir, total_steps=t.steps, start_step=self.start_step, progress=t.progress)
+                  if self.primary else _SilentLogger())
         done, consistent = self.start_step, True
         try:
             for step in range(self.start_step, last):
@@ -225,8 +228,9 @@ class SFTRun(TrainingRun):
         host_start = time.perf_counter()
         plan, arrays, examples = self.minibatch(step)
         host_seconds = time.perf_counter() - host_start
-        want_timeline = self._wants_timeline(step + 1, t.steps)  # the same steps whether resumed or not
-        kwargs = {"record_timeline": True} if want_timeline and _engine_records_timelines(self.engine) else {}
+        want_timeline = self._wants_timeline(step + 1, t.steps) and self.primary  # same steps if resumed or not
+        kwargs = ({"record_timeline": True} if want_timeline and _engine_records_timelines(self.engine)
+                  and jax.process_count() == 1 else {})  # every process runs the same program
         learning_rate = float(self.lr_schedule(self.engine.steps_done))
         result = self.engine.step(arrays, **kwargs)
         done = step + 1
@@ -248,8 +252,9 @@ class SFTRun(TrainingRun):
     def _finish(self, done: int, losses, seconds: float, metrics_path: str) -> dict[str, Any]:
         hf_path = None
         if self.config.trainer.export_hf and done == self.config.trainer.steps:
-            hf_path = export_hf(self.model_config, self.engine.params(), self.tokenizer,
-                                os.path.join(self.out_dir, HF_DIR))
+            params = self.engine.params()  # every process: it gathers from all of them
+            if self.primary:
+                hf_path = export_hf(self.model_config, params, self.tokenizer, os.path.join(self.out_dir, HF_DIR))
         summary = {
             "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done,
             "losses": losses, "first_loss": losses[0][1] if losses else None,
@@ -263,6 +268,20 @@ class SFTRun(TrainingRun):
         self.log(format_summary(summary))
         return summary
 
+
+
+class _SilentLogger:
+    """The metrics logger of processes other than 0 in a multi-process run: they write nothing."""
+
+    path = None
+
+    def log(self, record) -> None: ...
+
+    def advance(self, steps: int = 1) -> None: ...
+
+    def write(self, message: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def format_summary(summary: dict[str, Any]) -> str:

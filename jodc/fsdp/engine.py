@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jodc.fsdp import sharding
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel
@@ -85,9 +86,9 @@ class Engine(abc.ABC):
         loss, norm, metrics = jax.block_until_ready(self._run(batch, recorder))
         seconds = time.perf_counter() - t0
         self.steps_done += 1
-        return StepResult(float(np.asarray(loss).reshape(-1)[0]), float(np.asarray(norm).reshape(-1)[0]), seconds,
+        return StepResult(sharding.first_value(loss), sharding.first_value(norm), seconds,
                           [int(c) for c in batch.counts], recorder.events() if recorder else None,
-                          {k: float(np.asarray(v).reshape(-1)[0]) for k, v in metrics.items()})
+                          {k: sharding.first_value(v) for k, v in metrics.items()})
 
     def _check_batch(self, batch: MinibatchArrays) -> None:
         if batch.num_devices != self.num_devices:

@@ -25,3 +25,21 @@ def put_per_device(mesh: Mesh, tree):
     """Places host arrays [D, ...] so device d holds row d."""
     sharding = NamedSharding(mesh, P("d"))
     return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
+
+
+def to_host(x) -> np.ndarray:
+    """np.asarray(x), also for an array spread over several processes (jax.distributed): then every process's part
+    is gathered (a collective: every process must call it at the same point)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def first_value(x) -> float:
+    """Element 0 of a result every device holds the same value of (a psum'd loss), read from this process's own
+    devices: no collective, also when the array spans processes."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = min(x.addressable_shards, key=lambda s: s.device.id).data
+    return float(np.asarray(x).reshape(-1)[0])

@@ -18,8 +18,10 @@ def _group_of(path, groups) -> str | None:
 
 def unshard_tree(tree, numels: dict[str, int]) -> Any:
     """[D, shard] leaves under a group key -> flat [numel]; other leaves [D, ...] -> device 0's value."""
+    from jodc.fsdp import sharding
+
     def convert(path, leaf):
-        leaf = np.asarray(leaf)
+        leaf = sharding.to_host(leaf)
         g = _group_of(path, numels)
         if g is None:
             return leaf[0]
@@ -30,8 +32,10 @@ def unshard_tree(tree, numels: dict[str, int]) -> Any:
 
 def shard_tree(tree, numels: dict[str, int], shard_numels: dict[str, int], devices: int) -> Any:
     """Inverse of `unshard_tree`: pads each group's flat vector and splits it into [D, shard] rows."""
+    from jodc.fsdp import sharding
+
     def convert(path, leaf):
-        leaf = np.asarray(leaf)
+        leaf = sharding.to_host(leaf)
         g = _group_of(path, numels)
         if g is None:
             return np.broadcast_to(leaf, (devices,) + leaf.shape).copy()
@@ -49,7 +53,10 @@ class ShardedStateMixin:
     leading device axis ([D, shard] per group), `numels` and `shard_numels` per group, on `mesh`."""
 
     def flat_params(self) -> dict[str, np.ndarray]:
-        return {g: np.asarray(self.shards[g]).reshape(-1)[: self.numels[g]].copy() for g in self.model.group_names}
+        from jodc.fsdp import sharding
+
+        return {g: sharding.to_host(self.shards[g]).reshape(-1)[: self.numels[g]].copy()
+                for g in self.model.group_names}
 
     def state_dict(self) -> dict[str, Any]:
         return {"params": self.flat_params(), "opt_state": unshard_tree(self.opt_state, self.numels),

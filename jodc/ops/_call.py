@@ -31,6 +31,11 @@ def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
     return lax.axis_index(heap.axis_name).astype(jnp.int32)
 
 
+def target(heap: SymmetricHeap, op: str) -> str:
+    """The FFI target of `op` for the heap's transport: jodc_<op> in-process, jodc_mpi_<op> across processes."""
+    return f"jodc_mpi_{op}" if getattr(heap, "transport", "local") == "mpi" else f"jodc_{op}"
+
+
 def prepare(bucket: Bucket, token, op: str) -> tuple[jax.Array, jax.Array]:
     """Checks the bucket and token; returns (device index, token)."""
     if not isinstance(bucket, Bucket):

@@ -66,7 +66,7 @@ def cpu_library():
 
 
 def ensure_registered(platform: str) -> None:
-    """Registers every jodc FFI target for `platform` ('cpu' or 'cuda'), idempotently."""
+    """Registers every jodc FFI target for `platform` ('cpu', 'cuda' or 'mpi': the MPI transport), idempotently."""
     platform = platform.lower()
     if platform == "gpu":
         platform = "cuda"  # one key: the same targets must not be registered twice
@@ -76,6 +76,14 @@ def ensure_registered(platform: str) -> None:
         if platform == "cpu":
             handlers = cpu_library().handlers()
             xla_platform = "cpu"
+        elif platform == "mpi":  # the MPI transport's handlers run on CPU devices, as jodc_mpi_<op>
+            from jodc.ops import _mpi
+
+            handlers = _mpi.library().handlers()
+            for name in _mpi.HANDLER_SYMBOLS:
+                jax.ffi.register_ffi_target(name, handlers[name], platform="cpu")
+            _registered.add(platform)
+            return
         elif platform == "cuda":
             from jodc.ops import _cuda
 

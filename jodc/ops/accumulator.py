@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.ops._call import TOKEN_TYPE, attrs, per_device, prepare
+from jodc.ops._call import TOKEN_TYPE, attrs, per_device, prepare, target
 from jodc.ops.heap import Bucket
 
 
@@ -15,7 +15,7 @@ def read_accumulator(bucket: Bucket, token) -> tuple[jax.Array, jax.Array]:
     """
     device, token = prepare(bucket, token, "read_accumulator")
     acc, token = jax.ffi.ffi_call(
-        "jodc_read_accumulator",
+        target(bucket.heap, "read_accumulator"),
         (jax.ShapeDtypeStruct((bucket.shard_numel,), jnp.float32), TOKEN_TYPE),
         has_side_effect=True,
     )(device, token, **attrs(bucket))
@@ -26,7 +26,7 @@ def read_accumulator(bucket: Bucket, token) -> tuple[jax.Array, jax.Array]:
 def zero_accumulator(bucket: Bucket, token) -> jax.Array:
     """Zeroes this device's accumulator shard of `bucket`; returns a new token."""
     device, token = prepare(bucket, token, "zero_accumulator")
-    (token,) = jax.ffi.ffi_call("jodc_zero_accumulator", (TOKEN_TYPE,), has_side_effect=True)(
+    (token,) = jax.ffi.ffi_call(target(bucket.heap, "zero_accumulator"), (TOKEN_TYPE,), has_side_effect=True)(
         device, token, **attrs(bucket)
     )
     return token

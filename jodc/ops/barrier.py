@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jodc.ops._call import TOKEN_TYPE, device_index
+from jodc.ops._call import TOKEN_TYPE, device_index, target
 from jodc.ops.heap import SymmetricHeap
 from jodc.ops.token import check_token
 
@@ -20,7 +20,7 @@ def barrier(heap: SymmetricHeap, token) -> jax.Array:
         raise ValueError(f"jodc.ops.barrier: expected a SymmetricHeap, got {type(heap).__name__}")
     token = check_token(token, "barrier")
     device = device_index(heap, "barrier")
-    (token,) = jax.ffi.ffi_call("jodc_barrier", (TOKEN_TYPE,), has_side_effect=True)(
+    (token,) = jax.ffi.ffi_call(target(heap, "barrier"), (TOKEN_TYPE,), has_side_effect=True)(
         device, token, heap=np.int64(heap.id)
     )
     return token

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax
 
-from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, per_device, prepare
+from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, per_device, prepare, target
 from jodc.ops.heap import Bucket
 
 
@@ -16,7 +16,7 @@ def gather(bucket: Bucket, token, *, dtype=None) -> tuple[jax.Array, jax.Array]:
     device, token = prepare(bucket, token, "gather")
     out_dtype = float_dtype(dtype if dtype is not None else bucket.np_dtype, "dtype", "gather")
     full, token = jax.ffi.ffi_call(
-        "jodc_gather",
+        target(bucket.heap, "gather"),
         (jax.ShapeDtypeStruct((bucket.numel,), out_dtype), TOKEN_TYPE),
         has_side_effect=True,
     )(device, token, **attrs(bucket))

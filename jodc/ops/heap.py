@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jodc.ops import _native
+from jodc.ops import _mpi, _native
 
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_BARRIER_TIMEOUT_S = 300.0
@@ -77,13 +77,20 @@ class SymmetricHeap:
       deterministic: accumulate pushes in per-source landing slots reduced in a fixed order, so accumulated
         gradients are bit-for-bit reproducible whatever the thread timing (costs world x the accumulator memory).
       barrier_timeout_s: how long ``barrier`` waits before failing with the names of the missing devices.
+      transport: 'auto' (default: 'mpi' when the mesh holds devices of several processes, else 'local'), 'local'
+        (in-process memory) or 'mpi' (MPI one-sided windows, see ``jodc.ops._mpi``; needs the ``jodc[mpi]`` extra).
+        The choice is ``heap.transport``. An MPI heap is created, registered and freed collectively by every
+        process of ``MPI.COMM_WORLD``.
+      progress_thread: MPI transport only: run a thread that enters MPI every ~50 us so peers' one-sided operations
+        progress while this process computes. None (default): on when the processes span several nodes.
 
     Buckets must be registered in the same order with the same sizes everywhere (one process registers for all of
     its devices). Use as a context manager, or call ``free()``: native memory is released at once.
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: str = "d", *, deterministic: bool = False,
-                 barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S):
+                 barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, transport: str = "auto",
+                 progress_thread: bool | None = None):
         if axis_name not in mesh.shape:
             raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis_name!r}")
         platforms = {d.platform for d in mesh.devices.flat}
@@ -96,10 +103,19 @@ class SymmetricHeap:
         self.world = int(mesh.shape[axis_name])
         self.platform = platforms.pop()
         self.deterministic = bool(deterministic)
-        self._lib = _backend(self.platform)
-        _native.ensure_registered(self.platform)
-        self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
-        if self.platform != "cpu" and hasattr(self._lib, "heap_set_placement"):
+        self.transport = _mpi.select_transport(mesh, transport)
+        if self.transport == "mpi":
+            if self.platform != "cpu":
+                raise ValueError(f"the MPI transport serves cpu devices (host memory windows), not {self.platform}")
+            self._lib = _mpi.library()
+            _native.ensure_registered("mpi")
+            self.id = _mpi.create_heap(self._lib, mesh, axis_name, self.deterministic, float(barrier_timeout_s),
+                                       progress_thread)
+        else:
+            self._lib = _backend(self.platform)
+            _native.ensure_registered(self.platform)
+            self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
+        if self.transport == "local" and self.platform != "cpu" and hasattr(self._lib, "heap_set_placement"):
             # device p of the axis holds its shard on the GPU that runs it (meshes need not follow jax.devices())
             axis = mesh.axis_names.index(axis_name)
             along_axis = np.moveaxis(mesh.devices, axis, 0).reshape(self.world, -1)[:, 0]
@@ -122,6 +138,8 @@ class SymmetricHeap:
         self._freed = True
         self._finalizer.detach()
         self._lib.heap_free(self.id)
+        if self.transport == "mpi":
+            _mpi.forget(self.id)
         for b in self._buckets:
             b._freed = True
 
@@ -149,6 +167,8 @@ class SymmetricHeap:
         if numel < 1:
             raise ValueError(f"bucket {name or ''!s} must hold at least one element, got shape {shape}")
         master = dtype_name(dtype)
+        if self.transport == "mpi":  # collective: every process registers the same bucket here, or all raise
+            _mpi.check_registration(self.id, len(self._buckets), name or f"bucket{len(self._buckets)}", shape, master)
         bucket_id = int(self._lib.bucket_register(self.id, numel, master))
         bucket = Bucket(self, bucket_id, shape, numel, master, int(self._lib.bucket_shard_numel(self.id, bucket_id)),
                         name or f"bucket{len(self._buckets)}")
@@ -181,7 +201,7 @@ class SymmetricHeap:
     def __repr__(self) -> str:
         state = "freed" if self._freed else f"{len(self.buckets)} buckets"
         return (f"SymmetricHeap(id={self.id}, axis={self.axis_name!r}, world={self.world}, platform={self.platform}, "
-                f"deterministic={self.deterministic}, {state})")
+                f"transport={self.transport}, deterministic={self.deterministic}, {state})")
 
 
 def _free_quietly(lib, heap_id: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.ops._call import TOKEN_TYPE, attrs, prepare
+from jodc.ops._call import TOKEN_TYPE, attrs, prepare, target
 from jodc.ops.heap import Bucket
 
 
@@ -22,7 +22,7 @@ def publish(bucket: Bucket, shard, token) -> jax.Array:
         )
     if not jnp.issubdtype(shard.dtype, jnp.floating):
         raise ValueError(f"jodc.ops.publish: shard must be floating point, got {shard.dtype}")
-    (token,) = jax.ffi.ffi_call("jodc_publish", (TOKEN_TYPE,), has_side_effect=True)(
+    (token,) = jax.ffi.ffi_call(target(bucket.heap, "publish"), (TOKEN_TYPE,), has_side_effect=True)(
         device, shard.astype(bucket.np_dtype), token, **attrs(bucket)
     )
     return token

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, prepare
+from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, prepare, target
 from jodc.ops.heap import Bucket
 
 
@@ -23,7 +23,7 @@ def scatter_accumulate(bucket: Bucket, grad, token) -> jax.Array:
             f"jodc.ops.scatter_accumulate: gradient of shape {tuple(grad.shape)} does not match bucket "
             f"{bucket.name!r} of shape {bucket.shape} ({bucket.numel} elements)"
         )
-    (token,) = jax.ffi.ffi_call("jodc_scatter_accumulate", (TOKEN_TYPE,), has_side_effect=True)(
+    (token,) = jax.ffi.ffi_call(target(bucket.heap, "scatter_accumulate"), (TOKEN_TYPE,), has_side_effect=True)(
         device, grad.reshape(-1), token, **attrs(bucket)
     )
     return token

