@@ -185,6 +185,10 @@ PYBIND11_MODULE(_ffi, m) {
       "memcpy_bandwidth",
       [](int64_t bytes, int32_t threads, int32_t iters) {
         if (bytes < 1 || threads < 1 || iters < 1) Fail("bytes, threads and iters must be >= 1");
+        int64_t needed = 0;  // a source and a destination buffer per thread
+        if (!CheckedMul(bytes, 2 * static_cast<int64_t>(threads), &needed) || needed > AvailableHostBytes())
+          FailOutOfMemory("memcpy_bandwidth: " + std::to_string(threads) + " threads x 2 buffers of " +
+                          std::to_string(bytes) + " bytes exceed the host memory available");
         py::gil_scoped_release release;
         return MemcpyBandwidth(bytes, threads, iters);
       },

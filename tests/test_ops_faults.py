@@ -117,6 +117,8 @@ def test_native_registration_refuses_what_python_would():
                                               r"4 devices in heap \d+ needs 8796093022208 bytes"):
             LIB.bucket_register(heap.id, 2**40, "float32")
         assert LIB.live_bytes() == base
+        with pytest.raises(MemoryError, match="exceed the host memory available"):
+            LIB.memcpy_bandwidth(2**62, 2, 1)  # the benchmark helper's buffers are checked too
         assert LIB.shard_numel(INT64_MAX, 1, 4) == -1 and LIB.shard_numel(0, 4, 4) == -1
         assert LIB.shard_numel(10, 0, 4) == -1 and LIB.shard_numel(10, 4, 3) == -1
 
