@@ -318,6 +318,27 @@ def test_abort_wakes_a_barrier_waiting_for_a_device_that_never_comes():
     free_after_failure(heap.free)
 
 
+def test_ctrl_c_while_waiting_aborts_the_heap():
+    """Ctrl-C during ops.block_until_ready aborts the heap, so a device waiting in the barrier leaves and freeing the
+    heap afterwards does not wait for the barrier timeout (60 s here; inf would be forever)."""
+    import _thread
+
+    mesh = cpu_mesh(4)
+    heap = ops.SymmetricHeap(mesh, barrier_timeout_s=60)
+
+    def fn(dev):
+        return lax.cond(dev == 0, lambda t: ops.barrier(heap, t), lambda t: t, ops.new_token())
+
+    out = spmd(mesh, fn, wait=False)
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ops.block_until_ready(out, heap)
+    assert time.monotonic() - start < 30
+    assert heap.poisoned.startswith("aborted: interrupted (KeyboardInterrupt)")
+    free_after_failure(heap.free)
+
+
 class FailingODCEngine(ODCEngine):
     """The ODC engine with a host callback that raises on device 0 before the minibatch's first barrier."""
 

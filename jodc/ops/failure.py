@@ -9,7 +9,8 @@ heap (``SymmetricHeap.abort``): its waiting peers leave the barrier at once with
 A device that never arrives without failing is still reported by the barrier timeout.
 
 Known gap: a device blocked in an XLA collective (e.g. a ``psum``) waiting for a failed peer cannot be woken by an
-abort; the wait then gives up after :data:`ABORT_GRACE_S` and reports the cause anyway.
+abort; the wait then gives up after :data:`ABORT_GRACE_S` and reports the cause anyway (XLA's CPU runtime ends the
+process 40 s later: its rendezvous refuses to wait longer for a participant).
 """
 from __future__ import annotations
 

@@ -130,16 +130,13 @@ class SymmetricHeap:
         self._lib = _backend(self.platform)
         _native.ensure_registered(self.platform)
         self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
+        # device p of the axis (the index the ops pass to the handlers); other axes have size 1
+        along_axis = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(self.world)
+        self.positions = {d: p for p, d in enumerate(along_axis)}
         if self.platform != "cpu" and hasattr(self._lib, "heap_set_placement"):
             # device p of the axis holds its shard on the GPU that runs it (meshes need not follow jax.devices())
-            axis = mesh.axis_names.index(axis_name)
-            along_axis = np.moveaxis(mesh.devices, axis, 0).reshape(self.world, -1)[:, 0]
             self._lib.heap_set_placement(self.id, [int(d.local_hardware_id) for d in along_axis])
         self._barrier_timeout_s = float(barrier_timeout_s)
-        # mesh position along the heap's axis of every device (the index the ops pass to the handlers)
-        axis = mesh.axis_names.index(axis_name)
-        along_axis = np.moveaxis(mesh.devices, axis, 0).reshape(self.world, -1)
-        self.positions = {d: p for p in range(self.world) for d in along_axis[p]}
         self._buckets: list[Bucket] = []
         self._freed = False
         self._finalizer = weakref.finalize(self, _free_quietly, self._lib, self.id)
