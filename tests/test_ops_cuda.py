@@ -243,6 +243,24 @@ def test_mesh_barrier_timeout_names_missing_devices():
             heap.free()
 
 
+def test_oversized_buckets_are_refused_naming_the_bytes():
+    """Issue 11 item 1 on the GPU: sizes that overflow are a ValueError, sizes no GPU can hold a MemoryError (both in
+    Python and in the library itself), and the heap stays usable."""
+    with ops.SymmetricHeap(gpu_mesh(N_GPUS)) as heap:
+        base = LIB.live_bytes()
+        with pytest.raises(ValueError, match=r"bucket 'huge' of 4611686018427387904 elements is too large"):
+            heap.register((2**31, 2**31), name="huge")
+        with pytest.raises(ValueError, match="overflows 64-bit byte counts"):
+            LIB.bucket_register(heap.id, 2**62, "float32")
+        with pytest.raises(MemoryError, match=r"bucket 'big' .*out of GPU memory: .* needs \d+ bytes on GPU"):
+            heap.register(2**45, name="big")  # 128 TiB of fp32 shards alone
+        assert LIB.live_bytes() == base and heap.poisoned == ""
+        b = heap.register(100)
+        b.set_full(np.arange(100.0))
+        b.zero_accumulators()
+        np.testing.assert_array_equal(b.full(), np.arange(100.0))
+
+
 def test_heaps_are_released():
     mesh = gpu_mesh(N_GPUS)
     base_heaps, base_bytes = LIB.live_heaps(), LIB.live_bytes()
