@@ -46,6 +46,33 @@ def summarize(error: BaseException) -> str:
     return f"{lines[0]} ... {lines[-1]}"
 
 
+class _Waiters:
+    """Reusable daemon threads for the per-device waits (starting threads for every step would cost about a
+    millisecond). A job goes to an idle thread, or a new one; a thread stuck on a device that never finishes simply
+    never becomes idle again, and daemon threads never hold up the interpreter's exit."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []
+
+    def run(self, job) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="jodc-wait", daemon=True).start()
+        inbox.put(job)
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_WAITERS = _Waiters()
+
+
 def _shards_by_position(heap, outputs) -> dict[int, list]:
     """The single-device arrays of `outputs`, grouped by the heap position of their device (-1: not the heap's)."""
     groups: dict[int, list] = {}
@@ -74,7 +101,7 @@ def block_until_ready(outputs, heap):
         done.put((position, None))
 
     for position, arrays in groups.items():
-        threading.Thread(target=wait, args=(position, arrays), name=f"jodc-wait-{position}", daemon=True).start()
+        _WAITERS.run(lambda position=position, arrays=arrays: wait(position, arrays))
 
     failure: tuple[int, BaseException] | None = None
     pending = len(groups)
