@@ -24,6 +24,12 @@ py::capsule Capsule(T* fn) {
 
 [[noreturn]] void Fail(const std::string& err) { throw std::invalid_argument(err); }
 
+// Raises Python's MemoryError with `err` (pybind11 would turn std::bad_alloc into one without our message).
+[[noreturn]] void FailOutOfMemory(const std::string& err) {
+  PyErr_SetString(PyExc_MemoryError, err.c_str());
+  throw py::error_already_set();
+}
+
 std::shared_ptr<Bucket> Lookup(int64_t heap_id, int64_t bucket_id, std::shared_ptr<Heap>* heap_out = nullptr) {
   std::string err;
   auto heap = FindHeap(heap_id, &err);
@@ -58,7 +64,25 @@ PYBIND11_MODULE(_ffi, m) {
   });
 
   m.def("shard_numel", &ShardNumel, py::arg("numel"), py::arg("world"), py::arg("master_bytes"),
-        "Padded elements per shard (the layout the native ops use).");
+        "Padded elements per shard (the layout the native ops use); -1 for invalid arguments or on overflow.");
+  m.def(
+      "bucket_bytes",
+      [](int64_t numel, int32_t world, int32_t master_bytes, bool landing_slots) -> py::object {
+        BucketBytes b;
+        if (!CheckedBucketBytes(MakeLayout(numel, world, master_bytes), landing_slots, &b)) return py::none();
+        py::dict d;
+        d["shard"] = b.shard;
+        d["accumulator"] = b.accumulator;
+        d["landing"] = b.landing;
+        d["per_device"] = b.per_device;
+        d["total"] = b.total;
+        return d;
+      },
+      py::arg("numel"), py::arg("world"), py::arg("master_bytes"), py::arg("landing_slots"),
+      "Bytes of a bucket's memory (common/layout.h CheckedBucketBytes); None when they overflow int64.");
+  m.def("timeout_nanos", &TimeoutNanos, py::arg("seconds"),
+        "A barrier timeout in ns as the barrier uses it: INT64_MAX waits forever, -1 is invalid.");
+  m.def("available_host_bytes", &AvailableHostBytes, "Host memory a new bucket may still take (bytes).");
 
   m.def(
       "heap_create",
@@ -77,7 +101,7 @@ PYBIND11_MODULE(_ffi, m) {
     std::string err;
     auto heap = FindHeap(heap_id, &err);
     if (!heap) Fail(err);
-    if (!(timeout_s > 0)) Fail("barrier timeout must be > 0 seconds");
+    if (!CheckBarrierTimeout(timeout_s, &err)) Fail(err);
     heap->barrier_timeout_s = timeout_s;
   });
   m.def("heap_generations", [](int64_t heap_id) {
@@ -94,6 +118,16 @@ PYBIND11_MODULE(_ffi, m) {
     std::lock_guard<std::mutex> lock(heap->mu);
     return heap->poisoned;
   });
+  m.def(
+      "heap_abort",
+      [](int64_t heap_id, const std::string& reason) {
+        std::string err;
+        if (!FindHeap(heap_id, &err)) Fail(err);
+        return AbortHeap(heap_id, reason);
+      },
+      py::arg("heap_id"), py::arg("reason"),
+      "Poisons the heap with 'aborted: <reason>' (a first cause already recorded stays) and wakes its barriers; "
+      "returns the poison message now recorded.");
   m.def("live_heaps", &LiveHeapCount);
   m.def("live_bytes", &LiveHeapBytes, "Bytes currently held by all heaps (shards, accumulators, landing slots).");
 
@@ -101,8 +135,12 @@ PYBIND11_MODULE(_ffi, m) {
     Dtype d;
     if (!ParseDtype(dtype, &d)) Fail("master dtype must be float32 or bfloat16, got " + dtype);
     std::string err;
-    int64_t id = RegisterBucket(heap_id, numel, d, &err);
-    if (id < 0) Fail(err);
+    bool out_of_memory = false;
+    int64_t id = RegisterBucket(heap_id, numel, d, &err, &out_of_memory);
+    if (id < 0) {
+      if (out_of_memory) FailOutOfMemory(err);
+      Fail(err);
+    }
     return id;
   });
   m.def("bucket_free", [](int64_t heap_id, int64_t bucket_id) {
@@ -147,6 +185,10 @@ PYBIND11_MODULE(_ffi, m) {
       "memcpy_bandwidth",
       [](int64_t bytes, int32_t threads, int32_t iters) {
         if (bytes < 1 || threads < 1 || iters < 1) Fail("bytes, threads and iters must be >= 1");
+        int64_t needed = 0;  // a source and a destination buffer per thread
+        if (!CheckedMul(bytes, 2 * static_cast<int64_t>(threads), &needed) || needed > AvailableHostBytes())
+          FailOutOfMemory("memcpy_bandwidth: " + std::to_string(threads) + " threads x 2 buffers of " +
+                          std::to_string(bytes) + " bytes exceed the host memory available");
         py::gil_scoped_release release;
         return MemcpyBandwidth(bytes, threads, iters);
       },

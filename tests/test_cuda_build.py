@@ -76,13 +76,16 @@ def test_library_loads_and_reports_errors_without_a_gpu(built_library):
     handlers = lib.handlers()
     assert sorted(handlers) == sorted(_cuda.HANDLER_SYMBOLS)
     # the layout math is the same code as the CPU side's (ffi/common/layout.h)
-    for numel, world, master_bytes in [(1, 1, 4), (1, 8, 2), (17, 3, 4), (10**6 + 1, 8, 2), (123457, 7, 4)]:
+    for numel, world, master_bytes in [(1, 1, 4), (1, 8, 2), (17, 3, 4), (10**6 + 1, 8, 2), (123457, 7, 4),
+                                       (2**62, 4, 4), (2**63 - 1, 1, 4), (2**63 - 1, 3, 2), (0, 4, 4), (10, 4, 3)]:
         assert lib.shard_numel(numel, world, master_bytes) == _ffi.shard_numel(numel, world, master_bytes)
+    assert lib.shard_numel(2**63 - 1, 1, 4) == -1  # overflow is refused, not wrapped, on both sides
     assert lib.live_heaps() == 0 and lib.live_bytes() == 0
     with pytest.raises(ValueError, match=r"world size must be in \[1, 64\]"):
         lib.heap_create(0, False, 1.0)
-    with pytest.raises(ValueError, match="barrier timeout must be > 0"):
-        lib.heap_create(2, False, 0.0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="barrier timeout must be > 0"):
+            lib.heap_create(2, False, bad)
     with pytest.raises(ValueError, match="heap 12345 is not registered"):
         lib.heap_free(12345)
     with pytest.raises(ValueError, match="master dtype must be float32 or bfloat16, got int8"):

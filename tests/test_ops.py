@@ -1,4 +1,6 @@
 """The ODC primitives on 1/2/4/8 simulated CPU devices, checked against numpy."""
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -313,39 +315,54 @@ def test_bad_input_is_rejected_in_python():
 
 
 def test_native_handlers_return_errors_instead_of_crashing():
-    """Bypass the Python checks: the handlers themselves refuse unknown ids, bad sizes and device indices."""
+    """Bypass the Python checks: the handlers themselves refuse unknown ids, bad sizes and device indices. A handler
+    that fails aborts its heap (peers waiting in a barrier must not wait for the timeout), so each case runs on a
+    fresh heap, which is poisoned with the device and the cause afterwards."""
     mesh = cpu_mesh(2)
+    tok_t = jax.ShapeDtypeStruct((), jnp.int32)
+    full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
+
+    def raw(target, results, *args, dev=None, heap_id=None, bucket_id=None):
+        with ops.SymmetricHeap(mesh) as heap:
+            b = heap.register(64)
+            attrs = dict(heap=np.int64(heap.id if heap_id is None else heap_id))
+            if bucket_id is not False:
+                attrs["bucket"] = np.int64(b.id if bucket_id is None else bucket_id)
+
+            def fn():
+                d = lax.axis_index("d").astype(jnp.int32) if dev is None else jnp.int32(dev)
+                return jax.ffi.ffi_call(target, results, has_side_effect=True)(d, *args, **attrs)
+
+            try:
+                jax.block_until_ready(spmd(mesh, fn))
+            except Exception as e:  # noqa: BLE001 - the handler's error, checked by the caller
+                error = str(e)
+            else:
+                error = ""
+            poisoned = heap.poisoned
+            with pytest.warns(RuntimeWarning, match="a queued computation had failed"):
+                heap.free()
+            return error, poisoned
+
+    cases = [
+        (("jodc_gather", (full_t, tok_t), jnp.int32(0)), dict(bucket_id=999999), "bucket 999999 is not registered"),
+        (("jodc_gather", (full_t, tok_t), jnp.int32(0)), dict(heap_id=888888), "heap 888888 is not registered"),
+        (("jodc_gather", (jax.ShapeDtypeStruct((63,), jnp.float32), tok_t), jnp.int32(0)), {},
+         "output has 63 elements"),
+        (("jodc_scatter_accumulate", (tok_t,), jnp.zeros(65), jnp.int32(0)), {}, "gradient has 65 elements"),
+        (("jodc_barrier", (tok_t,), jnp.int32(0)), dict(dev=5, bucket_id=False), r"device index 5 outside \[0, 2\)"),
+        (("jodc_publish", (tok_t,), jnp.zeros(32, jnp.bfloat16), jnp.int32(0)), {},
+         "master dtype float32"),
+    ]
+    for args, kwargs, message in cases:
+        error, poisoned = raw(*args, **kwargs)
+        assert re.search(message, error), (message, error)
+        if "heap_id" in kwargs:
+            assert poisoned == ""  # no such heap: nothing to abort, the real heap stays healthy
+        else:  # the heap records which device failed and why; every later op fails with it
+            assert re.search(r"aborted: device \d failed: jodc \w+: .*" + message, poisoned), poisoned
+    # a heap whose ops never failed stays healthy
     with ops.SymmetricHeap(mesh) as heap:
         b = heap.register(64)
-        tok_t = jax.ShapeDtypeStruct((), jnp.int32)
-
-        def raw(target, results, *args, **attrs):
-            def fn():
-                dev = lax.axis_index("d").astype(jnp.int32)
-                return jax.ffi.ffi_call(target, results, has_side_effect=True)(dev, *args, **attrs)
-
-            return jax.block_until_ready(spmd(mesh, fn))
-
-        def raw_dev(target, results, dev, *args, **attrs):
-            def fn():
-                return jax.ffi.ffi_call(target, results, has_side_effect=True)(jnp.int32(dev), *args, **attrs)
-
-            return jax.block_until_ready(spmd(mesh, fn))
-
-        ids = dict(heap=np.int64(heap.id), bucket=np.int64(b.id))
-        full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
-        with pytest.raises(Exception, match="bucket 999999 is not registered"):
-            raw("jodc_gather", (full_t, tok_t), jnp.int32(0), heap=np.int64(heap.id), bucket=np.int64(999999))
-        with pytest.raises(Exception, match="heap 888888 is not registered"):
-            raw("jodc_gather", (full_t, tok_t), jnp.int32(0), heap=np.int64(888888), bucket=np.int64(b.id))
-        with pytest.raises(Exception, match="output has 63 elements"):
-            raw("jodc_gather", (jax.ShapeDtypeStruct((63,), jnp.float32), tok_t), jnp.int32(0), **ids)
-        with pytest.raises(Exception, match="gradient has 65 elements"):
-            raw("jodc_scatter_accumulate", (tok_t,), jnp.zeros(65), jnp.int32(0), **ids)
-        with pytest.raises(Exception, match=r"device index 5 outside \[0, 2\)"):
-            raw_dev("jodc_barrier", (tok_t,), 5, jnp.int32(0), heap=np.int64(heap.id))
-        with pytest.raises(Exception, match="master dtype float32"):
-            raw("jodc_publish", (tok_t,), jnp.zeros(b.shard_numel, jnp.bfloat16), jnp.int32(0), **ids)
-        # the heap is still healthy afterwards
         full, _ = spmd(mesh, lambda: ops.gather(b, ops.new_token()))
-        assert full.shape == (2, 64)
+        assert full.shape == (2, 64) and heap.poisoned == ""

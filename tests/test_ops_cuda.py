@@ -6,6 +6,7 @@ GPU (1 to 8). Tests that call the handlers directly simulate a world of several 
 multi-owner kernel paths, the barrier timeout and the fault handling run on single-GPU runners too.
 """
 import functools
+import re
 import warnings
 
 import jax
@@ -242,6 +243,24 @@ def test_mesh_barrier_timeout_names_missing_devices():
             heap.free()
 
 
+def test_oversized_buckets_are_refused_naming_the_bytes():
+    """Issue 11 item 1 on the GPU: sizes that overflow are a ValueError, sizes no GPU can hold a MemoryError (both in
+    Python and in the library itself), and the heap stays usable."""
+    with ops.SymmetricHeap(gpu_mesh(N_GPUS)) as heap:
+        base = LIB.live_bytes()
+        with pytest.raises(ValueError, match=r"bucket 'huge' of 4611686018427387904 elements is too large"):
+            heap.register((2**31, 2**31), name="huge")
+        with pytest.raises(ValueError, match="overflows 64-bit byte counts"):
+            LIB.bucket_register(heap.id, 2**62, "float32")
+        with pytest.raises(MemoryError, match=r"bucket 'big' .*out of GPU memory: .* needs \d+ bytes on GPU"):
+            heap.register(2**45, name="big")  # 128 TiB of fp32 shards alone
+        assert LIB.live_bytes() == base and heap.poisoned == ""
+        b = heap.register(100)
+        b.set_full(np.arange(100.0))
+        b.zero_accumulators()
+        np.testing.assert_array_equal(b.full(), np.arange(100.0))
+
+
 def test_heaps_are_released():
     mesh = gpu_mesh(N_GPUS)
     base_heaps, base_bytes = LIB.live_heaps(), LIB.live_bytes()
@@ -361,28 +380,44 @@ def test_raw_barrier_passes_when_everyone_arrives_in_order():
 
 
 def test_native_handlers_return_errors_instead_of_crashing():
-    """Bypass the Python checks: the handlers refuse unknown ids, bad sizes and device indices."""
+    """Bypass the Python checks: the handlers refuse unknown ids, bad sizes and device indices. A handler that fails
+    aborts its heap (peers spinning in a barrier kernel must not wait for the timeout), so each case runs on a fresh
+    heap, which is poisoned with the cause afterwards."""
+    full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
+
+    def failing(call, message, *, poisons=True):
+        heap = RawHeap(2)
+        try:
+            bucket = heap.register(64)
+            ids = dict(heap=heap.id, bucket=bucket)
+            with pytest.raises(Exception, match=message):
+                call(heap, ids, LIB.bucket_shard_numel(heap.id, bucket))
+            poisoned = LIB.heap_poisoned(heap.id)
+            if poisons:
+                assert "aborted: the device on GPU 0 failed: jodc " in poisoned and re.search(message, poisoned)
+            else:
+                assert poisoned == ""
+        finally:
+            heap.free()
+
+    failing(lambda h, ids, n: h.call("jodc_gather", (full_t, TOKEN), 0, jnp.int32(0), heap=h.id, bucket=999999),
+            "bucket 999999 is not registered")
+    failing(lambda h, ids, n: h.call("jodc_gather", (full_t, TOKEN), 0, jnp.int32(0), heap=888888,
+                                     bucket=ids["bucket"]), "heap 888888 is not registered", poisons=False)
+    failing(lambda h, ids, n: h.call("jodc_gather", (jax.ShapeDtypeStruct((63,), jnp.float32), TOKEN), 0,
+                                     jnp.int32(0), **ids), "output has 63 elements")
+    failing(lambda h, ids, n: h.call("jodc_scatter_accumulate", (TOKEN,), 0, jnp.zeros(65), jnp.int32(0), **ids),
+            "gradient has 65 elements")
+    failing(lambda h, ids, n: h.call("jodc_publish", (TOKEN,), 0, jnp.zeros(n, jnp.bfloat16), jnp.int32(0), **ids),
+            "master dtype float32")
+    failing(lambda h, ids, n: h.call("jodc_barrier", (TOKEN,), 5, jnp.int32(0), heap=h.id),  # seen by the kernel
+            r"device index 5 outside \[0, 2\)")
     heap = RawHeap(2)
     try:
         bucket = heap.register(64)
-        shard_numel = LIB.bucket_shard_numel(heap.id, bucket)
         ids = dict(heap=heap.id, bucket=bucket)
-        full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
-        with pytest.raises(Exception, match="bucket 999999 is not registered"):
-            heap.call("jodc_gather", (full_t, TOKEN), 0, jnp.int32(0), heap=heap.id, bucket=999999)
-        with pytest.raises(Exception, match="heap 888888 is not registered"):
-            heap.call("jodc_gather", (full_t, TOKEN), 0, jnp.int32(0), heap=888888, bucket=bucket)
-        with pytest.raises(Exception, match="output has 63 elements"):
-            heap.call("jodc_gather", (jax.ShapeDtypeStruct((63,), jnp.float32), TOKEN), 0, jnp.int32(0), **ids)
-        with pytest.raises(Exception, match="gradient has 65 elements"):
-            heap.call("jodc_scatter_accumulate", (TOKEN,), 0, jnp.zeros(65), jnp.int32(0), **ids)
-        with pytest.raises(Exception, match="master dtype float32"):
-            heap.call("jodc_publish", (TOKEN,), 0, jnp.zeros(shard_numel, jnp.bfloat16), jnp.int32(0), **ids)
-        with pytest.raises(Exception, match=r"device index 5 outside \[0, 2\)"):  # seen by the barrier kernel
-            heap.call("jodc_barrier", (TOKEN,), 5, jnp.int32(0), heap=heap.id)
-        assert LIB.heap_poisoned(heap.id) == ""  # the barrier touched nothing: the heap stays healthy
         full, _ = heap.call("jodc_gather", (full_t, TOKEN), 1, jnp.int32(0), **ids)
-        assert full.shape == (64,)
+        assert full.shape == (64,) and LIB.heap_poisoned(heap.id) == ""  # no error: the heap stays healthy
         # a data op cannot report a bad index itself (the index lives on the GPU): its kernel does nothing and
         # records a fault, which the next call reports; the heap is poisoned from then on
         heap.call("jodc_gather", (full_t, TOKEN), 7, jnp.int32(0), **ids)

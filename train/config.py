@@ -99,6 +99,9 @@ class TrainerConfig:
     seed: int = _field(0, doc="model initialisation and data order")
     compute_dtype: str = _field("float32", choices=COMPUTE_DTYPES)
     deterministic: bool = _field(False, doc="bit-for-bit reproducible gradient accumulation (odc)")
+    barrier_timeout_s: float | None = _field(300.0, doc="seconds an ODC device waits in a barrier for the others "
+                                             "before the step fails naming the missing ones (null: forever); a "
+                                             "device that fails aborts the step at once whatever this is")
     out_dir: str = _field("runs/sft", doc="checkpoints, metrics, plots and the HF export go here")
     resume: bool = _field(True, doc="continue from the latest checkpoint in out_dir")
     save_every: int = _field(50, minimum=0, doc="checkpoint period in steps (0: only at the end)")
@@ -299,6 +302,9 @@ def validate(config: SFTConfig) -> None:
     if config.token_cap < d.max_length:
         raise ConfigError(f"trainer.token_cap={config.token_cap} is below data.max_length={d.max_length}: the "
                           "longest sequences would not fit in a microbatch")
+    if t.barrier_timeout_s is not None and not t.barrier_timeout_s > 0:  # NaN fails too; inf waits forever
+        raise ConfigError(f"trainer.barrier_timeout_s must be > 0 seconds or null (wait forever), got "
+                          f"{t.barrier_timeout_s}")
     if t.deterministic and t.engine in ("collective", "xla_spmd"):
         raise ConfigError("trainer.deterministic=true needs engine odc or reference (the collective engines' "
                           "reductions are not guaranteed bit-for-bit reproducible)")

@@ -54,7 +54,8 @@ def engine_settings(config: RLConfig) -> sft_config.SFTConfig:
     t = config.trainer
     optimizer = dict(dataclasses.asdict(config.optimizer), total_steps=config.total_steps)
     trainer = {"engine": t.engine, "devices": t.devices, "platform": t.platform, "compute_dtype": t.compute_dtype,
-               "deterministic": t.deterministic, "token_cap": t.token_cap, "seed": t.seed}
+               "deterministic": t.deterministic, "barrier_timeout_s": t.barrier_timeout_s, "token_cap": t.token_cap,
+               "seed": t.seed}
     return sft_config.config_from_dict({"optimizer": optimizer, "trainer": trainer,
                                         "data": {"max_length": t.token_cap}}, source="the RL engine settings")
 

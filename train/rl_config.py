@@ -149,6 +149,9 @@ class RLTrainerConfig:
     seed: int = _field(0, doc="prompts, sampling, minibatch split and model initialisation")
     compute_dtype: str = _field("float32", choices=COMPUTE_DTYPES)
     deterministic: bool = _field(False, doc="bit-for-bit reproducible gradient accumulation (odc)")
+    barrier_timeout_s: float | None = _field(300.0, doc="seconds an ODC device waits in a barrier for the others "
+                                             "before the step fails naming the missing ones (null: forever); a "
+                                             "device that fails aborts the step at once whatever this is")
     out_dir: str = _field("runs/rl", doc="checkpoints, metrics, plots and the HF export go here")
     resume: bool = _field(True, doc="continue from the latest checkpoint in out_dir")
     save_every: int = _field(10, minimum=0, doc="checkpoint period in steps (0: only at the end)")
@@ -236,6 +239,9 @@ def validate(config: RLConfig) -> None:
         raise ConfigError(f"task.min_terms={task.min_terms} exceeds task.max_terms={task.max_terms}")
     if task.min_numbers > task.max_numbers:
         raise ConfigError(f"task.min_numbers={task.min_numbers} exceeds task.max_numbers={task.max_numbers}")
+    if t.barrier_timeout_s is not None and not t.barrier_timeout_s > 0:  # NaN fails too; inf waits forever
+        raise ConfigError(f"trainer.barrier_timeout_s must be > 0 seconds or null (wait forever), got "
+                          f"{t.barrier_timeout_s}")
     if t.deterministic and t.engine == "collective":
         raise ConfigError("trainer.deterministic=true needs engine odc or reference (the collective engine's "
                           "reductions are not guaranteed bit-for-bit reproducible)")

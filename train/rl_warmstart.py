@@ -40,6 +40,7 @@ def warmstart_sft_config(config: RLConfig, directory: str) -> sft_config.SFTConf
         "trainer": {"engine": t.engine, "devices": t.devices, "platform": t.platform, "cost_model": t.cost_model,
                     "sequences_per_minibatch": w.sft_sequences_per_minibatch, "steps": w.sft_steps,
                     "seed": t.seed, "compute_dtype": t.compute_dtype, "deterministic": t.deterministic,
+                    "barrier_timeout_s": t.barrier_timeout_s,
                     "out_dir": directory, "save_every": 0, "keep_checkpoints": 1, "timeline_every": 0,
                     "export_hf": True, "progress": t.progress},
     }

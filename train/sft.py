@@ -81,8 +81,9 @@ def make_engine(config: SFTConfig, model, groups):
     mesh = jax.sharding.Mesh(np.array(mesh_devices(t.platform, t.devices)), ("d",))
     buckets = parse_length_buckets(t.length_buckets) if t.length_buckets else None
     if t.engine == "odc":
+        timeout = float("inf") if t.barrier_timeout_s is None else t.barrier_timeout_s
         return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=t.deterministic,
-                         length_buckets=buckets)
+                         barrier_timeout_s=timeout, length_buckets=buckets)
     if t.engine == "xla_spmd":
         return SPMDEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
     return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)

@@ -6,13 +6,15 @@
 namespace jodc::cpu {
 namespace {
 
-ffi::Error ReadAcc(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+ffi::Error ReadAccImpl(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
+                       ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+                       int64_t heap_id, int64_t bucket_id, int32_t* device_out) {
   std::string err;
   int32_t device = 0, tok = 0;
   if (!ReadScalar("read_accumulator", "device", device_buf, &device, &err) ||
       !ReadScalar("read_accumulator", "token", token, &tok, &err))
     return InvalidArgument(err);
+  *device_out = device;
   OpTarget t;
   if (!ResolveTarget("read_accumulator", heap_id, bucket_id, device, &t, &err)) return InvalidArgument(err);
   if (static_cast<int64_t>(out->element_count()) != t.bucket->layout.shard_numel) {
@@ -24,18 +26,39 @@ ffi::Error ReadAcc(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token
   return ffi::Error::Success();
 }
 
-ffi::Error ZeroAcc(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+// Any error aborts the heap, so peers waiting in a barrier for this device fail at once.
+ffi::Error ReadAcc(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+                   int64_t heap_id, int64_t bucket_id) {
+  int32_t device = -1;
+  ffi::Error e = ReadAccImpl(device_buf, token, out, token_out, heap_id, bucket_id, &device);
+  if (e.failure()) AbortOnHandlerError(heap_id, device, e.message());
+  return e;
+}
+
+ffi::Error ZeroAccImpl(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
+                       ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id,
+                       int32_t* device_out) {
   std::string err;
   int32_t device = 0, tok = 0;
   if (!ReadScalar("zero_accumulator", "device", device_buf, &device, &err) ||
       !ReadScalar("zero_accumulator", "token", token, &tok, &err))
     return InvalidArgument(err);
+  *device_out = device;
   OpTarget t;
   if (!ResolveTarget("zero_accumulator", heap_id, bucket_id, device, &t, &err)) return InvalidArgument(err);
   ZeroAccumulator(*t.bucket, device, t.heap->deterministic);
   token_out->typed_data()[0] = tok + 1;
   return ffi::Error::Success();
+}
+
+// Any error aborts the heap, so peers waiting in a barrier for this device fail at once.
+ffi::Error ZeroAcc(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  int32_t device = -1;
+  ffi::Error e = ZeroAccImpl(device_buf, token, token_out, heap_id, bucket_id, &device);
+  if (e.failure()) AbortOnHandlerError(heap_id, device, e.message());
+  return e;
 }
 
 }  // namespace

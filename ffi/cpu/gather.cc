@@ -6,12 +6,14 @@
 namespace jodc::cpu {
 namespace {
 
-ffi::Error Gather(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> out,
-                  ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+ffi::Error GatherImpl(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id,
+                      int32_t* device_out) {
   std::string err;
   int32_t device = 0, tok = 0;
   if (!ReadScalar("gather", "device", device_buf, &device, &err) || !ReadScalar("gather", "token", token, &tok, &err))
     return InvalidArgument(err);
+  *device_out = device;
   OpTarget t;
   if (!ResolveTarget("gather", heap_id, bucket_id, device, &t, &err)) return InvalidArgument(err);
   const Bucket& b = *t.bucket;
@@ -25,6 +27,15 @@ ffi::Error Gather(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
   GatherBucket(b, device, out->untyped_data(), out_t);
   token_out->typed_data()[0] = tok + 1;
   return ffi::Error::Success();
+}
+
+// Any error aborts the heap, so peers waiting in a barrier for this device fail at once.
+ffi::Error Gather(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  int32_t device = -1;
+  ffi::Error e = GatherImpl(device_buf, token, out, token_out, heap_id, bucket_id, &device);
+  if (e.failure()) AbortOnHandlerError(heap_id, device, e.message());
+  return e;
 }
 
 }  // namespace

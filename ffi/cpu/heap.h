@@ -37,6 +37,7 @@ int64_t LiveHeapBytes();
 struct Bucket {
   int64_t id = 0;
   BucketLayout layout;
+  BucketBytes bytes;  // checked at registration: every offset the ops compute within the bucket fits int64
   Dtype master = Dtype::kF32;
   // One allocation each, device d's shard at offset d * shard bytes (every shard 64-byte aligned).
   std::unique_ptr<AlignedBuffer> shards;
@@ -67,17 +68,35 @@ struct Heap {
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
   std::condition_variable barrier_cv;
   std::vector<uint64_t> arrivals;  // per device: how many barriers it has entered (its generation)
-  std::string poisoned;            // non-empty once a barrier timed out: every later op fails with this
+  std::string poisoned;            // non-empty once a barrier timed out or the heap was aborted: every later op
+                                   // fails with this
 };
 
 // Registry operations. Errors are returned as a non-empty message (never thrown across the FFI boundary).
 int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err);
+// A barrier timeout is valid when > 0 (+inf: wait forever); false with a message for NaN, zero or negative values.
+bool CheckBarrierTimeout(double seconds, std::string* err);
 bool FreeHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err);
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err);
+// Fails (-1) when the bucket's byte counts overflow int64 or exceed the host memory available; *out_of_memory
+// (when given) tells the second case apart, so the bindings can raise MemoryError.
+int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err,
+                       bool* out_of_memory = nullptr);
 bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err);
 int64_t LiveHeapCount();
+
+// Bytes of host memory an allocation can still get without swapping out others (MemAvailable + SwapFree on Linux;
+// total physical memory where /proc/meminfo is unavailable).
+int64_t AvailableHostBytes();
+
+// Aborts the heap: records "aborted: <reason>; the heap is now unusable: ..." as its poison (unless it is already poisoned, whose first cause
+// stays) and wakes every device waiting in its barrier, which then fails with that message. Later ops fail too.
+// Returns the poison message now recorded ("" when the heap does not exist).
+std::string AbortHeap(int64_t heap_id, const std::string& reason);
+// What a handler calls when it returns an error: aborts the heap with "device <d> failed: <message>", so peers
+// waiting in a barrier for this device leave at once instead of waiting for the timeout.
+void AbortOnHandlerError(int64_t heap_id, int32_t device, const std::string& message);
 
 // Resolves heap + bucket and checks the device index; the common preamble of every handler.
 struct OpTarget {

@@ -6,12 +6,14 @@
 namespace jodc::cpu {
 namespace {
 
-ffi::Error Publish(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer shard, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+ffi::Error PublishImpl(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer shard, ffi::Buffer<ffi::S32> token,
+                       ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id,
+                       int32_t* device_out) {
   std::string err;
   int32_t device = 0, tok = 0;
   if (!ReadScalar("publish", "device", device_buf, &device, &err) || !ReadScalar("publish", "token", token, &tok, &err))
     return InvalidArgument(err);
+  *device_out = device;
   OpTarget t;
   if (!ResolveTarget("publish", heap_id, bucket_id, device, &t, &err)) return InvalidArgument(err);
   const Bucket& b = *t.bucket;
@@ -27,6 +29,15 @@ ffi::Error Publish(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer shard, ffi::
   CopyConvert(b.shard(device), b.master, shard.untyped_data(), in_t, b.layout.shard_numel);
   token_out->typed_data()[0] = tok + 1;
   return ffi::Error::Success();
+}
+
+// Any error aborts the heap, so peers waiting in a barrier for this device fail at once.
+ffi::Error Publish(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer shard, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  int32_t device = -1;
+  ffi::Error e = PublishImpl(device_buf, shard, token, token_out, heap_id, bucket_id, &device);
+  if (e.failure()) AbortOnHandlerError(heap_id, device, e.message());
+  return e;
 }
 
 }  // namespace

@@ -8,13 +8,15 @@
 namespace jodc::cpu {
 namespace {
 
-ffi::Error ScatterAccumulate(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> token,
-                             ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+ffi::Error ScatterAccumulateImpl(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> token,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id,
+                                 int32_t* device_out) {
   std::string err;
   int32_t device = 0, tok = 0;
   if (!ReadScalar("scatter_accumulate", "device", device_buf, &device, &err) ||
       !ReadScalar("scatter_accumulate", "token", token, &tok, &err))
     return InvalidArgument(err);
+  *device_out = device;
   OpTarget t;
   if (!ResolveTarget("scatter_accumulate", heap_id, bucket_id, device, &t, &err)) return InvalidArgument(err);
   const Bucket& b = *t.bucket;
@@ -29,6 +31,15 @@ ffi::Error ScatterAccumulate(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer gr
   ScatterAccumulateBucket(b, device, t.heap->deterministic, grad.untyped_data(), grad_t);
   token_out->typed_data()[0] = tok + 1;
   return ffi::Error::Success();
+}
+
+// Any error aborts the heap, so peers waiting in a barrier for this device fail at once.
+ffi::Error ScatterAccumulate(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> token,
+                             ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  int32_t device = -1;
+  ffi::Error e = ScatterAccumulateImpl(device_buf, grad, token, token_out, heap_id, bucket_id, &device);
+  if (e.failure()) AbortOnHandlerError(heap_id, device, e.message());
+  return e;
 }
 
 }  // namespace

@@ -62,9 +62,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   AdvanceToken(token_in, token_out);
 }
 
-ffi::Error ReadAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
-                   int64_t heap_id, int64_t bucket_id) {
+ffi::Error ReadAccImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                       ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+                       int64_t heap_id, int64_t bucket_id) {
   OpTarget t;
   if (ffi::Error e = Prepare("read_accumulator", stream, device, token, heap_id, bucket_id, &t); e.failure())
     return e;
@@ -81,8 +81,15 @@ ffi::Error ReadAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffe
   return LaunchResult("read_accumulator");
 }
 
-ffi::Error ZeroAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+// Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
+ffi::Error ReadAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+                   int64_t heap_id, int64_t bucket_id) {
+  return AbortOnError(heap_id, ReadAccImpl(stream, device, token, out, token_out, heap_id, bucket_id));
+}
+
+ffi::Error ZeroAccImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                       ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
   OpTarget t;
   if (ffi::Error e = Prepare("zero_accumulator", stream, device, token, heap_id, bucket_id, &t); e.failure())
     return e;
@@ -92,6 +99,12 @@ ffi::Error ZeroAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffe
   ZeroAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
                                                                 token.typed_data(), token_out->typed_data());
   return LaunchResult("zero_accumulator");
+}
+
+// Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
+ffi::Error ZeroAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  return AbortOnError(heap_id, ZeroAccImpl(stream, device, token, token_out, heap_id, bucket_id));
 }
 
 }  // namespace

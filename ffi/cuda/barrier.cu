@@ -121,8 +121,8 @@ std::string DeviceList(uint64_t mask, int32_t world) {
   return out.str();
 }
 
-ffi::Error Barrier(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id) {
+ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                       ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id) {
   OpTarget t;
   if (ffi::Error e = Prepare("barrier", stream, device, token, heap_id, /*bucket_id=*/-1, &t); e.failure()) return e;
   Heap& h = *t.heap;
@@ -132,8 +132,10 @@ ffi::Error Barrier(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffe
   volatile BarrierReport* seen = report;
   seen->outcome = kPending;
   const double timeout_s = h.barrier_timeout_s.load();
-  const double timeout_ns = timeout_s * 1e9;
-  const uint64_t timeout_ticks = timeout_ns >= 1e18 ? uint64_t{1000000000000000000} : static_cast<uint64_t>(timeout_ns);
+  // Saturating conversion: +inf and timeouts beyond int64 nanoseconds become kForeverNs (about 292 years), which
+  // the kernel's elapsed-time comparison never reaches.
+  const int64_t timeout_ns = TimeoutNanos(timeout_s);
+  const uint64_t timeout_ticks = timeout_ns > 0 ? static_cast<uint64_t>(timeout_ns) : uint64_t{1};
   BarrierKernel<<<1, kMaxWorld, 0, stream>>>(h.control, h.world, device.typed_data(), token.typed_data(),
                                              token_out->typed_data(), timeout_ticks, report);
   if (ffi::Error e = LaunchResult("barrier"); e.failure()) return e;
@@ -174,6 +176,12 @@ ffi::Error Barrier(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffe
   // Faults recorded by this device's earlier kernels (or a peer's) surface here at the latest.
   if (!CheckHealthy("barrier", h, &why)) return InvalidArgument(why);
   return ffi::Error::Success();
+}
+
+// Any error of this device aborts the heap (a timeout or an abort has already poisoned it with its own cause).
+ffi::Error Barrier(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id) {
+  return AbortOnError(heap_id, BarrierImpl(stream, device, token, token_out, heap_id));
 }
 
 }  // namespace

@@ -32,9 +32,9 @@ void LaunchGather(cudaStream_t stream, const OpTarget& t, const int32_t* device,
                                                                  static_cast<Dst*>(out), Aligned16(out));
 }
 
-ffi::Error Gather(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
-                  int64_t bucket_id) {
+ffi::Error GatherImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
+                      int64_t bucket_id) {
   OpTarget t;
   if (ffi::Error e = Prepare("gather", stream, device, token, heap_id, bucket_id, &t); e.failure()) return e;
   const BucketView& view = t.bucket->view;
@@ -58,6 +58,13 @@ ffi::Error Gather(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer
     LaunchGather<Bf16Bits, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
   }
   return LaunchResult("gather");
+}
+
+// Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
+ffi::Error Gather(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
+                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
+                  int64_t bucket_id) {
+  return AbortOnError(heap_id, GatherImpl(stream, device, token, out, token_out, heap_id, bucket_id));
 }
 
 }  // namespace

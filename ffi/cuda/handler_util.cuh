@@ -86,6 +86,14 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
   return ffi::Error::Success();
 }
 
+// Returns `e`, first aborting the heap when `e` is a failure: every handler's errors go through this, so that peers
+// spinning in a barrier kernel for this device leave at once (with this error as the cause) instead of waiting for
+// the timeout. A timeout or an abort already poisoned the heap; its first cause stays.
+inline ffi::Error AbortOnError(int64_t heap_id, ffi::Error e) {
+  if (e.failure()) AbortOnHandlerError(heap_id, e.message());
+  return e;
+}
+
 // Turns a failed kernel launch (bad configuration, no kernel image for this GPU, ...) into an error.
 inline ffi::Error LaunchResult(const char* op) {
   const cudaError_t e = cudaGetLastError();

@@ -135,7 +135,11 @@ DeviceBuffer::~DeviceBuffer() {
   g_live_bytes -= bytes_;
 }
 
-bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err) {
+bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err, bool* out_of_memory) {
+  if (bytes < 0) {
+    *err = "cannot allocate a negative size (" + std::to_string(bytes) + " bytes)";
+    return false;
+  }
   ScopedDevice on(gpu);
   if (!on.ok()) {
     *err = CudaMessage(("selecting GPU " + std::to_string(gpu)).c_str(), on.status());
@@ -148,6 +152,7 @@ bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err) {
   if (e != cudaSuccess) {
     cudaGetLastError();
     if (p != nullptr) cudaFree(p);
+    if (out_of_memory != nullptr && e == cudaErrorMemoryAllocation) *out_of_memory = true;
     *err = CudaMessage(("allocating " + std::to_string(bytes) + " bytes on GPU " + std::to_string(gpu)).c_str(), e);
     return false;
   }
@@ -190,15 +195,20 @@ std::string CurrentPoison(Heap& heap) {
   return heap.poisoned;
 }
 
+bool CheckBarrierTimeout(double seconds, std::string* err) {
+  if (TimeoutNanos(seconds) < 0) {
+    *err = "barrier timeout must be > 0 seconds (or inf to wait forever), got " + std::to_string(seconds);
+    return false;
+  }
+  return true;
+}
+
 int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err) {
   if (world < 1 || world > kMaxWorld) {
     *err = "heap world size must be in [1, " + std::to_string(kMaxWorld) + "] on CUDA, got " + std::to_string(world);
     return -1;
   }
-  if (!(barrier_timeout_s > 0)) {
-    *err = "barrier timeout must be > 0 seconds";
-    return -1;
-  }
+  if (!CheckBarrierTimeout(barrier_timeout_s, err)) return -1;
   int count = 0;
   if (!VisibleDeviceCount(&count, err)) return -1;
   auto heap = std::make_shared<Heap>();
@@ -306,24 +316,53 @@ std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bu
   return it->second;
 }
 
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err) {
+int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err, bool* out_of_memory) {
+  if (out_of_memory != nullptr) *out_of_memory = false;
   auto heap = FindHeap(heap_id, err);
   if (!heap) return -1;
   if (numel < 1) {
     *err = "bucket size must be >= 1 element, got " + std::to_string(numel);
     return -1;
   }
+  const int32_t world = heap->world;
+  const std::string what = "a bucket of " + std::to_string(numel) + " " + DtypeName(master) + " elements over " +
+                           std::to_string(world) + " devices in heap " + std::to_string(heap_id);
   std::lock_guard<std::mutex> lock(heap->mu);  // placement must not change while we allocate
   if (!heap->poisoned.empty()) {
     *err = heap->poisoned;
     return -1;
   }
   auto b = std::make_shared<Bucket>();
-  const int32_t world = heap->world;
   BucketView& v = b->view;
   v.layout = MakeLayout(numel, world, DtypeBytes(master));
   v.master = master;
   v.landing_slots = heap->landing_slots;
+  if (v.layout.shard_numel < 1 || !CheckedBucketBytes(v.layout, v.landing_slots, &b->bytes)) {
+    std::ostringstream msg;
+    const double per_element = DtypeBytes(master) + 4.0 + (v.landing_slots ? 4.0 * world : 0.0);
+    msg << what << " is too large: its memory (about " << static_cast<double>(numel) * per_element
+        << " bytes) overflows 64-bit byte counts";
+    *err = msg.str();
+    return -1;
+  }
+  // Refuse up front what a GPU cannot hold (positions sharing a GPU add up), naming the bytes asked for.
+  std::map<int32_t, int64_t> per_gpu;
+  for (int32_t p = 0; p < world; ++p) per_gpu[heap->placement[p]] += b->bytes.per_device;
+  for (const auto& [gpu, needed] : per_gpu) {
+    ScopedDevice on(gpu);
+    size_t free_bytes = 0, total_bytes = 0;
+    if (on.ok() && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      if (static_cast<uint64_t>(needed) > free_bytes) {
+        if (out_of_memory != nullptr) *out_of_memory = true;
+        *err = "out of GPU memory: " + what + " needs " + std::to_string(needed) + " bytes on GPU " +
+               std::to_string(gpu) + " (" + std::to_string(b->bytes.total) + " bytes in all), only " +
+               std::to_string(free_bytes) + " are free";
+        return -1;
+      }
+    } else {
+      cudaGetLastError();  // the allocation below reports a real problem
+    }
+  }
   const int64_t shard_numel = v.layout.shard_numel;
   b->shards = std::vector<DeviceBuffer>(world);
   b->accumulators = std::vector<DeviceBuffer>(world);
@@ -331,12 +370,15 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   for (int32_t p = 0; p < world; ++p) {
     const int32_t gpu = heap->placement[p];
     std::string why;
-    bool ok = b->shards[p].Allocate(gpu, shard_numel * DtypeBytes(master), &why) &&
-              b->accumulators[p].Allocate(gpu, shard_numel * 4, &why) &&
-              (!v.landing_slots || b->landing[p].Allocate(gpu, shard_numel * 4 * world, &why));
+    bool oom = false;
+    bool ok = b->shards[p].Allocate(gpu, b->bytes.shard, &why, &oom) &&
+              b->accumulators[p].Allocate(gpu, b->bytes.accumulator, &why, &oom) &&
+              (!v.landing_slots || b->landing[p].Allocate(gpu, b->bytes.landing, &why, &oom));
     if (!ok) {
-      *err = "registering a bucket of " + std::to_string(numel) + " elements in heap " + std::to_string(heap_id) +
-             " (device " + std::to_string(p) + "): " + why;
+      if (out_of_memory != nullptr) *out_of_memory = oom;
+      *err = std::string(oom ? "out of GPU memory: " : "") + "registering " + what + " (" +
+             std::to_string(b->bytes.total) + " bytes, " + std::to_string(shard_numel) +
+             " elements per shard; device " + std::to_string(p) + "): " + why;
       return -1;  // the DeviceBuffers allocated so far are released with `b`
     }
     v.shard[p] = b->shards[p].data();
@@ -371,6 +413,23 @@ bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err) {
 int64_t LiveHeapCount() {
   std::lock_guard<std::mutex> lock(g_registry_mu);
   return static_cast<int64_t>(Registry().size());
+}
+
+std::string AbortHeap(int64_t heap_id, const std::string& reason) {
+  std::string ignored;
+  auto heap = FindHeap(heap_id, &ignored);
+  if (!heap) return "";
+  std::lock_guard<std::mutex> lock(heap->mu);
+  return PoisonLocked(*heap, "aborted: " + reason + "; the heap is now unusable: free and re-create it");
+}
+
+void AbortOnHandlerError(int64_t heap_id, const std::string& message) {
+  int gpu = -1;
+  if (cudaGetDevice(&gpu) != cudaSuccess) {
+    cudaGetLastError();
+    gpu = -1;
+  }
+  AbortHeap(heap_id, "the device on GPU " + std::to_string(gpu) + " failed: " + message);
 }
 
 }  // namespace jodc::cuda

@@ -81,8 +81,9 @@ class DeviceBuffer {
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  // Allocates and zeroes `bytes` on GPU `gpu`; returns false with a message on failure.
-  bool Allocate(int32_t gpu, int64_t bytes, std::string* err);
+  // Allocates and zeroes `bytes` on GPU `gpu`; returns false with a message on failure (*out_of_memory, when given,
+  // tells an allocation the GPU could not satisfy apart from other failures).
+  bool Allocate(int32_t gpu, int64_t bytes, std::string* err, bool* out_of_memory = nullptr);
   void* data() const { return data_; }
   int64_t bytes() const { return bytes_; }
 
@@ -97,6 +98,7 @@ int64_t LiveHeapBytes();
 struct Bucket {
   int64_t id = 0;
   BucketView view;                         // immutable after registration
+  BucketBytes bytes;                       // checked at registration: every offset the kernels compute fits int64
   std::vector<DeviceBuffer> shards;        // per position, master dtype, layout.shard_numel elements
   std::vector<DeviceBuffer> accumulators;  // per position, fp32
   std::vector<DeviceBuffer> landing;       // per owner, world * shard_numel fp32 (landing-slot mode only)
@@ -140,17 +142,30 @@ std::string CudaMessage(const char* what, cudaError_t e);
 
 // Registry operations. Errors are returned as a non-empty message (never thrown across the C boundary).
 int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err);
+// A barrier timeout is valid when > 0 (+inf: wait forever); false with a message for NaN, zero or negative values.
+bool CheckBarrierTimeout(double seconds, std::string* err);
 bool SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus, std::string* err);
 bool FreeHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err);
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err);
+// Fails (-1) when the bucket's byte counts overflow int64 or a GPU cannot hold its part; *out_of_memory (when
+// given) tells the second case apart, so the C API can report it as such (Python raises MemoryError).
+int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err,
+                       bool* out_of_memory = nullptr);
 bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err);
 int64_t LiveHeapCount();
 
 // Marks the heap unusable with `message` (kept if one is already recorded) and releases waiting barrier kernels.
 // Returns the message now recorded. Requires heap.mu to be held.
 const std::string& PoisonLocked(Heap& heap, const std::string& message);
+
+// Aborts the heap: poisons it with "aborted: <reason>; ..." (a first cause already recorded stays) and releases
+// waiting barrier kernels. Returns the poison message now recorded ("" when the heap does not exist).
+std::string AbortHeap(int64_t heap_id, const std::string& reason);
+
+// What a handler calls when it returns an error: aborts the heap naming the GPU and the error, so peers spinning in
+// a barrier kernel for this device leave at once instead of waiting for the timeout.
+void AbortOnHandlerError(int64_t heap_id, const std::string& message);
 
 // The message for a device-side fault word, naming the op and the offending device index.
 std::string FaultMessage(const Heap& heap, uint64_t fault);

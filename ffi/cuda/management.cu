@@ -2,8 +2,9 @@
 // accumulators (initialisation, checkpoints, tests), barrier state, and the process-wide tallies. It mirrors the CPU
 // extension's functions (ffi/module.cc) one for one.
 //
-// Convention: functions that can fail return 0 on success and 1 on failure, with a message written into the
-// caller's buffer `err` of `err_capacity` bytes (always NUL-terminated, truncated if needed). Nothing throws.
+// Convention: functions that can fail return 0 on success and 1 on failure (2: out of memory, which Python raises as
+// MemoryError), with a message written into the caller's buffer `err` of `err_capacity` bytes (always
+// NUL-terminated, truncated if needed). Nothing throws.
 #include <cstring>
 #include <string>
 #include <vector>
@@ -21,6 +22,8 @@ int32_t Fail(const std::string& message, char* err, int64_t err_capacity) {
   }
   return 1;
 }
+
+constexpr int32_t kOutOfMemory = 2;  // the return code of a failure that is an allocation the GPU cannot satisfy
 
 // Resolves a bucket (and its heap) for a host-side access to position `device`'s memory.
 bool Lookup(int64_t heap_id, int64_t bucket_id, int32_t device, std::shared_ptr<Heap>* heap,
@@ -101,7 +104,7 @@ JODC_EXPORT int32_t jodc_cuda_heap_set_barrier_timeout(int64_t heap_id, double t
   std::string why;
   auto heap = FindHeap(heap_id, &why);
   if (!heap) return Fail(why, err, err_capacity);
-  if (!(timeout_s > 0)) return Fail("barrier timeout must be > 0 seconds", err, err_capacity);
+  if (!CheckBarrierTimeout(timeout_s, &why)) return Fail(why, err, err_capacity);
   heap->barrier_timeout_s = timeout_s;
   return 0;
 }
@@ -130,6 +133,16 @@ JODC_EXPORT int32_t jodc_cuda_heap_poisoned(int64_t heap_id, char* out, int64_t 
   return 0;
 }
 
+// Aborts the heap with `reason` (see AbortHeap) and writes the poison message now recorded into `out`.
+JODC_EXPORT int32_t jodc_cuda_heap_abort(int64_t heap_id, const char* reason, char* out, int64_t out_capacity,
+                                         char* err, int64_t err_capacity) {
+  std::string why;
+  if (!FindHeap(heap_id, &why)) return Fail(why, err, err_capacity);
+  const std::string poisoned = AbortHeap(heap_id, reason != nullptr ? reason : "");
+  Fail(poisoned, out, out_capacity);  // same truncating copy
+  return 0;
+}
+
 // Whether pushes land in per-source slots (deterministic heap, or no native peer atomics) rather than atomically.
 JODC_EXPORT int32_t jodc_cuda_heap_landing_slots(int64_t heap_id, int32_t* landing_slots, char* err,
                                                  int64_t err_capacity) {
@@ -152,8 +165,12 @@ JODC_EXPORT int32_t jodc_cuda_bucket_register(int64_t heap_id, int64_t numel, co
   if (!ParseDtype(name, &master)) return Fail("master dtype must be float32 or bfloat16, got " + name, err,
                                               err_capacity);
   std::string why;
-  const int64_t id = RegisterBucket(heap_id, numel, master, &why);
-  if (id < 0) return Fail(why, err, err_capacity);
+  bool out_of_memory = false;
+  const int64_t id = RegisterBucket(heap_id, numel, master, &why, &out_of_memory);
+  if (id < 0) {
+    Fail(why, err, err_capacity);
+    return out_of_memory ? kOutOfMemory : 1;
+  }
   *bucket_id = id;
   return 0;
 }

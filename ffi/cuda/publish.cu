@@ -19,9 +19,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   AdvanceToken(token_in, token_out);
 }
 
-ffi::Error Publish(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer shard,
-                   ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
-                   int64_t bucket_id) {
+ffi::Error PublishImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer shard,
+                       ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
+                       int64_t bucket_id) {
   OpTarget t;
   if (ffi::Error e = Prepare("publish", stream, device, token, heap_id, bucket_id, &t); e.failure()) return e;
   const BucketView& view = t.bucket->view;
@@ -47,6 +47,13 @@ ffi::Error Publish(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBu
                                                                     Aligned16(src));
   }
   return LaunchResult("publish");
+}
+
+// Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
+ffi::Error Publish(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer shard,
+                   ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
+                   int64_t bucket_id) {
+  return AbortOnError(heap_id, PublishImpl(stream, device, shard, token, token_out, heap_id, bucket_id));
 }
 
 }  // namespace

@@ -45,9 +45,9 @@ void LaunchScatter(cudaStream_t stream, const OpTarget& t, const int32_t* device
       view, t.heap->control, device, token_in, token_out, static_cast<const Src*>(grad), Aligned16(grad));
 }
 
-ffi::Error ScatterAccumulate(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad,
-                             ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
-                             int64_t heap_id, int64_t bucket_id) {
+ffi::Error ScatterAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad,
+                                 ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+                                 int64_t heap_id, int64_t bucket_id) {
   OpTarget t;
   if (ffi::Error e = Prepare("scatter_accumulate", stream, device, token, heap_id, bucket_id, &t); e.failure())
     return e;
@@ -68,6 +68,13 @@ ffi::Error ScatterAccumulate(cudaStream_t stream, ffi::Buffer<ffi::S32> device, 
                             grad.untyped_data());
   }
   return LaunchResult("scatter_accumulate");
+}
+
+// Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
+ffi::Error ScatterAccumulate(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad,
+                             ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+                             int64_t heap_id, int64_t bucket_id) {
+  return AbortOnError(heap_id, ScatterAccumulateImpl(stream, device, grad, token, token_out, heap_id, bucket_id));
 }
 
 }  // namespace

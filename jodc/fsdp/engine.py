@@ -83,12 +83,16 @@ class Engine(abc.ABC):
             recorder = self._recorder
             recorder.reset()
         t0 = time.perf_counter()
-        loss, norm, metrics = jax.block_until_ready(self._run(batch, recorder))
+        loss, norm, metrics = self._wait(self._run(batch, recorder))
         seconds = time.perf_counter() - t0
         self.steps_done += 1
         return StepResult(sharding.first_value(loss), sharding.first_value(norm), seconds,
                           [int(c) for c in batch.counts], recorder.events() if recorder else None,
                           {k: sharding.first_value(v) for k, v in metrics.items()})
+
+    def _wait(self, outputs):
+        """Blocks until a dispatched step's outputs are ready (engines with a heap fail fast when a device fails)."""
+        return jax.block_until_ready(outputs)
 
     def _check_batch(self, batch: MinibatchArrays) -> None:
         if batch.num_devices != self.num_devices:

@@ -32,6 +32,8 @@ class ODCEngine(ShardedStateMixin, Engine):
     """On-Demand Communication. Use with per-device microbatch counts (e.g. `lb_mini` plans).
 
     `deterministic=True` makes gradient accumulation bit-for-bit reproducible (per-source landing slots).
+    `barrier_timeout_s` bounds the wait for a device that never arrives (``inf``: forever); a device that fails
+    aborts the step at once (`jodc.ops.DeviceFailed`), whatever the timeout.
     """
 
     name = "odc"
@@ -167,6 +169,7 @@ class ODCEngine(ShardedStateMixin, Engine):
         return fn
 
     def _run(self, batch: MinibatchArrays, recorder=None):
+        self.heap.check_alive()  # an aborted or timed-out heap fails here, before anything is dispatched
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
         arrays = _pad_microbatches(arrays)
         fn = self._step_fn(arrays, recorder)
@@ -177,6 +180,13 @@ class ODCEngine(ShardedStateMixin, Engine):
             sharding.put_per_device(self.mesh, batch.counts), sharding.put_per_device(self.mesh, bucket_index),
             jnp.float32(batch.normalizer))
         return loss, norm, metrics
+
+    def _wait(self, outputs):
+        """Waits device by device: the first device whose step fails aborts the heap, so the others leave the
+        barrier at once and the step raises `jodc.ops.DeviceFailed` with that device's error (not a timeout)."""
+        if self.heap.freed:  # closed: nothing to wait for that uses the heap
+            return jax.block_until_ready(outputs)
+        return self.heap.block_until_ready(outputs)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def _params_loaded(self, params: dict[str, np.ndarray]) -> None:

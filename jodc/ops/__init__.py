@@ -5,9 +5,12 @@ accumulator for it. Inside ``jax.shard_map`` over the heap's mesh axis, a device
 :func:`gather`, pushes gradients to their owners with :func:`scatter_accumulate`, meets the others once per
 minibatch at :func:`barrier`, then reads its accumulated shard (:func:`read_accumulator`), updates it and
 :func:`publish` es the result. Every op takes and returns an int32 token that keeps them in program order.
+Wait for results with :func:`block_until_ready` (``heap.block_until_ready``): a device that fails aborts the heap,
+so the others fail at once instead of waiting in the barrier for its timeout.
 """
 from jodc.ops.accumulator import read_accumulator, zero_accumulator
 from jodc.ops.barrier import barrier
+from jodc.ops.failure import DeviceFailed, block_until_ready
 from jodc.ops.gather import gather
 from jodc.ops.heap import Bucket, SymmetricHeap
 from jodc.ops.layer import odc_layer
@@ -17,9 +20,11 @@ from jodc.ops.token import after, depend_on, new_token
 
 __all__ = [
     "Bucket",
+    "DeviceFailed",
     "SymmetricHeap",
     "after",
     "barrier",
+    "block_until_ready",
     "depend_on",
     "gather",
     "new_token",

@@ -28,12 +28,29 @@ def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
             f"jodc.ops.{op}: axis {heap.axis_name!r} has {size} devices here but heap {heap.id} was created for "
             f"{heap.world}"
         )
+    others = _other_axes(heap.axis_name)
+    if others:
+        raise ValueError(
+            f"jodc.ops.{op}: the mesh here also has axes {others} of size > 1 besides the heap's {heap.axis_name!r}: "
+            f"their replicas would share heap {heap.id}'s barrier counters and accumulators (wrong results); run "
+            f"the ops under a mesh whose only axis of size > 1 is {heap.axis_name!r}"
+        )
     return lax.axis_index(heap.axis_name).astype(jnp.int32)
 
 
 def target(heap: SymmetricHeap, op: str) -> str:
     """The FFI target of `op` for the heap's transport: jodc_<op> in-process, jodc_mpi_<op> across processes."""
     return f"jodc_mpi_{op}" if getattr(heap, "transport", "local") == "mpi" else f"jodc_{op}"
+
+
+def _other_axes(axis_name: str) -> dict[str, int]:
+    """Axes of size > 1 of the mesh being traced (shard_map's abstract mesh) other than `axis_name`."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        shape = dict(mesh.shape)
+    except Exception:  # noqa: BLE001 - no abstract mesh API or no mesh: nothing to check
+        return {}
+    return {name: int(size) for name, size in shape.items() if name != axis_name and int(size) > 1}
 
 
 def prepare(bucket: Bucket, token, op: str) -> tuple[jax.Array, jax.Array]:
@@ -54,7 +71,6 @@ def float_dtype(dtype, what: str, op: str) -> jnp.dtype:
     if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"jodc.ops.{op}: {what} must be float32 or bfloat16, got {dt}")
     return dt
-
 
 
 def per_device(x, axis_name: str):

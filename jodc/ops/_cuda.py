@@ -2,7 +2,7 @@
 
 :func:`library` returns an object with the same Python-level methods as the CPU extension ``jodc._ffi`` (see
 ``ffi/module.cc``), so :class:`jodc.ops.heap.SymmetricHeap` drives either backend the same way. Native failures
-raise ``ValueError`` carrying the library's message.
+raise ``ValueError`` carrying the library's message (``MemoryError`` for allocations a GPU cannot satisfy).
 
 The library is a plain shared object with a C API (no pybind11: nvcc never sees Python headers). It links the CUDA
 runtime statically, so loading it needs no GPU; creating a heap does.
@@ -31,6 +31,7 @@ HANDLER_SYMBOLS = {
 }
 
 _ERR_CAPACITY = 16384
+_OUT_OF_MEMORY = 2  # the C API's return code for an allocation the GPU cannot satisfy
 _MAX_WORLD = 64
 
 _c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
@@ -49,6 +50,7 @@ _SIGNATURES = {
     "jodc_cuda_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
     "jodc_cuda_heap_generations": (_c_i32, (_c_i64, ctypes.POINTER(_c_u64), _c_i32, ctypes.POINTER(_c_i32)), True),
     "jodc_cuda_heap_poisoned": (_c_i32, (_c_i64, _c_str, _c_i64, ctypes.POINTER(_c_i64)), True),
+    "jodc_cuda_heap_abort": (_c_i32, (_c_i64, _c_str, _c_str, _c_i64), True),
     "jodc_cuda_heap_landing_slots": (_c_i32, (_c_i64, ctypes.POINTER(_c_i32)), True),
     "jodc_cuda_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, ctypes.POINTER(_c_i64)), True),
     "jodc_cuda_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
@@ -83,7 +85,10 @@ class CudaLibrary:
 
     def _call(self, name: str, *args) -> None:
         err = ctypes.create_string_buffer(_ERR_CAPACITY)
-        if getattr(self._lib, name)(*args, err, _ERR_CAPACITY) != 0:
+        rc = getattr(self._lib, name)(*args, err, _ERR_CAPACITY)
+        if rc == _OUT_OF_MEMORY:
+            raise MemoryError(err.value.decode("utf-8", "replace"))
+        if rc != 0:
             raise ValueError(err.value.decode("utf-8", "replace"))
 
     # -- FFI handlers ---------------------------------------------------------------------------------------
@@ -140,6 +145,13 @@ class CudaLibrary:
         out = ctypes.create_string_buffer(_ERR_CAPACITY)
         length = _c_i64()
         self._call("jodc_cuda_heap_poisoned", int(heap_id), out, _ERR_CAPACITY, ctypes.byref(length))
+        return out.value.decode("utf-8", "replace")
+
+    def heap_abort(self, heap_id: int, reason: str) -> str:
+        """Poisons the heap with "aborted: <reason>" (a first cause stays) and releases its waiting barrier kernels;
+        returns the poison message now recorded."""
+        out = ctypes.create_string_buffer(_ERR_CAPACITY)
+        self._call("jodc_cuda_heap_abort", int(heap_id), str(reason).encode(), out, _ERR_CAPACITY)
         return out.value.decode("utf-8", "replace")
 
     def heap_landing_slots(self, heap_id: int) -> bool:

@@ -12,9 +12,11 @@ from jodc.ops.token import check_token
 def barrier(heap: SymmetricHeap, token) -> jax.Array:
     """Blocks until every device of `heap` has reached the same barrier; returns a new token.
 
-    Fails (instead of hanging) after ``heap.barrier_timeout_s`` with the indices of the devices that never arrived;
-    the heap is then unusable. Bound dispatch to one step in flight: many launches queued ahead can exhaust XLA's
-    CPU threads while each waits here.
+    Fails (instead of hanging) after ``heap.barrier_timeout_s`` (``inf``: never) with the indices of the devices that
+    never arrived; the heap is then unusable. Fails at once, with the cause, when the heap is aborted: a device's op
+    returned an error, or the host called ``heap.abort`` (``ops.block_until_ready`` does when a device's computation
+    fails). Bound dispatch to one step in flight: many launches queued ahead can exhaust XLA's CPU threads while each
+    waits here.
     """
     if not isinstance(heap, SymmetricHeap):
         raise ValueError(f"jodc.ops.barrier: expected a SymmetricHeap, got {type(heap).__name__}")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jodc.ops import _mpi, _native
+from jodc.ops import _mpi, _native, layout
 
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_BARRIER_TIMEOUT_S = 300.0
@@ -58,6 +58,31 @@ def _settle_ops_before_free(what: str) -> None:
             pass
 
 
+def check_one_replica(mesh: jax.sharding.Mesh, axis_name: str) -> None:
+    """Refuses a mesh with an axis of size > 1 besides the heap's: every replica along it would run the same ops on
+    the same heap (one set of barrier counters and accumulators), so devices would leave barriers early and sum
+    each other's gradients, silently. One heap serves exactly one group of devices: the heap's axis."""
+    others = {name: int(size) for name, size in mesh.shape.items() if name != axis_name and int(size) > 1}
+    if others:
+        raise ValueError(
+            f"a heap on axis {axis_name!r} of mesh {dict(mesh.shape)} would be shared by the replicas along "
+            f"{others}: they would share barrier counters and accumulators (wrong results). jodc heaps support one "
+            f"device group: use a mesh whose only axis of size > 1 is {axis_name!r}")
+
+
+def check_single_process(devices) -> None:
+    """The transport check: the in-process heap (CPU memory, or CUDA peer pointers within one process) reaches only
+    this process's devices. Refuses a mesh holding devices of other processes with a clear message; a multi-process
+    transport (MPI, issue 13) replaces this check with its own."""
+    me = jax.process_index()
+    remote = sorted({int(d.process_index) for d in devices if int(d.process_index) != me})
+    if remote:
+        raise ValueError(
+            f"the heap's mesh holds devices of process(es) {remote}, but this process is {me}: jodc's in-process "
+            f"heap reaches only the devices of one process (no multi-process transport is available here); use a "
+            f"mesh of this process's devices (jax.local_devices())")
+
+
 def _backend(platform: str):
     if platform == "cpu":
         return _native.cpu_library()
@@ -76,7 +101,9 @@ class SymmetricHeap:
       axis_name: the mesh axis whose devices share the heap; its size is the world size.
       deterministic: accumulate pushes in per-source landing slots reduced in a fixed order, so accumulated
         gradients are bit-for-bit reproducible whatever the thread timing (costs world x the accumulator memory).
-      barrier_timeout_s: how long ``barrier`` waits before failing with the names of the missing devices.
+      barrier_timeout_s: how long ``barrier`` waits before failing with the names of the missing devices; ``inf``
+        waits forever. A device that fails (rather than never arriving) aborts the heap at once: see ``abort`` and
+        ``block_until_ready``.
       transport: 'auto' (default: 'mpi' when the mesh holds devices of several processes, else 'local'), 'local'
         (in-process memory) or 'mpi' (MPI one-sided windows, see ``jodc.ops._mpi``; needs the ``jodc[mpi]`` extra).
         The choice is ``heap.transport``. An MPI heap is created, registered and freed collectively by every
@@ -86,6 +113,9 @@ class SymmetricHeap:
 
     Buckets must be registered in the same order with the same sizes everywhere (one process registers for all of
     its devices). Use as a context manager, or call ``free()``: native memory is released at once.
+
+    The mesh's only axis of size > 1 must be `axis_name` (replicas along another axis would share the heap). A local
+    heap holds this process's devices only (``check_single_process``); an MPI heap spans processes.
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: str = "d", *, deterministic: bool = False,
@@ -96,8 +126,8 @@ class SymmetricHeap:
         platforms = {d.platform for d in mesh.devices.flat}
         if len(platforms) != 1:
             raise ValueError(f"a heap's mesh must hold devices of one platform, got {sorted(platforms)}")
-        if not barrier_timeout_s > 0:
-            raise ValueError(f"barrier_timeout_s must be > 0, got {barrier_timeout_s}")
+        barrier_timeout_s = layout.check_barrier_timeout(barrier_timeout_s)
+        check_one_replica(mesh, axis_name)
         self.mesh = mesh
         self.axis_name = axis_name
         self.world = int(mesh.shape[axis_name])
@@ -112,13 +142,15 @@ class SymmetricHeap:
             self.id = _mpi.create_heap(self._lib, mesh, axis_name, self.deterministic, float(barrier_timeout_s),
                                        progress_thread)
         else:
+            check_single_process(mesh.devices.flat)
             self._lib = _backend(self.platform)
             _native.ensure_registered(self.platform)
             self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
+        # device p of the axis (the index the ops pass to the handlers); other axes have size 1
+        along_axis = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(self.world)
+        self.positions = {d: p for p, d in enumerate(along_axis)}
         if self.transport == "local" and self.platform != "cpu" and hasattr(self._lib, "heap_set_placement"):
             # device p of the axis holds its shard on the GPU that runs it (meshes need not follow jax.devices())
-            axis = mesh.axis_names.index(axis_name)
-            along_axis = np.moveaxis(mesh.devices, axis, 0).reshape(self.world, -1)[:, 0]
             self._lib.heap_set_placement(self.id, [int(d.local_hardware_id) for d in along_axis])
         self._barrier_timeout_s = float(barrier_timeout_s)
         self._buckets: list[Bucket] = []
@@ -152,28 +184,68 @@ class SymmetricHeap:
     def check_alive(self) -> None:
         if self._freed:
             raise ValueError(f"heap {self.id} has been freed")
-        poisoned = self._lib.heap_poisoned(self.id)
+        poisoned = self.poisoned
         if poisoned:
             raise RuntimeError(poisoned)
 
+    @property
+    def poisoned(self) -> str:
+        """Why the heap is unusable ("" while healthy): a barrier timeout, an abort, a failed op."""
+        return "" if self._freed else str(self._lib.heap_poisoned(self.id))
+
+    def abort(self, reason: str) -> str:
+        """Poisons the heap with "aborted: <reason>" and wakes every device waiting in its barrier, which then fails
+        with that message instead of waiting for the timeout; every later op fails too (free and re-create the heap).
+        The first cause recorded stays. Returns the poison message now recorded. Safe from any thread."""
+        if self._freed:
+            return ""
+        self._lib.heap_abort(self.id, str(reason))
+        return self.poisoned
+
+    def block_until_ready(self, outputs):
+        """Waits for `outputs` of computations that use this heap (like ``jax.block_until_ready``), but fails fast:
+        the first device whose computation fails (a native op error, a host callback that raised) aborts the heap,
+        so devices waiting for it in a barrier fail at once; raises :class:`jodc.ops.DeviceFailed` naming it."""
+        from jodc.ops.failure import block_until_ready
+
+        return block_until_ready(outputs, self)
+
     # -- buckets --------------------------------------------------------------------------------------------
     def register(self, shape: int | Sequence[int], dtype=jnp.float32, *, name: str | None = None) -> "Bucket":
-        """Registers a bucket of `shape` (its flat size is what is sharded) with master shards of `dtype`."""
+        """Registers a bucket of `shape` (its flat size is what is sharded) with master shards of `dtype`.
+
+        ValueError when its sizes overflow 64-bit byte counts, MemoryError when the memory it needs (named, in bytes)
+        cannot be had; both before anything is allocated."""
         self.check_alive()
         shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+        name = name or f"bucket{len(self._buckets)}"
         if any(s < 0 for s in shape):
-            raise ValueError(f"bucket shape must be non-negative, got {shape}")
+            raise ValueError(f"bucket {name!r}: shape must be non-negative, got {shape}")
         numel = math.prod(shape)
         if numel < 1:
-            raise ValueError(f"bucket {name or ''!s} must hold at least one element, got shape {shape}")
+            raise ValueError(f"bucket {name!r} must hold at least one element, got shape {shape}")
         master = dtype_name(dtype)
+        needed = layout.bucket_bytes(numel, self.world, MASTER_DTYPES[master].itemsize, self.landing_slots, name=name)
+        if self.platform == "cpu":
+            layout.check_host_memory(needed, self.world, name=name)
         if self.transport == "mpi":  # collective: every process registers the same bucket here, or all raise
-            _mpi.check_registration(self.id, len(self._buckets), name or f"bucket{len(self._buckets)}", shape, master)
-        bucket_id = int(self._lib.bucket_register(self.id, numel, master))
+            _mpi.check_registration(self.id, len(self._buckets), name, shape, master)
+        try:
+            bucket_id = int(self._lib.bucket_register(self.id, numel, master))
+        except MemoryError as e:
+            raise MemoryError(f"bucket {name!r} ({needed.describe(self.world)}): {e}") from None
         bucket = Bucket(self, bucket_id, shape, numel, master, int(self._lib.bucket_shard_numel(self.id, bucket_id)),
-                        name or f"bucket{len(self._buckets)}")
+                        name)
         self._buckets.append(bucket)
         return bucket
+
+    @property
+    def landing_slots(self) -> bool:
+        """Whether pushes land in per-source fp32 slots (deterministic heap; CUDA without peer atomics)."""
+        if self.deterministic:
+            return True
+        probe = getattr(self._lib, "heap_landing_slots", None)
+        return bool(probe(self.id)) if probe is not None and not self._freed else False
 
     @property
     def buckets(self) -> tuple["Bucket", ...]:
@@ -186,8 +258,7 @@ class SymmetricHeap:
 
     @barrier_timeout_s.setter
     def barrier_timeout_s(self, seconds: float) -> None:
-        if not seconds > 0:
-            raise ValueError(f"barrier_timeout_s must be > 0, got {seconds}")
+        seconds = layout.check_barrier_timeout(seconds)
         self.check_alive()
         self._lib.heap_set_barrier_timeout(self.id, float(seconds))
         self._barrier_timeout_s = float(seconds)
