@@ -87,7 +87,9 @@ def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel 
         if microbatch_overhead:
             raise ValueError("microbatch_overhead needs length_buckets: without them LB-Mini already packs every "
                              "device into the fewest microbatches")
-        packings = [pack_microbatches(lengths[share], costs[share], token_cap) for share in shares]
+        # ODC runs a device's microbatches one after another: they only need to fit, not to balance
+        packings = [pack_microbatches(lengths[share], costs[share], token_cap, balance=False,
+                                       search_nodes=0) for share in shares]
     else:
         microbatch_cost = PaddedMicrobatchCost.for_buckets(cost_model, length_buckets, token_cap,
                                                            overhead=microbatch_overhead)
