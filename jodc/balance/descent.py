@@ -7,7 +7,9 @@ strictly below ``S_p``; the sorted vector of part sums then falls lexicographica
 exchanges, each evaluated for all candidates at once with numpy:
 
 * move: one item of ``p`` to the lightest part;
-* swap: an item of ``p`` for a lighter item of any other part ``q``;
+* swap: an item of ``p`` for a lighter item of any other part ``q`` (with more than ``PARTNER_PARTS`` parts, of
+  one of the ``PARTNER_PARTS`` lightest: only they have the headroom to take much, which keeps a round's cost
+  independent of the instance size);
 * 2-for-1 and 1-for-2 exchanges between ``p`` and any ``q`` (instances of at most ``SMALL_ITEMS`` items);
 * ejection chain: an item of ``p`` to ``q`` while an item of ``q`` goes on to the lightest third part ``r``
   (the multi-part rearrangement that pairwise exchanges cannot make);
@@ -22,6 +24,9 @@ import numpy as np
 
 # Instances up to this many items also try 2-item exchanges and 3-cycles (their candidate tables grow as n^2).
 SMALL_ITEMS = 160
+# With more parts than this, exchanges look only at the items of the this many lightest parts (per round cost
+# O(items of p x items of those parts), independent of the instance size).
+PARTNER_PARTS = 32
 BOUND_TOLERANCE = 1e-5  # 0.001%: far below any measurable difference in step time
 
 
@@ -59,15 +64,19 @@ def descend(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds: int, bo
         if top <= bound * (1.0 + BOUND_TOLERANCE) + tol:
             break
         limit = top - tol
-        in_p = assign == p
-        mine = ids[in_p]
+        mine = ids[assign == p]
         cp = cost[mine]
-        rest = ids[~in_p]
+        light = np.argsort(sums, kind="stable")
+        light = light[light != p]
+        if k - 1 > PARTNER_PARTS:  # many parts: only the lightest have the headroom to take much from p
+            partner = np.zeros(k, dtype=bool)
+            partner[light[:PARTNER_PARTS]] = True
+            rest = ids[partner[assign]]
+        else:
+            rest = ids[assign != p]
         cr = cost[rest]
         qr = assign[rest]
         sq = sums[qr]
-        light = np.argsort(sums, kind="stable")
-        light = light[light != p]
         l1 = int(light[0])
         l2 = int(light[1]) if light.size > 1 else l1
         options = []  # (new heaviest of the touched parts, kind, payload)

@@ -81,7 +81,7 @@ def exact_partition(costs, num_parts: int, *, node_limit: int = DEFAULT_NODE_LIM
     integrality = np.concatenate([np.ones(m), [0]])
     var_bounds = Bounds(np.concatenate([np.zeros(m), [bound / scale]]), np.concatenate([np.ones(m), [np.inf]]))
     result = milp(objective, constraints=LinearConstraint(matrix, lower, upper), integrality=integrality,
-                  bounds=var_bounds, options={"node_limit": int(node_limit), "mip_rel_gap": 1e-9,
+                  bounds=var_bounds, options={"node_limit": int(node_limit), "mip_rel_gap": 1e-6,
                                               "presolve": True})
     solver_bound = bound
     if getattr(result, "mip_dual_bound", None) is not None and np.isfinite(result.mip_dual_bound):

@@ -141,10 +141,22 @@ def _as_parts(assign: np.ndarray, k: int) -> list[list[int]]:
     return [order[bounds[p]:bounds[p + 1]].tolist() for p in range(k)]
 
 
+def _pairwise_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
+    """The free partition as computed before the descent existed: Karmarkar-Karp and LPT, each refined by pairwise
+    exchanges, the better searched item-wise (:func:`~jodc.balance.search.improve_by_search`)."""
+    candidates = [refine_by_swaps(cost, karmarkar_karp(cost, k)), refine_by_swaps(cost, lpt(cost, k))]
+    best = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: KK
+    return improve_by_search(cost, best, node_budget=search_nodes)
+
+
 def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
-    """The free partition (sizes may differ): Karmarkar-Karp (when ``n * k <= KK_WORK``) and LPT starts, each
-    lowered by :func:`~jodc.balance.descent.descend`, the better kept; then, on small instances still above the
-    lower bound, the bounded exact search and one more descent. Every step is bounded by counts."""
+    """The free partition (sizes may differ), every step bounded by counts, never by time:
+
+    1. fast path: Karmarkar-Karp (when ``n * k <= KK_WORK``) and LPT starts, each lowered by
+       :func:`~jodc.balance.descent.descend`, the better kept; done if it is within ``BOUND_TOLERANCE`` of the lower
+       bound, or if the instance has more than ``SMALL_ITEMS`` items;
+    2. small instances: pairwise refinement of that result and the previous pipeline (:func:`_pairwise_partition`)
+       compete, then bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes)."""
     n = cost.size
     if n <= k:
         return [[i] for i in range(n)] + [[] for _ in range(k - n)]
@@ -161,7 +173,15 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
         if best_max <= bound * (1.0 + BOUND_TOLERANCE):
             break
     parts = _as_parts(best, k)
-    if n <= SMALL_ITEMS and best_max > bound * (1.0 + BOUND_TOLERANCE) and search_nodes:
+    if n > SMALL_ITEMS or best_max <= bound * (1.0 + BOUND_TOLERANCE):
+        return parts
+    # Small instances: plateau moves (narrowing pairs below the heaviest part) unlock what the strict descent
+    # cannot, and the previous pipeline (pairwise refinement of KK and LPT, item-wise search) competes too, so
+    # the result is never worse than it; bin completion then looks for a lighter partition still.
+    candidates = [refine_by_swaps(cost, parts), _pairwise_partition(cost, k, search_nodes)]
+    parts = min(candidates, key=lambda c: float(part_sums(cost, c).max()))
+    best_max = float(part_sums(cost, parts).max())
+    if best_max > bound * (1.0 + BOUND_TOLERANCE) and search_nodes:
         found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
         if found is not None:
             parts = found
