@@ -184,16 +184,3 @@ def test_simulator_rejects_bad_arguments():
         simulate_collective(plan, GOLDEN, "A100")
     with pytest.raises(ValueError, match="no sequences"):
         simulate_odc(Plan(((),), 16), GOLDEN, A100_SXM_80GB)
-
-
-def test_cluster_what_if_reports_gain_gap_and_planning_time():
-    from jodc.sim import cluster_what_if
-
-    result = cluster_what_if(16, seqs_per_device=4, minibatches=1)
-    assert result.devices == 16 and result.seqs_per_device == 4
-    assert result.odc_gain_same_plan >= 1.0  # ODC never waits at per-microbatch barriers
-    assert result.odc_gain_over_local_sort >= result.odc_gain_same_plan * 0.99
-    assert 1.0 <= result.lb_mini_gap_to_bound < 1.05
-    assert result.plan_ms_lb_mini > 0 and result.plan_fraction_of_step > 0
-    with pytest.raises(ValueError, match="devices"):
-        cluster_what_if(0)
