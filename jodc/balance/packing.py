@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from jodc.balance.partition import karmarkar_karp, order_parts, partition
+from jodc.balance.partition import order_parts, partition
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, lengths_within_cap, positive_int, sequence_lengths
@@ -43,13 +43,12 @@ def _first_fit_decreasing(lengths: np.ndarray, num_bins: int, token_cap: int) ->
 
 
 def try_pack(lengths, costs, token_cap: int, num_microbatches: int, *,
-             search_nodes: int = DEFAULT_NODE_BUDGET, balance: bool = True) -> list[list[int]] | None:
+             search_nodes: int = DEFAULT_NODE_BUDGET) -> list[list[int]] | None:
     """Pack into exactly ``num_microbatches`` microbatches (some may be empty), or None if no attempt fits.
 
     Returns lists of positions into ``lengths``, heaviest microbatch (by ``costs``) first. ``search_nodes`` bounds
-    the exact searches that balance the microbatches' costs. ``balance=False`` (engines that run a device's
-    microbatches one after another and only need them to fit) returns first-fit decreasing or the token-balanced
-    Karmarkar-Karp partition when one fits, and balances only when neither does (so it never needs more microbatches than the balanced packer).
+    the exact searches that balance the microbatches' costs (LB-Mini passes 0: ODC runs a device's microbatches
+    one after another, so their balance matters little).
     """
     size = sequence_lengths(lengths, allow_empty=True)
     cost = costs_array(costs)
@@ -61,10 +60,6 @@ def try_pack(lengths, costs, token_cap: int, num_microbatches: int, *,
         return None
     if size.size <= m:
         return order_parts(cost, [[i] for i in range(size.size)] + [[] for _ in range(m - size.size)])
-    if not balance:
-        for quick in (_first_fit_decreasing(size, m, token_cap), karmarkar_karp(size.astype(np.float64), m)):
-            if quick is not None and _fits(size, quick, token_cap):
-                return order_parts(cost, quick)
     by_cost = partition(cost, m, search_nodes=search_nodes)
     if _fits(size, by_cost, token_cap):
         return by_cost
@@ -84,7 +79,7 @@ def min_microbatches(lengths, token_cap: int) -> int:
 
 
 def pack_microbatches(lengths, costs, token_cap: int, *, at_least: int = 0,
-                      search_nodes: int = DEFAULT_NODE_BUDGET, balance: bool = True) -> list[list[int]]:
+                      search_nodes: int = DEFAULT_NODE_BUDGET) -> list[list[int]]:
     """Pack one device's sequences into the fewest microbatches (and at least ``at_least``) that this packer fits.
 
     Args:
@@ -92,7 +87,7 @@ def pack_microbatches(lengths, costs, token_cap: int, *, at_least: int = 0,
       costs: their costs (any cost model), balanced across microbatches.
       token_cap: the most tokens in one microbatch.
       at_least: a lower bound on the count (empty microbatches are added if there are fewer sequences).
-      search_nodes, balance: passed to :func:`try_pack` (``balance=False`` when only fitting matters: LB-Mini).
+      search_nodes: passed to :func:`try_pack` (0 when microbatch balance matters little: LB-Mini).
 
     Returns lists of positions into ``lengths``, heaviest microbatch first, each within ``token_cap`` tokens.
     """
@@ -104,7 +99,7 @@ def pack_microbatches(lengths, costs, token_cap: int, *, at_least: int = 0,
     if m == 0:
         return []
     while True:
-        packed = try_pack(size, costs, cap, m, search_nodes=search_nodes, balance=balance)
+        packed = try_pack(size, costs, cap, m, search_nodes=search_nodes)
         if packed is not None:
             return packed
         m += 1  # terminates: with m >= len(lengths) every sequence gets its own microbatch

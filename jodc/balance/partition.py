@@ -156,7 +156,8 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
        :func:`~jodc.balance.descent.descend`, the better kept; done if it is within ``BOUND_TOLERANCE`` of the lower
        bound, or if the instance has more than ``SMALL_ITEMS`` items;
     2. small instances: pairwise refinement of that result and the previous pipeline (:func:`_pairwise_partition`)
-       compete, then bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes)."""
+       compete, then bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes);
+       with ``search_nodes=0`` only the pairwise refinement."""
     n = cost.size
     if n <= k:
         return [[i] for i in range(n)] + [[] for _ in range(k - n)]
@@ -178,6 +179,8 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
     # Small instances: plateau moves (narrowing pairs below the heaviest part) unlock what the strict descent
     # cannot, and the previous pipeline (pairwise refinement of KK and LPT, item-wise search) competes too, so
     # the result is never worse than it; bin completion then looks for a lighter partition still.
+    if not search_nodes:  # no search asked for (packing that only needs a fit): pairwise refinement only
+        return refine_by_swaps(cost, parts)
     candidates = [refine_by_swaps(cost, parts), _pairwise_partition(cost, k, search_nodes)]
     parts = min(candidates, key=lambda c: float(part_sums(cost, c).max()))
     best_max = float(part_sums(cost, parts).max())

@@ -88,9 +88,8 @@ def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel 
         if microbatch_overhead:
             raise ValueError("microbatch_overhead needs length_buckets: without them LB-Mini already packs every "
                              "device into the fewest microbatches")
-        # ODC runs a device's microbatches one after another: they only need to fit, not to balance
-        packings = [pack_microbatches(lengths[share], costs[share], token_cap, balance=False,
-                                       search_nodes=0) for share in shares]
+        # ODC runs a device's microbatches one after another: balancing them is refinement only, no search
+        packings = [pack_microbatches(lengths[share], costs[share], token_cap, search_nodes=0) for share in shares]
     else:
         microbatch_cost = PaddedMicrobatchCost.for_buckets(cost_model, length_buckets, token_cap,
                                                            overhead=microbatch_overhead)
@@ -108,8 +107,7 @@ def lb_mini_exact(lengths, num_devices: int, token_cap: int, *, cost_model: Cost
     costs = sequence_costs(cost_model, lengths)
     incumbent = partition(costs, num_devices)
     shares = exact_partition(costs, num_devices, node_limit=node_limit, incumbent=incumbent).parts
-    packings = [pack_microbatches(lengths[share], costs[share], token_cap, balance=False, search_nodes=0)
-                for share in shares]
+    packings = [pack_microbatches(lengths[share], costs[share], token_cap, search_nodes=0) for share in shares]
     devices = tuple(_device_microbatches(share, packed, lengths, costs) for share, packed in zip(shares, packings))
     return Plan(devices, token_cap, planner="lb_mini_exact", cost_model=cost_model.name)
 
