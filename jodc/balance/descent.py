@@ -20,6 +20,8 @@ The descent stops as soon as ``S_p`` reaches the lower bound ``max(largest item,
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # Instances up to this many items also try 2-item exchanges and 3-cycles (their candidate tables grow as n^2).
@@ -34,7 +36,7 @@ def lower_bound(cost: np.ndarray, k: int) -> float:
     """``max(largest item, total / k)``: no partition into ``k`` parts has a lighter heaviest part."""
     if cost.size == 0:
         return 0.0
-    return max(float(cost.max()), float(np.sum(cost)) / k)
+    return max(float(cost.max()), math.fsum(cost) / k)  # fsum: exactly rounded, the same on every host
 
 
 def _best(values: np.ndarray):
@@ -56,7 +58,7 @@ def descend(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds: int, bo
     bound = lower_bound(cost, k) if bound is None else bound
     small = n <= SMALL_ITEMS if small is None else small
     sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
-    tol = 1e-12 * max(float(np.sum(cost)), 1e-300)
+    tol = 1e-12 * max(math.fsum(cost), 1e-300)
     ids = np.arange(n)
     for _ in range(max_rounds):
         p = int(np.argmax(sums))
