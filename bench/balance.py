@@ -10,6 +10,13 @@ distribution (8K-64K tokens, mean 16.5K; jodc.sim.lengths), plans each with loca
 * ODC+lb_mini over collective+lb_micro, and over the best collective planner -- what switching both the
   engine and the planner buys (the paper's comparison).
 
+Per row it also reports LB-Mini against the lower bound ``max(largest sequence cost, total / devices)`` (no plan is
+below it), LB-Micro against the equal-count bound (a lock-step plan with sequence counts within one: the part holding
+the costliest sequence also holds at least ``floor(n / devices) - 1`` others), and every planner's planning time.
+On a subset of golden minibatches (``--exact``) the proven optimum (bin completion run to the end, and with
+``--milp`` also HiGHS through scipy, node-limited) gives LB-Mini's gap to the optimum. Planning time is also
+measured at 32 devices x 512 sequences and at 1024 devices x 16 sequences each.
+
 Speed-ups are ratios of summed step times over the minibatches (i.e. of throughput over a run). Prints a table,
 then one JSON line for the golden setting (4 sequences per device) with the per-row results attached; saves the
 JSON to bench/results/balance.json, the table to bench/results/balance_table.md, and two plots to docs/.
@@ -23,13 +30,70 @@ import time
 
 import numpy as np
 
-from jodc.balance import DEEPSEEK_R1_DISTILL_QWEN_1_5B, FlopsCost, get_planner, plan_metrics
+from jodc.balance import DEEPSEEK_R1_DISTILL_QWEN_1_5B, FlopsCost, get_planner, plan_metrics, sequence_costs
 from jodc.sim import A100_SXM_80GB, LONGALIGN_SFT, compare_schedules, simulate_collective, simulate_odc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLANNERS = ("local_sort", "lb_micro", "lb_mini")
 SEQS_PER_DEVICE = (1, 2, 4, 8, 16)
 GOLDEN_SEQS_PER_DEVICE = 4
+
+
+def lower_bound(costs: np.ndarray, devices: int) -> float:
+    """No partition into ``devices`` parts has a lighter heaviest part than ``max(largest cost, total / devices)``."""
+    return max(float(costs.max()), float(costs.sum()) / devices)
+
+
+def equal_count_bound(costs: np.ndarray, devices: int) -> float:
+    """The lower bound for plans whose per-device sequence counts differ by at most one (lock-step engines): the
+    device with the costliest sequence holds at least ``floor(n / devices) - 1`` more, at least the cheapest."""
+    ordered = np.sort(costs)
+    others = max(costs.size // devices - 1, 0)
+    return max(float(costs.sum()) / devices, float(ordered[-1]) + float(ordered[:others].sum()))
+
+
+def heaviest(plan) -> float:
+    return max(sum(mb.cost for mb in device) for device in plan.devices)
+
+
+def plan_ms(devices: int, sequences: int, minibatches: int, seed: int, token_cap: int) -> float:
+    """Mean wall time in ms of one LB-Mini plan of ``sequences`` LongAlign-like sequences over ``devices``."""
+    cost_model = FlopsCost(DEEPSEEK_R1_DISTILL_QWEN_1_5B)
+    planner = get_planner("lb_mini")
+    total = 0.0
+    for r in range(minibatches):
+        lengths = LONGALIGN_SFT.sample(sequences, seed=seed + 7919 * devices + r)
+        start = time.perf_counter()
+        planner(lengths, devices, token_cap, cost_model=cost_model)
+        total += time.perf_counter() - start
+    return 1e3 * total / minibatches
+
+
+def exact_gaps(per_device: int, devices: int, token_cap: int, count: int, seed: int, milp: bool,
+               node_budget: int, milp_nodes: int) -> dict:
+    """LB-Mini's heaviest device over the best partition known on the first ``count`` minibatches of a row."""
+    from jodc.balance.completion import optimal_partition
+
+    cost_model = FlopsCost(DEEPSEEK_R1_DISTILL_QWEN_1_5B)
+    gaps, proven, reference_gaps = [], 0, []
+    for r in range(count):
+        lengths = LONGALIGN_SFT.sample(per_device * devices, seed=seed + 1000 * per_device + r)
+        costs = sequence_costs(cost_model, lengths)
+        plan = get_planner("lb_mini")(lengths, devices, token_cap, cost_model=cost_model)
+        shares = [[i for mb in device for i in mb.seq_indices] for device in plan.devices]
+        best, done = optimal_partition(costs, devices, shares, node_budget=node_budget)
+        best_max = max(float(costs[p].sum()) for p in best)
+        if milp:
+            from jodc.balance.exact import exact_partition
+
+            result = exact_partition(costs, devices, node_limit=milp_nodes, incumbent=best)
+            best_max = min(best_max, result.makespan)
+            done = done or result.optimal
+        proven += bool(done)
+        gaps.append(heaviest(plan) / best_max)
+        reference_gaps.append(best_max / lower_bound(costs, devices))
+    return {"exact_minibatches": count, "exact_proven": proven, "lb_mini_worst_gap_to_optimum": max(gaps),
+            "lb_mini_mean_gap_to_optimum": float(np.mean(gaps)), "optimum_mean_gap_to_bound": float(np.mean(reference_gaps))}
 
 
 def run_row(per_device: int, devices: int, token_cap: int, minibatches: int, seed: int) -> dict:
@@ -42,12 +106,21 @@ def run_row(per_device: int, devices: int, token_cap: int, minibatches: int, see
     bubbles = {f"{s}_{p}": [] for s in ("collective", "odc") for p in PLANNERS}
     best_collective = 0.0
     sequences = 0
+    gap_to_bound, micro_gap_to_equal_bound = [], []
+    seconds = {p: 0.0 for p in PLANNERS}
     for r in range(minibatches):
         lengths = LONGALIGN_SFT.sample(per_device * devices, seed=seed + 1000 * per_device + r)
         sequences += lengths.size
         step_collective = []
+        costs = sequence_costs(cost_model, lengths)
         for name in PLANNERS:
+            start = time.perf_counter()
             plan = get_planner(name)(lengths, devices, token_cap, cost_model=cost_model)
+            seconds[name] += time.perf_counter() - start
+            if name == "lb_mini":
+                gap_to_bound.append(heaviest(plan) / lower_bound(costs, devices))
+            if name == "lb_micro":
+                micro_gap_to_equal_bound.append(heaviest(plan) / equal_count_bound(costs, devices))
             imbalance[name].append(plan_metrics(plan).imbalance)
             comparison = compare_schedules(plan, model, A100_SXM_80GB)
             collective[name] += comparison.collective.step_time
@@ -64,6 +137,11 @@ def run_row(per_device: int, devices: int, token_cap: int, minibatches: int, see
         row[f"odc_{name}_samples_per_s"] = sequences / odc[name]
     for key, values in bubbles.items():
         row[f"{key}_bubble_rate"] = float(np.mean(values))
+    row["lb_mini_gap_to_bound"] = float(np.mean(gap_to_bound))
+    row["lb_mini_worst_gap_to_bound"] = float(np.max(gap_to_bound))
+    row["lb_micro_gap_to_equal_count_bound"] = float(np.mean(micro_gap_to_equal_bound))
+    for name in PLANNERS:
+        row[f"plan_ms_{name}"] = 1e3 * seconds[name] / minibatches
     row["odc_lb_mini_over_collective_lb_micro"] = collective["lb_micro"] / odc["lb_mini"]
     row["odc_lb_mini_over_best_collective"] = best_collective / odc["lb_mini"]
     return row
@@ -157,6 +235,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-save", action="store_true", help="print only: write no JSON, table or plots")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--exact", type=int, default=20, help="golden minibatches solved exactly (0: none)")
+    parser.add_argument("--exact-nodes", type=int, default=20_000_000, help="bin-completion node budget per minibatch")
+    parser.add_argument("--milp", action="store_true", help="also solve the exact subset by MILP (HiGHS, scipy)")
+    parser.add_argument("--milp-nodes", type=int, default=2_000, help="MILP node limit per minibatch")
+    parser.add_argument("--scale-minibatches", type=int, default=3, help="minibatches timed at 32x512 and 1024x16 (0: skip)")
+    parser.add_argument("--skip-1024", action="store_true", help="skip the 1024-device timing")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -167,6 +251,29 @@ def main() -> None:
           f"T = {args.token_cap}, FLOP cost model, {args.minibatches} minibatches per row (simulated)")
     print(text)
     golden = next(row for row in rows if row["seqs_per_device"] == GOLDEN_SEQS_PER_DEVICE)
+    planning = {
+        "plan_ms_golden": golden["plan_ms_lb_mini"],
+    }
+    if args.scale_minibatches:
+        planning["plan_ms_32x512"] = plan_ms(32, 512, args.scale_minibatches, args.seed, args.token_cap)
+    if args.scale_minibatches and not args.skip_1024:
+        planning["plan_ms_1024x16"] = plan_ms(1024, 1024 * 16, args.scale_minibatches, args.seed, args.token_cap)
+    exact = {}
+    if args.exact:
+        exact = exact_gaps(GOLDEN_SEQS_PER_DEVICE, args.devices, args.token_cap, min(args.exact, args.minibatches),
+                           args.seed, args.milp, args.exact_nodes, args.milp_nodes)
+    print("| seqs/device | lb_mini / bound (mean) | worst | lb_micro / equal-count bound | plan ms local_sort | "
+          "lb_micro | lb_mini |")
+    print("|" + "---:|" * 7)
+    for row in rows:
+        print(f"| {row['seqs_per_device']} | {row['lb_mini_gap_to_bound']:.5f} | {row['lb_mini_worst_gap_to_bound']:.5f} "
+              f"| {row['lb_micro_gap_to_equal_count_bound']:.5f} | {row['plan_ms_local_sort']:.2f} | "
+              f"{row['plan_ms_lb_micro']:.2f} | {row['plan_ms_lb_mini']:.2f} |")
+    print("planning time (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in planning.items()))
+    if exact:
+        print(f"exact subset: {exact['exact_proven']}/{exact['exact_minibatches']} proven optimal; LB-Mini / optimum "
+              f"worst {exact['lb_mini_worst_gap_to_optimum']:.5f}, mean {exact['lb_mini_mean_gap_to_optimum']:.5f}; "
+              f"optimum / bound mean {exact['optimum_mean_gap_to_bound']:.5f}")
     result = {
         "benchmark": "balance",
         "setting": {
@@ -184,6 +291,8 @@ def main() -> None:
             "seed": args.seed,
         },
         **{k: v for k, v in golden.items() if k not in ("seqs_per_device", "minibatches")},
+        **planning,
+        **exact,
         "rows": rows,
         "seconds": round(time.perf_counter() - start, 1),
     }

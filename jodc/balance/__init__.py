@@ -26,7 +26,10 @@ from jodc.balance.model_shape import DEEPSEEK_R1_DISTILL_QWEN_1_5B, ModelShape
 from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
 from jodc.balance.partition import karmarkar_karp, lpt, order_parts, part_sums, partition
 from jodc.balance.plan import Microbatch, Plan
-from jodc.balance.planners import PLANNERS, get_planner, lb_micro, lb_mini, local_sort
+from jodc.balance.completion import complete_bins, optimal_partition
+from jodc.balance.descent import descend, lower_bound
+from jodc.balance.exact import ExactResult, exact_partition
+from jodc.balance.planners import EXACT_PLANNERS, PLANNERS, get_planner, lb_micro, lb_mini, lb_mini_exact, local_sort
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import improve_by_search
 
@@ -34,6 +37,8 @@ __all__ = [
     "COST_MODEL_NAMES",
     "CostModel",
     "DEEPSEEK_R1_DISTILL_QWEN_1_5B",
+    "EXACT_PLANNERS",
+    "ExactResult",
     "FlopsCost",
     "LinearCost",
     "Microbatch",
@@ -44,6 +49,9 @@ __all__ = [
     "Plan",
     "PlanMetrics",
     "QuadraticCost",
+    "complete_bins",
+    "descend",
+    "exact_partition",
     "get_planner",
     "imbalance_ratio",
     "improve_by_search",
@@ -51,12 +59,15 @@ __all__ = [
     "layout",
     "lb_micro",
     "lb_mini",
+    "lb_mini_exact",
+    "lower_bound",
     "local_sort",
     "lpt",
     "make_cost_model",
     "materialize",
     "microbatch_cost_table",
     "min_microbatches",
+    "optimal_partition",
     "order_parts",
     "pack_arrays",
     "pack_microbatches",

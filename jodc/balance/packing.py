@@ -19,7 +19,7 @@ import numpy as np
 
 from jodc.balance.partition import order_parts, partition
 from jodc.balance.refine import refine_by_swaps
-from jodc.balance.search import improve_by_search
+from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, lengths_within_cap, positive_int, sequence_lengths
 
 
@@ -42,10 +42,13 @@ def _first_fit_decreasing(lengths: np.ndarray, num_bins: int, token_cap: int) ->
     return bins
 
 
-def try_pack(lengths, costs, token_cap: int, num_microbatches: int) -> list[list[int]] | None:
+def try_pack(lengths, costs, token_cap: int, num_microbatches: int, *,
+             search_nodes: int = DEFAULT_NODE_BUDGET) -> list[list[int]] | None:
     """Pack into exactly ``num_microbatches`` microbatches (some may be empty), or None if no attempt fits.
 
-    Returns lists of positions into ``lengths``, heaviest microbatch (by ``costs``) first.
+    Returns lists of positions into ``lengths``, heaviest microbatch (by ``costs``) first. ``search_nodes`` bounds
+    the exact searches that balance the microbatches' costs (LB-Mini passes 0: ODC runs a device's microbatches
+    one after another, so their balance matters little).
     """
     size = sequence_lengths(lengths, allow_empty=True)
     cost = costs_array(costs)
@@ -57,14 +60,14 @@ def try_pack(lengths, costs, token_cap: int, num_microbatches: int) -> list[list
         return None
     if size.size <= m:
         return order_parts(cost, [[i] for i in range(size.size)] + [[] for _ in range(m - size.size)])
-    by_cost = partition(cost, m)
+    by_cost = partition(cost, m, search_nodes=search_nodes)
     if _fits(size, by_cost, token_cap):
         return by_cost
-    starts = [partition(size.astype(np.float64), m), _first_fit_decreasing(size, m, token_cap)]
+    starts = [partition(size.astype(np.float64), m, search_nodes=search_nodes), _first_fit_decreasing(size, m, token_cap)]
     for start in starts:
         if start is not None and _fits(size, start, token_cap):
             refined = refine_by_swaps(cost, start, sizes=size, capacity=token_cap)
-            refined = improve_by_search(cost, refined, sizes=size, capacity=token_cap)
+            refined = improve_by_search(cost, refined, sizes=size, capacity=token_cap, node_budget=search_nodes)
             return order_parts(cost, refined)
     return None
 
@@ -75,7 +78,8 @@ def min_microbatches(lengths, token_cap: int) -> int:
     return math.ceil(int(size.sum()) / positive_int(token_cap, "token_cap"))
 
 
-def pack_microbatches(lengths, costs, token_cap: int, *, at_least: int = 0) -> list[list[int]]:
+def pack_microbatches(lengths, costs, token_cap: int, *, at_least: int = 0,
+                      search_nodes: int = DEFAULT_NODE_BUDGET) -> list[list[int]]:
     """Pack one device's sequences into the fewest microbatches (and at least ``at_least``) that this packer fits.
 
     Args:
@@ -83,6 +87,7 @@ def pack_microbatches(lengths, costs, token_cap: int, *, at_least: int = 0) -> l
       costs: their costs (any cost model), balanced across microbatches.
       token_cap: the most tokens in one microbatch.
       at_least: a lower bound on the count (empty microbatches are added if there are fewer sequences).
+      search_nodes: passed to :func:`try_pack` (0 when microbatch balance matters little: LB-Mini).
 
     Returns lists of positions into ``lengths``, heaviest microbatch first, each within ``token_cap`` tokens.
     """
@@ -94,7 +99,7 @@ def pack_microbatches(lengths, costs, token_cap: int, *, at_least: int = 0) -> l
     if m == 0:
         return []
     while True:
-        packed = try_pack(size, costs, cap, m)
+        packed = try_pack(size, costs, cap, m, search_nodes=search_nodes)
         if packed is not None:
             return packed
         m += 1  # terminates: with m >= len(lengths) every sequence gets its own microbatch

@@ -23,10 +23,14 @@ import math
 
 import numpy as np
 
+from jodc.balance.completion import complete_bins
+from jodc.balance.descent import BOUND_TOLERANCE, SMALL_ITEMS, descend, lower_bound
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, positive_int
 
+# Karmarkar-Karp (pure Python, O(n k log k)) is a start only while n * k is at most this; LPT always is.
+KK_WORK = 40_000
 _PADDING = -1  # a zero-cost placeholder item used to make n a multiple of k in the equal-size variant
 
 
@@ -111,6 +115,8 @@ def partition(
     instances it completes and the result is optimal. ``refine=False`` returns plain Karmarkar-Karp.
     """
     cost = costs_array(costs)
+    if refine and not equal_sizes:
+        return order_parts(cost, _free_partition(cost, positive_int(num_parts, "num_parts"), search_nodes))
     parts = karmarkar_karp(cost, num_parts, equal_sizes=equal_sizes)
     if not refine:
         return parts
@@ -120,6 +126,69 @@ def partition(
     best = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: KK
     best = improve_by_search(cost, best, equal_sizes=equal_sizes, node_budget=search_nodes)
     return order_parts(cost, best)
+
+
+def _as_assignment(parts: list[list[int]], n: int) -> np.ndarray:
+    assign = np.zeros(n, dtype=np.int64)
+    for p, part in enumerate(parts):
+        assign[part] = p
+    return assign
+
+
+def _as_parts(assign: np.ndarray, k: int) -> list[list[int]]:
+    order = np.argsort(assign, kind="stable")
+    bounds = np.searchsorted(assign[order], np.arange(k + 1))
+    return [order[bounds[p]:bounds[p + 1]].tolist() for p in range(k)]
+
+
+def _pairwise_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
+    """The free partition as computed before the descent existed: Karmarkar-Karp and LPT, each refined by pairwise
+    exchanges, the better searched item-wise (:func:`~jodc.balance.search.improve_by_search`)."""
+    candidates = [refine_by_swaps(cost, karmarkar_karp(cost, k)), refine_by_swaps(cost, lpt(cost, k))]
+    best = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: KK
+    return improve_by_search(cost, best, node_budget=search_nodes)
+
+
+def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
+    """The free partition (sizes may differ), every step bounded by counts, never by time:
+
+    1. fast path: Karmarkar-Karp (when ``n * k <= KK_WORK``) and LPT starts, each lowered by
+       :func:`~jodc.balance.descent.descend`, the better kept; done if it is within ``BOUND_TOLERANCE`` of the lower
+       bound, or if the instance has more than ``SMALL_ITEMS`` items;
+    2. small instances: pairwise refinement of that result and the previous pipeline (:func:`_pairwise_partition`)
+       compete, then bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes);
+       with ``search_nodes=0`` only the pairwise refinement."""
+    n = cost.size
+    if n <= k:
+        return [[i] for i in range(n)] + [[] for _ in range(k - n)]
+    bound = lower_bound(cost, k)
+    rounds = 10 * n + 100
+    starts = [karmarkar_karp(cost, k)] if n * k <= KK_WORK else []
+    starts.append(lpt(cost, k))
+    best, best_max = None, math.inf
+    for start in starts:
+        assign = descend(cost, _as_assignment(start, n), k, max_rounds=rounds, bound=bound)
+        span = float(np.bincount(assign, weights=cost, minlength=k).max())
+        if span < best_max:
+            best, best_max = assign, span
+        if best_max <= bound * (1.0 + BOUND_TOLERANCE):
+            break
+    parts = _as_parts(best, k)
+    if n > SMALL_ITEMS or best_max <= bound * (1.0 + BOUND_TOLERANCE):
+        return parts
+    # Small instances: plateau moves (narrowing pairs below the heaviest part) unlock what the strict descent
+    # cannot, and the previous pipeline (pairwise refinement of KK and LPT, item-wise search) competes too, so
+    # the result is never worse than it; bin completion then looks for a lighter partition still.
+    if not search_nodes:  # no search asked for (packing that only needs a fit): pairwise refinement only
+        return refine_by_swaps(cost, parts)
+    candidates = [refine_by_swaps(cost, parts), _pairwise_partition(cost, k, search_nodes)]
+    parts = min(candidates, key=lambda c: float(part_sums(cost, c).max()))
+    best_max = float(part_sums(cost, parts).max())
+    if best_max > bound * (1.0 + BOUND_TOLERANCE) and search_nodes:
+        found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
+        if found is not None:
+            parts = found
+    return parts
 
 
 def part_sums(costs, parts: list[list[int]]) -> np.ndarray:

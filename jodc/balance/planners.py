@@ -25,6 +25,7 @@ import numpy as np
 
 from jodc.balance.buckets import PaddedMicrobatchCost, rebalance_for_buckets
 from jodc.balance.cost import CostModel, LinearCost, sequence_costs
+from jodc.balance.exact import DEFAULT_NODE_LIMIT, exact_partition
 from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
 from jodc.balance.partition import partition
 from jodc.balance.plan import Microbatch, Plan
@@ -87,7 +88,8 @@ def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel 
         if microbatch_overhead:
             raise ValueError("microbatch_overhead needs length_buckets: without them LB-Mini already packs every "
                              "device into the fewest microbatches")
-        packings = [pack_microbatches(lengths[share], costs[share], token_cap) for share in shares]
+        # ODC runs a device's microbatches one after another: balancing them is refinement only, no search
+        packings = [pack_microbatches(lengths[share], costs[share], token_cap, search_nodes=0) for share in shares]
     else:
         microbatch_cost = PaddedMicrobatchCost.for_buckets(cost_model, length_buckets, token_cap,
                                                            overhead=microbatch_overhead)
@@ -96,11 +98,29 @@ def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel 
     return Plan(devices, token_cap, planner="lb_mini", cost_model=cost_model.name)
 
 
+def lb_mini_exact(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel = LinearCost(),
+                  node_limit: int = DEFAULT_NODE_LIMIT) -> Plan:
+    """LB-Mini with the partition solved by MILP (HiGHS through scipy, at most ``node_limit`` nodes): for
+    validating the fast planner. Never heavier than :func:`lb_mini` (its partition is the incumbent); optimal when
+    the solver finishes within the limit. Needs scipy; slow (seconds at 32 sequences)."""
+    lengths, num_devices, token_cap = planner_inputs(lengths, num_devices, token_cap)
+    costs = sequence_costs(cost_model, lengths)
+    incumbent = partition(costs, num_devices)
+    shares = exact_partition(costs, num_devices, node_limit=node_limit, incumbent=incumbent).parts
+    packings = [pack_microbatches(lengths[share], costs[share], token_cap, search_nodes=0) for share in shares]
+    devices = tuple(_device_microbatches(share, packed, lengths, costs) for share, packed in zip(shares, packings))
+    return Plan(devices, token_cap, planner="lb_mini_exact", cost_model=cost_model.name)
+
+
 PLANNERS: dict[str, Planner] = {"local_sort": local_sort, "lb_micro": lb_micro, "lb_mini": lb_mini}
+# Validation only (slow, needs scipy): reachable through get_planner but not among the planners the trainer offers.
+EXACT_PLANNERS: dict[str, Planner] = {"lb_mini_exact": lb_mini_exact}
 
 
 def get_planner(name: str) -> Planner:
-    """The planner called ``name``: one of ``local_sort``, ``lb_micro``, ``lb_mini``."""
+    """The planner called ``name``: one of ``local_sort``, ``lb_micro``, ``lb_mini`` (or ``lb_mini_exact``)."""
+    if name in EXACT_PLANNERS:
+        return EXACT_PLANNERS[name]
     if name not in PLANNERS:
-        raise ValueError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
+        raise ValueError(f"unknown planner {name!r}; choose one of {', '.join([*PLANNERS, *EXACT_PLANNERS])}")
     return PLANNERS[name]

@@ -11,6 +11,7 @@ Pure Python + numpy. Also holds synthetic length generators shaped like publishe
 
 See docs/balance.md for the model and the sources of every constant.
 """
+from jodc.sim.cluster import ClusterWhatIf, cluster_what_if
 from jodc.sim.hardware import A100_SXM_80GB, HardwareSpec
 from jodc.sim.lengths import (
     AGENT_TRAJECTORIES,
@@ -36,6 +37,7 @@ __all__ = [
     "A100_SXM_80GB",
     "AGENT_TRAJECTORIES",
     "BucketSteps",
+    "ClusterWhatIf",
     "HardwareSpec",
     "LENGTH_DISTRIBUTIONS",
     "LONGALIGN_SFT",
@@ -47,6 +49,7 @@ __all__ = [
     "Segment",
     "StepConfig",
     "bucket_steps",
+    "cluster_what_if",
     "communication_times",
     "compare_schedules",
     "compute_times",
