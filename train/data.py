@@ -15,6 +15,7 @@ left without a trained token are dropped; `LoadReport` counts both so the traine
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Iterable, Sequence
 
@@ -213,3 +214,14 @@ def load_jsonl(path: str, tokenizer: Tokenizer, *, max_length: int, overlong: st
                ) -> tuple[list[Example], LoadReport]:
     """Examples of a JSONL file (see the module docstring for the record shapes)."""
     return load_records(read_jsonl(path), tokenizer, max_length=max_length, overlong=overlong, source=path)
+
+
+def fingerprint_examples(examples: Sequence[Example]) -> dict:
+    """{"examples": count, "sha256": hash of every example's tokens and loss mask, in order}: what a checkpoint
+    records of its data, so that a resume on data edited in place (same path, same count) is noticed."""
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(np.int64(e.length).tobytes())
+        digest.update(np.ascontiguousarray(e.tokens, np.int32).tobytes())
+        digest.update(np.packbits(e.loss_mask).tobytes())
+    return {"examples": len(examples), "sha256": digest.hexdigest()}

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jodc.balance import get_planner
+from jodc.fsdp import NonFiniteStepError
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.losses import grpo_advantages
@@ -40,8 +41,8 @@ from .rl_rewards import RewardFunction, load_reward_function, score
 from .rl_rollout import sample_rollout, sampling_params
 from .rl_tasks import eval_problems, make_task, step_problems, training_pool
 from .rl_warmstart import run_warmstart
-from .run_common import TrainingRun, output_lines
-from .sft import make_engine, optimizer_config
+from .run_common import TrainingRun, output_lines, pin_schedule_length
+from .sft import make_engine, nonfinite_message, optimizer_config
 from .tokenizer import load_tokenizer
 
 CHECKPOINT_DIR, HF_DIR, CONFIG_FILE = "checkpoints", "hf", "config.yaml"
@@ -70,8 +71,11 @@ class RLRun(TrainingRun):
         os.makedirs(self.out_dir, exist_ok=True)
         self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
         self.engine = None
+        self.skipped_updates = 0  # optimizer updates not applied for a non-finite value
         try:
             resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
+            if resume_from is not None:
+                self.config = config = pin_schedule_length(config, self.store.read_trainer_state(resume_from), log)
             self.objective = build_objective(config.loss, r)
             self.task = make_task(config.task.name, **config.task.task_options())
             self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
@@ -123,7 +127,8 @@ class RLRun(TrainingRun):
 
     def _restore(self, step: int) -> int:
         engine_state, trainer_state = self.store.restore(step, self.engine.state_dict())
-        expected_updates = step * self.config.trainer.updates_per_step
+        self.skipped_updates = int(trainer_state.get("skipped_updates", 0))
+        expected_updates = step * self.config.trainer.updates_per_step - self.skipped_updates
         if trainer_state.get("optimizer_updates") != expected_updates:
             raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
                                f"{trainer_state.get('optimizer_updates')} optimizer updates, expected "
@@ -134,7 +139,8 @@ class RLRun(TrainingRun):
         return step
 
     def _trainer_state(self, done: int) -> dict[str, Any]:
-        return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done}
+        return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done,
+                "skipped_updates": self.skipped_updates}
 
     # -- pieces of a step ------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:
@@ -187,11 +193,19 @@ class RLRun(TrainingRun):
                                        token_cap=t.token_cap, cost_model=self.cost_model,
                                        aggregation=self.objective.aggregation,
                                        skip_empty_microbatches=t.engine == "odc")
-            result = self.engine.step(arrays)
+            try:
+                result = self.engine.step(arrays)
+            except NonFiniteStepError as e:  # not applied: the engine kept its previous state
+                result = e.result
+                self.skipped_updates += 1
+                what = f"step {step + 1}, update {len(updates) + 1} of {t.updates_per_step}"
+                if not t.skip_nonfinite_steps:
+                    raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(),
+                                                               skip=False)) from None
+                self.log(nonfinite_message(what, result, None, skip=True))
+                train_seconds += time.perf_counter() - update_started
+                continue
             train_seconds += time.perf_counter() - update_started
-            if not np.isfinite(result.loss):
-                raise FloatingPointError(f"step {step + 1}: the loss is {result.loss}; stopping without saving "
-                                         f"(latest checkpoint: step {self.store.latest_step()})")
             updates.append({"loss": result.loss, "grad_norm": result.grad_norm,
                             **summarize_metrics(result.metrics, self.objective)})
             tokens += arrays.num_tokens
@@ -199,7 +213,8 @@ class RLRun(TrainingRun):
         seconds = time.perf_counter() - started
         record.update(rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
                                       success_reward=self.config.task.success_reward))
-        record.update(update_metrics(updates, unstable_kl=t.unstable_kl))
+        record.update(update_metrics(updates, unstable_kl=t.unstable_kl) if updates else {})
+        record["skipped_updates"] = self.skipped_updates
         record.update({"learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                        "microbatches": microbatches, "rollout_seconds": rollout.seconds,

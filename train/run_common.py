@@ -2,7 +2,8 @@
 the end-of-run summary that say where everything was written."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 
 class TrainingRun:
@@ -21,7 +22,7 @@ class TrainingRun:
         if self.last_saved_step == done:
             return
         trainer_state = {**self._trainer_state(done), "engine": self.config.trainer.engine,
-                         "devices": self.config.trainer.devices}
+                         "devices": self.config.trainer.devices, "schedule_steps": self.config.total_steps}
         self.store.save(done, self.engine.state_dict(), trainer_state)
         self.last_saved_step = done
 
@@ -40,3 +41,39 @@ def output_lines(summary: dict[str, Any], extra: Sequence[str] = ()) -> list[str
     if summary["hf_export"]:
         lines.append(f"HF export:  {summary['hf_export']}")
     return lines
+
+
+def pin_schedule_length(config, saved: dict[str, Any], log: Callable[[str], None]):
+    """`config` with the learning-rate schedule's length of the run it resumes (`saved`: the checkpoint's trainer
+    state). Raising `trainer.steps` to train longer must not move the schedule under the steps already taken (a
+    cosine decay would jump back up): unless `optimizer.total_steps` is set, the schedule keeps the original
+    run's length (and stays at its final value past it). Setting `optimizer.total_steps` changes it, said aloud."""
+    original = saved.get("schedule_steps")
+    if original is None:
+        return config
+    now = config.total_steps
+    if config.optimizer.total_steps is not None:
+        if now != original:
+            log(f"note: the learning-rate schedule's length changes from {original} to {now} optimizer updates "
+                "(optimizer.total_steps)")
+        return config
+    if now != original:
+        log(f"note: the learning-rate schedule keeps the original run's length of {original} optimizer updates "
+            f"(the new trainer.steps would make it {now}); set optimizer.total_steps to change it")
+    return dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, total_steps=original))
+
+
+def check_data_fingerprint(saved: dict | None, now: dict, *, accept: bool, where: str,
+                           log: Callable[[str], None]) -> None:
+    """Refuses to resume on data other than the checkpoint's (`saved`, from `data.fingerprint_examples`), or only
+    says so with `accept` (trainer.accept_changed_data). Checkpoints without a fingerprint are accepted."""
+    if saved is None or saved == now:
+        return
+    change = (f"the data differ from those checkpoint {where} was trained on ({saved.get('examples')} examples, "
+              f"sha256 {str(saved.get('sha256'))[:16]}... then; {now['examples']} examples, sha256 "
+              f"{now['sha256'][:16]}... now)")
+    if accept:
+        log(f"warning: {change}; resuming anyway (trainer.accept_changed_data)")
+        return
+    raise RuntimeError(f"{change}: resuming would silently continue on other data. Restore the data, use another "
+                       "trainer.out_dir for a new run, or set trainer.accept_changed_data=true to resume anyway")
