@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from jodc.models.tokenizer import Tokenizer
 
+from .jsonl import JsonlError, iter_jsonl
 from .tokenizer import ROLE_TOKENS
 
 ROLES = tuple(ROLE_TOKENS)
@@ -160,19 +160,12 @@ def read_jsonl(path: str) -> list[dict]:
     """The checked records of a JSONL file (blank lines skipped); RecordError naming `path:line` otherwise."""
     records = []
     try:
-        f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"data file {path} does not exist (data.path: a .jsonl file or 'embedded')") from None
-    with f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RecordError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        for where, record in iter_jsonl(path, missing_hint="data.path: a .jsonl file or 'embedded'"):
             records.append(check_record(record, where))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"data file {e}") from None
+    except JsonlError as e:
+        raise RecordError(str(e)) from None
     if not records:
         raise RecordError(f"{path}: no records")
     return records

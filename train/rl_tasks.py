@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import re
 from typing import Callable
+
+from .jsonl import iter_jsonl
 
 import numpy as np
 
@@ -197,24 +198,15 @@ def read_prompts(path: str) -> list[Problem]:
     """The problems of a JSONL prompt file; ValueError naming `path:line` for a malformed record."""
     problems = []
     try:
-        f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"task.path {path} does not exist (a .jsonl file of {{\"prompt\": ...}} records)"
-                                ) from None
-    with f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+        for where, record in iter_jsonl(path, missing_hint='a .jsonl file of {"prompt": ...} records'):
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-                raise ValueError(f"{path}:{line_no}: a record needs a non-empty string 'prompt'")
+                raise ValueError(f"{where}: a record needs a non-empty string 'prompt'")
             solution = record.get("solution")
             if solution is not None and not isinstance(solution, str):
-                raise ValueError(f"{path}:{line_no}: 'solution' must be a string when present")
+                raise ValueError(f"{where}: 'solution' must be a string when present")
             problems.append(Problem(record["prompt"], solution))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"task.path {e}") from None
     if not problems:
         raise ValueError(f"{path}: no prompts")
     return problems
