@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import sys
+import traceback
 from typing import Sequence
 
 from .config import ConfigError, all_keys, load_config
@@ -51,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
     then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
-    trainer can detect (some checks need JAX), is printed and gives exit status 2."""
+    trainer can detect (some checks need JAX), is printed and gives exit status 2; any other error prints its
+    traceback and then, as the last line, `<label>: error: <type>: <message>`, with exit status 1."""
     try:
         config = load(args.config, overrides)
         if args.print_config:
@@ -65,6 +67,11 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
     except ConfigError as e:
         print(f"{label}: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the run has closed its checkpoints and engine: nothing prints after this
+        traceback.print_exc()
+        sys.stderr.flush()
+        print(f"{label}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -28,10 +28,12 @@ class TrainingRun:
 
     def close(self) -> None:
         """Releases the engine's native resources and the checkpoint manager."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        self.store.close()
+        try:
+            if self.engine is not None:
+                engine, self.engine = self.engine, None
+                engine.close()
+        finally:
+            self.store.close()  # also when the engine fails to close: no orbax thread outlives the run
 
 
 def output_lines(summary: dict[str, Any], extra: Sequence[str] = ()) -> list[str]:
