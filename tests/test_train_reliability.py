@@ -161,6 +161,35 @@ def test_rl_skips_and_counts_a_non_finite_update_and_resumes_after_it(tmp_path, 
     assert sorted(assert_all_finite(tmp_path)) == [1, 2, 3]
 
 
+def test_non_finite_parameters_are_never_written_to_a_checkpoint(tmp_path):
+    """The last line of defence: whatever reaches a save with a NaN parameter is refused, nothing is written."""
+    from jodc.train.checkpoint import CheckpointStore
+    from jodc.train.run_common import TrainingRun
+
+    class Engine:
+        def state_dict(self):
+            return {"params": {"embed": np.array([1.0, np.nan], np.float32), "head": np.ones(2, np.float32)},
+                    "opt_state": {"count": np.int32(1)}, "step": 1}
+
+        def close(self):
+            pass
+
+    class Run(TrainingRun):
+        def _trainer_state(self, done):
+            return {}
+
+    run = Run()
+    run.config, run.engine = load_config(None, sft_overrides(tmp_path)), Engine()
+    run.store = CheckpointStore(str(tmp_path / "checkpoints"), keep=2)
+    try:
+        with pytest.raises(FloatingPointError, match=r"step 1: parameter groups \['embed'\] hold NaN or inf "
+                           r"values; refusing to save them \(latest checkpoint: step None\)"):
+            run._save(1)
+        assert run.store.steps() == []
+    finally:
+        run.close()
+
+
 @pytest.mark.parametrize("flag, value", [("--learning_rate", "nan"), ("--learning_rate", "inf"),
                                          ("--learning_rate", ".nan"), ("--max_grad_norm", "nan"),
                                          ("--b2", "-.inf"), ("--weight_decay", "inf"), ("--eps", "nan")])

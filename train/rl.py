@@ -213,7 +213,9 @@ class RLRun(TrainingRun):
         seconds = time.perf_counter() - started
         record.update(rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
                                       success_reward=self.config.task.success_reward))
-        record.update(update_metrics(updates, unstable_kl=t.unstable_kl) if updates else {})
+        # every update of the step skipped (non-finite): no loss to report
+        record.update(update_metrics(updates, unstable_kl=t.unstable_kl) if updates else
+                      {"loss": float("nan"), "grad_norm": float("nan")})
         record["skipped_updates"] = self.skipped_updates
         record.update({"learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,

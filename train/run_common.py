@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 
 class TrainingRun:
     """Base of `SFTRun` and `RLRun`. Subclasses set `store` (a CheckpointStore), `engine` and `config`, and say
@@ -18,12 +20,18 @@ class TrainingRun:
         raise NotImplementedError
 
     def _save(self, done: int) -> None:
-        """Checkpoints step `done` (once: a step saved on schedule is not saved again at the end)."""
+        """Checkpoints step `done` (once: a step saved on schedule is not saved again at the end); parameters that
+        are not all finite are never saved."""
         if self.last_saved_step == done:
             return
         trainer_state = {**self._trainer_state(done), "engine": self.config.trainer.engine,
                          "devices": self.config.trainer.devices, "schedule_steps": self.config.total_steps}
-        self.store.save(done, self.engine.state_dict(), trainer_state)
+        engine_state = self.engine.state_dict()
+        bad = sorted(g for g, v in engine_state["params"].items() if not np.isfinite(v).all())
+        if bad:  # the engines never apply a non-finite step; this is the last line of defence for checkpoints
+            raise FloatingPointError(f"step {done}: parameter groups {bad} hold NaN or inf values; refusing to save "
+                                     f"them (latest checkpoint: step {self.store.latest_step()})")
+        self.store.save(done, engine_state, trainer_state)
         self.last_saved_step = done
 
     def close(self) -> None:
