@@ -5,8 +5,9 @@ advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) 
 The prompts, the sampling key and the minibatch split of step k are pure functions of (seed, k), and rollouts
 are sampled from the engine's parameters, so a run resumed from a checkpoint continues exactly (bit for bit with
 `trainer.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
-function that fails, or a non-finite loss, stops the run before anything of that step is saved, so the latest
-checkpoint stays the last consistent state. With `warmstart.sft_steps > 0` the run first fine-tunes the model on
+function that fails, or a non-finite update (which the engine never applies), stops the run before anything of that
+step is saved, so the latest checkpoint stays the last consistent state; with `trainer.skip_nonfinite_steps` a
+non-finite update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes the model on
 the task's solutions with the SFT trainer (`rl_warmstart`) and starts RL from that policy; with
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
 """

@@ -244,14 +244,13 @@ class SFTRun(TrainingRun):
             result = self.engine.step(arrays, **kwargs)
         except NonFiniteStepError as e:  # the engine kept its previous state: nothing non-finite was applied
             result = e.result
-            self.skipped_steps += 1
-            logger.write(nonfinite_message(f"step {done}", result, self.store.latest_step(),
-                                           skip=t.skip_nonfinite_steps))
             if not t.skip_nonfinite_steps:
                 raise FloatingPointError(nonfinite_message(f"step {done}", result, self.store.latest_step(),
                                                            skip=False)) from None
+            self.skipped_steps += 1
+            logger.write(nonfinite_message(f"step {done}", result, None, skip=True))
         extra = {"host_seconds": host_seconds, "skipped_steps": self.skipped_steps}
-        if not result.applied:
+        if not getattr(result, "applied", True):
             extra["skipped"] = True
         extra.update({f"model_{k}": v for k, v in (getattr(result, "metrics", None) or {}).items()})
         if want_timeline:
