@@ -270,6 +270,23 @@ def test_resuming_on_changed_data_is_refused_unless_accepted(tmp_path):
     assert not any("differ" in line for line in lines)
 
 
+def test_rl_resuming_on_an_edited_prompt_file_is_refused_unless_accepted(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} + 1 ="}) + "\n" for i in range(8)))
+    reward = tmp_path / "reward.py"
+    reward.write_text("def odd(prompt, response):\n    return float(len(response) % 2)\n")
+    args = rl_overrides(tmp_path / "run", "--task.name", "jsonl", "--task.path", str(prompts), "--reward_fn",
+                        f"{reward}:odd", "--pool_size", "0", "--eval_problems", "2", "--engine", "reference",
+                        "--no-deterministic", "--steps", "1")
+    run_rl(load_rl_config(None, args), log=quiet)
+    prompts.write_text(prompts.read_text().replace("3 + 1", "3 + 2"))
+    with pytest.raises(RuntimeError, match=r"the data differ from those checkpoint .*/1 was trained on \(8 examples"):
+        run_rl(load_rl_config(None, [*args, "--steps", "2"]), log=quiet)
+    lines = []
+    run_rl(load_rl_config(None, [*args, "--steps", "2", "--accept_changed_data"]), log=lines.append)
+    assert any(line.startswith("warning: the data differ") for line in lines)
+
+
 def test_raising_steps_on_resume_keeps_the_original_learning_rate_schedule(tmp_path):
     args = sft_overrides(tmp_path / "run", "--engine", "reference", "--no-deterministic", "--schedule", "cosine",
                          "--steps", "4")

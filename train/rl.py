@@ -40,9 +40,9 @@ from .rl_metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metri
 from .rl_reference import ReferencePolicy
 from .rl_rewards import RewardFunction, load_reward_function, score
 from .rl_rollout import sample_rollout, sampling_params
-from .rl_tasks import eval_problems, make_task, step_problems, training_pool
+from .rl_tasks import eval_problems, fingerprint_task, make_task, step_problems, training_pool
 from .rl_warmstart import run_warmstart
-from .run_common import TrainingRun, output_lines, pin_schedule_length
+from .run_common import TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length
 from .sft import make_engine, nonfinite_message, optimizer_config
 from .tokenizer import load_tokenizer
 
@@ -79,6 +79,11 @@ class RLRun(TrainingRun):
                 self.config = config = pin_schedule_length(config, self.store.read_trainer_state(resume_from), log)
             self.objective = build_objective(config.loss, r)
             self.task = make_task(config.task.name, **config.task.task_options())
+            self.data_fingerprint = fingerprint_task(self.task)
+            if resume_from is not None:
+                check_data_fingerprint(self.store.read_trainer_state(resume_from).get("data_fingerprint"),
+                                       self.data_fingerprint, accept=t.accept_changed_data,
+                                       where=self.store.step_dir(resume_from), log=log)
             self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
             self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems)
             if reward_fn is not None:
@@ -141,7 +146,7 @@ class RLRun(TrainingRun):
 
     def _trainer_state(self, done: int) -> dict[str, Any]:
         return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done,
-                "skipped_updates": self.skipped_updates}
+                "skipped_updates": self.skipped_updates, "data_fingerprint": self.data_fingerprint}
 
     # -- pieces of a step ------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:

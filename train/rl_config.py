@@ -162,6 +162,8 @@ class RLTrainerConfig:
     skip_nonfinite_steps: bool = _field(False, doc="an update with a non-finite loss, grad norm or update is never "
                                         "applied; false: stop the run there, true: skip that update (counted in "
                                         "the metrics as skipped_updates) and go on")
+    accept_changed_data: bool = _field(False, doc="resume even though the task's prompt file (task.path) differs "
+                                       "from the one the checkpoint was trained on")
 
     @property
     def planner_name(self) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
+import json
 import re
 from typing import Callable
 
@@ -192,6 +194,19 @@ class JsonlTask:
     def reward(self, prompt: str, response: str) -> float:
         raise ValueError(f"the jsonl task ({self.path}) has no built-in reward: set task.reward_fn (or pass "
                          "reward_fn= to run_rl)")
+
+
+def fingerprint_task(task) -> dict | None:
+    """{"examples": count, "sha256": ...} of the prompts (and solutions) a task reads from a file, which a checkpoint
+    records so that a resume on a file edited in place is noticed; None for generated tasks (their problems follow
+    from the config and the seed, which a checkpoint already pins)."""
+    problems = getattr(task, "problems", None)
+    if problems is None:
+        return None
+    digest = hashlib.sha256()
+    for p in problems:
+        digest.update(json.dumps([p.prompt, p.solution]).encode("utf-8") + b"\n")
+    return {"examples": len(problems), "sha256": digest.hexdigest()}
 
 
 def read_prompts(path: str) -> list[Problem]:

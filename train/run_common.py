@@ -77,7 +77,7 @@ def check_data_fingerprint(saved: dict | None, now: dict, *, accept: bool, where
                            log: Callable[[str], None]) -> None:
     """Refuses to resume on data other than the checkpoint's (`saved`, from `data.fingerprint_examples`), or only
     says so with `accept` (trainer.accept_changed_data). Checkpoints without a fingerprint are accepted."""
-    if saved is None or saved == now:
+    if saved is None or now is None or saved == now:  # None: an older checkpoint, or a generated RL task
         return
     change = (f"the data differ from those checkpoint {where} was trained on ({saved.get('examples')} examples, "
               f"sha256 {str(saved.get('sha256'))[:16]}... then; {now['examples']} examples, sha256 "
