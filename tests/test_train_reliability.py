@@ -305,3 +305,39 @@ def test_raising_steps_on_resume_keeps_the_original_learning_rate_schedule(tmp_p
     logged = [r["learning_rate"] for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))]
     longer = learning_rate_schedule(OptimizerConfig(learning_rate=1e-2, schedule="cosine", total_steps=10))
     assert logged[6] == pytest.approx(float(longer(6)), rel=1e-6)
+
+
+def test_fingerprints_and_schedule_pinning_helpers():
+    """The pure helpers behind the resume checks, without a run."""
+    from jodc.train.data import Example, fingerprint_examples
+    from jodc.train.rl_tasks import Problem, fingerprint_task
+    from jodc.train.run_common import check_data_fingerprint, pin_schedule_length
+
+    def ex(tokens, mask):
+        return Example(np.array(tokens, np.int32), np.array(mask, bool))
+
+    a = fingerprint_examples([ex([1, 2, 3], [0, 1, 1]), ex([4, 5], [0, 1])])
+    assert a == fingerprint_examples([ex([1, 2, 3], [0, 1, 1]), ex([4, 5], [0, 1])]) and a["examples"] == 2
+    assert a != fingerprint_examples([ex([1, 2, 3], [0, 0, 1]), ex([4, 5], [0, 1])])  # the mask counts
+    assert a != fingerprint_examples([ex([1, 2], [0, 1]), ex([3, 4, 5], [0, 1, 1])])  # and the boundaries
+    check_data_fingerprint(None, a, accept=False, where="ckpt", log=quiet)  # an older checkpoint: accepted
+    check_data_fingerprint(a, a, accept=False, where="ckpt", log=quiet)
+    b = dict(a, sha256="0" * 64)
+    with pytest.raises(RuntimeError, match="the data differ from those checkpoint ckpt was trained on"):
+        check_data_fingerprint(b, a, accept=False, where="ckpt", log=quiet)
+    lines = []
+    check_data_fingerprint(b, a, accept=True, where="ckpt", log=lines.append)
+    assert lines and lines[0].startswith("warning: ")
+
+    class Task:
+        problems = [Problem("1 + 1 =", "2"), Problem("2 + 2 =", None)]
+
+    assert fingerprint_task(Task())["examples"] == 2 and fingerprint_task(object()) is None
+
+    config = load_config(None, ["--steps", "10", "--schedule", "cosine"])
+    assert pin_schedule_length(config, {}, quiet) is config  # a checkpoint without the length: unchanged
+    pinned = pin_schedule_length(config, {"schedule_steps": 6}, lines.append)
+    assert pinned.total_steps == 6 and "keeps the original run's length of 6" in lines[-1]
+    explicit = load_config(None, ["--steps", "10", "--schedule", "cosine", "--total_steps", "12"])
+    assert pin_schedule_length(explicit, {"schedule_steps": 6}, lines.append).total_steps == 12
+    assert "changes from 6 to 12" in lines[-1]
