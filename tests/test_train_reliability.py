@@ -252,8 +252,7 @@ def write_data(path, edit=False):
 
 def test_resuming_on_changed_data_is_refused_unless_accepted(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
-    args = sft_overrides(tmp_path / "run", "--data.path", data, "--engine", "reference", "--no-deterministic",
-                         "--steps", "2")
+    args = sft_overrides(tmp_path / "run", "--data.path", data, "--steps", "2")
     run_sft(load_config(None, args), log=quiet)
     write_data(tmp_path / "d.jsonl", edit=True)
     more = [*args, "--steps", "3"]
@@ -276,8 +275,7 @@ def test_rl_resuming_on_an_edited_prompt_file_is_refused_unless_accepted(tmp_pat
     reward = tmp_path / "reward.py"
     reward.write_text("def odd(prompt, response):\n    return float(len(response) % 2)\n")
     args = rl_overrides(tmp_path / "run", "--task.name", "jsonl", "--task.path", str(prompts), "--reward_fn",
-                        f"{reward}:odd", "--pool_size", "0", "--eval_problems", "2", "--engine", "reference",
-                        "--no-deterministic", "--steps", "1")
+                        f"{reward}:odd", "--pool_size", "0", "--eval_problems", "2", "--steps", "1")
     run_rl(load_rl_config(None, args), log=quiet)
     prompts.write_text(prompts.read_text().replace("3 + 1", "3 + 2"))
     with pytest.raises(RuntimeError, match=r"the data differ from those checkpoint .*/1 was trained on \(8 examples"):
@@ -288,8 +286,7 @@ def test_rl_resuming_on_an_edited_prompt_file_is_refused_unless_accepted(tmp_pat
 
 
 def test_raising_steps_on_resume_keeps_the_original_learning_rate_schedule(tmp_path):
-    args = sft_overrides(tmp_path / "run", "--engine", "reference", "--no-deterministic", "--schedule", "cosine",
-                         "--steps", "4")
+    args = sft_overrides(tmp_path / "run", "--schedule", "cosine", "--steps", "4")
     run_sft(load_config(None, args), stop_at_step=2, log=quiet)
     lines = []
     run_sft(load_config(None, [*args, "--steps", "6"]), log=lines.append)
