@@ -13,7 +13,9 @@ compute-only wall for its plans (lock-step: sum over rounds of the slowest devic
 bucket; ODC: the busiest device's sum), and their ratio, the speed-up that balancing and decoupling alone can buy
 on these minibatches ("balance bound"), next to the measured one. ODC's LB-Mini plans for the buckets, with a
 per-microbatch overhead measured first (ODC steps of 1 and 3 tiny microbatches per device, less their compute); the
-"odc_seq" row runs ODC on LB-Mini plans that balance sequence costs only. Each engine runs all minibatches once to compile,
+"odc_seq" row runs ODC on LB-Mini plans that balance sequence costs only, and the "odc_det" row the "odc" plans with a
+deterministic heap (bit-for-bit reproducible accumulation; its step time over the default's is printed as the
+deterministic cost). Each engine runs all minibatches once to compile,
 then again timed; the medians of the per-minibatch walls are reported.
 
 Prints a table, then one JSON line (also written to bench/results/e2e.json unless --no-save).
@@ -66,9 +68,11 @@ from jodc.fsdp.decoder import decoder_staged_model  # noqa: E402
 from jodc.models.config import DecoderConfig  # noqa: E402
 from jodc.sim.lengths import get_length_distribution  # noqa: E402
 
-# (row, planner, engine); "odc_seq" is ODC with LB-Mini balancing sequence costs only, blind to the buckets
-CONTENDERS = (("odc", "lb_mini", ODCEngine), ("odc_seq", "lb_mini", ODCEngine),
+# (row, planner, engine); "odc_seq" is ODC with LB-Mini balancing sequence costs only, blind to the buckets;
+# "odc_det" is the "odc" row (same plans) with a deterministic heap: the price of bit-for-bit reproducibility
+CONTENDERS = (("odc", "lb_mini", ODCEngine), ("odc_det", "lb_mini", ODCEngine), ("odc_seq", "lb_mini", ODCEngine),
               ("collective", "lb_micro", CollectiveEngine), ("xla_spmd", "lb_micro", SPMDEngine))
+ENGINE_OPTIONS = {"odc_det": {"deterministic": True}}
 
 
 def make_sequences(lengths, rng, vocab):
@@ -143,8 +147,8 @@ class BusyCalibrator:
         return out
 
 
-def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets):
-    engine = engine_cls(model, groups, mesh, optimizer=optimizer, length_buckets=length_buckets)
+def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets, **options):
+    engine = engine_cls(model, groups, mesh, optimizer=optimizer, length_buckets=length_buckets, **options)
     try:
         for b in batches:  # compile every shape
             engine.step(b)
@@ -221,12 +225,13 @@ def run(args) -> dict:
         rows, ideal_totals = {}, {}
         for name, planner, engine_cls in CONTENDERS:
             plan_fn = get_planner(planner)
-            if name == "odc":  # ODC plans for the buckets it runs at (jodc.balance.buckets)
+            if name in ("odc", "odc_det"):  # ODC plans for the buckets it runs at (jodc.balance.buckets)
                 plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
             batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
                                            *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
             busy = [calibrator.busy(b, lengths) for b in batches]
-            walls = run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets)
+            walls = run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets,
+                                  **ENGINE_OPTIONS.get(name, {}))
             busy_total = np.array([b.sum() for b in busy])
             if engine_cls is ODCEngine:
                 ideal = np.array([b.max() for b in busy])
@@ -235,7 +240,7 @@ def run(args) -> dict:
             ideal_totals[name] = float(ideal.sum())
             tokens = np.array([b.num_tokens for b in batches])
             rows[name] = {
-                "planner": planner + ("+buckets" if name == "odc" else ""),
+                "planner": planner + ("+buckets" if name in ("odc", "odc_det") else ""),
                 "wall_s": float(np.median(walls)),
                 "samples_per_s": float(np.sum([b.num_sequences for b in batches]) / walls.sum()),
                 "tokens_per_s": float(tokens.sum() / walls.sum()),
@@ -250,11 +255,15 @@ def run(args) -> dict:
         best_baseline = rows[best_name]["samples_per_s"]
         bound = ideal_totals[best_name] / ideal_totals["odc"]
         results[scenario] = {"engines": rows, "odc_speedup": rows["odc"]["samples_per_s"] / best_baseline,
-                             "balance_bound": bound}
+                             "balance_bound": bound,
+                             # step time of deterministic ODC relative to the default (same plans): 1.05 = 5% slower
+                             "deterministic_cost": rows["odc"]["samples_per_s"] / rows["odc_det"]["samples_per_s"]}
     results["odc_speedup_imbalanced"] = results["imbalanced"]["odc_speedup"]
     results["odc_speedup_balanced"] = results["balanced"]["odc_speedup"]
     results["balance_bound_imbalanced"] = results["imbalanced"]["balance_bound"]
     results["balance_bound_balanced"] = results["balanced"]["balance_bound"]
+    results["deterministic_cost_imbalanced"] = results["imbalanced"]["deterministic_cost"]
+    results["deterministic_cost_balanced"] = results["balanced"]["deterministic_cost"]
     return results
 
 
@@ -275,6 +284,8 @@ def print_table(r: dict) -> None:
           f"balanced {r['odc_speedup_balanced']:.2f}")
     print(f"Balance bound (compute-only walls from the calibration, lock-step / ODC schedule): imbalanced "
           f"{r['balance_bound_imbalanced']:.2f}, balanced {r['balance_bound_balanced']:.2f}")
+    print(f"Deterministic ODC (odc_det, same plans) step time / default ODC: imbalanced "
+          f"{r['deterministic_cost_imbalanced']:.3f}, balanced {r['deterministic_cost_balanced']:.3f}")
     print("effic. = ideal (busy / devices) / wall; sched. = the schedule's compute-only wall / measured wall")
 
 
@@ -284,7 +295,9 @@ def main(args) -> dict:
     line = {"odc_speedup_imbalanced": round(r["odc_speedup_imbalanced"], 4),
             "odc_speedup_balanced": round(r["odc_speedup_balanced"], 4),
             "balance_bound_imbalanced": round(r["balance_bound_imbalanced"], 4),
-            "balance_bound_balanced": round(r["balance_bound_balanced"], 4)}
+            "balance_bound_balanced": round(r["balance_bound_balanced"], 4),
+            "deterministic_cost_imbalanced": round(r["deterministic_cost_imbalanced"], 4),
+            "deterministic_cost_balanced": round(r["deterministic_cost_balanced"], 4)}
     for scenario in ("imbalanced", "balanced"):
         for name, row in r[scenario]["engines"].items():
             line[f"{scenario}_{name}_samples_per_s"] = round(row["samples_per_s"], 3)

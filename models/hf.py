@@ -7,6 +7,7 @@ weights [out, in]; `jodc.models` stores them [in, out], so matrices are transpos
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from .config import DTYPES, DecoderConfig, RopeScaling
@@ -136,19 +137,24 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", compute_dty
     attention_bias = bool(hf.get("attention_bias", False))
     eos = hf.get("eos_token_id")
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+    def integer(key, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise ValueError(f"config.json: {key} must be an integer, got {value!r}")
+        return int(value)
+
     fields = dict(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=int(hf["num_attention_heads"]),
-        num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        vocab_size=integer("vocab_size", hf["vocab_size"]),
+        hidden_size=integer("hidden_size", hf["hidden_size"]),
+        intermediate_size=integer("intermediate_size", hf["intermediate_size"]),
+        num_layers=integer("num_hidden_layers", hf["num_hidden_layers"]),
+        num_heads=integer("num_attention_heads", hf["num_attention_heads"]),
+        num_kv_heads=integer("num_key_value_heads", hf.get("num_key_value_heads") or hf["num_attention_heads"]),
         head_dim=hf.get("head_dim"),
         family=family,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        max_position_embeddings=integer("max_position_embeddings", hf.get("max_position_embeddings", 4096)),
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)) if family == "llama" else False,
@@ -228,13 +234,53 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _read_json_object(file: str) -> dict[str, Any]:
+    """The JSON object in `file`; ValueError naming the file when it is empty, not UTF-8, not JSON or not an
+    object (a half-copied or hand-edited config.json / index)."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+        if not raw.strip():
+            raise ValueError("the file is empty")
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: str):
+    """`safe_open(file)`, with errors that name the file: empty, not a safetensors file, truncated."""
+    if os.path.getsize(file) == 0:
+        raise ValueError(f"{file}: the safetensors file is empty (0 bytes); re-download or re-export it")
+    try:
+        handle = safe_open(file, framework="np")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); it is corrupt or truncated: "
+                         "re-download or re-export it") from None
+    with handle as f:
+        yield f
+
+
+def _get_tensor(f, file: str, name: str) -> np.ndarray:
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: tensor {name} cannot be read ({e}); the file is corrupt or truncated") from None
+
+
 def _weight_files(path: str) -> dict[str, str]:
     """HF tensor name -> safetensors file path, for a single-file or sharded checkpoint."""
     single = os.path.join(path, WEIGHTS_FILE)
     index = os.path.join(path, WEIGHTS_INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' object")
         shards = {os.path.join(path, shard) for shard in weight_map.values()}
@@ -243,7 +289,7 @@ def _weight_files(path: str) -> dict[str, str]:
             raise FileNotFoundError(f"{path}: shards listed in {WEIGHTS_INDEX_FILE} are missing: {absent}")
         return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
     if os.path.exists(single):
-        with safe_open(single, framework="np") as f:
+        with _open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     present = sorted(os.listdir(path))
     raise FileNotFoundError(
@@ -263,11 +309,17 @@ def load_pretrained(path: str, *, dtype: str = "float32", compute_dtype: str | N
     """
     if dtype not in DTYPES:
         raise ValueError(f"load_pretrained: dtype must be one of {DTYPES}, got {dtype!r}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such HF checkpoint directory")
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{path}: no {CONFIG_FILE}")
-    with open(config_path) as f:
-        config = config_from_hf(json.load(f), dtype=dtype, compute_dtype=compute_dtype, **config_overrides)
+    hf_config = _read_json_object(config_path)
+    try:
+        config = config_from_hf(hf_config, dtype=dtype, compute_dtype=compute_dtype, **config_overrides)
+    except (ValueError, TypeError) as e:  # unsupported features, missing or malformed fields
+        message = str(e).removeprefix(f"{CONFIG_FILE}: ")
+        raise ValueError(f"{config_path}: {message}") from None
     files = _weight_files(path)
     wanted = hf_tensor_names(config)
     missing = sorted(name for name in wanted.values() if name not in files)
@@ -286,9 +338,9 @@ def load_pretrained(path: str, *, dtype: str = "float32", compute_dtype: str | N
     for (group, param), name in wanted.items():
         by_file.setdefault(files[name], []).append((group, param, name))
     for file, entries in by_file.items():
-        with safe_open(file, framework="np") as f:
+        with _open_safetensors(file) as f:
             for group, param, name in entries:
-                tensor = f.get_tensor(name)
+                tensor = _get_tensor(f, file, name)
                 if _is_matrix(param):
                     tensor = tensor.T
                 shape = group_param_shapes(config, group)[param]

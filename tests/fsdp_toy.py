@@ -91,3 +91,47 @@ def random_minibatch(counts, token_cap=12, seed=0, max_micro=None):
     normalizer = float(max(loss_mask.sum(), 1.0))
     return MinibatchArrays(tokens, targets, loss_mask, positions, segment_ids, np.asarray(counts), normalizer,
                            sequences)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a forced non-finite backward pass (test-only): what a numerical blow-up on one device looks like
+# ---------------------------------------------------------------------------------------------------------------
+
+POISON_POSITION = -7  # a position no real token has: a microbatch holding it gets a NaN backward pass
+
+
+@jax.custom_vjp
+def _nan_backward_if(h, flag):
+    return h
+
+
+def _nan_backward_fwd(h, flag):
+    return h, flag
+
+
+def _nan_backward_bwd(flag, g):
+    return jnp.where(flag, jnp.nan, 1.0).astype(g.dtype) * g, None
+
+
+_nan_backward_if.defvjp(_nan_backward_fwd, _nan_backward_bwd)
+
+
+def poison_backward(model):
+    """`model` with its first stage's output passed through an identity whose backward pass is NaN for a
+    microbatch holding POISON_POSITION (the forward pass, hence the loss, is unchanged and finite)."""
+    from jodc.fsdp import Stage, StagedModel
+
+    first = model.stages[0]
+
+    def fn(params, h, mb):
+        return _nan_backward_if(first.fn(params, h, mb), jnp.any(mb["positions"] == POISON_POSITION))
+
+    return StagedModel(model.group_names, model.layouts, (Stage(first.name, first.groups, fn),) + model.stages[1:],
+                       model.metric_names)
+
+
+def poison(batch, device=0, microbatch=0):
+    """Marks one microbatch of one device (in place) so that `poison_backward` models give it a NaN gradient.
+    The last slot of that row gets POISON_POSITION (a padding slot when the row has one)."""
+    batch.positions[device, microbatch, -1] = POISON_POSITION
+    return batch

@@ -201,3 +201,56 @@ def test_tokenizer_matches_transformers_fast_tokenizer(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<end>"}))
     with pytest.raises(ValueError, match="eos token '<end>' is not in the vocabulary"):
         load_tokenizer(str(tmp_path))
+
+
+def _tiny_checkpoint(path):
+    from jodc.models import Decoder, DecoderConfig
+    import flax.nnx as nnx
+
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                           num_kv_heads=2, family="llama")
+    save_pretrained(Decoder(config, rngs=nnx.Rngs(0)), str(path))
+    return path
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("empty", r"model.safetensors: the safetensors file is empty \(0 bytes\)"),
+    ("garbage", r"model.safetensors: not a readable safetensors file \(.*\); it is corrupt or truncated"),
+    ("truncated", r"model.safetensors: .*corrupt or truncated"),
+    ("config_empty", r"config.json: the file is empty"),
+    ("config_garbage", r"config.json: not valid JSON \(Expecting value at line 1 column 1\)"),
+    ("config_list", r"config.json: expected a JSON object, got list"),
+    ("config_field", r"config.json: hidden_size must be an integer, got 'big'"),
+    ("config_missing", r"config.json: missing fields \['vocab_size'\]"),
+    ("config_latin1", r"config.json: not valid UTF-8 \(byte 0xe9"),
+])
+def test_damaged_checkpoint_files_are_named_with_what_is_wrong(tmp_path, damage, message):
+    path = _tiny_checkpoint(tmp_path / "hf")
+    weights, config = path / "model.safetensors", path / "config.json"
+    data, hf = weights.read_bytes(), json.loads(config.read_text())
+    if damage == "empty":
+        weights.write_bytes(b"")
+    elif damage == "garbage":
+        weights.write_bytes(b"this is not a safetensors file at all" * 10)
+    elif damage == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "config_empty":
+        config.write_text("")
+    elif damage == "config_garbage":
+        config.write_text("<html>not found</html>")
+    elif damage == "config_list":
+        config.write_text("[1, 2]")
+    elif damage == "config_field":
+        config.write_text(json.dumps(dict(hf, hidden_size="big")))
+    elif damage == "config_missing":
+        config.write_text(json.dumps({k: v for k, v in hf.items() if k != "vocab_size"}))
+    else:
+        config.write_bytes(json.dumps(dict(hf, name="caf_")).encode().replace(b"caf_", b"caf\xe9"))
+    with pytest.raises(ValueError, match=message) as caught:
+        load_pretrained(str(path))
+    assert str(path) in str(caught.value)  # the full path, not just the file name
+
+
+def test_a_missing_checkpoint_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"absent: no such HF checkpoint directory"):
+        load_pretrained(str(tmp_path / "absent"))

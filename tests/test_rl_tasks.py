@@ -107,6 +107,12 @@ def test_jsonl_prompts_need_a_user_reward_and_solutions_for_the_warm_start(tmp_p
         read_prompts(str(tmp_path / "bad.jsonl"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_prompts(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not valid UTF-8 \(byte 0xff at column 13\)"):
+        read_prompts(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "a\\ud83d"}\n')
+    with pytest.raises(ValueError, match=r"surrogate.jsonl:1: 'prompt' at character 1 .* lone UTF-16 surrogate"):
+        read_prompts(str(tmp_path / "surrogate.jsonl"))
 
 
 def test_reward_functions_load_from_a_module_or_a_file(tmp_path):

@@ -82,6 +82,19 @@ def test_malformed_records_name_file_and_line(tmp_path, bad, message):
         D.load_jsonl(path, TOK, max_length=64)
 
 
+@pytest.mark.parametrize("line, message", [
+    (b'{"prompt": "caf\xe9", "completion": "c"}', r"d.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)"),
+    (b'{"prompt": "a\\ud800b", "completion": "c"}', r"d.jsonl:2: 'prompt' at character 1 .* lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "assistant", "content": "x\\udfff"}]}',
+     r"d.jsonl:2: 'messages'\[0\]\.content at character 1 .* lone UTF-16 surrogate"),
+])
+def test_text_that_is_not_unicode_names_file_line_and_place(tmp_path, line, message):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "p", "completion": "c"}\n' + line + b"\n")
+    with pytest.raises(D.RecordError, match=message):
+        D.load_jsonl(str(path), TOK, max_length=64)
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="data file .* does not exist"):
         D.load_jsonl(str(tmp_path / "nope.jsonl"), TOK, max_length=64)

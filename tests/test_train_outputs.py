@@ -98,6 +98,31 @@ def test_logger_writes_jsonl_and_tensorboard_and_truncates_on_resume(tmp_path):
     assert M.truncate_metrics(str(tmp_path / "absent.jsonl"), 0) == 0
 
 
+def test_a_torn_last_metrics_line_is_dropped_on_resume_and_other_corruption_names_the_file(tmp_path):
+    out = str(tmp_path)
+    logger = M.MetricsLogger(out, total_steps=4, progress=False)
+    for s in (1, 2):
+        logger.log(record(s, loss=float(s)))
+    logger.close()
+    with open(logger.path, "a") as f:  # a crash in the middle of writing step 3
+        f.write(json.dumps(record(3))[:25])
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:3: dropping a torn last line"):
+        assert [r["step"] for r in M.read_metrics(logger.path)] == [1, 2]
+    with pytest.warns(UserWarning, match="torn"):
+        resumed = M.MetricsLogger(out, total_steps=4, start_step=2, progress=False)
+    resumed.log(record(3, loss=3.0))
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in M.read_metrics(logger.path)] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    lines = open(logger.path).read().splitlines()
+    lines[1] = lines[1][:10]  # damage in the middle of the file is not a torn write: refuse, naming the line
+    with open(logger.path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics record"):
+        M.read_metrics(logger.path)
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        M.MetricsLogger(out, total_steps=4, start_step=3, progress=False)
+
+
 # -- checkpoints ---------------------------------------------------------------------------------------------------
 
 

@@ -49,6 +49,7 @@ class CheckpointStore:
         options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False,
                                                cleanup_tmp_directories=True, **_preservation_options(keep))
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(ENGINE_ITEM, TRAINER_ITEM))
+        self._await_tmp_cleanup()
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints present, ascending."""
@@ -114,8 +115,24 @@ class CheckpointStore:
         engine_state["step"] = int(trainer_state["step"])
         return engine_state, trainer_state
 
+    def _await_tmp_cleanup(self) -> None:
+        """Waits for the removal of half-written checkpoints that the manager starts in a background thread when it
+        opens the directory. `CheckpointManager.close()` does not wait for it: a run that fails right after
+        opening its store (e.g. on a bad data file) would otherwise end with that thread's unrelated "cannot
+        schedule new futures after interpreter shutdown" traceback instead of the real error."""
+        wait = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+        if wait is not None:
+            wait()
+
     def close(self) -> None:
-        self.manager.close()
+        """Finishes every background operation of the manager and closes it (idempotent)."""
+        if self.manager is None:
+            return
+        try:
+            self._await_tmp_cleanup()
+        finally:
+            self.manager.close()
+            self.manager = None
 
 
 def _arrays_only(engine_state: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import argparse
 import os
 import re
 import sys
+import traceback
 from typing import Sequence
 
 from . import distributed
@@ -54,7 +55,8 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
                 multiprocess: bool = False) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
     then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
-    trainer can detect (some checks need JAX), is printed and gives exit status 2."""
+    trainer can detect (some checks need JAX), is printed and gives exit status 2; any other error prints its
+    traceback and then, as the last line, `<label>: error: <type>: <message>`, with exit status 1."""
     try:
         config = load(args.config, overrides)
         if args.print_config:
@@ -81,6 +83,11 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
     except ConfigError as e:
         print(f"{label}: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the run has closed its checkpoints and engine: nothing prints after this
+        traceback.print_exc()
+        sys.stderr.flush()
+        print(f"{label}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from typing import Any, Sequence
 
@@ -110,6 +111,11 @@ class TrainerConfig:
     timeline_every: int = _field(0, minimum=0, doc="record and plot a per-device timeline every N steps (0: off)")
     export_hf: bool = _field(True, doc="write a HF checkpoint to out_dir/hf at the end")
     progress: bool = _field(True, doc="show a progress bar")
+    skip_nonfinite_steps: bool = _field(False, doc="a step with a non-finite loss, grad norm or update is never "
+                                        "applied; false: stop the run there, true: skip it (counted in the "
+                                        "metrics as skipped_steps) and go on")
+    accept_changed_data: bool = _field(False, doc="resume even though the data differ from those the checkpoint "
+                                       "was trained on (their fingerprint is saved with every checkpoint)")
 
     @property
     def planner_name(self) -> str:
@@ -224,6 +230,8 @@ def _check_bounds(key: str, value: Any, field: dataclasses.Field) -> None:
     choices, minimum = field.metadata.get("choices"), field.metadata.get("minimum")
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):  # nan/inf would reach the parameters
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if choices is not None and value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
     if minimum is not None and value < minimum:
@@ -296,9 +304,20 @@ def parse_length_buckets(text) -> tuple[int, ...]:
     return buckets
 
 
+def check_finite_floats(config, sections: dict[str, type] = SECTIONS) -> None:
+    """ConfigError naming the first float field that is NaN or infinite (also for configs built in code, which
+    skip the per-value checks of `build_sections`)."""
+    for name in sections:
+        for field in dataclasses.fields(getattr(config, name)):
+            value = getattr(getattr(config, name), field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name}.{field.name} must be a finite number, got {value!r}")
+
+
 def validate(config: SFTConfig) -> None:
     """Checks that span fields (field-local checks happen while building)."""
     t, d, o = config.trainer, config.data, config.optimizer
+    check_finite_floats(config)
     if config.token_cap < d.max_length:
         raise ConfigError(f"trainer.token_cap={config.token_cap} is below data.max_length={d.max_length}: the "
                           "longest sequences would not fit in a microbatch")

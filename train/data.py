@@ -15,13 +15,14 @@ left without a trained token are dropped; `LoadReport` counts both so the traine
 from __future__ import annotations
 
 import dataclasses
-import json
+import hashlib
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from jodc.models.tokenizer import Tokenizer
 
+from .jsonl import JsonlError, iter_jsonl
 from .tokenizer import ROLE_TOKENS
 
 ROLES = tuple(ROLE_TOKENS)
@@ -159,19 +160,12 @@ def read_jsonl(path: str) -> list[dict]:
     """The checked records of a JSONL file (blank lines skipped); RecordError naming `path:line` otherwise."""
     records = []
     try:
-        f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"data file {path} does not exist (data.path: a .jsonl file or 'embedded')") from None
-    with f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RecordError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        for where, record in iter_jsonl(path, missing_hint="data.path: a .jsonl file or 'embedded'"):
             records.append(check_record(record, where))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"data file {e}") from None
+    except JsonlError as e:
+        raise RecordError(str(e)) from None
     if not records:
         raise RecordError(f"{path}: no records")
     return records
@@ -213,3 +207,14 @@ def load_jsonl(path: str, tokenizer: Tokenizer, *, max_length: int, overlong: st
                ) -> tuple[list[Example], LoadReport]:
     """Examples of a JSONL file (see the module docstring for the record shapes)."""
     return load_records(read_jsonl(path), tokenizer, max_length=max_length, overlong=overlong, source=path)
+
+
+def fingerprint_examples(examples: Sequence[Example]) -> dict:
+    """{"examples": count, "sha256": hash of every example's tokens and loss mask, in order}: what a checkpoint
+    records of its data, so that a resume on data edited in place (same path, same count) is noticed."""
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(np.int64(e.length).tobytes())
+        digest.update(np.ascontiguousarray(e.tokens, np.int32).tobytes())
+        digest.update(np.packbits(e.loss_mask).tobytes())
+    return {"examples": len(examples), "sha256": digest.hexdigest()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 from tensorboardX import SummaryWriter
@@ -31,19 +32,47 @@ def step_metrics(*, step: int, loss: float, grad_norm: float, seconds: float, to
     return record
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file ([] when it does not exist)."""
+def _read_records(path: str) -> tuple[list[dict[str, Any]], bool]:
+    """(records, torn): the records of a metrics.jsonl file, and whether its last line was torn (a crash while it
+    was written: no newline at the end and not valid JSON), which is dropped with a warning. Any other line that
+    is not a JSON object is an error naming the file and the line."""
     if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [], False
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records, torn = [], False
+    for line_no, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        last = line_no == len(lines)  # no newline after it: possibly cut short
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if last:
+                warnings.warn(f"{path}:{line_no}: dropping a torn last line (the run stopped while writing it): "
+                              f"{raw[:80]!r}", stacklevel=3)
+                torn = True
+                continue
+            raise ValueError(f"{path}:{line_no}: not a metrics record ({e}); fix or remove that line (the file "
+                             "holds one JSON object per line)") from None
+        records.append(record)
+    return records, torn
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file ([] when it does not exist); a torn last line is dropped with a
+    warning, any other bad line is a ValueError naming the file and line."""
+    return _read_records(path)[0]
 
 
 def truncate_metrics(path: str, last_step: int) -> int:
-    """Drops records with step > last_step (atomically); returns how many were dropped."""
-    records = read_metrics(path)
+    """Drops records with step > last_step, and a torn last line (atomically); returns how many records were
+    dropped."""
+    records, torn = _read_records(path)
     kept = [r for r in records if r.get("step", 0) <= last_step]
-    if len(kept) == len(records):
+    if len(kept) == len(records) and not torn:
         return 0
     staging = path + ".tmp"
     with open(staging, "w") as f:

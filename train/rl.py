@@ -5,8 +5,9 @@ advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) 
 The prompts, the sampling key and the minibatch split of step k are pure functions of (seed, k), and rollouts
 are sampled from the engine's parameters, so a run resumed from a checkpoint continues exactly (bit for bit with
 `trainer.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
-function that fails, or a non-finite loss, stops the run before anything of that step is saved, so the latest
-checkpoint stays the last consistent state. With `warmstart.sft_steps > 0` the run first fine-tunes the model on
+function that fails, or a non-finite update (which the engine never applies), stops the run before anything of that
+step is saved, so the latest checkpoint stays the last consistent state; with `trainer.skip_nonfinite_steps` a
+non-finite update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes the model on
 the task's solutions with the SFT trainer (`rl_warmstart`) and starts RL from that policy; with
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
 """
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 
 from jodc.balance import get_planner
+from jodc.fsdp import NonFiniteStepError
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.losses import grpo_advantages
@@ -38,10 +40,10 @@ from .rl_metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metri
 from .rl_reference import ReferencePolicy
 from .rl_rewards import RewardFunction, load_reward_function, score
 from .rl_rollout import sample_rollout, sampling_params
-from .rl_tasks import eval_problems, make_task, step_problems, training_pool
+from .rl_tasks import eval_problems, fingerprint_task, make_task, step_problems, training_pool
 from .rl_warmstart import run_warmstart
-from .run_common import TrainingRun, output_lines
-from .sft import make_engine, optimizer_config
+from .run_common import TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length
+from .sft import make_engine, nonfinite_message, optimizer_config
 from .tokenizer import load_tokenizer
 
 CHECKPOINT_DIR, HF_DIR, CONFIG_FILE = "checkpoints", "hf", "config.yaml"
@@ -71,10 +73,18 @@ class RLRun(TrainingRun):
         os.makedirs(self.out_dir, exist_ok=True)
         self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
         self.engine = None
+        self.skipped_updates = 0  # optimizer updates not applied for a non-finite value
         try:
             resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
+            if resume_from is not None:
+                self.config = config = pin_schedule_length(config, self.store.read_trainer_state(resume_from), log)
             self.objective = build_objective(config.loss, r)
             self.task = make_task(config.task.name, **config.task.task_options())
+            self.data_fingerprint = fingerprint_task(self.task)
+            if resume_from is not None:
+                check_data_fingerprint(self.store.read_trainer_state(resume_from).get("data_fingerprint"),
+                                       self.data_fingerprint, accept=t.accept_changed_data,
+                                       where=self.store.step_dir(resume_from), log=log)
             self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
             self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems)
             if reward_fn is not None:
@@ -124,7 +134,8 @@ class RLRun(TrainingRun):
 
     def _restore(self, step: int) -> int:
         engine_state, trainer_state = self.store.restore(step, self.engine.state_dict())
-        expected_updates = step * self.config.trainer.updates_per_step
+        self.skipped_updates = int(trainer_state.get("skipped_updates", 0))
+        expected_updates = step * self.config.trainer.updates_per_step - self.skipped_updates
         if trainer_state.get("optimizer_updates") != expected_updates:
             raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
                                f"{trainer_state.get('optimizer_updates')} optimizer updates, expected "
@@ -135,7 +146,8 @@ class RLRun(TrainingRun):
         return step
 
     def _trainer_state(self, done: int) -> dict[str, Any]:
-        return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done}
+        return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done,
+                "skipped_updates": self.skipped_updates, "data_fingerprint": self.data_fingerprint}
 
     # -- pieces of a step ------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:
@@ -188,11 +200,19 @@ class RLRun(TrainingRun):
                                        token_cap=t.token_cap, cost_model=self.cost_model,
                                        aggregation=self.objective.aggregation,
                                        skip_empty_microbatches=t.engine == "odc")
-            result = self.engine.step(arrays)
+            try:
+                result = self.engine.step(arrays)
+            except NonFiniteStepError as e:  # not applied: the engine kept its previous state
+                result = e.result
+                self.skipped_updates += 1
+                what = f"step {step + 1}, update {len(updates) + 1} of {t.updates_per_step}"
+                if not t.skip_nonfinite_steps:
+                    raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(),
+                                                               skip=False)) from None
+                self.log(nonfinite_message(what, result, None, skip=True))
+                train_seconds += time.perf_counter() - update_started
+                continue
             train_seconds += time.perf_counter() - update_started
-            if not np.isfinite(result.loss):
-                raise FloatingPointError(f"step {step + 1}: the loss is {result.loss}; stopping without saving "
-                                         f"(latest checkpoint: step {self.store.latest_step()})")
             updates.append({"loss": result.loss, "grad_norm": result.grad_norm,
                             **summarize_metrics(result.metrics, self.objective)})
             tokens += arrays.num_tokens
@@ -200,7 +220,10 @@ class RLRun(TrainingRun):
         seconds = time.perf_counter() - started
         record.update(rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
                                       success_reward=self.config.task.success_reward))
-        record.update(update_metrics(updates, unstable_kl=t.unstable_kl))
+        # every update of the step skipped (non-finite): no loss to report
+        record.update(update_metrics(updates, unstable_kl=t.unstable_kl) if updates else
+                      {"loss": float("nan"), "grad_norm": float("nan")})
+        record["skipped_updates"] = self.skipped_updates
         record.update({"learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                        "microbatches": microbatches, "rollout_seconds": rollout.seconds,

@@ -162,6 +162,11 @@ class RLTrainerConfig:
                                                          "counts as a blow-up")
     export_hf: bool = _field(True, doc="write a HF checkpoint to out_dir/hf at the end")
     progress: bool = _field(True, doc="show a progress bar")
+    skip_nonfinite_steps: bool = _field(False, doc="an update with a non-finite loss, grad norm or update is never "
+                                        "applied; false: stop the run there, true: skip that update (counted in "
+                                        "the metrics as skipped_updates) and go on")
+    accept_changed_data: bool = _field(False, doc="resume even though the task's prompt file (task.path) differs "
+                                       "from the one the checkpoint was trained on")
 
     @property
     def planner_name(self) -> str:
@@ -225,6 +230,7 @@ def config_from_dict(raw: dict | None, *, source: str = "config") -> RLConfig:
 def validate(config: RLConfig) -> None:
     """Checks that span fields (field-local checks happen while building)."""
     t, r, task, o = config.trainer, config.rollout, config.task, config.optimizer
+    sft_config.check_finite_floats(config, SECTIONS)
     if not r.temperature > 0:
         raise ConfigError(f"rollout.temperature must be > 0 (RL samples; the losses' ratios need the sampling "
                           f"distribution), got {r.temperature}")

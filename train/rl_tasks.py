@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import json
 import re
 from typing import Callable
+
+from .jsonl import iter_jsonl
 
 import numpy as np
 
@@ -193,28 +196,32 @@ class JsonlTask:
                          "reward_fn= to run_rl)")
 
 
+def fingerprint_task(task) -> dict | None:
+    """{"examples": count, "sha256": ...} of the prompts (and solutions) a task reads from a file, which a checkpoint
+    records so that a resume on a file edited in place is noticed; None for generated tasks (their problems follow
+    from the config and the seed, which a checkpoint already pins)."""
+    problems = getattr(task, "problems", None)
+    if problems is None:
+        return None
+    digest = hashlib.sha256()
+    for p in problems:
+        digest.update(json.dumps([p.prompt, p.solution]).encode("utf-8") + b"\n")
+    return {"examples": len(problems), "sha256": digest.hexdigest()}
+
+
 def read_prompts(path: str) -> list[Problem]:
     """The problems of a JSONL prompt file; ValueError naming `path:line` for a malformed record."""
     problems = []
     try:
-        f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"task.path {path} does not exist (a .jsonl file of {{\"prompt\": ...}} records)"
-                                ) from None
-    with f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+        for where, record in iter_jsonl(path, missing_hint='a .jsonl file of {"prompt": ...} records'):
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-                raise ValueError(f"{path}:{line_no}: a record needs a non-empty string 'prompt'")
+                raise ValueError(f"{where}: a record needs a non-empty string 'prompt'")
             solution = record.get("solution")
             if solution is not None and not isinstance(solution, str):
-                raise ValueError(f"{path}:{line_no}: 'solution' must be a string when present")
+                raise ValueError(f"{where}: 'solution' must be a string when present")
             problems.append(Problem(record["prompt"], solution))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"task.path {e}") from None
     if not problems:
         raise ValueError(f"{path}: no prompts")
     return problems

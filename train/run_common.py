@@ -2,7 +2,10 @@
 the end-of-run summary that say where everything was written."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 
 class TrainingRun:
@@ -17,20 +20,28 @@ class TrainingRun:
         raise NotImplementedError
 
     def _save(self, done: int) -> None:
-        """Checkpoints step `done` (once: a step saved on schedule is not saved again at the end)."""
+        """Checkpoints step `done` (once: a step saved on schedule is not saved again at the end); parameters that
+        are not all finite are never saved."""
         if self.last_saved_step == done:
             return
         trainer_state = {**self._trainer_state(done), "engine": self.config.trainer.engine,
-                         "devices": self.config.trainer.devices}
-        self.store.save(done, self.engine.state_dict(), trainer_state)
+                         "devices": self.config.trainer.devices, "schedule_steps": self.config.total_steps}
+        engine_state = self.engine.state_dict()
+        bad = sorted(g for g, v in engine_state["params"].items() if not np.isfinite(v).all())
+        if bad:  # the engines never apply a non-finite step; this is the last line of defence for checkpoints
+            raise FloatingPointError(f"step {done}: parameter groups {bad} hold NaN or inf values; refusing to save "
+                                     f"them (latest checkpoint: step {self.store.latest_step()})")
+        self.store.save(done, engine_state, trainer_state)
         self.last_saved_step = done
 
     def close(self) -> None:
         """Releases the engine's native resources and the checkpoint manager."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        self.store.close()
+        try:
+            if self.engine is not None:
+                engine, self.engine = self.engine, None
+                engine.close()
+        finally:
+            self.store.close()  # also when the engine fails to close: no orbax thread outlives the run
 
 
 def output_lines(summary: dict[str, Any], extra: Sequence[str] = ()) -> list[str]:
@@ -40,3 +51,39 @@ def output_lines(summary: dict[str, Any], extra: Sequence[str] = ()) -> list[str
     if summary["hf_export"]:
         lines.append(f"HF export:  {summary['hf_export']}")
     return lines
+
+
+def pin_schedule_length(config, saved: dict[str, Any], log: Callable[[str], None]):
+    """`config` with the learning-rate schedule's length of the run it resumes (`saved`: the checkpoint's trainer
+    state). Raising `trainer.steps` to train longer must not move the schedule under the steps already taken (a
+    cosine decay would jump back up): unless `optimizer.total_steps` is set, the schedule keeps the original
+    run's length (and stays at its final value past it). Setting `optimizer.total_steps` changes it, said aloud."""
+    original = saved.get("schedule_steps")
+    if original is None:
+        return config
+    now = config.total_steps
+    if config.optimizer.total_steps is not None:
+        if now != original:
+            log(f"note: the learning-rate schedule's length changes from {original} to {now} optimizer updates "
+                "(optimizer.total_steps)")
+        return config
+    if now != original:
+        log(f"note: the learning-rate schedule keeps the original run's length of {original} optimizer updates "
+            f"(the new trainer.steps would make it {now}); set optimizer.total_steps to change it")
+    return dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, total_steps=original))
+
+
+def check_data_fingerprint(saved: dict | None, now: dict, *, accept: bool, where: str,
+                           log: Callable[[str], None]) -> None:
+    """Refuses to resume on data other than the checkpoint's (`saved`, from `data.fingerprint_examples`), or only
+    says so with `accept` (trainer.accept_changed_data). Checkpoints without a fingerprint are accepted."""
+    if saved is None or now is None or saved == now:  # None: an older checkpoint, or a generated RL task
+        return
+    change = (f"the data differ from those checkpoint {where} was trained on ({saved.get('examples')} examples, "
+              f"sha256 {str(saved.get('sha256'))[:16]}... then; {now['examples']} examples, sha256 "
+              f"{now['sha256'][:16]}... now)")
+    if accept:
+        log(f"warning: {change}; resuming anyway (trainer.accept_changed_data)")
+        return
+    raise RuntimeError(f"{change}: resuming would silently continue on other data. Restore the data, use another "
+                       "trainer.out_dir for a new run, or set trainer.accept_changed_data=true to resume anyway")

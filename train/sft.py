@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodc.balance import get_planner, lb_mini
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
+from jodc.fsdp import CollectiveEngine, NonFiniteStepError, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 
@@ -28,11 +28,11 @@ from . import config as config_lib
 from .batching import minibatch_arrays
 from .checkpoint import CheckpointStore, export_hf
 from .config import EMBEDDED, SFTConfig, parse_length_buckets
-from .data import Example, LoadReport, load_jsonl, load_records
+from .data import Example, LoadReport, fingerprint_examples, load_jsonl, load_records
 from .embedded import generate_records
 from .metrics import TENSORBOARD_DIR, MetricsLogger, step_metrics
 from .model import build_decoder, cost_model, hf_tokenizer_path
-from .run_common import TrainingRun, output_lines
+from .run_common import TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length
 from .sampler import MinibatchSampler
 from .timeline import events_from_plan, plot_timeline, save_events
 from .tokenizer import load_tokenizer
@@ -115,11 +115,19 @@ class SFTRun(TrainingRun):
         os.makedirs(self.out_dir, exist_ok=True)
         self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
         self.engine = None
+        self.skipped_steps = 0  # steps not applied for a non-finite value (trainer.skip_nonfinite_steps)
         try:
             resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
+            saved = self.store.read_trainer_state(resume_from) if resume_from is not None else None
+            if saved is not None:
+                self.config = config = pin_schedule_length(config, saved, log)
             self.tokenizer = load_tokenizer(config.data.tokenizer or hf_tokenizer_path(config.model))
             self.examples, report = load_dataset(config, self.tokenizer)
             self.log(f"data: {report.summary()}")
+            self.data_fingerprint = fingerprint_examples(self.examples)
+            if saved is not None:
+                check_data_fingerprint(saved.get("data_fingerprint"), self.data_fingerprint,
+                                       accept=t.accept_changed_data, where=self.store.step_dir(resume_from), log=log)
             self.model_config, groups = build_decoder(config.model, self.tokenizer,
                                                       max_length=config.data.max_length,
                                                       compute_dtype=t.compute_dtype, seed=t.seed)
@@ -151,6 +159,8 @@ class SFTRun(TrainingRun):
         next_minibatch = self.sampler.check_state(trainer_state["sampler"])
         if next_minibatch != step:
             raise RuntimeError(f"checkpoint {step} is inconsistent: its sampler is at minibatch {next_minibatch}")
+        self.skipped_steps = int(trainer_state.get("skipped_steps", 0))
+        engine_state["step"] = step - self.skipped_steps  # the engine counts applied updates
         self.engine.load_state_dict(engine_state)
         self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
         return step
@@ -184,7 +194,8 @@ class SFTRun(TrainingRun):
         self.timeline = {"path": path, "bubble_rate": rate, "step": done, "source": source}
 
     def _trainer_state(self, done: int) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(done), "config": config_lib.to_dict(self.config)}
+        return {"sampler": self.sampler.state_dict(done), "config": config_lib.to_dict(self.config),
+                "skipped_steps": self.skipped_steps, "data_fingerprint": self.data_fingerprint}
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
@@ -233,12 +244,19 @@ class SFTRun(TrainingRun):
         kwargs = ({"record_timeline": True} if want_timeline and _engine_records_timelines(self.engine)
                   and jax.process_count() == 1 else {})  # every process runs the same program
         learning_rate = float(self.lr_schedule(self.engine.steps_done))
-        result = self.engine.step(arrays, **kwargs)
         done = step + 1
-        if not np.isfinite(result.loss):
-            raise FloatingPointError(f"step {done}: the loss is {result.loss}; stopping without saving (latest "
-                                     f"checkpoint: step {self.store.latest_step()})")
-        extra = {"host_seconds": host_seconds}
+        try:
+            result = self.engine.step(arrays, **kwargs)
+        except NonFiniteStepError as e:  # the engine kept its previous state: nothing non-finite was applied
+            result = e.result
+            if not t.skip_nonfinite_steps:
+                raise FloatingPointError(nonfinite_message(f"step {done}", result, self.store.latest_step(),
+                                                           skip=False)) from None
+            self.skipped_steps += 1
+            logger.write(nonfinite_message(f"step {done}", result, None, skip=True))
+        extra = {"host_seconds": host_seconds, "skipped_steps": self.skipped_steps}
+        if not getattr(result, "applied", True):
+            extra["skipped"] = True
         extra.update({f"model_{k}": v for k, v in (getattr(result, "metrics", None) or {}).items()})
         if want_timeline:
             self._record_timeline(done, plan, result)
@@ -283,6 +301,18 @@ class _SilentLogger:
     def write(self, message: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+def nonfinite_message(what: str, result, latest_checkpoint: int | None, *, skip: bool) -> str:
+    """The line of a step that was not applied (non-finite loss, grad norm or update), for SFT and RL."""
+    cause = "loss" if not np.isfinite(result.loss) else "gradients or updated parameters"
+    head = (f"{what}: non-finite {cause} (loss {result.loss}, global grad norm {result.grad_norm}); the update was "
+            "not applied")
+    if skip:
+        return f"{head}; skipped (trainer.skip_nonfinite_steps)"
+    latest = f"step {latest_checkpoint}" if latest_checkpoint is not None else "none yet"
+    return (f"{head}; stopping without saving (latest checkpoint: {latest}, which holds only finite parameters). "
+            "Lower the learning rate or check the data; trainer.skip_nonfinite_steps=true skips such steps instead")
 
 
 def format_summary(summary: dict[str, Any]) -> str:

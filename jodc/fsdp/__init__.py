@@ -3,12 +3,12 @@ minibatch), collective (all_gather / psum_scatter in lock-step), XLA-SPMD (Named
 JAX users do today) and an unsharded reference."""
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.collective_engine import CollectiveEngine
-from jodc.fsdp.engine import Engine, StepResult
+from jodc.fsdp.engine import Engine, NonFiniteStepError, StepResult
 from jodc.fsdp.odc_engine import ODCEngine
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.reference_engine import ReferenceEngine
 from jodc.fsdp.spmd_engine import SPMDEngine
 from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
 
-__all__ = ["CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "ODCEngine", "OptimizerConfig",
+__all__ = ["CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "NonFiniteStepError", "ODCEngine", "OptimizerConfig",
            "ReferenceEngine", "SPMDEngine", "Stage", "StagedModel", "StepResult"]

@@ -15,7 +15,7 @@ from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.odc_engine import P_tree
-from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin, shard_tree
 from jodc.ops import _native
@@ -99,13 +99,13 @@ class CollectiveEngine(ShardedStateMixin, Engine):
 
         init = (zeros, varying_zero(), {m: varying_zero() for m in self.model.metric_names})
         grads, loss_sum, metric_sums = lax.fori_loop(0, num_micro, body, init)
-        global_sq = lax.psum(squared_norm(grads), "d")
-        grads, norm = clip_by_global_norm(grads, global_sq, self.optimizer.max_grad_norm)
-        updates, opt_state = self.tx.update(grads, opt_state, shards)
-        shards = jax.tree.map(lambda p, u: p + u, shards, updates)
-        loss = lax.psum(loss_sum, "d")
+        global_sq, loss = lax.psum((squared_norm(grads), loss_sum), "d")
+        shards, opt_state, norm, applied = guarded_update(self.tx, self.optimizer, grads, shards, opt_state,
+                                                          global_sq_norm=global_sq, loss=loss,
+                                                          all_reduce=lambda x: lax.psum(x, "d"))
         metric_sums = {k: lax.psum(v, "d")[None] for k, v in metric_sums.items()}
-        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None], metric_sums
+        return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None], metric_sums,
+                applied[None])
 
     def _run(self, batch: MinibatchArrays, recorder=None):
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
@@ -120,10 +120,10 @@ class CollectiveEngine(ShardedStateMixin, Engine):
                      P(), P())
             device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
             fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
-                                       out_specs=(specs[0], specs[1], P("d"), P("d"), P("d"))),
+                                       out_specs=(specs[0], specs[1], P("d"), P("d"), P("d"), P("d"))),
                          donate_argnums=(0, 1))
             self._step_fns[key] = fn
-        self.shards, self.opt_state, loss, norm, metrics = fn(self.shards, self.opt_state,
-                                                              sharding.put_per_device(self.mesh, arrays),
-                                                              jnp.asarray(round_bucket), jnp.float32(batch.normalizer))
-        return loss, norm, metrics
+        self.shards, self.opt_state, loss, norm, metrics, applied = fn(
+            self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays), jnp.asarray(round_bucket),
+            jnp.float32(batch.normalizer))
+        return loss, norm, metrics, applied

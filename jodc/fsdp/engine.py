@@ -26,6 +26,21 @@ class StepResult:
     timeline: list[dict] | None = None  # per-device busy / wait events (see jodc.fsdp.timeline), when recorded
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the model's metrics, summed over
     # every microbatch of every device (StagedModel.metric_names)
+    applied: bool = True     # False: the loss, the grad norm or an updated parameter was not finite, and the
+    # engine kept its previous parameters and optimizer state (see `NonFiniteStepError`)
+
+
+class NonFiniteStepError(FloatingPointError):
+    """A step whose loss, global grad norm or updated parameters were not finite (NaN or inf on any device). The
+    step was not applied: the engine still holds the parameters and optimizer state from before it, so it may go
+    on with other data. `result` is the step's StepResult (`applied=False`)."""
+
+    def __init__(self, result: StepResult, step: int):
+        self.result = result
+        super().__init__(f"step {step} was not applied: non-finite "
+                         f"{'loss' if not np.isfinite(result.loss) else 'gradients or updated parameters'} "
+                         f"(loss {result.loss}, global grad norm {result.grad_norm}); the parameters and optimizer "
+                         "state are those from before it")
 
 
 class Engine(abc.ABC):
@@ -69,12 +84,18 @@ class Engine(abc.ABC):
         return np.searchsorted(lengths, used, side="left").astype(np.int32)
 
     @abc.abstractmethod
-    def _run(self, batch: MinibatchArrays, recorder: TimelineRecorder | None) -> tuple[Any, Any]:
-        """Dispatches one minibatch; returns device arrays (loss, grad_norm, {metric: sum})."""
+    def _run(self, batch: MinibatchArrays, recorder: TimelineRecorder | None) -> tuple[Any, Any, Any, Any]:
+        """Dispatches one minibatch; returns device arrays (loss, grad_norm, {metric: sum}, applied), the update
+        made by `optim.guarded_update` (applied only when finite)."""
 
-    def step(self, batch: MinibatchArrays, *, record_timeline: bool = False) -> StepResult:
+    def step(self, batch: MinibatchArrays, *, record_timeline: bool = False,
+             skip_nonfinite: bool = False) -> StepResult:
         """Runs one minibatch and waits for it. With `record_timeline`, host callbacks mark every stage of every
-        microbatch on every device (a separately compiled, slightly slower step)."""
+        microbatch on every device (a separately compiled, slightly slower step).
+
+        A step whose loss, global grad norm or updated parameters are not finite is not applied (the engine keeps
+        its previous state, selected on device) and raises `NonFiniteStepError`, or, with `skip_nonfinite`,
+        returns its result with `applied=False`. `steps_done` counts applied steps (optax's step count)."""
         self._check_batch(batch)
         recorder = None
         if record_timeline:
@@ -83,12 +104,18 @@ class Engine(abc.ABC):
             recorder = self._recorder
             recorder.reset()
         t0 = time.perf_counter()
-        loss, norm, metrics = self._wait(self._run(batch, recorder))
+        loss, norm, metrics, applied = self._wait(self._run(batch, recorder))
         seconds = time.perf_counter() - t0
+        applied = bool(sharding.first_value(applied))
+        result = StepResult(sharding.first_value(loss), sharding.first_value(norm), seconds,
+                            [int(c) for c in batch.counts], recorder.events() if recorder else None,
+                            {k: sharding.first_value(v) for k, v in metrics.items()}, applied)
+        if not applied:
+            if skip_nonfinite:
+                return result
+            raise NonFiniteStepError(result, self.steps_done + 1)
         self.steps_done += 1
-        return StepResult(sharding.first_value(loss), sharding.first_value(norm), seconds,
-                          [int(c) for c in batch.counts], recorder.events() if recorder else None,
-                          {k: sharding.first_value(v) for k, v in metrics.items()})
+        return result
 
     def _wait(self, outputs):
         """Blocks until a dispatched step's outputs are ready (engines with a heap fail fast when a device fails)."""

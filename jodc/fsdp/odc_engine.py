@@ -15,7 +15,7 @@ from jodc import ops
 from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import FIELDS, MinibatchArrays
 from jodc.fsdp.engine import Engine
-from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
 
@@ -131,17 +131,18 @@ class ODCEngine(ShardedStateMixin, Engine):
         for g in self.model.group_names:
             grads[g], token = ops.read_accumulator(self.buckets[g], token)
             token = ops.zero_accumulator(self.buckets[g], token)
-        global_sq = lax.psum(squared_norm(grads), "d")
-        grads, norm = clip_by_global_norm(grads, global_sq, self.optimizer.max_grad_norm)
-        updates, opt_state = self.tx.update(grads, opt_state, shards)
-        shards = jax.tree.map(lambda p, u: p + u, shards, updates)
+        global_sq, loss = lax.psum((squared_norm(grads), loss_sum), "d")
+        # a non-finite step keeps (and republishes) the previous shards: a NaN on one device reaches no parameter
+        shards, opt_state, norm, applied = guarded_update(self.tx, self.optimizer, grads, shards, opt_state,
+                                                          global_sq_norm=global_sq, loss=loss,
+                                                          all_reduce=lambda x: lax.psum(x, "d"))
         for g in self.model.group_names:
             token = ops.publish(self.buckets[g], shards[g], token)
         token = self._barrier(token, recorder)  # nobody gathers the next minibatch before everyone published
-        loss = lax.psum(loss_sum, "d")
         metric_sums = {k: lax.psum(v, "d")[None] for k, v in metric_sums.items()}
         shards = jax.tree.map(lambda s: ops.depend_on(s, token), shards)  # results wait for the last barrier
-        return sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None], metric_sums
+        return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None], metric_sums,
+                applied[None])
 
     def _barrier(self, token, recorder):
         if recorder is not None:
@@ -162,8 +163,7 @@ class ODCEngine(ShardedStateMixin, Engine):
                      jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec())
             device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
             fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
-                                       out_specs=(specs[0], specs[1], jax.sharding.PartitionSpec("d"),
-                                                  jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec("d"))),
+                                       out_specs=(specs[0], specs[1], *[jax.sharding.PartitionSpec("d")] * 4)),
                          donate_argnums=(0, 1))
             self._step_fns[key] = fn
         return fn
@@ -175,11 +175,11 @@ class ODCEngine(ShardedStateMixin, Engine):
         fn = self._step_fn(arrays, recorder)
         bucket_index = self.bucket_indices(batch)
         bucket_index = np.pad(bucket_index, ((0, 0), (0, arrays["tokens"].shape[1] - bucket_index.shape[1])))
-        self.shards, self.opt_state, loss, norm, metrics = fn(
+        self.shards, self.opt_state, loss, norm, metrics, applied = fn(
             self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
             sharding.put_per_device(self.mesh, batch.counts), sharding.put_per_device(self.mesh, bucket_index),
             jnp.float32(batch.normalizer))
-        return loss, norm, metrics
+        return loss, norm, metrics, applied
 
     def _wait(self, outputs):
         """Waits device by device: the first device whose step fails aborts the heap, so the others leave the

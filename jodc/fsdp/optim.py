@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +28,15 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
-        if self.learning_rate <= 0:
+        for name in ("learning_rate", "b1", "b2", "eps", "weight_decay", "max_grad_norm"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"optimizer.{name} must be a finite number, got {value}")
+        if not self.learning_rate > 0:
             raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+        if self.eps < 0 or self.weight_decay < 0:
+            raise ValueError(f"optimizer.eps and optimizer.weight_decay must be >= 0, got {self.eps} and "
+                             f"{self.weight_decay}")
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ValueError(f"optimizer.schedule must be constant, cosine or linear, got {self.schedule!r}")
         if self.schedule != "constant" and not self.total_steps:
@@ -71,3 +80,28 @@ def clip_by_global_norm(grads, global_sq_norm, max_norm: float | None):
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
     return jax.tree.map(lambda g: g * scale, grads), norm
+
+
+def nonfinite_leaves(tree) -> jax.Array:
+    """float32 count of the leaves of `tree` holding a NaN or an infinity (one fused pass, a scalar out)."""
+    return sum(jnp.any(~jnp.isfinite(x)).astype(jnp.float32) for x in jax.tree.leaves(tree))
+
+
+def guarded_update(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads, params, opt_state, *,
+                   global_sq_norm, loss, all_reduce: Callable = lambda x: x):
+    """The optimizer step every engine runs, applied only when it is finite.
+
+    Clips `grads` by the global norm sqrt(`global_sq_norm`), runs AdamW, and checks the minibatch `loss` (global),
+    the global grad norm and the updated parameters (`all_reduce` sums a local scalar over the devices inside
+    shard_map; the identity for global arrays). A step with any non-finite value is not applied: the previous
+    `params` and `opt_state` (optax's step count included) are selected on device, so no array leaves the device
+    and a NaN on one device cannot reach any parameter. Returns (params, opt_state, grad_norm, applied)."""
+    grads, norm = clip_by_global_norm(grads, global_sq_norm, cfg.max_grad_norm)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+    applied = jnp.isfinite(norm) & jnp.isfinite(loss) & (all_reduce(nonfinite_leaves(new_params)) == 0)
+
+    def keep(new, old):
+        return jnp.where(applied, new, old)
+
+    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state), norm, applied)

@@ -11,7 +11,7 @@ from jax import lax
 
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine
-from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
 from jodc.fsdp.stages import StagedModel
 
 
@@ -54,18 +54,17 @@ class ReferenceEngine(Engine):
         init = (jax.tree.map(jnp.zeros_like, flats), jnp.zeros((), jnp.float32),
                 {m: jnp.zeros((), jnp.float32) for m in self.model.metric_names})
         grads, loss, metric_sums = lax.fori_loop(0, n, body, init)
-        grads, norm = clip_by_global_norm(grads, squared_norm(grads), self.optimizer.max_grad_norm)
-        updates, opt_state = self.tx.update(grads, opt_state, flats)
-        return jax.tree.map(lambda p, u: p + u, flats, updates), opt_state, loss, norm, metric_sums
+        flats, opt_state, norm, applied = guarded_update(self.tx, self.optimizer, grads, flats, opt_state,
+                                                         global_sq_norm=squared_norm(grads), loss=loss)
+        return flats, opt_state, loss, norm, metric_sums, applied
 
     def _run(self, batch: MinibatchArrays, recorder=None):  # no timeline: one device, nothing to wait for
         rows = [(d, m) for d in range(batch.num_devices) for m in range(int(batch.counts[d]))]
         arrays = {k: np.stack([v[d, m] for d, m in rows]) if rows else v[0, :0]
                   for k, v in batch.as_dict().items()}
-        self.flats, self.opt_state, loss, norm, metrics = self._step(self.flats, self.opt_state,
-                                                            jax.device_put(arrays, self.device),
-                                                            jnp.float32(batch.normalizer))
-        return loss, norm, metrics
+        self.flats, self.opt_state, loss, norm, metrics, applied = self._step(
+            self.flats, self.opt_state, jax.device_put(arrays, self.device), jnp.float32(batch.normalizer))
+        return loss, norm, metrics, applied
 
     def _check_batch(self, batch: MinibatchArrays) -> None:
         pass  # any device count: the reference flattens the plan

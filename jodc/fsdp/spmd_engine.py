@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine
-from jodc.fsdp.optim import OptimizerConfig, clip_by_global_norm, make_optimizer, squared_norm
+from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
 from jodc.fsdp.stages import StagedModel
 
 
@@ -76,11 +76,10 @@ class SPMDEngine(Engine):
         zeros = jax.tree.map(jnp.zeros_like, flats)
         init = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in self.model.metric_names})
         grads, loss, metric_sums = lax.fori_loop(0, m, body, init)
-        grads, norm = clip_by_global_norm(grads, squared_norm(grads), self.optimizer.max_grad_norm)
-        updates, opt_state = self.tx.update(grads, opt_state, flats)
-        flats = jax.tree.map(lambda p, u: p + u, flats, updates)
+        flats, opt_state, norm, applied = guarded_update(self.tx, self.optimizer, grads, flats, opt_state,
+                                                         global_sq_norm=squared_norm(grads), loss=loss)
         flats = jax.tree.map(lambda p: lax.with_sharding_constraint(p, self.param_sharding), flats)
-        return flats, opt_state, loss, norm, metric_sums
+        return flats, opt_state, loss, norm, metric_sums, applied
 
     def _run(self, batch: MinibatchArrays, recorder=None):
         if recorder is not None:
@@ -93,9 +92,9 @@ class SPMDEngine(Engine):
         round_bucket = self.bucket_indices(batch)[:, :m].max(axis=0)
         if lengths not in self._steps:
             self._steps[lengths] = jax.jit(functools.partial(self._full_step, lengths=lengths), donate_argnums=(0, 1))
-        self.flats, self.opt_state, loss, norm, metrics = self._steps[lengths](
+        self.flats, self.opt_state, loss, norm, metrics, applied = self._steps[lengths](
             self.flats, self.opt_state, arrays, jnp.asarray(round_bucket), jnp.float32(batch.normalizer))
-        return loss, norm, metrics
+        return loss, norm, metrics, applied
 
     def flat_params(self) -> dict[str, np.ndarray]:
         return {g: np.asarray(v)[: self.numels[g]].copy() for g, v in self.flats.items()}
