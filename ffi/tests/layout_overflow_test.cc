@@ -208,7 +208,8 @@ TEST(CheckedBucketBytes, LandingSlotsThatOverflow) {
   // 2^57 fp32 elements over 16 devices: 2^60 bytes without landing slots, past 2^63 with them (16 fp32 slots each).
   EXPECT_EQ(MustBytes(1LL << 57, 16, 4, false).total, 1LL << 60);
   EXPECT_TRUE(Refused(1LL << 57, 16, 4, true));
-  // A landing-slot count that overflows on its own (accumulator bytes * world) on a hand-made layout.
+  // A landing-slot count that overflows on its own (accumulator bytes * world) on a hand-made layout. (Defence in
+  // depth: landing > INT64_MAX implies total > INT64_MAX, so without the landing check the total check refuses it.)
   BucketLayout l;
   l.numel = 1;
   l.world = 1 << 30;
