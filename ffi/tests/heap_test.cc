@@ -2,7 +2,10 @@
 // accounting, alignment and zero-initialisation of shards and accumulators.
 #include "cpu/heap.h"
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <new>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -122,6 +125,116 @@ TEST(Heap, RegisterRejectsBadArguments) {
   EXPECT_EQ(RegisterBucket(heap_id + 100000, 10, Dtype::kF32, &err), -1);
   EXPECT_TRUE(Contains(err, "is not registered")) << err;
   ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+}
+
+// ---- refusals of sizes that overflow or cannot be allocated (issue 11 item 1) --------------------------------------
+// heap.register((2**31, 2**31)) used to wrap its byte size to 0 and get 64-byte buffers that the next
+// zero_accumulators() overran (exit 139). Now the registry refuses it, names the bytes, and allocates nothing.
+
+std::string HeapName(int64_t heap_id) { return "heap " + std::to_string(heap_id); }
+
+TEST(Heap, RegisterRefusesBucketsWhoseBytesOverflow) {
+  std::string err;
+  const int64_t heap_id = CreateHeap(4, /*deterministic=*/false, 5.0, &err);
+  ASSERT_GT(heap_id, 0) << err;
+  auto heap = FindHeap(heap_id, &err);
+  const int64_t bytes_before = LiveHeapBytes();
+  const int64_t numel = (1LL << 31) * (1LL << 31);  // the (2**31, 2**31) bucket of the issue
+
+  bool oom = true;
+  EXPECT_EQ(RegisterBucket(heap_id, numel, Dtype::kF32, &err, &oom), -1);
+  // 2^62 elements * (4 master + 4 accumulator) bytes = 2^65 = 3.68935e+19 bytes.
+  EXPECT_EQ(err, "a bucket of 4611686018427387904 float32 elements over 4 devices in " + HeapName(heap_id) +
+                     " is too large: its memory (about 3.68935e+19 bytes) overflows 64-bit byte counts");
+  EXPECT_FALSE(oom) << "an overflow is not an out-of-memory condition";
+  err.clear();
+  EXPECT_EQ(RegisterBucket(heap_id, numel, Dtype::kBF16, &err), -1);
+  EXPECT_EQ(err, "a bucket of 4611686018427387904 bfloat16 elements over 4 devices in " + HeapName(heap_id) +
+                     " is too large: its memory (about 2.76701e+19 bytes) overflows 64-bit byte counts");
+  err.clear();
+  EXPECT_EQ(RegisterBucket(heap_id, INT64_MAX, Dtype::kF32, &err), -1) << "shard rounding past INT64_MAX";
+  EXPECT_TRUE(Contains(err, "a bucket of 9223372036854775807 float32 elements")) << err;
+  EXPECT_TRUE(Contains(err, "overflows 64-bit byte counts")) << err;
+
+  EXPECT_EQ(LiveHeapBytes(), bytes_before) << "a refused bucket must allocate nothing";
+  EXPECT_TRUE(heap->buckets.empty()) << "a refused bucket must not be registered";
+  EXPECT_TRUE(heap->poisoned.empty()) << "a refusal must leave the heap usable";
+  err.clear();
+  const int64_t ok = RegisterBucket(heap_id, 100, Dtype::kF32, &err);
+  EXPECT_GT(ok, 0) << "the heap still takes a bucket that fits: " << err;
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  EXPECT_EQ(LiveHeapBytes(), bytes_before);
+}
+
+TEST(Heap, RegisterRefusesLandingSlotsThatOverflow) {
+  // 2^57 fp32 elements over 16 devices fit in 2^60 bytes, but deterministic landing slots (16 fp32 shards per
+  // owner) take the total past 2^63.
+  std::string err;
+  const int64_t heap_id = CreateHeap(16, /*deterministic=*/true, 5.0, &err);
+  ASSERT_GT(heap_id, 0) << err;
+  const int64_t bytes_before = LiveHeapBytes();
+  bool oom = true;
+  EXPECT_EQ(RegisterBucket(heap_id, 1LL << 57, Dtype::kF32, &err, &oom), -1);
+  EXPECT_EQ(err, "a bucket of 144115188075855872 float32 elements over 16 devices in " + HeapName(heap_id) +
+                     " is too large: its memory (about 1.03763e+19 bytes) overflows 64-bit byte counts");
+  EXPECT_FALSE(oom);
+  EXPECT_EQ(LiveHeapBytes(), bytes_before);
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+}
+
+TEST(Heap, RegisterRefusesWhatHostMemoryCannotHold) {
+  // 2^40 fp32 elements on one device: 8 TiB, which fits int64 but not this machine.
+  const int64_t need = (1LL << 40) * 8;
+  if (AvailableHostBytes() >= need) GTEST_SKIP() << "this machine has " << AvailableHostBytes() << " bytes";
+  std::string err;
+  const int64_t heap_id = CreateHeap(1, /*deterministic=*/false, 5.0, &err);
+  ASSERT_GT(heap_id, 0) << err;
+  auto heap = FindHeap(heap_id, &err);
+  const int64_t bytes_before = LiveHeapBytes();
+  bool oom = false;
+  EXPECT_EQ(RegisterBucket(heap_id, 1LL << 40, Dtype::kF32, &err, &oom), -1);
+  EXPECT_TRUE(oom) << "the bindings raise MemoryError on this flag";
+  const std::string head = "out of host memory: a bucket of 1099511627776 float32 elements over 1 devices in " +
+                           HeapName(heap_id) + " needs 8796093022208 bytes, only ";
+  EXPECT_EQ(err.substr(0, head.size()), head) << err;
+  EXPECT_TRUE(Contains(err, " are available")) << err;
+  EXPECT_EQ(LiveHeapBytes(), bytes_before) << "refused before allocating anything";
+  EXPECT_TRUE(heap->buckets.empty());
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+}
+
+TEST(Heap, AlignedBufferRefusesImpossibleSizes) {
+  const int64_t bytes_before = LiveHeapBytes();
+  EXPECT_THROW(AlignedBuffer(INT64_MAX), std::bad_alloc) << "rounding up to 64 bytes overflows";
+  EXPECT_THROW(AlignedBuffer(INT64_MAX - 62), std::bad_alloc);
+  EXPECT_THROW(AlignedBuffer(-1), std::bad_alloc) << "a negative size (a wrapped product) is refused";
+  EXPECT_THROW(AlignedBuffer(INT64_MAX - 63), std::bad_alloc) << "8 EiB cannot be allocated";
+  EXPECT_EQ(LiveHeapBytes(), bytes_before) << "a failed allocation must not count as live";
+  {
+    AlignedBuffer zero(0);  // still a valid 64-byte aligned pointer, counted as 0 bytes
+    EXPECT_NE(zero.data(), nullptr);
+    EXPECT_EQ(LiveHeapBytes(), bytes_before);
+  }
+}
+
+TEST(Heap, BarrierTimeoutsAtTheEdges) {
+  std::string err;
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double ok : {inf, 1e12, 1e10, 1e-12, std::numeric_limits<double>::denorm_min()}) {
+    EXPECT_TRUE(CheckBarrierTimeout(ok, &err)) << ok << ": " << err;
+  }
+  const int64_t heap_id = CreateHeap(2, false, inf, &err);
+  ASSERT_GT(heap_id, 0) << "inf means wait forever: " << err;
+  EXPECT_EQ(FindHeap(heap_id, &err)->barrier_timeout_s.load(), inf);
+  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  for (double bad : {std::nan(""), 0.0, -0.0, -1.0, -inf}) {
+    err.clear();
+    EXPECT_FALSE(CheckBarrierTimeout(bad, &err)) << bad;
+    EXPECT_TRUE(Contains(err, "barrier timeout must be > 0 seconds (or inf to wait forever), got ")) << err;
+    err.clear();
+    EXPECT_EQ(CreateHeap(2, false, bad, &err), -1) << bad;
+    EXPECT_FALSE(err.empty());
+  }
 }
 
 TEST(Heap, ResolveTargetErrorsNameTheOp) {

@@ -12,8 +12,7 @@ namespace {
 // Reference: the smallest count >= ceil(numel / world) (and >= 1) whose master shard and fp32 accumulator shard
 // are both whole multiples of kShardAlignBytes, found by counting up.
 int64_t ReferenceShardNumel(int64_t numel, int32_t world, int32_t master_bytes) {
-  int64_t need = numel / world + (numel % world != 0 ? 1 : 0);
-  if (need < 1) need = 1;
+  const int64_t need = numel / world + (numel % world != 0 ? 1 : 0);
   for (int64_t n = need;; ++n) {
     if ((n * master_bytes) % kShardAlignBytes == 0 && (n * 4) % kShardAlignBytes == 0) return n;
   }
@@ -28,13 +27,13 @@ TEST(ShardNumel, KnownValues) {
   EXPECT_EQ(ShardNumel(100, 4, 2), 32);   // bf16 quantum 32
   EXPECT_EQ(ShardNumel(1000, 3, 2), 352); // ceil(1000/3) = 334 -> 11 * 32
   EXPECT_EQ(ShardNumel(1000, 3, 4), 336); // 334 -> 21 * 16
-  EXPECT_EQ(ShardNumel(0, 4, 4), 16);     // an empty bucket still gets one aligned shard each
+  EXPECT_EQ(ShardNumel(0, 4, 4), -1);     // an empty bucket is refused (RegisterBucket and layout.py refuse it too)
 }
 
 TEST(ShardNumel, MatchesReferenceAndAlignment) {
   for (int32_t master_bytes : {2, 4}) {
     for (int32_t world = 1; world <= 9; ++world) {
-      for (int64_t numel = 0; numel <= 1200; ++numel) {
+      for (int64_t numel = 1; numel <= 1200; ++numel) {
         const int64_t got = ShardNumel(numel, world, master_bytes);
         ASSERT_EQ(got, ReferenceShardNumel(numel, world, master_bytes))
             << "numel=" << numel << " world=" << world << " master_bytes=" << master_bytes;
