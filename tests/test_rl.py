@@ -12,7 +12,7 @@ import pytest
 
 from jodc.train.checkpoint import CheckpointStore
 from jodc.train.metrics import read_metrics
-from jodc.train.rl import CHECKPOINT_DIR, run_rl
+from jodc.train.rl import CHECKPOINT_DIR, format_summary, run_rl
 from jodc.train.cli import main as train_main
 from jodc.train.rl_config import load_rl_config
 from jodc.train.rl_rewards import RewardError
@@ -84,6 +84,18 @@ def test_reward_rises_and_outputs_are_written(straight):
         assert store.read_trainer_state(20)["optimizer_updates"] == STEPS * 4
     finally:
         store.close()
+
+
+def test_planning_time_is_logged_next_to_step_time(straight):
+    _, summary = straight
+    records = read_metrics(summary["metrics"])
+    for r in records:  # every update's plan: real work, part of the step's training time
+        assert np.isfinite(r["plan_ms"]) and 0.0 < r["plan_ms"] <= r["train_seconds"] * 1e3, r
+        assert r["train_seconds"] <= r["step_seconds"]
+    plan_ms = [r["plan_ms"] for r in records]
+    assert summary["plan_ms_mean"] == pytest.approx(np.mean(plan_ms)) and summary["plan_ms_max"] == max(plan_ms)
+    assert summary["step_seconds_mean"] == pytest.approx(np.mean([r["step_seconds"] for r in records]))
+    assert "planning:" in format_summary(summary)
 
 
 def test_resume_is_exact_and_a_failing_reward_leaves_the_checkpoints_intact(straight, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from jodc.train import load_config, run_sft
 from jodc.train.checkpoint import CheckpointStore
 from jodc.train.metrics import read_metrics
-from jodc.train.sft import CHECKPOINT_DIR
+from jodc.train.sft import CHECKPOINT_DIR, format_summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -71,6 +71,17 @@ def test_loss_drops_and_outputs_are_written(straight):
     assert os.path.exists(summary["timeline"]) and summary["timeline"].endswith("step_000010.png")
     assert 0.0 <= summary["bubble_rate"] < 1.0
     assert os.path.exists(os.path.join(out, "config.yaml")) and os.listdir(summary["tensorboard"])
+
+
+def test_planning_time_is_logged_next_to_step_time(straight):
+    _, summary = straight
+    records = read_metrics(summary["metrics"])
+    for r in records:  # the planner's own wall time: real work, part of the host time of the step
+        assert np.isfinite(r["plan_ms"]) and 0.0 < r["plan_ms"] <= r["host_seconds"] * 1e3, r
+    plan_ms = [r["plan_ms"] for r in records]
+    assert summary["plan_ms_mean"] == pytest.approx(np.mean(plan_ms)) and summary["plan_ms_max"] == max(plan_ms)
+    assert summary["step_seconds_mean"] == pytest.approx(np.mean([r["step_seconds"] for r in records]))
+    assert "planning:" in format_summary(summary)
 
 
 def test_only_the_latest_checkpoints_are_kept(straight):

@@ -42,7 +42,8 @@ from .rl_rewards import RewardFunction, load_reward_function, score
 from .rl_rollout import sample_rollout, sampling_params
 from .rl_tasks import eval_problems, fingerprint_task, make_task, step_problems, training_pool
 from .rl_warmstart import run_warmstart
-from .run_common import TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length
+from .run_common import (TimedPlanner, TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length,
+                         timing_lines, timing_summary)
 from .sft import make_engine, nonfinite_message, optimizer_config
 from .tokenizer import load_tokenizer
 
@@ -74,6 +75,7 @@ class RLRun(TrainingRun):
         self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
         self.engine = None
         self.skipped_updates = 0  # optimizer updates not applied for a non-finite value
+        self.step_times: list[tuple[float, float]] = []  # (plan_ms, step_seconds) of the steps run here
         try:
             resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
             if resume_from is not None:
@@ -114,7 +116,7 @@ class RLRun(TrainingRun):
                                             prompt_bucket=r.prompt_bucket)
             self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
             self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
-            self.planner = get_planner(t.planner_name)
+            self.planner = TimedPlanner(get_planner(t.planner_name))  # its wall time is the plan_ms metric
             self.cost_model = cost_model(t.cost_model, self.model_config)
             settings = engine_settings(config)
             self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
@@ -194,6 +196,7 @@ class RLRun(TrainingRun):
                                        ref_logprobs=ref_logprobs)
         updates, train_seconds, tokens, microbatches = [], 0.0, 0, []
         learning_rate = float(self.lr_schedule(self.engine.steps_done))
+        self.planner.take_ms()
         for indices in split_minibatches(len(sequences), t.updates_per_step, seed=t.seed, step=step):
             update_started = time.perf_counter()
             _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=t.devices,
@@ -218,6 +221,8 @@ class RLRun(TrainingRun):
             tokens += arrays.num_tokens
             microbatches.append(result.microbatches)
         seconds = time.perf_counter() - started
+        plan_ms = self.planner.take_ms()  # every update's plan: part of train_seconds
+        self.step_times.append((plan_ms, seconds))
         record.update(rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
                                       success_reward=self.config.task.success_reward))
         # every update of the step skipped (non-finite): no loss to report
@@ -228,7 +233,7 @@ class RLRun(TrainingRun):
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                        "microbatches": microbatches, "rollout_seconds": rollout.seconds,
                        "reward_seconds": reward_seconds, "reference_seconds": reference_seconds,
-                       "train_seconds": train_seconds, "step_seconds": seconds,
+                       "train_seconds": train_seconds, "plan_ms": plan_ms, "step_seconds": seconds,
                        "rollout_fraction": rollout.seconds / seconds, "train_fraction": train_seconds / seconds})
         return record
 
@@ -291,6 +296,7 @@ class RLRun(TrainingRun):
             "checkpoint": self.store.step_dir(done) if done in self.store.steps() else None,
             "metrics": metrics_path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
             "curves": curves, "hf_export": hf_path,
+            **timing_summary([p for p, _ in self.step_times], [s for _, s in self.step_times]),
         }
         self.log(format_summary(summary))
         return summary
@@ -312,7 +318,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
                      f"sampled reward {summary['final_eval_sampled_reward']:.3f}")
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return "\n".join(lines + output_lines(summary, curves))
+    return "\n".join(lines + timing_lines(summary) + output_lines(summary, curves))
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,

@@ -3,6 +3,7 @@ the end-of-run summary that say where everything was written."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -42,6 +43,44 @@ class TrainingRun:
                 engine.close()
         finally:
             self.store.close()  # also when the engine fails to close: no orbax thread outlives the run
+
+
+class TimedPlanner:
+    """Calls `planner` and adds its wall time to `seconds`: the trainers' `plan_ms` metric, so the cost of planning
+    (which grows with devices and sequences) can be read next to the step time it is part of."""
+
+    def __init__(self, planner: Callable):
+        self.planner = planner
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return self.planner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def take_ms(self) -> float:
+        """Milliseconds spent planning since the last call; resets the count."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds * 1e3
+
+
+def timing_summary(plan_ms: Sequence[float], step_seconds: Sequence[float]) -> dict[str, float | None]:
+    """Mean and max planning time against the mean step time, over the steps this invocation ran (None without
+    any)."""
+    if not plan_ms:
+        return {"plan_ms_mean": None, "plan_ms_max": None, "step_seconds_mean": None}
+    return {"plan_ms_mean": float(np.mean(plan_ms)), "plan_ms_max": float(np.max(plan_ms)),
+            "step_seconds_mean": float(np.mean(step_seconds))}
+
+
+def timing_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary line on planning time, or none when no step ran."""
+    if summary.get("plan_ms_mean") is None:
+        return []
+    return [f"planning:   {summary['plan_ms_mean']:.2f} ms mean, {summary['plan_ms_max']:.2f} ms max per step "
+            f"(mean step {summary['step_seconds_mean'] * 1e3:.1f} ms)"]
 
 
 def output_lines(summary: dict[str, Any], extra: Sequence[str] = ()) -> list[str]:

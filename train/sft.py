@@ -32,7 +32,8 @@ from .data import Example, LoadReport, fingerprint_examples, load_jsonl, load_re
 from .embedded import generate_records
 from .metrics import TENSORBOARD_DIR, MetricsLogger, step_metrics
 from .model import build_decoder, cost_model, hf_tokenizer_path
-from .run_common import TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length
+from .run_common import (TimedPlanner, TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length,
+                         timing_lines, timing_summary)
 from .sampler import MinibatchSampler
 from .timeline import events_from_plan, plot_timeline, save_events
 from .tokenizer import load_tokenizer
@@ -116,6 +117,7 @@ class SFTRun(TrainingRun):
         self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
         self.engine = None
         self.skipped_steps = 0  # steps not applied for a non-finite value (trainer.skip_nonfinite_steps)
+        self.step_times: list[tuple[float, float]] = []  # (plan_ms, step_seconds) of the steps run here
         try:
             resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
             saved = self.store.read_trainer_state(resume_from) if resume_from is not None else None
@@ -133,7 +135,7 @@ class SFTRun(TrainingRun):
                                                       compute_dtype=t.compute_dtype, seed=t.seed)
             self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed)
             self.sampler = MinibatchSampler(len(self.examples), t.sequences_per_minibatch, seed=t.seed)
-            self.planner = make_planner(config)
+            self.planner = TimedPlanner(make_planner(config))  # its wall time is the plan_ms metric
             self.cost_model = cost_model(t.cost_model, self.model_config)
             self.lr_schedule = learning_rate_schedule(optimizer_config(config))
             self.engine = make_engine(config, self.model, groups)
@@ -238,8 +240,10 @@ class SFTRun(TrainingRun):
         """Runs 0-based step `step`, logs it, draws its timeline if due; returns the loss."""
         t = self.config.trainer
         host_start = time.perf_counter()
+        self.planner.take_ms()
         plan, arrays, examples = self.minibatch(step)
         host_seconds = time.perf_counter() - host_start
+        plan_ms = self.planner.take_ms()  # part of host_seconds
         want_timeline = self._wants_timeline(step + 1, t.steps) and self.primary  # same steps if resumed or not
         kwargs = ({"record_timeline": True} if want_timeline and _engine_records_timelines(self.engine)
                   and jax.process_count() == 1 else {})  # every process runs the same program
@@ -254,7 +258,8 @@ class SFTRun(TrainingRun):
                                                            skip=False)) from None
             self.skipped_steps += 1
             logger.write(nonfinite_message(f"step {done}", result, None, skip=True))
-        extra = {"host_seconds": host_seconds, "skipped_steps": self.skipped_steps}
+        self.step_times.append((plan_ms, result.seconds))
+        extra = {"host_seconds": host_seconds, "plan_ms": plan_ms, "skipped_steps": self.skipped_steps}
         if not getattr(result, "applied", True):
             extra["skipped"] = True
         extra.update({f"model_{k}": v for k, v in (getattr(result, "metrics", None) or {}).items()})
@@ -283,6 +288,7 @@ class SFTRun(TrainingRun):
             "timeline": self.timeline["path"] if self.timeline else None,
             "bubble_rate": self.timeline["bubble_rate"] if self.timeline else None,
             "hf_export": hf_path,
+            **timing_summary([p for p, _ in self.step_times], [s for _, s in self.step_times]),
         }
         self.log(format_summary(summary))
         return summary
@@ -327,7 +333,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                      "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
     timeline = ([f"timeline:   {summary['timeline']} (bubble rate {summary['bubble_rate']:.1%})"]
                 if summary["timeline"] else [])
-    return "\n".join(lines + output_lines(summary, timeline))
+    return "\n".join(lines + timing_lines(summary) + output_lines(summary, timeline))
 
 
 def run_sft(config: SFTConfig, *, stop_at_step: int | None = None, log: Callable[[str], None] = print
