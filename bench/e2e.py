@@ -147,7 +147,20 @@ class BusyCalibrator:
         return out
 
 
-def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets, **options):
+class LocalSync:
+    """What `run` needs to agree on when its devices span processes (bench/multiprocess.py passes an MPI version):
+    here, one process, nothing to do."""
+
+    def agree(self, value):
+        """The value every process uses (the plans depend on it, so they must be equal everywhere)."""
+        return value
+
+    def slowest(self, seconds):
+        """Per-step wall times, the slowest process's."""
+        return np.asarray(seconds)
+
+
+def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets, sync=None, **options):
     engine = engine_cls(model, groups, mesh, optimizer=optimizer, length_buckets=length_buckets, **options)
     try:
         for b in batches:  # compile every shape
@@ -155,10 +168,11 @@ def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_bu
         walls = [engine.step(b).seconds for b in batches]
     finally:
         engine.close()
-    return np.asarray(walls)
+    return (sync or LocalSync()).slowest(walls)
 
 
-def microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator, token_cap, vocab) -> float:
+def microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator, token_cap, vocab,
+                        sync=None) -> float:
     """Seconds one more microbatch adds to an ODC step beyond its own compute (per-layer gathers and pushes, the
     loop): steps with 1 and 3 one-sequence microbatches of 16 tokens per device, less the calibrated compute of the
     extra two."""
@@ -173,14 +187,18 @@ def microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrat
             plan = get_planner("local_sort")(seq_lengths, devices, token_cap)  # one sequence per microbatch
             batch = minibatch_from_plan(plan, *make_sequences(seq_lengths, rng, vocab))
             engine.step(batch)
-            walls[k] = float(np.median([engine.step(batch).seconds for _ in range(7)]))
+            walls[k] = float(np.median((sync or LocalSync()).slowest([engine.step(batch).seconds for _ in range(7)])))
             busy[k] = float(calibrator.busy(batch, lengths).max())
     finally:
         engine.close()
     return max(0.0, (walls[3] - walls[1] - (busy[3] - busy[1])) / 2)
 
 
-def run(args) -> dict:
+def run(args, sync=None, contenders=CONTENDERS) -> dict:
+    """The whole comparison on `args.devices` devices. `sync`: see LocalSync (devices spanning processes: every
+    process calls this, with the same arguments). `contenders`: a subset of CONTENDERS ("odc" and at least one of
+    "collective" / "xla_spmd" are needed)."""
+    sync = sync or LocalSync()
     if args.quick:
         args.minibatches, args.layers = 2, 2
     devices = jax.devices("cpu")[: args.devices]
@@ -209,10 +227,11 @@ def run(args) -> dict:
         cost_model = QuadraticCost.fit(probe_lengths, np.asarray(probe_costs))
     except ValueError:
         cost_model = LinearCost()
+    cost_model = sync.agree(cost_model)
     # what one more microbatch costs ODC beyond its tokens, in the cost model's units (seconds): LB-Mini weighs it
     # against the padding a split into shorter buckets saves
-    overhead = microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator, args.token_cap,
-                                   config.vocab_size)
+    overhead = sync.agree(microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator,
+                                              args.token_cap, config.vocab_size, sync))
     rng = np.random.default_rng(args.seed)
     results = {"config": {"devices": args.devices, "layers": args.layers, "hidden": args.hidden,
                           "token_cap": args.token_cap, "seqs_per_device": args.seqs_per_device,
@@ -223,14 +242,14 @@ def run(args) -> dict:
         lengths_per_mb = scenario_lengths(scenario, args, rng)
         data = [make_sequences(lengths, rng, config.vocab_size) for lengths in lengths_per_mb]
         rows, ideal_totals = {}, {}
-        for name, planner, engine_cls in CONTENDERS:
+        for name, planner, engine_cls in contenders:
             plan_fn = get_planner(planner)
             if name in ("odc", "odc_det"):  # ODC plans for the buckets it runs at (jodc.balance.buckets)
                 plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
             batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
                                            *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
             busy = [calibrator.busy(b, lengths) for b in batches]
-            walls = run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets,
+            walls = run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets, sync,
                                   **ENGINE_OPTIONS.get(name, {}))
             busy_total = np.array([b.sum() for b in busy])
             if engine_cls is ODCEngine:
@@ -251,19 +270,21 @@ def run(args) -> dict:
                 "compute_only_wall_s": float(np.median(ideal)),
                 "schedule_efficiency": float(ideal.sum() / walls.sum()),
             }
-        best_name = max(("collective", "xla_spmd"), key=lambda n: rows[n]["samples_per_s"])
+        baselines = [n for n in ("collective", "xla_spmd") if n in rows]
+        best_name = max(baselines, key=lambda n: rows[n]["samples_per_s"])
         best_baseline = rows[best_name]["samples_per_s"]
         bound = ideal_totals[best_name] / ideal_totals["odc"]
         results[scenario] = {"engines": rows, "odc_speedup": rows["odc"]["samples_per_s"] / best_baseline,
-                             "balance_bound": bound,
-                             # step time of deterministic ODC relative to the default (same plans): 1.05 = 5% slower
-                             "deterministic_cost": rows["odc"]["samples_per_s"] / rows["odc_det"]["samples_per_s"]}
+                             "balance_bound": bound, "best_baseline": best_name}
+        if "odc_det" in rows:  # step time of deterministic ODC relative to the default (same plans): 1.05 = 5% slower
+            results[scenario]["deterministic_cost"] = rows["odc"]["samples_per_s"] / rows["odc_det"]["samples_per_s"]
     results["odc_speedup_imbalanced"] = results["imbalanced"]["odc_speedup"]
     results["odc_speedup_balanced"] = results["balanced"]["odc_speedup"]
     results["balance_bound_imbalanced"] = results["imbalanced"]["balance_bound"]
     results["balance_bound_balanced"] = results["balanced"]["balance_bound"]
-    results["deterministic_cost_imbalanced"] = results["imbalanced"]["deterministic_cost"]
-    results["deterministic_cost_balanced"] = results["balanced"]["deterministic_cost"]
+    if "deterministic_cost" in results["balanced"]:
+        results["deterministic_cost_imbalanced"] = results["imbalanced"]["deterministic_cost"]
+        results["deterministic_cost_balanced"] = results["balanced"]["deterministic_cost"]
     return results
 
 
@@ -284,8 +305,9 @@ def print_table(r: dict) -> None:
           f"balanced {r['odc_speedup_balanced']:.2f}")
     print(f"Balance bound (compute-only walls from the calibration, lock-step / ODC schedule): imbalanced "
           f"{r['balance_bound_imbalanced']:.2f}, balanced {r['balance_bound_balanced']:.2f}")
-    print(f"Deterministic ODC (odc_det, same plans) step time / default ODC: imbalanced "
-          f"{r['deterministic_cost_imbalanced']:.3f}, balanced {r['deterministic_cost_balanced']:.3f}")
+    if "deterministic_cost_balanced" in r:
+        print(f"Deterministic ODC (odc_det, same plans) step time / default ODC: imbalanced "
+              f"{r['deterministic_cost_imbalanced']:.3f}, balanced {r['deterministic_cost_balanced']:.3f}")
     print("effic. = ideal (busy / devices) / wall; sched. = the schedule's compute-only wall / measured wall")
 
 

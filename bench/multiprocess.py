@@ -17,6 +17,15 @@ Allocator: the workers run with glibc's malloc tunables MALLOC_MMAP_THRESHOLD_ /
 XLA's per-execution buffers of many MiB are reused instead of being mmapped and page-faulted anew on every call
 (on this VM a fresh 8 MiB buffer costs ~17 ms of page faults, more than the transfer). Both contenders run in the
 same processes with the same setting; --default-malloc measures without it.
+
+End to end (`mpirun -np 2`, 2 processes x 1 CPU device, one compute thread each as in bench/e2e.py): bench/e2e.py's
+`run` itself (same decoder, LongAlign-like imbalanced and perfectly balanced SFT minibatches, length buckets,
+calibration, planners: ODC + LB-Mini for the buckets vs the collective engine and XLA-SPMD with LB-Micro) on a mesh
+whose devices live in different processes: ODC over the MPI transport, the lock-step engines over gloo. The
+processes agree on what the plans depend on (the fitted cost model and ODC's measured per-microbatch overhead,
+process 0's), and a step's wall is the slowest process's. `mp_odc_speedup_*` is ODC's samples/s over the faster
+lock-step engine's. --quick: 2 minibatches of a 2-layer model (bench/e2e.py --quick); --skip-ops / --skip-e2e run
+one half only.
 """
 from __future__ import annotations
 
@@ -40,7 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds at their defaults")
+    p.add_argument("--quick", action="store_true", help="end to end: bench/e2e.py --quick (2 minibatches, 2 layers)")
+    p.add_argument("--skip-ops", action="store_true", help="only the end-to-end comparison")
+    p.add_argument("--skip-e2e", action="store_true", help="only the op-level comparison")
+    p.add_argument("--e2e-nprocs", type=int, default=2, help="processes (1 device each) for the end-to-end part")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-e2e", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -140,29 +154,107 @@ def worker(args) -> None:
         print(RESULT_PREFIX + json.dumps(rows), flush=True)
 
 
+def e2e_worker(args) -> None:
+    # as bench/e2e.py: one compute thread per device, so a device that waits really idles
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false"
+    os.environ.setdefault("NPROC", "1")
+    from mpi4py import MPI
+
+    import jax
+
+    jax.distributed.initialize(cluster_detection_method="mpi4py")
+    import numpy as np
+
+    sys.path.insert(0, HERE)
+    import e2e
+
+    comm = MPI.COMM_WORLD
+
+    class MPISync(e2e.LocalSync):
+        def agree(self, value):
+            return comm.bcast(value, root=0)
+
+        def slowest(self, seconds):
+            local = np.asarray(seconds, np.float64)
+            out = np.empty_like(local)
+            comm.Allreduce(local, out, op=MPI.MAX)
+            return out
+
+    e2e_args = e2e.parse_args(["--devices", str(jax.device_count())] + (["--quick"] if args.quick else []))
+    contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective", "xla_spmd")]
+    r = e2e.run(e2e_args, MPISync(), contenders)
+    if comm.Get_rank() == 0:
+        print(f"# end to end across {jax.process_count()} processes x {jax.local_device_count()} device", flush=True)
+        e2e.print_table(r)
+        print(RESULT_PREFIX + json.dumps(r), flush=True)
+
+
 # --------------------------------------------------------------------------------------------------- driver side
-def run_nprocs(nprocs: int, args) -> list[dict]:
+def run_nprocs(nprocs: int, args, e2e: bool = False):
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", JAX_PLATFORMS="cpu")
     if not args.default_malloc:
         env.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(1 << 33))
     cmd = [mpirun, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py",
-           os.path.abspath(__file__), "--worker", "--ops", str(args.ops), "--rounds", str(args.rounds),
-           "--mib", *[str(m) for m in args.mib]]
+           os.path.abspath(__file__)]
+    if e2e:
+        cmd += ["--worker-e2e"] + (["--quick"] if args.quick else [])
+    else:
+        cmd += ["--worker", "--ops", str(args.ops), "--rounds", str(args.rounds), "--mib", *[str(m) for m in args.mib]]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
+            if e2e:  # the worker's own table
+                sys.stderr.write("".join(x + "\n" for x in proc.stdout.splitlines() if not x.startswith(RESULT_PREFIX)))
             return json.loads(line[len(RESULT_PREFIX):])
     raise RuntimeError(f"mpirun -np {nprocs} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
 
 
 def main(args) -> dict:
-    rows = []
-    for n in args.nprocs:
+    rows, summary, e2e = [], {"nprocs": min(args.nprocs), "malloc_tuned": not args.default_malloc}, None
+    for n in [] if args.skip_ops else args.nprocs:
         t0 = time.monotonic()
         rows += run_nprocs(n, args)
         print(f"# mpirun -np {n}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    if not args.skip_e2e:
+        t0 = time.monotonic()
+        e2e = run_nprocs(args.e2e_nprocs, args, e2e=True)
+        print(f"# mpirun -np {args.e2e_nprocs} (end to end): {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    if rows:
+        summary.update(op_table(rows, args))
+    if e2e is not None:
+        summary.update(e2e_table(e2e, args))
+    print(json.dumps(summary))
+    if not args.no_save:
+        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+        name = "multiprocess_quick.json" if args.quick else "multiprocess.json"
+        with open(os.path.join(HERE, "results", name), "w") as f:
+            json.dump({"summary": summary, "rows": rows, "e2e": e2e}, f, indent=1)
+    return summary
+
+
+def e2e_table(r: dict, args) -> dict:
+    c = r["config"]
+    print(f"End to end across {args.e2e_nprocs} processes x 1 CPU device (1 thread), decoder {c['layers']} layers x "
+          f"{c['hidden']}, T={c['token_cap']}, {c['minibatches']} minibatches; samples/s (bubble rate)")
+    print(f"{'scenario':<12}" + "".join(f"{n:>20}" for n in r["imbalanced"]["engines"]) + f"{'ODC speed-up':>14}"
+          f"{'bound':>7}")
+    out = {"e2e_nprocs": args.e2e_nprocs, "e2e_quick": bool(args.quick)}
+    for scenario in ("imbalanced", "balanced"):
+        rows = r[scenario]["engines"]
+        print(f"{scenario:<12}" + "".join(f"{row['samples_per_s']:>13.2f} ({row['bubble_rate']:.2f})"
+                                         for row in rows.values())
+              + f"{r[scenario]['odc_speedup']:>14.2f}{r[scenario]['balance_bound']:>7.2f}")
+        out[f"mp_odc_speedup_{scenario}"] = round(r[scenario]["odc_speedup"], 4)
+        out[f"mp_balance_bound_{scenario}"] = round(r[scenario]["balance_bound"], 4)
+        for name, row in rows.items():
+            out[f"mp_{scenario}_{name}_samples_per_s"] = round(row["samples_per_s"], 3)
+            out[f"mp_{scenario}_{name}_bubble_rate"] = round(row["bubble_rate"], 4)
+    return out
+
+
+def op_table(rows: list[dict], args) -> dict:
     print(f"{'procs':>5} {'op':>8} {'MiB':>5} {'ODC ms/op':>10} {'XLA ms/op':>10} {'XLA/ODC':>8}  (XLA: all_gather / "
           f"psum_scatter over gloo; median of paired rounds)")
     for r in rows:
@@ -170,19 +262,12 @@ def main(args) -> dict:
               f"{r['ratio']:>8.2f}")
     two = [r for r in rows if r["nprocs"] == min(args.nprocs)]
     summary = {
-        "nprocs": min(args.nprocs),
-        "malloc_tuned": not args.default_malloc,
         # the headline: the smaller ratio over the bucket sizes (the conservative figure)
         "mp_gather_vs_all_gather": min(r["ratio"] for r in two if r["op"] == "gather"),
         "mp_scatter_vs_psum_scatter": min(r["ratio"] for r in two if r["op"] == "scatter"),
     }
     for r in rows:
         summary[f"np{r['nprocs']}_{r['op']}_{r['mib']:g}mib_ratio"] = round(r["ratio"], 3)
-    print(json.dumps(summary))
-    if not args.no_save:
-        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        with open(os.path.join(HERE, "results", "multiprocess.json"), "w") as f:
-            json.dump({"summary": summary, "rows": rows}, f, indent=1)
     return summary
 
 
@@ -190,5 +275,7 @@ if __name__ == "__main__":
     ARGS = parse_args()
     if ARGS.worker:
         worker(ARGS)
+    elif ARGS.worker_e2e:
+        e2e_worker(ARGS)
     else:
         main(ARGS)

@@ -133,6 +133,18 @@ def test_odc_engine_across_processes(tmp_path, nprocs, local):
         assert mp[k].tobytes() == single[k].tobytes(), (k, float(np.abs(mp[k] - single[k]).max()))
 
 
+@needs_mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("nprocs,local", [(2, 1)])
+def test_lockstep_engines_across_processes(nprocs, local):
+    """The collective engine (and XLA-SPMD) over nprocs x local devices, XLA's collectives over gloo, with uneven
+    per-device microbatch counts and length buckets: equal to the reference engine (1e-5); their state dict, gathered
+    across processes, loads back into a fresh engine and gives the same next step."""
+    cases = ["collective", "xla_spmd"]
+    rc, out, _ = run_mpi(nprocs, "collective_cases.py", str(local), *cases, timeout=480)
+    check_cases(out, rc, cases)
+
+
 def test_mpi_build_is_skipped_without_a_compiler(monkeypatch):
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ffi"))
     try:

@@ -124,6 +124,7 @@ class CollectiveEngine(ShardedStateMixin, Engine):
                          donate_argnums=(0, 1))
             self._step_fns[key] = fn
         self.shards, self.opt_state, loss, norm, metrics, applied = fn(
-            self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays), jnp.asarray(round_bucket),
-            jnp.float32(batch.normalizer))
+            self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
+            sharding.put_replicated(self.mesh, round_bucket),
+            sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))
         return loss, norm, metrics, applied

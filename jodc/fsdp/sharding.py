@@ -27,6 +27,12 @@ def put_per_device(mesh: Mesh, tree):
     return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
 
 
+def put_replicated(mesh: Mesh, x):
+    """Places a host value, equal in every process, on every device of `mesh` (P()). A plain `jnp.asarray` would be
+    committed to nowhere / this process's first device, which a program over a mesh spanning processes refuses."""
+    return jax.device_put(np.asarray(x), NamedSharding(mesh, P()))
+
+
 def to_host(x) -> np.ndarray:
     """np.asarray(x), also for an array spread over several processes (jax.distributed): then every process's part
     is gathered (a collective: every process must call it at the same point)."""

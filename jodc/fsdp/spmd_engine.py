@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jodc.fsdp import sharding
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
@@ -93,15 +94,16 @@ class SPMDEngine(Engine):
         if lengths not in self._steps:
             self._steps[lengths] = jax.jit(functools.partial(self._full_step, lengths=lengths), donate_argnums=(0, 1))
         self.flats, self.opt_state, loss, norm, metrics, applied = self._steps[lengths](
-            self.flats, self.opt_state, arrays, jnp.asarray(round_bucket), jnp.float32(batch.normalizer))
+            self.flats, self.opt_state, arrays, sharding.put_replicated(self.mesh, round_bucket),
+            sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))
         return loss, norm, metrics, applied
 
     def flat_params(self) -> dict[str, np.ndarray]:
-        return {g: np.asarray(v)[: self.numels[g]].copy() for g, v in self.flats.items()}
+        return {g: sharding.to_host(v)[: self.numels[g]].copy() for g, v in self.flats.items()}
 
     def state_dict(self) -> dict[str, Any]:
         def trim(path, leaf):
-            leaf = np.asarray(leaf)
+            leaf = sharding.to_host(leaf)
             for key in path:
                 name = getattr(key, "key", None)
                 if name in self.numels:
@@ -119,7 +121,7 @@ class SPMDEngine(Engine):
                 if name in self.numels:
                     return jax.device_put(np.pad(leaf, (0, self.padded[name] - self.numels[name])),
                                           self.param_sharding)
-            return jnp.asarray(leaf)
+            return sharding.put_replicated(self.mesh, leaf)
 
         self.flats = {g: jax.device_put(np.pad(np.asarray(state["params"][g], np.float32),
                                                (0, self.padded[g] - self.numels[g])), self.param_sharding)
