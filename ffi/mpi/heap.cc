@@ -20,11 +20,6 @@ std::unordered_map<int64_t, std::shared_ptr<Heap>>& Registry() {
 
 constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are int: transfers go in 1 GiB pieces
 
-int64_t RoundUp(int64_t x, int64_t q) { return (x + q - 1) / q * q; }
-
-bool CheckedMul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
-bool CheckedAdd(int64_t a, int64_t b, int64_t* out) { return !__builtin_add_overflow(a, b, out); }
-
 // Allocates a window of `bytes` on every process of h.comm (collective), zeroed, passive-target epoch opened.
 bool AllocateWindow(Heap& h, int64_t bytes, const char* what, MPI_Win* win, char** base, std::string* err) {
   void* ptr = nullptr;
@@ -395,15 +390,15 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   b->acc_offset.assign(h->nprocs, 0);
   b->landing_offset.assign(h->nprocs, 0);
   int64_t shard_bytes = 0, acc_bytes = 0, my_bytes = 0;
-  bool ok = CheckedMul(b->layout.shard_numel, DtypeBytes(master), &shard_bytes) &&
+  bool ok = b->layout.shard_numel >= 1 &&  // MakeLayout's -1: the padded size overflows
+            CheckedMul(b->layout.shard_numel, DtypeBytes(master), &shard_bytes) &&
             CheckedMul(b->layout.shard_numel, 4, &acc_bytes);
   for (int32_t r = 0; ok && r < h->nprocs; ++r) {
     const int64_t n_r = h->rank_devices[r];
     int64_t shards = 0, accs = 0, landing = 0, total = 0;
     ok = CheckedMul(n_r, shard_bytes, &shards) && CheckedMul(n_r, acc_bytes, &accs);
     if (ok && h->deterministic) ok = CheckedMul(accs, h->world, &landing);
-    shards = RoundUp(shards, kShardAlignBytes);
-    ok = ok && CheckedAdd(shards, accs, &total) && CheckedAdd(total, landing, &total);
+    ok = ok && CheckedRoundUp(shards, kShardAlignBytes, &shards) && CheckedAdd(shards, accs, &total) && CheckedAdd(total, landing, &total);
     b->acc_offset[r] = shards;
     b->landing_offset[r] = shards + accs;
     if (r == h->rank) my_bytes = total;
