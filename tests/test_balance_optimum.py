@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 from jodc.balance import (
     DEEPSEEK_R1_DISTILL_QWEN_1_5B,
     FlopsCost,
+    balance_pairs,
+    fill_parts,
+    resplit_heaviest,
     complete_bins,
     descend,
     exact_partition,
@@ -157,3 +160,43 @@ def test_large_instances_take_the_fast_path_and_stay_deterministic():
     assert is_partition(sorted(parts), 2048, 128) or is_partition(parts, 2048, 128)
     assert parts == partition(costs.copy(), 128)
     assert part_sums(costs, parts).max() <= lower_bound(costs, 128) * 1.001
+
+
+@given(st.lists(st.integers(1, 65536), min_size=2, max_size=60), st.integers(2, 9))
+@settings(max_examples=30, deadline=None)
+def test_balance_pairs_and_resplit_never_raise_the_heaviest_part_and_are_deterministic(lengths, k):
+    costs = FLOPS(lengths)
+    start = np.arange(len(lengths)) % k
+    before = np.bincount(start, weights=costs, minlength=k).max()
+    for step in (lambda a: balance_pairs(costs, a, k, max_passes=10),
+                 lambda a: resplit_heaviest(costs, a, k, max_rounds=10)):
+        out = step(start.copy())
+        assert np.array_equal(out, step(start.copy()))
+        assert out.shape == start.shape and out.min() >= 0 and out.max() < k
+        assert np.bincount(out, weights=costs, minlength=k).max() <= before * (1 + 1e-12)
+
+
+def test_resplit_finds_the_best_split_of_two_parts():
+    # {8, 7} vs {6, 5, 4}: sums 15 / 15 is reachable only by a 2-for-... regrouping; from {8, 7, 6} / {5, 4}
+    costs = np.array([8.0, 7.0, 6.0, 5.0, 4.0])
+    out = resplit_heaviest(costs, np.array([0, 0, 0, 1, 1]), 2, max_rounds=1)
+    assert np.bincount(out, weights=costs, minlength=2).max() == 15.0
+
+
+def test_balance_pairs_reaches_the_bound_at_scale():
+    costs = sequence_costs(FlopsCost(DEEPSEEK_R1_DISTILL_QWEN_1_5B), LONGALIGN_SFT.sample(4096, seed=5))
+    start = np.zeros(4096, dtype=np.int64)
+    for p, part in enumerate(lpt(costs, 256)):
+        start[part] = p
+    out = balance_pairs(costs, start, 256, max_passes=20)
+    assert np.bincount(out, weights=costs, minlength=256).max() < np.bincount(start, weights=costs, minlength=256).max()
+    assert np.bincount(out, weights=costs, minlength=256).max() <= lower_bound(costs, 256) * 1.002
+
+
+def test_fill_parts_pairs_a_near_mean_item_with_the_companion_that_fits():
+    # mean per part 10: 9.5 must take 0.5 (not 1.5), 8 takes 2, and the rest fill the last part
+    costs = np.array([9.5, 8.0, 2.0, 1.5, 0.5, 8.5])
+    assign = fill_parts(costs, 3, 10.0)
+    sums = np.bincount(assign, weights=costs, minlength=3)
+    assert sorted(sums) == [10.0, 10.0, 10.0]
+    assert assign[0] == assign[4] and assign[1] == assign[2]

@@ -181,3 +181,119 @@ def _small_exchanges(cost, assign, sums, p, top, mine, cp, rest, cr, qr, sq):
             i, g = divmod(flat, j_idx.size)
             options.append((value, 5, (mine[i], rest[j_idx[g]], rest[l_idx[g]])))
     return options
+
+
+def balance_pairs(cost: np.ndarray, assign: np.ndarray, k: int, *, max_passes: int,
+                  bound: float | None = None) -> np.ndarray:
+    """Pair the parts heaviest with lightest (1st with k-th, 2nd with (k-1)-th, ...) and, in every pair at once,
+    apply the move or swap that narrows the pair's gap most; repeat while some pair narrows, at most ``max_passes``
+    times or until the heaviest part is within ``BOUND_TOLERANCE`` of ``bound``.
+
+    Vectorised over all pairs (one [pairs, slots, slots] table per pass), so a pass costs a few numpy calls whatever
+    the part count: the large-instance fast path, before :func:`descend` polishes the heaviest part. Parts are rows
+    of a slot table padded with empty slots (cost 0): swapping an item for an empty slot is a move. Part sums are
+    updated by one subtraction and one addition per pair, in a fixed order (identical on every host)."""
+    cost = np.asarray(cost, dtype=np.float64)
+    assign = np.array(assign, dtype=np.int64)
+    n = cost.size
+    if n == 0 or k < 2:
+        return assign
+    bound = lower_bound(cost, k) if bound is None else bound
+    tol = 1e-12 * max(math.fsum(cost), 1e-300)
+    order = np.argsort(assign, kind="stable")
+    counts = np.bincount(assign, minlength=k)
+    width = int(counts.max()) + 1
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slots = np.full((k, width), -1, dtype=np.int64)
+    rank = np.arange(n) - np.repeat(starts, counts)
+    slots[assign[order], rank] = order
+    values = np.where(slots >= 0, cost[np.maximum(slots, 0)], 0.0)
+    sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
+    half = k // 2
+    rows = np.arange(half)
+    for _ in range(max_passes):
+        if float(sums.max()) <= bound * (1.0 + BOUND_TOLERANCE) + tol:
+            break
+        if not (slots < 0).any(axis=1).all():  # every part keeps an empty slot, so any part can take a move
+            slots = np.concatenate([slots, np.full((k, 1), -1, dtype=np.int64)], axis=1)
+            values = np.concatenate([values, np.zeros((k, 1))], axis=1)
+            width += 1
+        by_load = np.argsort(-sums, kind="stable")
+        heavy, light = by_load[:half], by_load[::-1][:half]
+        gap = sums[heavy] - sums[light]
+        d = values[heavy][:, :, None] - values[light][:, None, :]
+        new_gap = np.where((d > tol) & (d < gap[:, None, None] - tol), np.abs(gap[:, None, None] - 2.0 * d), np.inf)
+        flat = np.argmin(new_gap.reshape(half, -1), axis=1)
+        ok = new_gap.reshape(half, -1)[rows, flat] < gap - tol
+        if not ok.any():
+            break
+        h, l, f = heavy[ok], light[ok], flat[ok]
+        i, j = np.divmod(f, width)
+        moved = d[rows[ok], i, j]
+        sums[h] -= moved
+        sums[l] += moved
+        item_h, item_l = slots[h, i].copy(), slots[l, j].copy()
+        slots[h, i], slots[l, j] = item_l, item_h
+        values[h, i], values[l, j] = values[l, j].copy(), values[h, i].copy()
+    out = np.empty(n, dtype=np.int64)
+    part, slot = np.nonzero(slots >= 0)
+    out[slots[part, slot]] = part
+    return out
+
+
+# Pair re-splits enumerate every subset of the two parts' items: at most this many items together (2^14 subsets).
+RESPLIT_ITEMS = 14
+_MASKS: dict[int, np.ndarray] = {}
+
+
+def _masks(u: int) -> np.ndarray:
+    """float64 [2^u, u]: row s has 1 where bit j of s is set (every subset of u items); cached."""
+    if u not in _MASKS:
+        _MASKS[u] = ((np.arange(2 ** u)[:, None] >> np.arange(u)[None, :]) & 1).astype(np.float64)
+    return _MASKS[u]
+
+
+def resplit_heaviest(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds: int,
+                     bound: float | None = None) -> np.ndarray:
+    """Lower the heaviest part by re-splitting it optimally with one other part: for every other part ``q`` every
+    subset of the two parts' items (together at most ``RESPLIT_ITEMS``) is a candidate new heaviest side, and the
+    split with the lightest heavier side over all ``q`` is applied; repeated at most ``max_rounds`` times, while the
+    heaviest part falls, or until the bound. Contains every move, swap and group exchange between two parts."""
+    cost = np.asarray(cost, dtype=np.float64)
+    assign = np.array(assign, dtype=np.int64)
+    n = cost.size
+    if n == 0 or k < 2:
+        return assign
+    bound = lower_bound(cost, k) if bound is None else bound
+    tol = 1e-12 * max(math.fsum(cost), 1e-300)
+    sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
+    for _ in range(max_rounds):
+        p = int(np.argmax(sums))
+        top = float(sums[p])
+        if top <= bound * (1.0 + BOUND_TOLERANCE) + tol:
+            break
+        counts = np.bincount(assign, minlength=k)
+        others = [q for q in range(k) if q != p and counts[p] + counts[q] <= RESPLIT_ITEMS]
+        if not others:
+            break
+        u = int(max(counts[p] + counts[q] for q in others))
+        members = np.full((len(others), u), -1, dtype=np.int64)
+        mine = np.flatnonzero(assign == p)
+        for row, q in enumerate(others):
+            union = np.concatenate([mine, np.flatnonzero(assign == q)])
+            members[row, :union.size] = union
+        values = np.where(members >= 0, cost[np.maximum(members, 0)], 0.0)
+        side = values @ _masks(u).T  # [others, subsets]: cost of the side that keeps the subset
+        pair = (sums[p] + sums[others])[:, None]
+        heavier = np.maximum(side, pair - side)
+        flat = int(np.argmin(heavier))
+        row, subset = divmod(flat, heavier.shape[1])
+        if not heavier[row, subset] < top - tol:
+            break
+        q = others[row]
+        chosen = members[row][(_masks(u)[subset] > 0) & (members[row] >= 0)]
+        rest = members[row][(_masks(u)[subset] == 0) & (members[row] >= 0)]
+        assign[chosen], assign[rest] = p, q
+        sums[p] = math.fsum(cost[chosen])
+        sums[q] = math.fsum(cost[rest])
+    return assign

@@ -24,7 +24,8 @@ import math
 import numpy as np
 
 from jodc.balance.completion import complete_bins
-from jodc.balance.descent import BOUND_TOLERANCE, SMALL_ITEMS, descend, lower_bound
+from jodc.balance.descent import BOUND_TOLERANCE, SMALL_ITEMS, balance_pairs, descend, lower_bound, resplit_heaviest
+from jodc.balance.fill import fill_parts
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, positive_int
@@ -141,54 +142,57 @@ def _as_parts(assign: np.ndarray, k: int) -> list[list[int]]:
     return [order[bounds[p]:bounds[p + 1]].tolist() for p in range(k)]
 
 
-def _pairwise_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
-    """The free partition as computed before the descent existed: Karmarkar-Karp and LPT, each refined by pairwise
-    exchanges, the better searched item-wise (:func:`~jodc.balance.search.improve_by_search`)."""
-    candidates = [refine_by_swaps(cost, karmarkar_karp(cost, k)), refine_by_swaps(cost, lpt(cost, k))]
-    best = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: KK
-    return improve_by_search(cost, best, node_budget=search_nodes)
+# Small instances also try greedy fills toward these relative distances above the lower bound, filling each part
+# with its opening item and at most 4 others (jodc.balance.fill).
+FILL_STEPS = (1e-4, 5e-4, 1e-3, 2e-3, 4e-3)
+# Passes of the vectorised pair balancing on large instances (each pass: a few numpy calls over all parts).
+PAIR_PASSES = 20
+# Rounds of optimal two-part re-splits of the heaviest part after each small-instance descent.
+RESPLIT_ROUNDS = 5
+
+
+def _span(cost: np.ndarray, assign: np.ndarray, k: int) -> float:
+    return float(np.bincount(assign, weights=cost, minlength=k).max())
 
 
 def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
-    """The free partition (sizes may differ), every step bounded by counts, never by time:
+    """The free partition (sizes may differ), every step bounded by counts, never by time, each stopping as soon as
+    the heaviest part is within ``BOUND_TOLERANCE`` of the lower bound:
 
-    1. fast path: Karmarkar-Karp (when ``n * k <= KK_WORK``) and LPT starts, each lowered by
-       :func:`~jodc.balance.descent.descend`, the better kept; done if it is within ``BOUND_TOLERANCE`` of the lower
-       bound, or if the instance has more than ``SMALL_ITEMS`` items;
-    2. small instances: pairwise refinement of that result and the previous pipeline (:func:`_pairwise_partition`)
-       compete, then bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes);
-       with ``search_nodes=0`` only the pairwise refinement."""
+    1. fast path: Karmarkar-Karp (when ``n * k <= KK_WORK``; else LPT, then
+       :func:`~jodc.balance.descent.balance_pairs`), lowered by :func:`~jodc.balance.descent.descend`; done here for
+       instances of more than ``SMALL_ITEMS`` items, or with ``search_nodes=0`` (packing microbatches, where only a
+       fit matters);
+    2. small instances: optimal two-part re-splits of the heaviest part
+       (:func:`~jodc.balance.descent.resplit_heaviest`), then greedy fills toward targets just above the bound
+       (:func:`~jodc.balance.fill.fill_parts`, ``FILL_STEPS``), each descended and re-split, the best kept;
+    3. bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes)."""
     n = cost.size
     if n <= k:
         return [[i] for i in range(n)] + [[] for _ in range(k - n)]
     bound = lower_bound(cost, k)
+    target = bound * (1.0 + BOUND_TOLERANCE)
     rounds = 10 * n + 100
-    starts = [karmarkar_karp(cost, k)] if n * k <= KK_WORK else []
-    starts.append(lpt(cost, k))
-    best, best_max = None, math.inf
-    for start in starts:
-        assign = descend(cost, _as_assignment(start, n), k, max_rounds=rounds, bound=bound)
-        span = float(np.bincount(assign, weights=cost, minlength=k).max())
-        if span < best_max:
+    if n * k <= KK_WORK:
+        start = _as_assignment(karmarkar_karp(cost, k), n)
+    else:
+        start = balance_pairs(cost, _as_assignment(lpt(cost, k), n), k, max_passes=PAIR_PASSES, bound=bound)
+    best = descend(cost, start, k, max_rounds=rounds, bound=bound)
+    best_max = _span(cost, best, k)
+    if n > SMALL_ITEMS or best_max <= target or not search_nodes:
+        return _as_parts(best, k)
+    starts = (fill_parts(cost, k, bound * (1.0 + step)) for step in FILL_STEPS)
+    for index, assign in enumerate(itertools.chain([best], starts)):
+        if index:
+            assign = descend(cost, assign, k, max_rounds=rounds, bound=bound)
+        assign = resplit_heaviest(cost, assign, k, max_rounds=RESPLIT_ROUNDS, bound=bound)
+        span = _span(cost, assign, k)
+        if span < best_max or not index:
             best, best_max = assign, span
-        if best_max <= bound * (1.0 + BOUND_TOLERANCE):
-            break
-    parts = _as_parts(best, k)
-    if n > SMALL_ITEMS or best_max <= bound * (1.0 + BOUND_TOLERANCE):
-        return parts
-    # Small instances: plateau moves (narrowing pairs below the heaviest part) unlock what the strict descent
-    # cannot, and the previous pipeline (pairwise refinement of KK and LPT, item-wise search) competes too, so
-    # the result is never worse than it; bin completion then looks for a lighter partition still.
-    if not search_nodes:  # no search asked for (packing that only needs a fit): pairwise refinement only
-        return refine_by_swaps(cost, parts)
-    candidates = [refine_by_swaps(cost, parts), _pairwise_partition(cost, k, search_nodes)]
-    parts = min(candidates, key=lambda c: float(part_sums(cost, c).max()))
-    best_max = float(part_sums(cost, parts).max())
-    if best_max > bound * (1.0 + BOUND_TOLERANCE) and search_nodes:
-        found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
-        if found is not None:
-            parts = found
-    return parts
+        if best_max <= target:
+            return _as_parts(best, k)
+    found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
+    return found if found is not None else _as_parts(best, k)
 
 
 def part_sums(costs, parts: list[list[int]]) -> np.ndarray:
