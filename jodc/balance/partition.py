@@ -122,7 +122,7 @@ def partition(
     are never heavier than the previous pipeline (Karmarkar-Karp refined pairwise, then the item-wise search),
     up to the ``BOUND_TOLERANCE`` at which they stop above the lower bound. ``search_nodes`` bounds the searches
     (``0``: the fast path only). ``refine=False`` returns plain Karmarkar-Karp.
-
+    """
     cost = costs_array(costs)
     if refine:
         k = positive_int(num_parts, "num_parts")
