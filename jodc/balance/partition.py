@@ -240,11 +240,11 @@ def _equal_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[i
     ``BOUND_TOLERANCE`` of :func:`~jodc.balance.descent.equal_count_bound`:
 
     1. equal-size Karmarkar-Karp (when ``n * k <= KK_WORK``; else the snake deal, then
-       :func:`~jodc.balance.descent.balance_pairs`), lowered by :func:`~jodc.balance.descent.descend`, all keeping
-       the sizes (swaps, 2-for-2 exchanges, 3-cycles; moves and chains only from a part one item larger);
-    2. small instances (at most ``SMALL_ITEMS`` items) still above the bound: size-keeping two-part re-splits of
-       the heaviest part (:func:`~jodc.balance.descent.resplit_heaviest`), each followed by the descent, while they
-       lower it;
+       :func:`~jodc.balance.descent.balance_pairs`), lowered by :func:`~jodc.balance.descent.descend` (swaps; moves
+       and chains only from a part one item larger), all keeping the sizes;
+    2. small instances (at most ``SMALL_ITEMS`` items) still above the bound: the descent with 2-for-2 exchanges
+       and 3-cycles too, then size-keeping two-part re-splits of the heaviest part
+       (:func:`~jodc.balance.descent.resplit_heaviest`), each followed by the descent, while they lower it;
     3. the previous LB-Micro partition (equal-size KK refined by size-keeping pairwise exchanges) competes, and the
        equal-size item-wise search (:func:`~jodc.balance.search.improve_by_search`, ``search_nodes`` nodes) starts
        from the lighter of the two: never worse than the previous LB-Micro partition (see :func:`_never_worse`)."""
@@ -258,10 +258,13 @@ def _equal_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[i
         start = _as_assignment(karmarkar_karp(cost, k, equal_sizes=True), n)
     else:
         start = balance_pairs(cost, _snake(cost, k), k, max_passes=PAIR_PASSES, bound=bound, equal_counts=True)
-    best = descend(cost, start, k, max_rounds=rounds, bound=bound, equal_counts=True)
+    # swaps and chains first (cheap); the 2-item exchanges and 3-cycles of small instances only if still needed
+    best = descend(cost, start, k, max_rounds=rounds, bound=bound, small=False, equal_counts=True)
     best_max = _span(cost, best, k)
     if n > SMALL_ITEMS or best_max <= target or not search_nodes:
         return _as_parts(best, k)
+    best = descend(cost, best, k, max_rounds=rounds, bound=bound, equal_counts=True)
+    best_max = _span(cost, best, k)
     for _ in range(RESPLIT_ROUNDS):
         assign = resplit_heaviest(cost, best, k, max_rounds=RESPLIT_ROUNDS, bound=bound, equal_counts=True)
         assign = descend(cost, assign, k, max_rounds=rounds, bound=bound, equal_counts=True)
