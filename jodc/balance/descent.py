@@ -56,6 +56,17 @@ def _best(values: np.ndarray):
     return float(values.flat[flat]), flat
 
 
+def _prepare(cost, assign, k: int, bound: float | None):
+    """(cost as float64, a fresh int64 copy of assign, the bound, the absolute tolerance), or None when there is
+    nothing to do (no items or one part)."""
+    cost = np.asarray(cost, dtype=np.float64)
+    assign = np.array(assign, dtype=np.int64)
+    if cost.size == 0 or k < 2:
+        return None
+    bound = lower_bound(cost, k) if bound is None else bound
+    return cost, assign, bound, 1e-12 * max(math.fsum(cost), 1e-300)
+
+
 def descend(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds: int, bound: float | None = None,
             small: bool | None = None, equal_counts: bool = False) -> np.ndarray:
     """Lower the heaviest part of the assignment ``assign`` (int array, item -> part) by the exchanges above.
@@ -64,16 +75,14 @@ def descend(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds: int, bo
     the multiset of part sizes apply: swaps, 3-cycles and 2-for-2 exchanges always; a move, a chain or a 2-for-1
     only from a part holding one item more than the receiving part. Returns a new assignment whose heaviest part is
     no heavier (strictly lighter, if any exchange applied)."""
-    cost = np.asarray(cost, dtype=np.float64)
-    assign = np.array(assign, dtype=np.int64)
+    prepared = _prepare(cost, assign, k, bound)
+    if prepared is None:
+        return np.array(assign, dtype=np.int64)
+    cost, assign, bound, tol = prepared
     n = cost.size
-    if n == 0 or k < 2:
-        return assign
-    bound = lower_bound(cost, k) if bound is None else bound
     small = n <= SMALL_ITEMS if small is None else small
     sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
     counts = np.bincount(assign, minlength=k) if equal_counts else None
-    tol = 1e-12 * max(math.fsum(cost), 1e-300)
     ids = np.arange(n)
     for _ in range(max_rounds):
         p = int(np.argmax(sums))
@@ -234,13 +243,11 @@ def balance_pairs(cost: np.ndarray, assign: np.ndarray, k: int, *, max_passes: i
     of a slot table padded with empty slots (cost 0): swapping an item for an empty slot is a move. Part sums are
     updated by one subtraction and one addition per pair, in a fixed order (identical on every host). With
     ``equal_counts`` a move applies only from a part holding one item more than the receiving part."""
-    cost = np.asarray(cost, dtype=np.float64)
-    assign = np.array(assign, dtype=np.int64)
+    prepared = _prepare(cost, assign, k, bound)
+    if prepared is None:
+        return np.array(assign, dtype=np.int64)
+    cost, assign, bound, tol = prepared
     n = cost.size
-    if n == 0 or k < 2:
-        return assign
-    bound = lower_bound(cost, k) if bound is None else bound
-    tol = 1e-12 * max(math.fsum(cost), 1e-300)
     order = np.argsort(assign, kind="stable")
     counts = np.bincount(assign, minlength=k)
     width = int(counts.max()) + 1
@@ -311,13 +318,10 @@ def resplit_heaviest(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds
     split with the lightest heavier side over all ``q`` is applied; repeated at most ``max_rounds`` times, while the
     heaviest part falls, or until the bound. Contains every move, swap and group exchange between two parts. With
     ``equal_counts`` only splits that keep the two parts' sizes (in either order) are candidates."""
-    cost = np.asarray(cost, dtype=np.float64)
-    assign = np.array(assign, dtype=np.int64)
-    n = cost.size
-    if n == 0 or k < 2:
-        return assign
-    bound = lower_bound(cost, k) if bound is None else bound
-    tol = 1e-12 * max(math.fsum(cost), 1e-300)
+    prepared = _prepare(cost, assign, k, bound)
+    if prepared is None:
+        return np.array(assign, dtype=np.int64)
+    cost, assign, bound, tol = prepared
     sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
     for _ in range(max_rounds):
         p = int(np.argmax(sums))

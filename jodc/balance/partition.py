@@ -126,6 +126,8 @@ def partition(
     cost = costs_array(costs)
     if refine:
         k = positive_int(num_parts, "num_parts")
+        if cost.size <= k:
+            return order_parts(cost, [[i] for i in range(cost.size)] + [[] for _ in range(k - cost.size)])
         split = _equal_partition if equal_sizes else _free_partition
         return order_parts(cost, split(cost, k, search_nodes))
     return karmarkar_karp(cost, num_parts, equal_sizes=equal_sizes)
@@ -160,6 +162,26 @@ def _span(cost: np.ndarray, assign: np.ndarray, k: int) -> float:
     return float(np.bincount(assign, weights=cost, minlength=k).max())
 
 
+def _fast_path(cost: np.ndarray, k: int, *, equal: bool):
+    """The fast path of both partitions: (the Karmarkar-Karp start or None, the descended assignment, its heaviest
+    part, the bound).
+
+    Karmarkar-Karp (equal-size with ``equal``) when ``n * k <= KK_WORK``; else LPT (equal: the snake deal), then
+    :func:`~jodc.balance.descent.balance_pairs`; then :func:`~jodc.balance.descent.descend` (equal: swaps and
+    chains first, the cheap exchanges, keeping the sizes). Each stops at the bound (equal: the equal-count bound)."""
+    n = cost.size
+    bound = equal_count_bound(cost, k) if equal else lower_bound(cost, k)
+    kk = karmarkar_karp(cost, k, equal_sizes=equal) if n * k <= KK_WORK else None
+    if kk is not None:
+        start = _as_assignment(kk, n)
+    else:
+        start = _snake(cost, k) if equal else _as_assignment(lpt(cost, k), n)
+        start = balance_pairs(cost, start, k, max_passes=PAIR_PASSES, bound=bound, equal_counts=equal)
+    best = descend(cost, start, k, max_rounds=10 * n + 100, bound=bound, small=False if equal else None,
+                   equal_counts=equal)
+    return kk, best, _span(cost, best, k), bound
+
+
 def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
     """The free partition (sizes may differ), every step bounded by counts, never by time, each stopping as soon as
     the heaviest part is within ``BOUND_TOLERANCE`` of the lower bound:
@@ -174,20 +196,9 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
     3. still above the bound: the previous pipeline's pairwise refinements compete and its item-wise search runs from
        the lightest (:func:`_never_worse`), so the result is never heavier than the previous LB-Mini's;
     4. bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes)."""
-    n = cost.size
-    if n <= k:
-        return [[i] for i in range(n)] + [[] for _ in range(k - n)]
-    bound = lower_bound(cost, k)
-    target = bound * (1.0 + BOUND_TOLERANCE)
-    rounds = 10 * n + 100
-    kk = karmarkar_karp(cost, k) if n * k <= KK_WORK else None
-    if kk is not None:
-        start = _as_assignment(kk, n)
-    else:
-        start = balance_pairs(cost, _as_assignment(lpt(cost, k), n), k, max_passes=PAIR_PASSES, bound=bound)
-    best = descend(cost, start, k, max_rounds=rounds, bound=bound)
-    best_max = _span(cost, best, k)
-    if n > SMALL_ITEMS or best_max <= target or not search_nodes:
+    kk, best, best_max, bound = _fast_path(cost, k, equal=False)
+    target, rounds = bound * (1.0 + BOUND_TOLERANCE), 10 * cost.size + 100
+    if cost.size > SMALL_ITEMS or best_max <= target or not search_nodes:
         return _as_parts(best, k)
     starts = (fill_parts(cost, k, bound * (1.0 + step)) for step in FILL_STEPS)
     for index, assign in enumerate(itertools.chain([best], starts)):
@@ -248,20 +259,9 @@ def _equal_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[i
     3. the previous LB-Micro partition (equal-size KK refined by size-keeping pairwise exchanges) competes, and the
        equal-size item-wise search (:func:`~jodc.balance.search.improve_by_search`, ``search_nodes`` nodes) starts
        from the lighter of the two: never worse than the previous LB-Micro partition (see :func:`_never_worse`)."""
-    n = cost.size
-    if n <= k:
-        return [[i] for i in range(n)] + [[] for _ in range(k - n)]
-    bound = equal_count_bound(cost, k)
-    target = bound * (1.0 + BOUND_TOLERANCE)
-    rounds = 10 * n + 100
-    if n * k <= KK_WORK:
-        start = _as_assignment(karmarkar_karp(cost, k, equal_sizes=True), n)
-    else:
-        start = balance_pairs(cost, _snake(cost, k), k, max_passes=PAIR_PASSES, bound=bound, equal_counts=True)
-    # swaps and chains first (cheap); the 2-item exchanges and 3-cycles of small instances only if still needed
-    best = descend(cost, start, k, max_rounds=rounds, bound=bound, small=False, equal_counts=True)
-    best_max = _span(cost, best, k)
-    if n > SMALL_ITEMS or best_max <= target or not search_nodes:
+    kk, best, best_max, bound = _fast_path(cost, k, equal=True)
+    target, rounds = bound * (1.0 + BOUND_TOLERANCE), 10 * cost.size + 100
+    if cost.size > SMALL_ITEMS or best_max <= target or not search_nodes:
         return _as_parts(best, k)
     best = descend(cost, best, k, max_rounds=rounds, bound=bound, equal_counts=True)
     best_max = _span(cost, best, k)
@@ -277,7 +277,8 @@ def _equal_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[i
     # never worse than the previous LB-Micro partition: its size-keeping pairwise refinement of equal-size KK
     # competes, and its search starts from the lighter (the argument of _never_worse)
     parts = _as_parts(best, k)
-    previous = refine_by_swaps(cost, karmarkar_karp(cost, k, equal_sizes=True), allow_moves=False)
+    previous = refine_by_swaps(cost, kk if kk is not None else karmarkar_karp(cost, k, equal_sizes=True),
+                               allow_moves=False)
     incumbent = min([parts, previous], key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: ours
     return improve_by_search(cost, incumbent, equal_sizes=True, node_budget=search_nodes)
 

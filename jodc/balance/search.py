@@ -26,15 +26,8 @@ from jodc.balance.validation import check_partition, costs_array
 DEFAULT_NODE_BUDGET = 3_000
 
 
-def improve_by_search(
-    costs,
-    parts: list[list[int]],
-    *,
-    equal_sizes: bool = False,
-    sizes=None,
-    capacity: float | None = None,
-    node_budget: int = DEFAULT_NODE_BUDGET,
-) -> list[list[int]]:
+def improve_by_search(costs, parts: list[list[int]], *, equal_sizes: bool = False, sizes=None,
+                      capacity: float | None = None, node_budget: int = DEFAULT_NODE_BUDGET) -> list[list[int]]:
     """Return a partition whose heaviest part is no heavier than that of ``parts`` (lighter if one was found).
 
     Args:
