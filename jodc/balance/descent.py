@@ -176,7 +176,7 @@ def _moves(kind, payload, assign, p):
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _pairs(m: int) -> tuple[np.ndarray, np.ndarray]:
+def pair_indices(m: int) -> tuple[np.ndarray, np.ndarray]:
     """``np.triu_indices(m, 1)``, cached (descents ask for the same few sizes thousands of times)."""
     if m not in _PAIRS:
         _PAIRS[m] = np.triu_indices(m, 1)
@@ -191,7 +191,7 @@ def _small_exchanges(cost, assign, sums, p, top, mine, cp, rest, cr, qr, sq, cou
     options = []
     m = mine.size
     if m >= 2:
-        a, b = _pairs(m)
+        a, b = pair_indices(m)
         pair = cp[a] + cp[b]
         d = pair[:, None] - cr[None, :]
         ok = d > 0 if count_gap is None else (d > 0) & (count_gap == -1)[None, :]
@@ -200,7 +200,7 @@ def _small_exchanges(cost, assign, sums, p, top, mine, cp, rest, cr, qr, sq, cou
         g, j = divmod(flat, rest.size)
         options.append((value, 3, (mine[a[g]], mine[b[g]], rest[j])))
     if rest.size >= 2:
-        a, b = _pairs(rest.size)
+        a, b = pair_indices(rest.size)
         same = qr[a] == qr[b]
         a, b = a[same], b[same]
         if a.size:
@@ -212,7 +212,7 @@ def _small_exchanges(cost, assign, sums, p, top, mine, cp, rest, cr, qr, sq, cou
             i, g = divmod(flat, a.size)
             options.append((value, 4, (mine[i], rest[a[g]], rest[b[g]])))
             if count_gap is not None and m >= 2:  # 2-for-2
-                pa, pb = _pairs(m)
+                pa, pb = pair_indices(m)
                 d = (cp[pa] + cp[pb])[:, None] - pair[None, :]
                 table = np.where(d > 0, np.maximum(top - d, sq[a][None, :] + d), np.inf)
                 value, flat = _best(table)
