@@ -30,26 +30,21 @@ import time
 
 import numpy as np
 
-from jodc.balance import DEEPSEEK_R1_DISTILL_QWEN_1_5B, FlopsCost, get_planner, plan_metrics, sequence_costs
+from jodc.balance import (
+    DEEPSEEK_R1_DISTILL_QWEN_1_5B,
+    FlopsCost,
+    equal_count_bound,
+    get_planner,
+    lower_bound,
+    plan_metrics,
+    sequence_costs,
+)
 from jodc.sim import A100_SXM_80GB, LONGALIGN_SFT, compare_schedules, simulate_collective, simulate_odc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLANNERS = ("local_sort", "lb_micro", "lb_mini")
 SEQS_PER_DEVICE = (1, 2, 4, 8, 16)
 GOLDEN_SEQS_PER_DEVICE = 4
-
-
-def lower_bound(costs: np.ndarray, devices: int) -> float:
-    """No partition into ``devices`` parts has a lighter heaviest part than ``max(largest cost, total / devices)``."""
-    return max(float(costs.max()), float(costs.sum()) / devices)
-
-
-def equal_count_bound(costs: np.ndarray, devices: int) -> float:
-    """The lower bound for plans whose per-device sequence counts differ by at most one (lock-step engines): the
-    device with the costliest sequence holds at least ``floor(n / devices) - 1`` more, at least the cheapest."""
-    ordered = np.sort(costs)
-    others = max(costs.size // devices - 1, 0)
-    return max(float(costs.sum()) / devices, float(ordered[-1]) + float(ordered[:others].sum()))
 
 
 def heaviest(plan) -> float:

@@ -149,6 +149,7 @@ def _as_parts(assign: np.ndarray, k: int) -> list[list[int]]:
 # Small instances also try greedy fills toward these relative distances above the lower bound, filling each part
 # with its opening item and at most 4 others (jodc.balance.fill).
 FILL_STEPS = (1e-4, 5e-4, 1e-3, 2e-3, 4e-3)
+FILL_OTHERS = 4  # fills run only while the parts average at most 1 + FILL_OTHERS items
 # Passes of the vectorised pair balancing on large instances (each pass: a few numpy calls over all parts).
 PAIR_PASSES = 20
 # Rounds of optimal two-part re-splits of the heaviest part after each small-instance descent.
@@ -192,7 +193,8 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
        fit matters);
     2. small instances: optimal two-part re-splits of the heaviest part
        (:func:`~jodc.balance.descent.resplit_heaviest`), then greedy fills toward targets just above the bound
-       (:func:`~jodc.balance.fill.fill_parts`, ``FILL_STEPS``), each descended and re-split, the best kept;
+       (:func:`~jodc.balance.fill.fill_parts`, ``FILL_STEPS``; while parts average at most ``1 + FILL_OTHERS``
+       items), each descended and re-split, the best kept;
     3. still above the bound: the previous pipeline's pairwise refinements compete and its item-wise search runs from
        the lightest (:func:`_never_worse`), so the result is never heavier than the previous LB-Mini's;
     4. bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes)."""
@@ -200,7 +202,9 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
     target, rounds = bound * (1.0 + BOUND_TOLERANCE), 10 * cost.size + 100
     if cost.size > SMALL_ITEMS or best_max <= target or not search_nodes:
         return _as_parts(best, k)
-    starts = (fill_parts(cost, k, bound * (1.0 + step)) for step in FILL_STEPS)
+    # fills complete a part with at most FILL_OTHERS items besides its opening one: only for parts that small
+    steps = FILL_STEPS if cost.size <= k * (1 + FILL_OTHERS) else ()
+    starts = (fill_parts(cost, k, bound * (1.0 + step), max_others=FILL_OTHERS) for step in steps)
     for index, assign in enumerate(itertools.chain([best], starts)):
         if index:
             assign = descend(cost, assign, k, max_rounds=rounds, bound=bound)
