@@ -30,7 +30,15 @@ import time
 
 import numpy as np
 
-from jodc.balance import DEEPSEEK_R1_DISTILL_QWEN_1_5B, FlopsCost, get_planner, plan_metrics, sequence_costs
+from jodc.balance import (
+    DEEPSEEK_R1_DISTILL_QWEN_1_5B,
+    FlopsCost,
+    equal_count_bound,
+    get_planner,
+    lower_bound,
+    plan_metrics,
+    sequence_costs,
+)
 from jodc.sim import A100_SXM_80GB, LONGALIGN_SFT, compare_schedules, simulate_collective, simulate_odc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -39,34 +47,24 @@ SEQS_PER_DEVICE = (1, 2, 4, 8, 16)
 GOLDEN_SEQS_PER_DEVICE = 4
 
 
-def lower_bound(costs: np.ndarray, devices: int) -> float:
-    """No partition into ``devices`` parts has a lighter heaviest part than ``max(largest cost, total / devices)``."""
-    return max(float(costs.max()), float(costs.sum()) / devices)
-
-
-def equal_count_bound(costs: np.ndarray, devices: int) -> float:
-    """The lower bound for plans whose per-device sequence counts differ by at most one (lock-step engines): the
-    device with the costliest sequence holds at least ``floor(n / devices) - 1`` more, at least the cheapest."""
-    ordered = np.sort(costs)
-    others = max(costs.size // devices - 1, 0)
-    return max(float(costs.sum()) / devices, float(ordered[-1]) + float(ordered[:others].sum()))
-
-
 def heaviest(plan) -> float:
     return max(sum(mb.cost for mb in device) for device in plan.devices)
 
 
-def plan_ms(devices: int, sequences: int, minibatches: int, seed: int, token_cap: int) -> float:
-    """Mean wall time in ms of one LB-Mini plan of ``sequences`` LongAlign-like sequences over ``devices``."""
+def plan_ms(devices: int, sequences: int, minibatches: int, seed: int, token_cap: int) -> tuple[float, float]:
+    """Mean wall time and mean process CPU time, in ms, of one LB-Mini plan of ``sequences`` LongAlign-like sequences
+    over ``devices`` (on a loaded machine the wall time counts the time other processes hold the cores; the CPU
+    time does not)."""
     cost_model = FlopsCost(DEEPSEEK_R1_DISTILL_QWEN_1_5B)
     planner = get_planner("lb_mini")
-    total = 0.0
+    wall = cpu = 0.0
     for r in range(minibatches):
         lengths = LONGALIGN_SFT.sample(sequences, seed=seed + 7919 * devices + r)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         planner(lengths, devices, token_cap, cost_model=cost_model)
-        total += time.perf_counter() - start
-    return 1e3 * total / minibatches
+        wall += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
+    return 1e3 * wall / minibatches, 1e3 * cpu / minibatches
 
 
 def exact_gaps(per_device: int, devices: int, token_cap: int, count: int, seed: int, milp: bool,
@@ -108,15 +106,17 @@ def run_row(per_device: int, devices: int, token_cap: int, minibatches: int, see
     sequences = 0
     gap_to_bound, micro_gap_to_equal_bound = [], []
     seconds = {p: 0.0 for p in PLANNERS}
+    cpu_seconds = {p: 0.0 for p in PLANNERS}
     for r in range(minibatches):
         lengths = LONGALIGN_SFT.sample(per_device * devices, seed=seed + 1000 * per_device + r)
         sequences += lengths.size
         step_collective = []
         costs = sequence_costs(cost_model, lengths)
         for name in PLANNERS:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             plan = get_planner(name)(lengths, devices, token_cap, cost_model=cost_model)
             seconds[name] += time.perf_counter() - start
+            cpu_seconds[name] += time.process_time() - start_cpu
             if name == "lb_mini":
                 gap_to_bound.append(heaviest(plan) / lower_bound(costs, devices))
             if name == "lb_micro":
@@ -142,6 +142,7 @@ def run_row(per_device: int, devices: int, token_cap: int, minibatches: int, see
     row["lb_micro_gap_to_equal_count_bound"] = float(np.mean(micro_gap_to_equal_bound))
     for name in PLANNERS:
         row[f"plan_ms_{name}"] = 1e3 * seconds[name] / minibatches
+        row[f"plan_cpu_ms_{name}"] = 1e3 * cpu_seconds[name] / minibatches
     row["odc_lb_mini_over_collective_lb_micro"] = collective["lb_micro"] / odc["lb_mini"]
     row["odc_lb_mini_over_best_collective"] = best_collective / odc["lb_mini"]
     return row
@@ -253,11 +254,14 @@ def main() -> None:
     golden = next(row for row in rows if row["seqs_per_device"] == GOLDEN_SEQS_PER_DEVICE)
     planning = {
         "plan_ms_golden": golden["plan_ms_lb_mini"],
+        "plan_cpu_ms_golden": golden["plan_cpu_ms_lb_mini"],
     }
     if args.scale_minibatches:
-        planning["plan_ms_32x512"] = plan_ms(32, 512, args.scale_minibatches, args.seed, args.token_cap)
+        planning["plan_ms_32x512"], planning["plan_cpu_ms_32x512"] = plan_ms(32, 512, args.scale_minibatches,
+                                                                             args.seed, args.token_cap)
     if args.scale_minibatches and not args.skip_1024:
-        planning["plan_ms_1024x16"] = plan_ms(1024, 1024 * 16, args.scale_minibatches, args.seed, args.token_cap)
+        planning["plan_ms_1024x16"], planning["plan_cpu_ms_1024x16"] = plan_ms(1024, 1024 * 16, args.scale_minibatches,
+                                                                               args.seed, args.token_cap)
     exact = {}
     if args.exact:
         exact = exact_gaps(GOLDEN_SEQS_PER_DEVICE, args.devices, args.token_cap, min(args.exact, args.minibatches),

@@ -52,11 +52,16 @@ def test_every_sequence_once_and_caps_respected(batch, name):
     assert plan.planner == name and plan.cost_model == model.name
 
 
+def planned(planner, batch):
+    """(lengths, devices, the planner's plan) for a drawn minibatch."""
+    lengths, devices, cap, model = batch
+    return lengths, devices, planner(lengths, devices, cap, cost_model=model)
+
+
 @given(minibatches())
 @settings(max_examples=40, deadline=None)
 def test_local_sort_deals_in_order_sorts_and_runs_one_sequence_per_microbatch(batch):
-    lengths, devices, cap, model = batch
-    plan = local_sort(lengths, devices, cap, cost_model=model)
+    lengths, devices, plan = planned(local_sort, batch)
     assert plan.is_lockstep
     for d, device in enumerate(plan.devices):
         real = [mb for mb in device if not mb.is_empty]
@@ -69,8 +74,7 @@ def test_local_sort_deals_in_order_sorts_and_runs_one_sequence_per_microbatch(ba
 @given(minibatches())
 @settings(max_examples=40, deadline=None)
 def test_lb_micro_equal_sequence_and_microbatch_counts_heaviest_first(batch):
-    lengths, devices, cap, model = batch
-    plan = lb_micro(lengths, devices, cap, cost_model=model)
+    _, _, plan = planned(lb_micro, batch)
     assert plan.is_lockstep
     sequences = [sum(len(mb.seq_indices) for mb in device) for device in plan.devices]
     assert max(sequences) - min(sequences) <= 1

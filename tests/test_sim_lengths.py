@@ -4,14 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jodc.sim import (
-    AGENT_TRAJECTORIES,
-    LENGTH_DISTRIBUTIONS,
-    LONGALIGN_SFT,
-    RL_RESPONSES,
-    LengthDistribution,
-    get_length_distribution,
-)
+from jodc.sim import AGENT_TRAJECTORIES, LENGTH_DISTRIBUTIONS, LONGALIGN_SFT, RL_RESPONSES
+from jodc.sim import LengthDistribution, get_length_distribution
 
 
 @pytest.mark.parametrize("dist", list(LENGTH_DISTRIBUTIONS.values()), ids=list(LENGTH_DISTRIBUTIONS))
@@ -65,21 +59,20 @@ def test_any_valid_distribution_solves_its_mean_and_stays_in_range(low, ratio, w
     assert abs(x.mean() - mean) <= noise
 
 
-def test_bad_parameters_are_rejected():
-    with pytest.raises(ValueError, match="below max_len"):
-        LengthDistribution("x", 100, 100, 100.0, 1.0)
-    with pytest.raises(ValueError, match="strictly between"):
-        LengthDistribution("x", 100, 200, 250.0, 1.0)
-    with pytest.raises(ValueError, match="sigma"):
-        LengthDistribution("x", 100, 200, 150.0, 0.0)
-    with pytest.raises(ValueError, match="sigma"):
-        LengthDistribution("x", 100, 200, 150.0, 6.0)
-    with pytest.raises(ValueError, match="tail"):
-        LengthDistribution("x", 100, 200, 150.0, 1.0, tail="reflect")
-    with pytest.raises(ValueError, match="min_len"):
-        LengthDistribution("x", 0, 200, 150.0, 1.0)
-    with pytest.raises(ValueError, match="n must be"):
-        LONGALIGN_SFT.sample(-1)
-    with pytest.raises(ValueError, match="unknown length distribution"):
-        get_length_distribution("sharegpt")
+@pytest.mark.parametrize("make, match", [
+    (lambda: LengthDistribution("x", 100, 100, 100.0, 1.0), "below max_len"),
+    (lambda: LengthDistribution("x", 100, 200, 250.0, 1.0), "strictly between"),
+    (lambda: LengthDistribution("x", 100, 200, 150.0, 0.0), "sigma"),
+    (lambda: LengthDistribution("x", 100, 200, 150.0, 6.0), "sigma"),
+    (lambda: LengthDistribution("x", 100, 200, 150.0, 1.0, tail="reflect"), "tail"),
+    (lambda: LengthDistribution("x", 0, 200, 150.0, 1.0), "min_len"),
+    (lambda: LONGALIGN_SFT.sample(-1), "n must be"),
+    (lambda: get_length_distribution("sharegpt"), "unknown length distribution"),
+])
+def test_bad_parameters_are_rejected(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_presets_by_name():
     assert get_length_distribution("rl_responses") is RL_RESPONSES

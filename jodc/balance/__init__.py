@@ -27,7 +27,8 @@ from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
 from jodc.balance.partition import karmarkar_karp, lpt, order_parts, part_sums, partition
 from jodc.balance.plan import Microbatch, Plan
 from jodc.balance.completion import complete_bins, optimal_partition
-from jodc.balance.descent import descend, lower_bound
+from jodc.balance.descent import balance_pairs, descend, equal_count_bound, lower_bound, resplit_heaviest
+from jodc.balance.fill import fill_parts
 from jodc.balance.exact import ExactResult, exact_partition
 from jodc.balance.planners import EXACT_PLANNERS, PLANNERS, get_planner, lb_micro, lb_mini, lb_mini_exact, local_sort
 from jodc.balance.refine import refine_by_swaps
@@ -49,9 +50,12 @@ __all__ = [
     "Plan",
     "PlanMetrics",
     "QuadraticCost",
+    "balance_pairs",
     "complete_bins",
     "descend",
+    "equal_count_bound",
     "exact_partition",
+    "fill_parts",
     "get_planner",
     "imbalance_ratio",
     "improve_by_search",
@@ -77,6 +81,7 @@ __all__ = [
     "plan_metrics",
     "rebalance_for_buckets",
     "refine_by_swaps",
+    "resplit_heaviest",
     "run_lengths",
     "sequence_costs",
     "try_pack",

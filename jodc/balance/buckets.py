@@ -149,13 +149,6 @@ def rebalance_for_buckets(lengths: np.ndarray, costs: np.ndarray, shares: list[l
         plain = pack_microbatches(lengths[share], costs[share], token_cap, search_nodes=0)  # as lb_mini packs
         plain_cost = math.fsum(microbatch_cost(lengths[share][part]) for part in plain)
         return (plain, plain_cost) if plain_cost < greedy[1] else greedy
-        for balance in (True, False):  # cost-balanced microbatches, and plain LB-Mini's fit-only packing
-            plain = pack_microbatches(lengths[share], costs[share], token_cap, balance=balance,
-                                      search_nodes=DEFAULT_NODE_BUDGET if balance else 0)
-            plain_cost = math.fsum(microbatch_cost(lengths[share][part]) for part in plain)
-            if plain_cost < best[1]:
-                best = (plain, plain_cost)
-        return best
 
     packed = [start(s) for s in shares]
     evaluations = len(shares)

@@ -125,13 +125,5 @@ class ModelShape:
 # intermediate_size 8960, num_hidden_layers 28, num_attention_heads 12, num_key_value_heads 2, vocab_size 151936,
 # tie_word_embeddings false; Qwen2 puts biases on q, k and v. About 1.78e9 parameters in all.
 DEEPSEEK_R1_DISTILL_QWEN_1_5B = ModelShape(
-    name="DeepSeek-R1-Distill-Qwen-1.5B",
-    num_layers=28,
-    hidden=1536,
-    intermediate=8960,
-    num_heads=12,
-    num_kv_heads=2,
-    vocab=151936,
-    tie_embeddings=False,
-    qkv_bias=True,
-)
+    name="DeepSeek-R1-Distill-Qwen-1.5B", num_layers=28, hidden=1536, intermediate=8960, num_heads=12, num_kv_heads=2,
+    vocab=151936, tie_embeddings=False, qkv_bias=True)

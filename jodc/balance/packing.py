@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from jodc.balance.partition import order_parts, partition
+from jodc.balance.descent import BOUND_TOLERANCE, descend
+from jodc.balance.partition import lpt, order_parts, partition
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, lengths_within_cap, positive_int, sequence_lengths
@@ -42,6 +43,26 @@ def _first_fit_decreasing(lengths: np.ndarray, num_bins: int, token_cap: int) ->
     return bins
 
 
+def _pack_for_fit(size: np.ndarray, cost: np.ndarray, token_cap: int, m: int) -> list[list[int]] | None:
+    """The cheap packing (no search: balance among a device's microbatches matters little under ODC), first that
+    fits of: LPT by cost; LPT by tokens; LPT by tokens lowered by :func:`~jodc.balance.descent.descend` on tokens
+    (until the fullest microbatch fits); first-fit decreasing. None if none fits."""
+    for parts in (lpt(cost, m), lpt(size.astype(np.float64), m)):
+        if _fits(size, parts, token_cap):
+            return order_parts(cost, parts)
+    tokens = size.astype(np.float64)
+    start = np.zeros(size.size, dtype=np.int64)
+    for p, part in enumerate(lpt(tokens, m)):
+        start[part] = p
+    # descend stops once the fullest microbatch is within BOUND_TOLERANCE above this bound, i.e. within the cap
+    assign = descend(tokens, start, m, max_rounds=10 * size.size + 100, bound=token_cap / (1.0 + BOUND_TOLERANCE))
+    parts = [np.flatnonzero(assign == p).tolist() for p in range(m)]
+    if _fits(size, parts, token_cap):
+        return order_parts(cost, parts)
+    parts = _first_fit_decreasing(size, m, token_cap)
+    return order_parts(cost, parts) if parts is not None else None
+
+
 def try_pack(lengths, costs, token_cap: int, num_microbatches: int, *,
              search_nodes: int = DEFAULT_NODE_BUDGET) -> list[list[int]] | None:
     """Pack into exactly ``num_microbatches`` microbatches (some may be empty), or None if no attempt fits.
@@ -60,6 +81,8 @@ def try_pack(lengths, costs, token_cap: int, num_microbatches: int, *,
         return None
     if size.size <= m:
         return order_parts(cost, [[i] for i in range(size.size)] + [[] for _ in range(m - size.size)])
+    if not search_nodes:
+        return _pack_for_fit(size, cost, token_cap, m)
     by_cost = partition(cost, m, search_nodes=search_nodes)
     if _fits(size, by_cost, token_cap):
         return by_cost

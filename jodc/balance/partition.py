@@ -7,8 +7,9 @@
   so every merge keeps the part sizes equal (item counts differ by at most one when k does not divide n).
 * :func:`lpt` -- greedy longest-processing-time: items heaviest first, each to the currently lightest part. The
   classic baseline (within 4/3 of optimal).
-* :func:`partition` -- Karmarkar-Karp followed by :func:`~jodc.balance.refine.refine_by_swaps` (also trying the
-  refined LPT result), then a node-bounded exact search (:mod:`jodc.balance.search`).
+* :func:`partition` -- the free partition (:func:`_free_partition`: Karmarkar-Karp or LPT, vectorised descent,
+  re-splits, fills, then the previous pipeline's refinements and search as a never-worse step, bin completion) or
+  the equal-count one (:func:`_equal_partition`), every step bounded by counts.
 
 All three are deterministic: ties are broken by item index and creation order, never by hashing or randomness,
 and part sums are exactly rounded (``math.fsum``, independent of summation order or SIMD width), so every host
@@ -24,7 +25,16 @@ import math
 import numpy as np
 
 from jodc.balance.completion import complete_bins
-from jodc.balance.descent import BOUND_TOLERANCE, SMALL_ITEMS, descend, lower_bound
+from jodc.balance.descent import (
+    BOUND_TOLERANCE,
+    SMALL_ITEMS,
+    balance_pairs,
+    descend,
+    equal_count_bound,
+    lower_bound,
+    resplit_heaviest,
+)
+from jodc.balance.fill import fill_parts
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, positive_int
@@ -108,24 +118,19 @@ def partition(
 ) -> list[list[int]]:
     """Balanced partition of ``costs`` into ``num_parts`` parts (minimising the heaviest part).
 
-    Karmarkar-Karp, then pairwise refinement (equal-size exchanges only when ``equal_sizes``, so counts stay
-    within one). Without ``equal_sizes`` the refined LPT partition is computed as well and the better of the two
-    kept: on a few small instances KK's local optimum is worse than LPT's. Last, a branch-and-bound search of at
-    most ``search_nodes`` nodes looks for a lighter heaviest part (:mod:`jodc.balance.search`); on small
-    instances it completes and the result is optimal. ``refine=False`` returns plain Karmarkar-Karp.
+    Free part sizes: :func:`_free_partition`; with ``equal_sizes`` sizes within one: :func:`_equal_partition`. Both
+    are never heavier than the previous pipeline (Karmarkar-Karp refined pairwise, then the item-wise search),
+    up to the ``BOUND_TOLERANCE`` at which they stop above the lower bound. ``search_nodes`` bounds the searches
+    (``0``: the fast path only). ``refine=False`` returns plain Karmarkar-Karp.
     """
     cost = costs_array(costs)
-    if refine and not equal_sizes:
-        return order_parts(cost, _free_partition(cost, positive_int(num_parts, "num_parts"), search_nodes))
-    parts = karmarkar_karp(cost, num_parts, equal_sizes=equal_sizes)
-    if not refine:
-        return parts
-    candidates = [refine_by_swaps(cost, parts, allow_moves=not equal_sizes)]
-    if not equal_sizes:
-        candidates.append(refine_by_swaps(cost, lpt(cost, num_parts)))
-    best = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: KK
-    best = improve_by_search(cost, best, equal_sizes=equal_sizes, node_budget=search_nodes)
-    return order_parts(cost, best)
+    if refine:
+        k = positive_int(num_parts, "num_parts")
+        if cost.size <= k:
+            return order_parts(cost, [[i] for i in range(cost.size)] + [[] for _ in range(k - cost.size)])
+        split = _equal_partition if equal_sizes else _free_partition
+        return order_parts(cost, split(cost, k, search_nodes))
+    return karmarkar_karp(cost, num_parts, equal_sizes=equal_sizes)
 
 
 def _as_assignment(parts: list[list[int]], n: int) -> np.ndarray:
@@ -141,54 +146,145 @@ def _as_parts(assign: np.ndarray, k: int) -> list[list[int]]:
     return [order[bounds[p]:bounds[p + 1]].tolist() for p in range(k)]
 
 
-def _pairwise_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
-    """The free partition as computed before the descent existed: Karmarkar-Karp and LPT, each refined by pairwise
-    exchanges, the better searched item-wise (:func:`~jodc.balance.search.improve_by_search`)."""
-    candidates = [refine_by_swaps(cost, karmarkar_karp(cost, k)), refine_by_swaps(cost, lpt(cost, k))]
-    best = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: KK
-    return improve_by_search(cost, best, node_budget=search_nodes)
+# Small instances also try greedy fills toward these relative distances above the lower bound, filling each part
+# with its opening item and at most 4 others (jodc.balance.fill).
+FILL_STEPS = (1e-4, 5e-4, 1e-3, 2e-3, 4e-3)
+FILL_OTHERS = 4  # fills run only while the parts average at most 1 + FILL_OTHERS items
+# Passes of the vectorised pair balancing on large instances (each pass: a few numpy calls over all parts).
+PAIR_PASSES = 20
+# Rounds of optimal two-part re-splits of the heaviest part after each small-instance descent.
+RESPLIT_ROUNDS = 5
+# The previous LB-Mini's item-wise search budget: small instances still above the bound after the fills run the
+# previous pipeline's refinements and this search (:func:`_never_worse`), so no plan is worse than before.
+PREVIOUS_SEARCH_NODES = DEFAULT_NODE_BUDGET
+
+
+def _span(cost: np.ndarray, assign: np.ndarray, k: int) -> float:
+    return float(np.bincount(assign, weights=cost, minlength=k).max())
+
+
+def _fast_path(cost: np.ndarray, k: int, *, equal: bool):
+    """The fast path of both partitions: (the Karmarkar-Karp start or None, the descended assignment, its heaviest
+    part, the bound).
+
+    Karmarkar-Karp (equal-size with ``equal``) when ``n * k <= KK_WORK``; else LPT (equal: the snake deal), then
+    :func:`~jodc.balance.descent.balance_pairs`; then :func:`~jodc.balance.descent.descend` (equal: swaps and
+    chains first, the cheap exchanges, keeping the sizes). Each stops at the bound (equal: the equal-count bound)."""
+    n = cost.size
+    bound = equal_count_bound(cost, k) if equal else lower_bound(cost, k)
+    kk = karmarkar_karp(cost, k, equal_sizes=equal) if n * k <= KK_WORK else None
+    if kk is not None:
+        start = _as_assignment(kk, n)
+    else:
+        start = _snake(cost, k) if equal else _as_assignment(lpt(cost, k), n)
+        start = balance_pairs(cost, start, k, max_passes=PAIR_PASSES, bound=bound, equal_counts=equal)
+    best = descend(cost, start, k, max_rounds=10 * n + 100, bound=bound, small=False if equal else None,
+                   equal_counts=equal)
+    return kk, best, _span(cost, best, k), bound
 
 
 def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
-    """The free partition (sizes may differ), every step bounded by counts, never by time:
+    """The free partition (sizes may differ), every step bounded by counts, never by time, each stopping as soon as
+    the heaviest part is within ``BOUND_TOLERANCE`` of the lower bound:
 
-    1. fast path: Karmarkar-Karp (when ``n * k <= KK_WORK``) and LPT starts, each lowered by
-       :func:`~jodc.balance.descent.descend`, the better kept; done if it is within ``BOUND_TOLERANCE`` of the lower
-       bound, or if the instance has more than ``SMALL_ITEMS`` items;
-    2. small instances: pairwise refinement of that result and the previous pipeline (:func:`_pairwise_partition`)
-       compete, then bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes);
-       with ``search_nodes=0`` only the pairwise refinement."""
-    n = cost.size
-    if n <= k:
-        return [[i] for i in range(n)] + [[] for _ in range(k - n)]
-    bound = lower_bound(cost, k)
-    rounds = 10 * n + 100
-    starts = [karmarkar_karp(cost, k)] if n * k <= KK_WORK else []
-    starts.append(lpt(cost, k))
-    best, best_max = None, math.inf
-    for start in starts:
-        assign = descend(cost, _as_assignment(start, n), k, max_rounds=rounds, bound=bound)
-        span = float(np.bincount(assign, weights=cost, minlength=k).max())
-        if span < best_max:
+    1. fast path: Karmarkar-Karp (when ``n * k <= KK_WORK``; else LPT, then
+       :func:`~jodc.balance.descent.balance_pairs`), lowered by :func:`~jodc.balance.descent.descend`; done here for
+       instances of more than ``SMALL_ITEMS`` items, or with ``search_nodes=0`` (packing microbatches, where only a
+       fit matters);
+    2. small instances: optimal two-part re-splits of the heaviest part
+       (:func:`~jodc.balance.descent.resplit_heaviest`), then greedy fills toward targets just above the bound
+       (:func:`~jodc.balance.fill.fill_parts`, ``FILL_STEPS``; while parts average at most ``1 + FILL_OTHERS``
+       items), each descended and re-split, the best kept;
+    3. still above the bound: the previous pipeline's pairwise refinements compete and its item-wise search runs from
+       the lightest (:func:`_never_worse`), so the result is never heavier than the previous LB-Mini's;
+    4. bin completion (:func:`~jodc.balance.completion.complete_bins`, ``search_nodes`` nodes)."""
+    kk, best, best_max, bound = _fast_path(cost, k, equal=False)
+    target, rounds = bound * (1.0 + BOUND_TOLERANCE), 10 * cost.size + 100
+    if cost.size > SMALL_ITEMS or best_max <= target or not search_nodes:
+        return _as_parts(best, k)
+    # fills complete a part with at most FILL_OTHERS items besides its opening one: only for parts that small
+    steps = FILL_STEPS if cost.size <= k * (1 + FILL_OTHERS) else ()
+    starts = (fill_parts(cost, k, bound * (1.0 + step), max_others=FILL_OTHERS) for step in steps)
+    for index, assign in enumerate(itertools.chain([best], starts)):
+        if index:
+            assign = descend(cost, assign, k, max_rounds=rounds, bound=bound)
+        assign = resplit_heaviest(cost, assign, k, max_rounds=RESPLIT_ROUNDS, bound=bound)
+        span = _span(cost, assign, k)
+        if span < best_max or not index:
             best, best_max = assign, span
-        if best_max <= bound * (1.0 + BOUND_TOLERANCE):
-            break
-    parts = _as_parts(best, k)
-    if n > SMALL_ITEMS or best_max <= bound * (1.0 + BOUND_TOLERANCE):
-        return parts
-    # Small instances: plateau moves (narrowing pairs below the heaviest part) unlock what the strict descent
-    # cannot, and the previous pipeline (pairwise refinement of KK and LPT, item-wise search) competes too, so
-    # the result is never worse than it; bin completion then looks for a lighter partition still.
-    if not search_nodes:  # no search asked for (packing that only needs a fit): pairwise refinement only
-        return refine_by_swaps(cost, parts)
-    candidates = [refine_by_swaps(cost, parts), _pairwise_partition(cost, k, search_nodes)]
-    parts = min(candidates, key=lambda c: float(part_sums(cost, c).max()))
+        if best_max <= target:
+            return _as_parts(best, k)
+    parts = _never_worse(cost, k, _as_parts(best, k), kk)
     best_max = float(part_sums(cost, parts).max())
-    if best_max > bound * (1.0 + BOUND_TOLERANCE) and search_nodes:
-        found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
-        if found is not None:
-            parts = found
-    return parts
+    if best_max <= target:
+        return parts
+    found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
+    return found if found is not None else parts
+
+
+def _never_worse(cost: np.ndarray, k: int, parts: list[list[int]], kk: list[list[int]] | None) -> list[list[int]]:
+    """``parts``, or a lighter partition, whose heaviest part is never heavier than the previous LB-Mini's.
+
+    The previous pipeline refined Karmarkar-Karp and LPT pairwise (:func:`~jodc.balance.refine.refine_by_swaps`)
+    and searched item-wise from the better (:func:`~jodc.balance.search.improve_by_search`, ``PREVIOUS_SEARCH_NODES``
+    nodes). Here the same two refinements compete with ``parts`` and the same search starts from the lightest of
+    the three. The search visits its nodes in a fixed order and prunes every branch at least as heavy as its
+    incumbent, so from a lighter (or equal) incumbent it visits a subsequence of the nodes it would visit from the
+    previous pipeline's incumbent and, within the same node budget, ends no heavier (up to its relative 1e-12
+    tolerance): the result is never worse than the previous LB-Mini's, by construction."""
+    kk = karmarkar_karp(cost, k) if kk is None else kk
+    candidates = [parts, refine_by_swaps(cost, kk), refine_by_swaps(cost, lpt(cost, k))]
+    incumbent = min(candidates, key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: ours
+    return improve_by_search(cost, incumbent, node_budget=PREVIOUS_SEARCH_NODES)
+
+
+def _snake(cost: np.ndarray, k: int) -> np.ndarray:
+    """Items heaviest first dealt to parts 0, 1, ..., k-1, k-1, ..., 0, 0, 1, ...: sizes within one (a start for
+    equal counts too large for Karmarkar-Karp)."""
+    n = cost.size
+    order = np.lexsort((np.arange(n), -cost))
+    rank = np.arange(n)
+    lap, pos = np.divmod(rank, k)
+    assign = np.empty(n, dtype=np.int64)
+    assign[order] = np.where(lap % 2 == 0, pos, k - 1 - pos)
+    return assign
+
+
+def _equal_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[int]]:
+    """The equal-count partition (part sizes within one, LB-Micro), bounded by counts, stopping within
+    ``BOUND_TOLERANCE`` of :func:`~jodc.balance.descent.equal_count_bound`:
+
+    1. equal-size Karmarkar-Karp (when ``n * k <= KK_WORK``; else the snake deal, then
+       :func:`~jodc.balance.descent.balance_pairs`), lowered by :func:`~jodc.balance.descent.descend` (swaps; moves
+       and chains only from a part one item larger), all keeping the sizes;
+    2. small instances (at most ``SMALL_ITEMS`` items) still above the bound: the descent with 2-for-2 exchanges
+       and 3-cycles too, then size-keeping two-part re-splits of the heaviest part
+       (:func:`~jodc.balance.descent.resplit_heaviest`), each followed by the descent, while they lower it;
+    3. the previous LB-Micro partition (equal-size KK refined by size-keeping pairwise exchanges) competes, and the
+       equal-size item-wise search (:func:`~jodc.balance.search.improve_by_search`, ``search_nodes`` nodes) starts
+       from the lighter of the two: never worse than the previous LB-Micro partition (see :func:`_never_worse`)."""
+    kk, best, best_max, bound = _fast_path(cost, k, equal=True)
+    target, rounds = bound * (1.0 + BOUND_TOLERANCE), 10 * cost.size + 100
+    if cost.size > SMALL_ITEMS or best_max <= target or not search_nodes:
+        return _as_parts(best, k)
+    best = descend(cost, best, k, max_rounds=rounds, bound=bound, equal_counts=True)
+    best_max = _span(cost, best, k)
+    for _ in range(RESPLIT_ROUNDS):
+        assign = resplit_heaviest(cost, best, k, max_rounds=RESPLIT_ROUNDS, bound=bound, equal_counts=True)
+        assign = descend(cost, assign, k, max_rounds=rounds, bound=bound, equal_counts=True)
+        span = _span(cost, assign, k)
+        if not span < best_max:
+            break
+        best, best_max = assign, span
+        if best_max <= target:
+            return _as_parts(best, k)
+    # never worse than the previous LB-Micro partition: its size-keeping pairwise refinement of equal-size KK
+    # competes, and its search starts from the lighter (the argument of _never_worse)
+    parts = _as_parts(best, k)
+    previous = refine_by_swaps(cost, kk if kk is not None else karmarkar_karp(cost, k, equal_sizes=True),
+                               allow_moves=False)
+    incumbent = min([parts, previous], key=lambda c: float(part_sums(cost, c).max()))  # first wins ties: ours
+    return improve_by_search(cost, incumbent, equal_sizes=True, node_budget=search_nodes)
 
 
 def part_sums(costs, parts: list[list[int]]) -> np.ndarray:

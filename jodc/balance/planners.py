@@ -33,6 +33,10 @@ from jodc.balance.validation import planner_inputs
 
 Planner = Callable[..., Plan]
 
+# Bin-completion nodes LB-Mini's partition may spend after its fills (jodc.balance.partition): a small, fixed count,
+# so that planning stays cheap next to a step and identical on every host.
+LB_MINI_SEARCH_NODES = 200
+
 
 def _microbatch(indices, lengths: np.ndarray, costs: np.ndarray) -> Microbatch:
     """A microbatch of the given global sequence indices, kept in ascending index order."""
@@ -83,7 +87,7 @@ def lb_mini(lengths, num_devices: int, token_cap: int, *, cost_model: CostModel 
     ``microbatch_overhead`` (cost-model units) for existing."""
     lengths, num_devices, token_cap = planner_inputs(lengths, num_devices, token_cap)
     costs = sequence_costs(cost_model, lengths)
-    shares = partition(costs, num_devices)
+    shares = partition(costs, num_devices, search_nodes=LB_MINI_SEARCH_NODES)
     if length_buckets is None:
         if microbatch_overhead:
             raise ValueError("microbatch_overhead needs length_buckets: without them LB-Mini already packs every "

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from jodc.balance.descent import pair_indices
 from jodc.balance.validation import check_partition, costs_array
 
 # Largest give x take table of groups of up to 2 items tabulated at once (floats, about 2 MB): two parts of up to
@@ -37,24 +38,26 @@ LOWER_BOUND_TOLERANCE = 1e-6
 def _groups(part: list[int], cost, size, max_items: int):
     """Every group of 0..max_items (1 or 2) items of ``part``: (members, cost sums, size sums, group sizes).
 
-    ``members`` is an int array of shape [groups, 2] of item indices, -1 where a slot is unused.
+    ``members`` is an int array of shape [groups, 2] of item indices, -1 where a slot is unused. Groups come in a
+    fixed order: the empty group, the single items, then the pairs (``np.triu_indices`` order).
     """
     items = np.asarray(part, dtype=np.int64)
-    none = np.full(1, -1)
-    first = [none, items]
-    second = [none, np.full(items.size, -1)]
-    if max_items >= 2 and items.size >= 2:
-        i, j = np.triu_indices(items.size, 1)
-        first.append(items[i])
-        second.append(items[j])
-    members = np.stack([np.concatenate(first), np.concatenate(second)], axis=1)
-    used = members >= 0
-    safe = np.where(used, members, 0)
+    m = items.size
+    i, j = pair_indices(m) if max_items >= 2 and m >= 2 else (_NONE, _NONE)
+    members = np.empty((1 + m + i.size, 2), dtype=np.int64)
+    members[0] = -1
+    members[1:1 + m, 0], members[1:1 + m, 1] = items, -1
+    members[1 + m:, 0], members[1 + m:, 1] = items[i], items[j]
+    counts = np.concatenate([[0], np.ones(m, dtype=np.int64), np.full(i.size, 2, dtype=np.int64)])
 
-    def total(values):
-        return np.where(used, values[safe], 0.0).sum(axis=1)
+    def total(values):  # the same IEEE sums as adding each group's members (x + y; a single item is itself)
+        v = values[items]
+        return np.concatenate([[0.0], v, v[i] + v[j]])
 
-    return members, total(cost), (total(size) if size is not None else None), used.sum(axis=1)
+    return members, total(cost), (total(size) if size is not None else None), counts
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _group_count(n: int) -> int:
@@ -71,10 +74,19 @@ class _Refiner:
         self.allow_moves, self.max_group = allow_moves, max_group
         self.memo: dict = {}
         self.group_memo: dict = {}
+        self.sum_memo: dict = {}
         self.tolerance = 1e-12 * max(math.fsum(cost), 1e-300)
 
     def sums(self):
-        return np.array([math.fsum(self.cost[part]) for part in self.parts])
+        """Each part's exactly rounded cost sum (memoised by content: a round changes two parts)."""
+        memo = self.sum_memo
+        out = []
+        for part in self.parts:
+            key = tuple(part)
+            if key not in memo:
+                memo[key] = math.fsum(self.cost[part])
+            out.append(memo[key])
+        return np.array(out)
 
     def totals(self):
         if self.size is None:

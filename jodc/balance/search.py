@@ -26,15 +26,8 @@ from jodc.balance.validation import check_partition, costs_array
 DEFAULT_NODE_BUDGET = 3_000
 
 
-def improve_by_search(
-    costs,
-    parts: list[list[int]],
-    *,
-    equal_sizes: bool = False,
-    sizes=None,
-    capacity: float | None = None,
-    node_budget: int = DEFAULT_NODE_BUDGET,
-) -> list[list[int]]:
+def improve_by_search(costs, parts: list[list[int]], *, equal_sizes: bool = False, sizes=None,
+                      capacity: float | None = None, node_budget: int = DEFAULT_NODE_BUDGET) -> list[list[int]]:
     """Return a partition whose heaviest part is no heavier than that of ``parts`` (lighter if one was found).
 
     Args:
@@ -68,9 +61,10 @@ def improve_by_search(
         return incumbent
 
     order = sorted(range(n), key=lambda i: (-cost[i], i))
-    ordered_cost = cost[order]
-    ordered_size = size[order]
-    remaining_after = np.concatenate([np.cumsum(ordered_cost[::-1])[::-1], [0.0]])
+    # Python floats (the same IEEE values as numpy's): per-node arithmetic on them is several times faster
+    ordered_cost = cost[order].tolist()
+    ordered_size = size[order].tolist()
+    remaining_after = np.concatenate([np.cumsum(cost[order][::-1])[::-1], [0.0]]).tolist()
     count_cap = math.ceil(n / k) if equal_sizes else n
     count_floor = n // k if equal_sizes else 0
     cap = math.inf if capacity is None else float(capacity)
@@ -86,17 +80,21 @@ def improve_by_search(
     def candidates(depth: int) -> list[int]:
         """Parts that may take item ``depth``, lightest first, one per distinct part state; [] if pruned."""
         limit = best - tolerance
-        room = sum(max(0.0, limit - load) for load in loads)
+        room = 0.0  # the room below the incumbent, summed left to right (the same on every Python version)
+        for load in loads:
+            if load < limit:
+                room += limit - load
         if room < remaining_after[depth] - tolerance:
             return []
         if equal_sizes and sum(max(0, count_floor - c) for c in counts) > n - depth:
             return []
         c, z = ordered_cost[depth], ordered_size[depth]
         chosen, seen = [], set()
-        for p in sorted(range(k), key=lambda p: (loads[p], p)):
-            if loads[p] + c >= limit or counts[p] >= count_cap or totals[p] + z > cap:
+        for p in sorted(range(k), key=loads.__getitem__):  # stable: ties by part number
+            load = loads[p]
+            if load + c >= limit or counts[p] >= count_cap or totals[p] + z > cap:
                 continue
-            key = (loads[p], counts[p], totals[p])
+            key = (load, counts[p], totals[p])
             if key not in seen:
                 seen.add(key)
                 chosen.append(p)

@@ -166,34 +166,16 @@ def _trapezoid(values: np.ndarray, z: np.ndarray) -> float:
 
 
 LONGALIGN_SFT = LengthDistribution(
-    name="longalign_sft",
-    min_len=8192,
-    max_len=65536,
-    mean=16500.0,
-    sigma=0.8,
-    tail="truncate",
-    source="LongAlign-10k: 8K-64K tokens (dataset card); mean ~16.5K (ODC paper); sigma assumed",
-)
+    name="longalign_sft", min_len=8192, max_len=65536, mean=16500.0, sigma=0.8, tail="truncate",
+    source="LongAlign-10k: 8K-64K tokens (dataset card); mean ~16.5K (ODC paper); sigma assumed")
 
 AGENT_TRAJECTORIES = LengthDistribution(
-    name="agent_trajectories",
-    min_len=2048,
-    max_len=131072,
-    mean=34700.0,
-    sigma=0.8,
-    tail="truncate",
-    source="SWE-Smith-like trajectories: mean ~34.7K (ODC paper); range (2K-128K) and sigma assumed",
-)
+    name="agent_trajectories", min_len=2048, max_len=131072, mean=34700.0, sigma=0.8, tail="truncate",
+    source="SWE-Smith-like trajectories: mean ~34.7K (ODC paper); range (2K-128K) and sigma assumed")
 
 RL_RESPONSES = LengthDistribution(
-    name="rl_responses",
-    min_len=256,
-    max_len=16384,
-    mean=4096.0,
-    sigma=0.8,
-    tail="clip",
-    source="RL rollouts (prompt + response) capped at 16K: all constants assumed",
-)
+    name="rl_responses", min_len=256, max_len=16384, mean=4096.0, sigma=0.8, tail="clip",
+    source="RL rollouts (prompt + response) capped at 16K: all constants assumed")
 
 LENGTH_DISTRIBUTIONS = {d.name: d for d in (LONGALIGN_SFT, AGENT_TRAJECTORIES, RL_RESPONSES)}
 

@@ -91,15 +91,20 @@ def _result(schedule, plan, wall, compute, comm, busy, timeline) -> ScheduleResu
     )
 
 
+def _step_times(plan: Plan, shape: ModelShape, hardware: HardwareSpec, config: StepConfig, *, p2p: bool):
+    """Checked inputs -> (bucket steps, compute times [D, M, L], communication time per bucket visit [L])."""
+    _check_inputs(plan, shape, hardware, config)
+    steps = bucket_steps(shape, config)
+    return steps, compute_times(plan, shape, hardware, config), communication_times(steps, plan.num_devices,
+                                                                                    hardware, p2p=p2p)
+
+
 def simulate_collective(
     plan: Plan, shape: ModelShape, hardware: HardwareSpec, config: StepConfig = StepConfig(), *,
     with_timeline: bool = False,
 ) -> ScheduleResult:
     """Lock-step collective FSDP on ``plan`` (slots beyond a device's count are empty for it)."""
-    _check_inputs(plan, shape, hardware, config)
-    steps = bucket_steps(shape, config)
-    t = compute_times(plan, shape, hardware, config)  # [D, M, L]
-    c = communication_times(steps, plan.num_devices, hardware, p2p=False)  # [L]
+    steps, t, c = _step_times(plan, shape, hardware, config, p2p=False)
     slots = t.shape[1]
     visit_time = t.max(axis=0) + c  # [M, L]
     wall = float(visit_time.sum())
@@ -126,10 +131,7 @@ def simulate_odc(
     with_timeline: bool = False,
 ) -> ScheduleResult:
     """ODC on ``plan``: each device runs its own non-empty microbatches, one barrier at the end."""
-    _check_inputs(plan, shape, hardware, config)
-    steps = bucket_steps(shape, config)
-    t = compute_times(plan, shape, hardware, config)
-    c = communication_times(steps, plan.num_devices, hardware, p2p=True)
+    steps, t, c = _step_times(plan, shape, hardware, config, p2p=True)
     _, _, nonempty = microbatch_shapes(plan)
     compute = t.sum(axis=(1, 2))
     comm = nonempty.sum(axis=1) * float(c.sum())
