@@ -1,7 +1,9 @@
 """RL and SFT losses as pure JAX functions over logits.
 
 Every loss takes logits [B, T, V] (any float dtype, computed in fp32) and per-token fields [B, T], and returns
-``(loss, metrics)`` with a scalar loss and a dict of scalar metrics. All are usable under ``jit``, ``grad`` and
+``(loss, metrics)`` with a scalar loss and a dict of scalar metrics. Policy losses are ``PolicyLoss`` objects
+(``jodc.losses.spec``): callable like functions, with the shared arguments also accepted as one ``PolicyInputs``,
+and carrying the metadata a trainer needs (anchor, per-token arrays, default aggregation). All are usable under ``jit``, ``grad`` and
 ``vmap``. Formulas, defaults and references: docs/losses.md.
 """
 from jodc.losses.advantages import grpo_advantages
@@ -24,15 +26,20 @@ from jodc.losses.logprobs import (
     topk_logprobs,
 )
 from jodc.losses.ppo import decoupled_ppo_loss, ppo_loss, tis_loss
+from jodc.losses._policy import LOG_RATIO_CLAMP
 from jodc.losses.registry import POLICY_LOSSES, get_policy_loss
 from jodc.losses.sapo import sapo_loss
+from jodc.losses.spec import PolicyInputs, PolicyLoss
 
 __all__ = [
     "AGGREGATIONS",
     "DEFAULT_DELTA",
     "DEFAULT_TOPK",
     "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
     "POLICY_LOSSES",
+    "PolicyInputs",
+    "PolicyLoss",
     "aggregate",
     "binary_kl",
     "binary_tv",

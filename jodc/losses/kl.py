@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jodc.losses._checks import check_choice
-from jodc.losses._policy import LOG_RATIO_CLAMP, finish, prepare
+from jodc.losses._policy import LOG_RATIO_CLAMP, TokenBatch
+from jodc.losses.spec import policy_loss
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
@@ -38,30 +39,13 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str = "k3") -> jax.Array:
     return jnp.exp(neg) - neg - 1.0
 
 
-def kl_penalty(
-    logits,
-    tokens,
-    ref_logprobs,
-    mask,
-    *,
-    estimator: str = "k3",
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """KL(pi || ref) penalty from logits: the aggregated per-token estimator (add beta * loss to the policy loss).
+@policy_loss("kl_penalty", anchor="ref_logprobs", advantages=False)
+def kl_penalty(t: TokenBatch, *, estimator: str = "k3"):
+    """KL(pi || ref) penalty from logits: the aggregated per-token estimator (add beta * loss to the policy loss):
+    ``kl_penalty(logits, tokens, ref_logprobs, mask, *, estimator="k3", aggregation="token-mean", ...)``.
 
-    Args as the policy losses; ``ref_logprobs`` [B, T] are the reference model's log-probs of ``tokens``.
-    Returns (loss, metrics) with kl_mean (local token mean of the estimator) and entropy."""
-    fn = "kl_penalty"
-    check_choice(fn, "estimator", estimator, KL_ESTIMATORS)
-    batch = prepare(
-        fn, logits, tokens, mask, {"ref_logprobs": ref_logprobs},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    per_token = kl_estimate(batch.logprobs, batch.fields["ref_logprobs"], estimator)
-    return finish(per_token, batch, {"kl_mean": per_token}, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    ``ref_logprobs`` [B, T] are the reference model's log-probs of ``tokens``; the other arguments are the policy
+    losses' shared ones. Returns (loss, metrics) with kl_mean (local token mean of the estimator) and entropy."""
+    check_choice("kl_penalty", "estimator", estimator, KL_ESTIMATORS)
+    per_token = kl_estimate(t.logprobs, t.fields["ref_logprobs"], estimator)
+    return per_token, {"kl_mean": per_token}
