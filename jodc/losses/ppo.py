@@ -20,9 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.losses._checks import check_nonnegative
+from jodc.losses._checks import check_choice, check_nonnegative
 from jodc.losses._policy import TokenBatch, clamped_exp
+from jodc.losses.aggregation import broadcast_sequence_sum
 from jodc.losses.spec import policy_loss
+
+IS_LEVELS = ("token", "sequence")
 
 
 def _check_clip(fn: str, clip_low: float, clip_high: float, dual_clip: float | None) -> None:
@@ -130,6 +133,7 @@ def tis_loss(
     t: TokenBatch,
     *,
     tis_cap: float = 2.0,
+    level: str = "token",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = 3.0,
@@ -139,14 +143,20 @@ def tis_loss(
 
     ``old_logprobs`` [B, T] are the trainer's recomputed log-probs of the rollout policy (anchor of the clipped
     ratio); ``rollout_logprobs`` [B, T] are the rollout engine's. Each token's PPO loss is multiplied by
-    min(exp(old - rollout), tis_cap) without gradient. Metrics add tis_weight_mean and tis_truncated_fraction.
+    min(exp(old - rollout), tis_cap) without gradient; ``level="sequence"`` uses the sequence's weight
+    min(exp(sum_t (old - rollout)), tis_cap) for each of its tokens (see ``rollout_is_weights``). Metrics add
+    tis_weight_mean and tis_truncated_fraction.
     """
     fn = "tis_loss"
     _check_clip(fn, clip_low, clip_high, dual_clip)
     check_nonnegative(fn, "tis_cap", tis_cap)
+    check_choice(fn, "level", level, IS_LEVELS)
     old = t.fields["old_logprobs"]
     per_token, metrics = _clipped_surrogate(t.logprobs, old, t.fields["advantages"], clip_low, clip_high, dual_clip)
-    raw_weight = clamped_exp(old - t.fields["rollout_logprobs"])
+    log_weight = old - t.fields["rollout_logprobs"]
+    if level == "sequence":
+        log_weight = broadcast_sequence_sum(log_weight, t.valid, segment_ids=t.segment_ids)
+    raw_weight = clamped_exp(log_weight)
     weight = jnp.minimum(raw_weight, tis_cap)
     per_token = lax.stop_gradient(weight) * per_token
     return per_token, dict(metrics, tis_weight_mean=weight, tis_truncated_fraction=raw_weight > tis_cap)
