@@ -6,14 +6,8 @@ Every loss takes logits [B, T, V] (any float dtype, computed in fp32) and per-to
 and carrying the metadata a trainer needs (anchor, per-token arrays, default aggregation). All are usable under ``jit``, ``grad`` and
 ``vmap``. Formulas, defaults and references: docs/losses.md.
 """
-from jodc.losses.advantages import (
-    gpg_advantages,
-    grpo_advantages,
-    passk_advantages,
-    reinforce_pp_advantages,
-    remax_advantages,
-    rloo_advantages,
-)
+from jodc.losses.advantages import gpg_advantages, grpo_advantages, passk_advantages, reinforce_pp_advantages
+from jodc.losses.advantages import remax_advantages, rloo_advantages
 from jodc.losses.aggregation import (
     AGGREGATIONS,
     aggregate,
