@@ -59,9 +59,9 @@ def common_overrides(args, out_dir: str) -> list[str]:
 
 def run_variant(name: str, seed: int, args, work: str, warm_hf: str) -> dict:
     """One RL run from the shared warm start; returns its summary numbers."""
-    from jodc.train.metrics import read_metrics
-    from jodc.train.rl import run_rl
-    from jodc.train.rl_config import load_rl_config
+    from jodc.train.core.metrics import read_metrics
+    from jodc.train.rl.loop import run_rl
+    from jodc.train.rl.config import load_rl_config
 
     out_dir = os.path.join(work, f"{name}_seed{seed}")
     # every run starts from the same warm-started model (its HF export), whatever its seed
@@ -92,9 +92,9 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str) -> dict:
 
 def warm_start(args, work: str) -> str:
     """Runs the shared warm start once; returns its HF export."""
-    from jodc.train.rl_config import load_rl_config
-    from jodc.train.rl_tasks import make_task
-    from jodc.train.rl_warmstart import run_warmstart
+    from jodc.train.rl.config import load_rl_config
+    from jodc.train.rl.tasks import make_task
+    from jodc.train.rl.warmstart import run_warmstart
 
     config = load_rl_config(None, common_overrides(args, os.path.join(work, "warm")))
     return run_warmstart(config, make_task("arithmetic", **config.task.task_options()), log=lambda _: None)

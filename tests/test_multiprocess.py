@@ -212,7 +212,7 @@ def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
 
 
 def test_launch_detection_and_device_split():
-    from jodc.train import distributed
+    from jodc.train.core import distributed
 
     assert distributed.launched_processes({}) == 1
     assert distributed.launched_processes({"OMPI_COMM_WORLD_SIZE": "4"}) == 4

@@ -363,10 +363,10 @@ def test_odc_engine_step_fails_at_once_when_a_device_fails():
 
 
 def test_trainer_configs_set_the_barrier_timeout():
-    from jodc.train import rl_config
-    from jodc.train.config import ConfigError, load_config
-    from jodc.train.rl import engine_settings
-    from jodc.train.sft import make_engine
+    from jodc.train.rl import config as rl_config
+    from jodc.train.core.config import ConfigError, load_config
+    from jodc.train.rl.loop import engine_settings
+    from jodc.train.sft.loop import make_engine
 
     assert load_config().trainer.barrier_timeout_s == 300.0
     model, groups = fsdp_toy.make_model(num_layers=1)

@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from jodc.train.checkpoint import CheckpointStore
-from jodc.train.metrics import read_metrics
-from jodc.train.rl import CHECKPOINT_DIR, format_summary, run_rl
+from jodc.train.core.checkpoint import CheckpointStore
+from jodc.train.core.metrics import read_metrics
+from jodc.train.rl.loop import CHECKPOINT_DIR, format_summary, run_rl
 from jodc.train.cli import main as train_main
-from jodc.train.rl_config import load_rl_config
-from jodc.train.rl_rewards import RewardError
-from jodc.train.rl_warmstart import WARMSTART_DIR
+from jodc.train.rl.config import load_rl_config
+from jodc.train.rl.rewards import RewardError
+from jodc.train.rl.warmstart import WARMSTART_DIR
 
 STEPS = 20
 #: Metrics that depend only on the computation (not on timing); a resumed run must reproduce them exactly.
@@ -149,7 +149,7 @@ def test_the_command_line_runs_another_loss(straight, tmp_path):
 
 
 def test_prompts_from_a_file_need_a_reward_function(tmp_path):
-    from jodc.train.config import ConfigError
+    from jodc.train.core.config import ConfigError
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "2+2="}\n')

@@ -2,9 +2,9 @@
 default, 0 = off), resume compatibility, and the `rl` command line up to the point where JAX would load."""
 import pytest
 
-from jodc.train import rl_config as C
-from jodc.train.config import ConfigError
-from jodc.train.rl_cli import add_rl_parser, main
+from jodc.train.rl import config as C
+from jodc.train.core.config import ConfigError
+from jodc.train.rl.cli import add_rl_parser, main
 
 
 def test_defaults_are_valid_and_dppo_is_the_default_loss():

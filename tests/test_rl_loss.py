@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jodc.losses import dppo_loss, kl_penalty, ppo_loss
-from jodc.train.config import ConfigError
-from jodc.train.rl_config import load_rl_config
-from jodc.train.rl_loss import DIAGNOSTICS, build_objective, summarize_metrics
+from jodc.train.core.config import ConfigError
+from jodc.train.rl.config import load_rl_config
+from jodc.train.rl.loss import DIAGNOSTICS, build_objective, summarize_metrics
 
 B, T, V, K = 2, 6, 11, 3
 

@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from jodc.train.rl_config import load_rl_config
-from jodc.train.rl_metrics import plot_curves, rollout_metrics, update_metrics
-from jodc.train.rl_tasks import make_task
-from jodc.train.rl_warmstart import IDENTITY_FILE, WARMSTART_DIR, run_warmstart, warmstart_sft_config
+from jodc.train.rl.config import load_rl_config
+from jodc.train.rl.metrics import plot_curves, rollout_metrics, update_metrics
+from jodc.train.rl.tasks import make_task
+from jodc.train.rl.warmstart import IDENTITY_FILE, WARMSTART_DIR, run_warmstart, warmstart_sft_config
 
 
 def test_rollout_metrics():

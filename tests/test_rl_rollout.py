@@ -9,10 +9,10 @@ import pytest
 from jodc.balance import LinearCost, get_planner
 from jodc.models import DecoderConfig, init_params
 from jodc.models.tokenizer import Tokenizer
-from jodc.train.rl_batch import minibatch_normalizer, pack_minibatch, split_minibatches, training_sequences
-from jodc.train.rl_reference import ReferencePolicy
-from jodc.train.rl_rollout import encode_prompts, sample_rollout, sampling_params, stop_token_ids
-from jodc.train.tokenizer import byte_level_tokenizer
+from jodc.train.rl.batch import minibatch_normalizer, pack_minibatch, split_minibatches, training_sequences
+from jodc.train.rl.reference import ReferencePolicy
+from jodc.train.rl.rollout import encode_prompts, sample_rollout, sampling_params, stop_token_ids
+from jodc.train.core.tokenizer import byte_level_tokenizer
 
 TOKENIZER = byte_level_tokenizer()
 CONFIG = DecoderConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from jodc.train.rl_rewards import RewardError, load_reward_function, score
-from jodc.train.rl_tasks import (
+from jodc.train.rl.rewards import RewardError, load_reward_function, score
+from jodc.train.rl.tasks import (
     ArithmeticTask,
     CountdownTask,
     JsonlTask,

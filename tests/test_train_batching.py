@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from jodc.balance import get_planner
-from jodc.train.batching import minibatch_arrays, shifted_targets, without_empty_microbatches
-from jodc.train.data import Example
+from jodc.train.sft.batching import minibatch_arrays, shifted_targets, without_empty_microbatches
+from jodc.train.sft.data import Example
 
 def random_examples(n, seed=0, max_len=40):
     rng = np.random.default_rng(seed)

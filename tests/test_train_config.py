@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jodc.train import config as C
+from jodc.train.core import config as C
 from jodc.train.cli import main, set_host_device_count
 
 
@@ -130,14 +130,14 @@ def test_cli_reports_config_errors_and_prints_config(tmp_path, capsys):
 
 
 def test_cli_module_does_not_import_jax():
-    code = "import sys, jodc.train, jodc.train.cli, jodc.train.config; print('jax' in sys.modules)"
+    code = "import sys, jodc.train, jodc.train.cli, jodc.train.core.config; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "XLA_FLAGS": ""})
     assert out.stdout.strip() == "False"
 
 
 def test_length_buckets_and_spmd_engine_are_configurable():
-    from jodc.train.config import ConfigError, load_config, parse_length_buckets
+    from jodc.train.core.config import ConfigError, load_config, parse_length_buckets
 
     assert parse_length_buckets("512, 256") == (256, 512)
     with pytest.raises(ConfigError, match="positive integers"):
@@ -152,8 +152,8 @@ def test_length_buckets_and_spmd_engine_are_configurable():
 
 def test_lb_mini_is_told_the_engines_length_buckets():
     from jodc.balance import QuadraticCost, lb_micro, lb_mini
-    from jodc.train.config import load_config
-    from jodc.train.sft import make_planner
+    from jodc.train.core.config import load_config
+    from jodc.train.sft.loop import make_planner
 
     assert make_planner(load_config(None, ["--engine", "odc"])) is lb_mini
     assert make_planner(load_config(None, ["--engine", "collective", "--trainer.length_buckets", "256"])) is lb_micro

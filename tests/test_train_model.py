@@ -1,12 +1,12 @@
-"""jodc.train.model: presets sized by the tokenizer, HF checkpoints, and the planner's cost models."""
+"""jodc.train.core.model: presets sized by the tokenizer, HF checkpoints, and the planner's cost models."""
 import numpy as np
 import pytest
 
 from jodc.balance import FlopsCost, LinearCost
-from jodc.train.config import ModelConfig
-from jodc.train.model import build_decoder, cost_model, model_shape, preset_config
-from jodc.train.presets import MODEL_PRESETS
-from jodc.train.tokenizer import byte_level_tokenizer
+from jodc.train.core.config import ModelConfig
+from jodc.train.core.model import build_decoder, cost_model, model_shape, preset_config
+from jodc.train.core.presets import MODEL_PRESETS
+from jodc.train.core.tokenizer import byte_level_tokenizer
 
 TOK = byte_level_tokenizer()
 

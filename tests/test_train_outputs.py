@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jodc.balance import get_planner
-from jodc.train import metrics as M
-from jodc.train import timeline as TL
-from jodc.train.checkpoint import CheckpointStore, export_hf
-from jodc.train.run_common import TimedPlanner, timing_lines, timing_summary
+from jodc.train.core import metrics as M
+from jodc.train.core import timeline as TL
+from jodc.train.core.checkpoint import CheckpointStore, export_hf
+from jodc.train.core.run_common import TimedPlanner, timing_lines, timing_summary
 
 # -- timeline ------------------------------------------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ import os, sys
 sys.path.insert(0, {tests!r})
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 from test_train_outputs import engine_like_state
-from jodc.train.checkpoint import CheckpointStore
+from jodc.train.core.checkpoint import CheckpointStore
 
 store = CheckpointStore({directory!r}, keep=3)
 store.save(1, engine_like_state(1), {{"n": 1}})
@@ -223,7 +223,7 @@ def test_restoring_into_another_model_is_refused(tmp_path):
 
 def test_hf_export_replaces_an_earlier_export_only_when_complete(tmp_path):
     from jodc.models import DecoderConfig, init_params, load_pretrained, load_tokenizer
-    from jodc.train.tokenizer import byte_level_tokenizer
+    from jodc.train.core.tokenizer import byte_level_tokenizer
 
     config = DecoderConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                            num_kv_heads=1)

@@ -14,13 +14,14 @@ import pytest
 import fsdp_toy
 from jodc.fsdp import OptimizerConfig
 from jodc.fsdp.optim import learning_rate_schedule
-from jodc.train import load_config, run_sft
-from jodc.train import rl as rl_module
-from jodc.train import sft as sft_module
-from jodc.train.config import ConfigError
-from jodc.train.metrics import read_metrics
-from jodc.train.rl import run_rl
-from jodc.train.rl_config import load_rl_config
+from jodc.train import load_config
+from jodc.train import run_sft
+from jodc.train.rl import loop as rl_module
+from jodc.train.sft import loop as sft_module
+from jodc.train.core.config import ConfigError
+from jodc.train.core.metrics import read_metrics
+from jodc.train.rl.loop import run_rl
+from jodc.train.rl.config import load_rl_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,8 +164,8 @@ def test_rl_skips_and_counts_a_non_finite_update_and_resumes_after_it(tmp_path, 
 
 def test_non_finite_parameters_are_never_written_to_a_checkpoint(tmp_path):
     """The last line of defence: whatever reaches a save with a NaN parameter is refused, nothing is written."""
-    from jodc.train.checkpoint import CheckpointStore
-    from jodc.train.run_common import TrainingRun
+    from jodc.train.core.checkpoint import CheckpointStore
+    from jodc.train.core.run_common import TrainingRun
 
     class Engine:
         def state_dict(self):
@@ -212,7 +213,7 @@ def test_non_finite_rl_settings_are_refused_naming_the_field(tmp_path):
 def test_a_config_built_in_code_is_checked_too():
     import dataclasses
 
-    from jodc.train.config import SFTConfig, validate
+    from jodc.train.core.config import SFTConfig, validate
 
     config = SFTConfig()
     config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, learning_rate=float("nan")))
@@ -306,9 +307,9 @@ def test_raising_steps_on_resume_keeps_the_original_learning_rate_schedule(tmp_p
 
 def test_fingerprints_and_schedule_pinning_helpers():
     """The pure helpers behind the resume checks, without a run."""
-    from jodc.train.data import Example, fingerprint_examples
-    from jodc.train.rl_tasks import Problem, fingerprint_task
-    from jodc.train.run_common import check_data_fingerprint, pin_schedule_length
+    from jodc.train.sft.data import Example, fingerprint_examples
+    from jodc.train.rl.tasks import Problem, fingerprint_task
+    from jodc.train.core.run_common import check_data_fingerprint, pin_schedule_length
 
     def ex(tokens, mask):
         return Example(np.array(tokens, np.int32), np.array(mask, bool))

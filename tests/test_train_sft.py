@@ -9,10 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from jodc.train import load_config, run_sft
-from jodc.train.checkpoint import CheckpointStore
-from jodc.train.metrics import read_metrics
-from jodc.train.sft import CHECKPOINT_DIR, format_summary
+from jodc.train import load_config
+
+from jodc.train import run_sft
+from jodc.train.core.checkpoint import CheckpointStore
+from jodc.train.core.metrics import read_metrics
+from jodc.train.sft.loop import CHECKPOINT_DIR, format_summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -42,9 +44,9 @@ def engine_state_template(config):
     """A state_dict of the run's model and optimizer (any engine's: the checkpoint form is canonical)."""
     from jodc.fsdp import ReferenceEngine
     from jodc.fsdp.decoder import decoder_staged_model
-    from jodc.train.model import build_decoder
-    from jodc.train.sft import optimizer_config
-    from jodc.train.tokenizer import byte_level_tokenizer
+    from jodc.train.core.model import build_decoder
+    from jodc.train.sft.loop import optimizer_config
+    from jodc.train.core.tokenizer import byte_level_tokenizer
 
     decoder_config, groups = build_decoder(config.model, byte_level_tokenizer(), max_length=config.data.max_length,
                                            compute_dtype="float32", seed=0)
@@ -175,7 +177,8 @@ def test_training_starts_from_a_hf_checkpoint_and_its_tokenizer(straight, tmp_pa
 
 
 def test_ctrl_c_between_steps_saves_and_during_a_step_does_not(tmp_path, monkeypatch):
-    from jodc.train import metrics, sft
+    from jodc.train.core import metrics
+    from jodc.train.sft import loop as sft
 
     config = load_config(None, overrides(tmp_path, "--engine", "reference", "--save_every", "0",
                                          "--timeline_every", "0", "--no-export_hf"))

@@ -1,9 +1,9 @@
 """`jodc-train`: the command line of the trainers.
 
     jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --trainer.steps 50 ...]
-    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl_cli.py)
+    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl/cli.py)
     python -m jodc.train sft ...
-    mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/distributed.py)
+    mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/core/distributed.py)
 
 The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
 that many host devices (XLA_FLAGS) before JAX is imported. This module must therefore not import JAX at import
@@ -18,10 +18,10 @@ import sys
 import traceback
 from typing import Sequence
 
-from . import distributed
-from .config import ConfigError, all_keys, load_config
-from .config import to_dict as config_to_dict
-from .rl_cli import add_rl_parser, run_rl_command
+from .core import distributed
+from .core.config import ConfigError, all_keys, load_config
+from .core.config import to_dict as config_to_dict
+from .rl.cli import add_rl_parser, run_rl_command
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -92,7 +92,7 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
 
 
 def _sft_trainer():
-    from .sft import run_sft
+    from .sft.loop import run_sft
 
     return run_sft
 

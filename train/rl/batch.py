@@ -21,8 +21,8 @@ import numpy as np
 from jodc.fsdp import MinibatchArrays
 from jodc.fsdp.batch import minibatch_from_plan
 
-from .batching import without_empty_microbatches
-from .rl_rollout import Rollout
+from ..sft.batching import without_empty_microbatches
+from .rollout import Rollout
 
 _SPLIT_STREAM = 4  # random stream of the minibatch split (see rl_tasks for the others)
 

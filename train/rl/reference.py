@@ -15,7 +15,7 @@ import numpy as np
 from jodc.losses import token_logprobs
 from jodc.models import DecoderConfig, forward
 
-from .rl_rollout import Rollout
+from .rollout import Rollout
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -22,7 +22,7 @@ import json
 import re
 from typing import Callable
 
-from .jsonl import iter_jsonl
+from ..core.jsonl import iter_jsonl
 
 import numpy as np
 

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .metrics import MetricsLogger
+from ..core.metrics import MetricsLogger
 
 CURVES_FILE = "rl_curves.png"
 

@@ -1,7 +1,7 @@
 """Reading JSONL files record by record, with errors that name the file, the line and what is wrong: invalid
 UTF-8 (byte and column), invalid JSON, and strings holding a lone surrogate (a JSON escape like "\\ud800", which
 is valid JSON but not Unicode text, so a tokenizer would fail on it far from the file). Used for SFT data files
-(`train/data.py`) and RL prompt files (`train/rl_tasks.py`). Imports no JAX."""
+(`train/sft/data.py`) and RL prompt files (`train/rl/tasks.py`). Imports no JAX."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 optimizer, trainer, warmstart), loaded from YAML plus command-line overrides exactly like the SFT config.
 
 The field helpers, value coercion, bounds checks and the `model` / `optimizer` sections are the SFT config's
-(`train/config.py`); this module adds the RL sections and the section-generic loading. Overrides are
+(`train/core/config.py`); this module adds the RL sections and the section-generic loading. Overrides are
 `--section.field value`, `--section.field=value`, or the bare field name when it occurs in one section only
 (`--steps 20`, `--group_size 4`; `name` is in `task` and `loss`, so write `--loss.name ppo`).
 
@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from . import config as sft_config
-from .config import (
+from ..core import config as sft_config
+from ..core.config import (
     COMPUTE_DTYPES,
     COST_MODELS,
     DEFAULT_PLANNER,
@@ -33,7 +33,7 @@ from .config import (
     _field,
     read_yaml,
 )
-from .rl_tasks import TASK_NAMES
+from .tasks import TASK_NAMES
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 #: Loss hyper-parameters that may be set in the `loss` section; null = the loss's default.

@@ -22,8 +22,8 @@ import numpy as np
 
 from jodc.models.tokenizer import Tokenizer
 
-from .jsonl import JsonlError, iter_jsonl
-from .tokenizer import ROLE_TOKENS
+from ..core.jsonl import JsonlError, iter_jsonl
+from ..core.tokenizer import ROLE_TOKENS
 
 ROLES = tuple(ROLE_TOKENS)
 

@@ -27,25 +27,25 @@ from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.losses import grpo_advantages
 
-from . import config as sft_config
-from . import rl_config
-from .checkpoint import CheckpointStore, export_hf
-from .config import ConfigError
-from .metrics import TENSORBOARD_DIR, read_metrics
-from .model import build_decoder, cost_model, hf_tokenizer_path
-from .rl_batch import pack_minibatch, split_minibatches, training_sequences
-from .rl_config import RLConfig
-from .rl_loss import build_objective, summarize_metrics
-from .rl_metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics, update_metrics
-from .rl_reference import ReferencePolicy
-from .rl_rewards import RewardFunction, load_reward_function, score
-from .rl_rollout import sample_rollout, sampling_params
-from .rl_tasks import eval_problems, fingerprint_task, make_task, step_problems, training_pool
-from .rl_warmstart import run_warmstart
-from .run_common import (TimedPlanner, TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length,
+from ..core import config as sft_config
+from . import config as rl_config
+from ..core.checkpoint import CheckpointStore, export_hf
+from ..core.config import ConfigError
+from ..core.metrics import TENSORBOARD_DIR, read_metrics
+from ..core.model import build_decoder, cost_model, hf_tokenizer_path
+from .batch import pack_minibatch, split_minibatches, training_sequences
+from .config import RLConfig
+from .loss import build_objective, summarize_metrics
+from .metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics, update_metrics
+from .reference import ReferencePolicy
+from .rewards import RewardFunction, load_reward_function, score
+from .rollout import sample_rollout, sampling_params
+from .tasks import eval_problems, fingerprint_task, make_task, step_problems, training_pool
+from .warmstart import run_warmstart
+from ..core.run_common import (TimedPlanner, TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length,
                          timing_lines, timing_summary)
-from .sft import make_engine, nonfinite_message, optimizer_config
-from .tokenizer import load_tokenizer
+from ..sft.loop import make_engine, nonfinite_message, optimizer_config
+from ..core.tokenizer import load_tokenizer
 
 CHECKPOINT_DIR, HF_DIR, CONFIG_FILE = "checkpoints", "hf", "config.yaml"
 EVAL_SAMPLES = 4  # sampled responses per evaluation problem

@@ -1,7 +1,7 @@
 """The `rl` subcommand of `jodc-train`:
 
     jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 --group_size 4 ...]
-    python -m jodc.train.rl_cli --config configs/rl_demo.yaml ...        (the same, standalone)
+    python -m jodc.train.rl.cli --config configs/rl_demo.yaml ...        (the same, standalone)
 
 Like the SFT command, the config is loaded and validated before JAX is imported, so that a CPU run on several
 devices can set XLA_FLAGS first. `train/cli.py` registers the subcommand with `add_rl_parser` and hands it to
@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from .rl_config import all_keys, load_rl_config, to_dict
+from .config import all_keys, load_rl_config, to_dict
 
 DESCRIPTION = ("RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference "
                "engine, on a verifiable task or your own reward function.")
@@ -37,21 +37,21 @@ def add_rl_parser(commands) -> argparse.ArgumentParser:
 
 
 def _rl_trainer():
-    from .rl import run_rl
+    from .loop import run_rl
 
     return run_rl
 
 
 def run_rl_command(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     """Loads the config (exit status 2 with the message on a config error), sets the host device count, runs."""
-    from .cli import run_command  # cli imports this module
+    from ..cli import run_command  # cli imports this module
 
     return run_command(args, overrides, label="jodc-train rl", load=load_rl_config, to_dict=to_dict,
                        trainer=_rl_trainer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point (`python -m jodc.train.rl_cli`)."""
+    """Standalone entry point (`python -m jodc.train.rl.cli`)."""
     parser = add_rl_arguments(argparse.ArgumentParser(prog="jodc-train rl", description=DESCRIPTION,
                                                       allow_abbrev=False))
     args, overrides = parser.parse_known_args(argv)

@@ -15,9 +15,9 @@ import json
 import os
 from typing import Callable
 
-from . import config as sft_config
-from .rl_config import RLConfig
-from .rl_tasks import Task, warmstart_records
+from ..core import config as sft_config
+from .config import RLConfig
+from .tasks import Task, warmstart_records
 
 WARMSTART_DIR, IDENTITY_FILE, DATA_FILE, HF_DIR = "warmstart", "identity.json", "data.jsonl", "hf"
 
@@ -49,7 +49,7 @@ def warmstart_sft_config(config: RLConfig, directory: str) -> sft_config.SFTConf
 
 def run_warmstart(config: RLConfig, task: Task, *, log: Callable[[str], None] = print) -> str:
     """Runs (or reuses) the warm start of `config`; returns the HF directory of the warm-started model."""
-    from .sft import run_sft  # imports JAX
+    from ..sft.loop import run_sft  # imports JAX
 
     if config.warmstart.sft_steps < 1:
         raise ValueError("run_warmstart: warmstart.sft_steps is 0 (no warm start configured)")

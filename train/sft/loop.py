@@ -24,19 +24,19 @@ from jodc.fsdp import CollectiveEngine, NonFiniteStepError, ODCEngine, Optimizer
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 
-from . import config as config_lib
+from ..core import config as config_lib
 from .batching import minibatch_arrays
-from .checkpoint import CheckpointStore, export_hf
-from .config import EMBEDDED, SFTConfig, parse_length_buckets
+from ..core.checkpoint import CheckpointStore, export_hf
+from ..core.config import EMBEDDED, SFTConfig, parse_length_buckets
 from .data import Example, LoadReport, fingerprint_examples, load_jsonl, load_records
 from .embedded import generate_records
-from .metrics import TENSORBOARD_DIR, MetricsLogger, step_metrics
-from .model import build_decoder, cost_model, hf_tokenizer_path
-from .run_common import (TimedPlanner, TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length,
+from ..core.metrics import TENSORBOARD_DIR, MetricsLogger, step_metrics
+from ..core.model import build_decoder, cost_model, hf_tokenizer_path
+from ..core.run_common import (TimedPlanner, TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length,
                          timing_lines, timing_summary)
 from .sampler import MinibatchSampler
-from .timeline import events_from_plan, plot_timeline, save_events
-from .tokenizer import load_tokenizer
+from ..core.timeline import events_from_plan, plot_timeline, save_events
+from ..core.tokenizer import load_tokenizer
 
 CHECKPOINT_DIR, HF_DIR, TIMELINE_DIR, CONFIG_FILE = "checkpoints", "hf", "timeline", "config.yaml"
 

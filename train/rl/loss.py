@@ -31,8 +31,8 @@ from jax import lax
 
 from jodc.losses import get_policy_loss, kl_penalty, token_logprobs
 
-from .config import ConfigError
-from .rl_config import LossConfig, RolloutConfig
+from ..core.config import ConfigError
+from .config import LossConfig, RolloutConfig
 
 #: Loss keyword arguments the trainer fills with the behaviour log-probs (see the module docstring).
 BEHAVIOUR_ARRAYS = ("behaviour_logprobs", "rollout_logprobs", "proximal_logprobs")

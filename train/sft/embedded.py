@@ -28,7 +28,7 @@ def length_distribution() -> LengthDistribution:
     dropped like any other data's)."""
     return LengthDistribution(name="embedded_sft", min_len=MIN_TOKENS, max_len=MAX_TOKENS, mean=MEAN_TOKENS,
                               sigma=SIGMA, tail="truncate",
-                              source="CPU-scale long tail: 32-2048 tokens, mean 110 (jodc.train.embedded)")
+                              source="CPU-scale long tail: 32-2048 tokens, mean 110 (jodc.train.sft.embedded)")
 
 
 def vocabulary(size: int = 64) -> list[str]:
