@@ -88,7 +88,7 @@ class RLRun(TrainingRun):
                                        self.data_fingerprint, accept=t.accept_changed_data,
                                        where=self.store.step_dir(resume_from), log=log)
             self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
-            self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems)
+            self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems, exclude=self.pool or ())
             if reward_fn is not None:
                 self.reward_fn = reward_fn
             elif config.task.reward_fn:
