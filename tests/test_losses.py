@@ -365,9 +365,9 @@ def numeric_grad(f, x, eps=1e-6):
     return grad
 
 
-@pytest.mark.parametrize("name", list(FD_CASES))
-def test_value_and_gradient_against_float64_reference(name):
-    jax_fn, np_fn = FD_CASES[name]
+def assert_matches_float64_reference(jax_fn, np_fn):
+    """Loss value and gradient of `jax_fn(x, fields)` (x64) against `np_fn(x, x0, fields)` and its central finite
+    differences, at the logits of `fd_batch()`."""
     x0, fields = fd_batch()
     with jax.enable_x64(True):
         (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda x: jax_fn(x, fields), has_aux=True))(
@@ -376,6 +376,11 @@ def test_value_and_gradient_against_float64_reference(name):
     np.testing.assert_allclose(loss, np_fn(x0, x0, fields), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grad, numeric_grad(lambda x: np_fn(x, x0, fields), x0), rtol=1e-6, atol=1e-9)
     assert all(np.shape(v) == () and np.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", list(FD_CASES))
+def test_value_and_gradient_against_float64_reference(name):
+    assert_matches_float64_reference(*FD_CASES[name])
 
 
 def test_gspo_gradient_equals_sequence_level_objective():

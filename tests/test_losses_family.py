@@ -6,7 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_losses import fd_batch, np_lp, np_ppo_tokens, np_seq_mean_token_mean, np_token_mean, numeric_grad
+from test_losses import (
+    assert_matches_float64_reference,
+    fd_batch,
+    np_lp,
+    np_ppo_tokens,
+    np_seq_mean_token_mean,
+    np_token_mean,
+    numeric_grad,
+)
 
 from jodc.losses import (
     ADVANTAGE_ESTIMATORS,
@@ -108,15 +116,7 @@ FAMILY_CASES = {
 
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
 def test_value_and_gradient_against_float64_reference(name):
-    jax_fn, np_fn = FAMILY_CASES[name]
-    x0, fields = fd_batch()
-    with jax.enable_x64(True):
-        (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda x: jax_fn(x, fields), has_aux=True))(
-            jnp.asarray(x0))
-        assert loss.dtype == jnp.float64
-    np.testing.assert_allclose(loss, np_fn(x0, x0, fields), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(grad, numeric_grad(lambda x: np_fn(x, x0, fields), x0), rtol=1e-6, atol=1e-9)
-    assert all(np.shape(v) == () and np.isfinite(v) for v in metrics.values())
+    assert_matches_float64_reference(*FAMILY_CASES[name])
 
 
 def test_geo_mean_matches_verls_epsilon_form_closely():
