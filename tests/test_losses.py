@@ -495,15 +495,14 @@ def test_dppo_delta_sides_are_independent():
 
 
 def _registry_options(name, batch):
+    """The per-token arrays the registered loss needs besides the uniform five (from its metadata)."""
     logits, tokens, mu, adv, mask = batch
-    if name == "dppo_topk":
+    loss = get_policy_loss(name)
+    options = {array: mu - 0.1 for array in loss.extras}  # decoupled_ppo's behaviour, tis's rollout log-probs
+    if "topk_ids" in loss.required_arrays():
         ids, lps = topk_logprobs(logits + 0.2, tokens, 5)
-        return dict(topk_ids=ids, topk_logprobs=lps)
-    if name == "decoupled_ppo":
-        return dict(behaviour_logprobs=mu - 0.1)
-    if name == "tis":
-        return dict(rollout_logprobs=mu - 0.1)
-    return {}
+        options.update(topk_ids=ids, topk_logprobs=lps)
+    return options
 
 
 def test_registry_lists_the_required_losses():

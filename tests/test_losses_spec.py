@@ -45,6 +45,8 @@ def test_registry_metadata_replaces_signature_inspection():
     assert get_policy_loss("dppo").required_arrays() == ("behaviour_logprobs",)
     assert get_policy_loss("dppo_topk").required_arrays() == ("behaviour_logprobs", "topk_ids", "topk_logprobs")
     assert get_policy_loss("dppo").required_arrays(approximation="topk")[1:] == ("topk_ids", "topk_logprobs")
+    assert [n for n in ("dppo", "dg", "gpg", "ppo", "gspo", "tis", "decoupled_ppo", "geo_mean")
+            if get_policy_loss(n).needs_trainer_logprobs] == ["ppo", "gspo", "tis", "decoupled_ppo", "geo_mean"]
     assert get_policy_loss("gspo").default_aggregation == "seq-mean-token-mean"
     assert get_policy_loss("dapo").default_aggregation == "token-mean"
     assert get_policy_loss("dapo").option_defaults["clip_high"] == 0.28

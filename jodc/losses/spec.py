@@ -11,7 +11,9 @@ hyper-parameters (keyword-only, with defaults) that returns the per-token loss [
   ``ppo_loss.apply(logits, PolicyInputs(tokens, old_logprobs, advantages, mask), clip_high=0.28)``;
 * described by metadata: ``anchor`` (the name of the log-probs the ratio is taken against: ``old_logprobs``,
   ``behaviour_logprobs``, ``proximal_logprobs``, or None), ``extras`` (further per-token [B, T] arrays it needs,
-  keyword-only), ``default_aggregation``, ``option_defaults`` and ``required_arrays(**options)``.
+  keyword-only), ``default_aggregation``, ``option_defaults``, ``required_arrays(**options)`` and
+  ``needs_trainer_logprobs`` (whether it reads old / proximal log-probs, which a trainer must recompute when
+  its rollouts come from a different engine or older weights).
 
 A trainer therefore never inspects a signature: it reads ``anchor`` / ``required_arrays`` to know which arrays
 to supply and ``default_aggregation`` for the denominator, then calls ``apply``.
@@ -25,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 
+from jodc.losses._checks import check_logits
 from jodc.losses._policy import TokenBatch, finish, prepare
 
 Kernel = Callable[..., tuple[jax.Array, Mapping[str, jax.Array]]]
@@ -131,6 +134,14 @@ class PolicyLoss:
         anchor = self.anchor or ("anchor_logprobs" if self.anchor_slot else None)
         return tuple(n for n in (anchor, "advantages" if self.advantages else None) if n)
 
+    @property
+    def needs_trainer_logprobs(self) -> bool:
+        """Whether the loss reads log-probs of the policy *before the update as the trainer computes them*
+        (``old_logprobs``, ``proximal_logprobs``) rather than only the rollout's behaviour log-probs: such a
+        loss needs one extra forward pass per rollout when the sampler's numerics or weights differ from the
+        trainer's (PPO family, GSPO, SAPO, CISPO, TIS, decoupled PPO; not DPPO, DG, GPG)."""
+        return bool({"old_logprobs", "proximal_logprobs"} & set(self.required_arrays()))
+
     def required_arrays(self, **options) -> tuple[str, ...]:
         """Every per-token array the loss reads with these options: the anchor (if any), ``extras`` and the
         option-dependent ones (e.g. DPPO Top-K's ``topk_ids`` / ``topk_logprobs``)."""
@@ -190,8 +201,10 @@ class PolicyLoss:
         fields.update((n, options.pop(n)) for n in self.extras)
         options = {**self.presets, **options}
         aggregation = inputs.aggregation or self.default_aggregation
-        bt = tuple(jax.numpy.shape(logits)[:2])
-        extra_ids = self.gather(self.name, bt, {**self.option_defaults, **options}) if self.gather else None
+        extra_ids = None
+        if self.gather:
+            bt = tuple(check_logits(self.name, logits)[:2])
+            extra_ids = self.gather(self.name, bt, {**self.option_defaults, **options})
         batch = prepare(self.name, logits, inputs.tokens, inputs.mask, fields, temperature=inputs.temperature,
                         chunk_size=inputs.chunk_size, aggregation=aggregation, segment_ids=inputs.segment_ids,
                         extra_ids=extra_ids)
