@@ -365,9 +365,9 @@ def numeric_grad(f, x, eps=1e-6):
     return grad
 
 
-@pytest.mark.parametrize("name", list(FD_CASES))
-def test_value_and_gradient_against_float64_reference(name):
-    jax_fn, np_fn = FD_CASES[name]
+def assert_matches_float64_reference(jax_fn, np_fn):
+    """Loss value and gradient of `jax_fn(x, fields)` (x64) against `np_fn(x, x0, fields)` and its central finite
+    differences, at the logits of `fd_batch()`."""
     x0, fields = fd_batch()
     with jax.enable_x64(True):
         (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda x: jax_fn(x, fields), has_aux=True))(
@@ -376,6 +376,11 @@ def test_value_and_gradient_against_float64_reference(name):
     np.testing.assert_allclose(loss, np_fn(x0, x0, fields), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grad, numeric_grad(lambda x: np_fn(x, x0, fields), x0), rtol=1e-6, atol=1e-9)
     assert all(np.shape(v) == () and np.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", list(FD_CASES))
+def test_value_and_gradient_against_float64_reference(name):
+    assert_matches_float64_reference(*FD_CASES[name])
 
 
 def test_gspo_gradient_equals_sequence_level_objective():
@@ -490,15 +495,14 @@ def test_dppo_delta_sides_are_independent():
 
 
 def _registry_options(name, batch):
+    """The per-token arrays the registered loss needs besides the uniform five (from its metadata)."""
     logits, tokens, mu, adv, mask = batch
-    if name == "dppo_topk":
+    loss = get_policy_loss(name)
+    options = {array: mu - 0.1 for array in loss.extras}  # decoupled_ppo's behaviour, tis's rollout log-probs
+    if "topk_ids" in loss.required_arrays():
         ids, lps = topk_logprobs(logits + 0.2, tokens, 5)
-        return dict(topk_ids=ids, topk_logprobs=lps)
-    if name == "decoupled_ppo":
-        return dict(behaviour_logprobs=mu - 0.1)
-    if name == "tis":
-        return dict(rollout_logprobs=mu - 0.1)
-    return {}
+        options.update(topk_ids=ids, topk_logprobs=lps)
+    return options
 
 
 def test_registry_lists_the_required_losses():

@@ -34,6 +34,8 @@ def np_aggregate(values, mask, mode, *, normalizer=None, segment_ids=None, norm_
     values = np.asarray(values, np.float64)
     seqs = np_sequences(mask, segment_ids)
     sums = [sum(values[p] for p in pos) for pos in seqs.values()]
+    if mode == "token-sum":  # no denominator: the normalizer is ignored
+        return sum(sums)
     if mode == "token-mean":
         count = sum(len(pos) for pos in seqs.values())
         return sum(sums) / (normalizer if normalizer is not None else max(count, 1))
@@ -58,6 +60,7 @@ MASK = np.array([[1, 1, 0, 0], [1, 1, 1, 1]], np.float32)
     "mode, expected",
     [
         ("token-mean", (1 + 2 + 10 + 20 + 30 + 40) / 6),
+        ("token-sum", 1 + 2 + 10 + 20 + 30 + 40),
         ("seq-mean-token-mean", (1.5 + 25.0) / 2),
         ("seq-mean-token-sum", (3 + 100) / 2),
         ("seq-mean-token-sum-norm", (3 + 100) / (2 * 4)),

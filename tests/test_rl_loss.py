@@ -130,3 +130,44 @@ def test_diagnostics_are_zero_on_policy_and_grow_off_policy():
     assert "trust_region_fraction" not in summarize_metrics(
         {k: float(v) for k, v in objective("--loss.name", "sapo").head_loss(logits, mb)[1].items()},
         objective("--loss.name", "sapo"))
+
+
+def test_config_lists_are_the_librarys():
+    from jodc import losses
+    from jodc.train.rl import config as rl_config
+    assert rl_config.KL_ESTIMATORS == losses.KL_ESTIMATORS
+    assert set(rl_config.ADVANTAGE_ESTIMATORS) == set(losses.ADVANTAGE_ESTIMATORS)
+
+
+@pytest.mark.parametrize("name, fn, options", [
+    ("geo_mean", "geo_mean_loss", {}), ("gpg", "gpg_loss", {}), ("kl_cov", "kl_cov_loss", {}),
+    ("clip_cov", "clip_cov_loss", {}), ("tis_seq", "tis_loss", {"level": "sequence"})])
+def test_the_rest_of_the_family_is_selectable_by_name(name, fn, options):
+    from jodc import losses
+    logits, mb = microbatch(5)
+    library = getattr(losses, fn)
+    obj = objective("--loss.name", name)
+    assert obj.aggregation == library.default_aggregation
+    arrays = {n: mb["behaviour_logprobs"] for n in library.extras}
+    anchor = (mb["behaviour_logprobs"],) if library.anchor else ()
+    want = library(logits, mb["targets"], *anchor, mb["advantages"], mb["loss_mask"], normalizer=mb["normalizer"],
+                   segment_ids=mb["segment_ids"], **options, **arrays)[0]
+    np.testing.assert_allclose(obj.head_loss(logits, mb)[0], want, rtol=1e-6)
+
+
+def test_metadata_decides_the_arrays_and_the_advantage_estimator():
+    from jodc.losses import reinforce_pp_advantages, rloo_advantages
+    from jodc.train.rl.loss import build_advantages
+    assert objective("--loss.name", "decoupled_ppo").behaviour_arrays == ("behaviour_logprobs",)
+    assert objective("--loss.name", "dppo", "--approximation", "topk").uses_topk
+    assert not objective("--loss.name", "dppo_topk", "--approximation", "binary").uses_topk
+    rewards, lengths = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 0.5]), np.array([3, 1, 4, 2, 2, 5])
+    for name, want in (("rloo", rloo_advantages(rewards, 3)),
+                       ("reinforce_plus_plus_baseline", reinforce_pp_advantages(rewards, 3, lengths=lengths))):
+        cfg = load_rl_config(None, ["--loss.advantage", name])
+        np.testing.assert_allclose(build_advantages(cfg.loss)(rewards, 3, lengths), want, rtol=1e-6)
+    cfg = load_rl_config(None, ["--loss.advantage", "grpo", "--normalize_std", "false"])
+    np.testing.assert_allclose(build_advantages(cfg.loss)(rewards, 3, lengths), [2 / 3, -1 / 3, -1 / 3, 1 / 6,
+                                                                                 1 / 6, -1 / 3], rtol=1e-6)
+    with pytest.raises(ConfigError, match="loss.advantage='remax' needs \\['greedy_rewards'\\]"):
+        build_advantages(load_rl_config(None, ["--loss.advantage", "remax"]).loss)

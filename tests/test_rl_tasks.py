@@ -150,3 +150,18 @@ def test_score_accepts_real_numbers_and_names_the_failing_sample():
             score(lambda p, r, v=value: v, prompts, responses, step=3)
     with pytest.raises(ValueError, match="3 prompts but 2 responses"):
         score(lambda p, r: 0.0, prompts, responses[:2], step=1)
+
+
+def test_evaluation_problems_are_distinct_and_held_out_from_the_training_pool():
+    # bench/rl.py's setting: before the fix 76 of the 256 evaluation problems (55 distinct) were in the pool and
+    # only 223 were distinct
+    task = make_task("arithmetic", max_digits=1, max_terms=3)
+    pool = training_pool(task, seed=0, size=256)
+    held_out = eval_problems(task, 0, 256, exclude=pool)
+    assert len({p.prompt for p in held_out}) == 256
+    assert not {p.prompt for p in held_out} & {p.prompt for p in pool}
+    assert held_out == eval_problems(task, 0, 256, exclude=pool)  # still a pure function of the seed
+    assert len(set(eval_problems(task, 0, 256))) == 256  # distinct without a pool too
+    small = make_task("arithmetic", max_digits=1, min_terms=2, max_terms=2)  # at most 2 * 10 * 10 problems
+    with pytest.raises(ValueError, match="gave only .* distinct evaluation problems .* task.eval_problems=300"):
+        eval_problems(small, 0, 300)

@@ -1,20 +1,28 @@
 """RL and SFT losses as pure JAX functions over logits.
 
 Every loss takes logits [B, T, V] (any float dtype, computed in fp32) and per-token fields [B, T], and returns
-``(loss, metrics)`` with a scalar loss and a dict of scalar metrics. All are usable under ``jit``, ``grad`` and
+``(loss, metrics)`` with a scalar loss and a dict of scalar metrics. Policy losses are ``PolicyLoss`` objects
+(``jodc.losses.spec``): callable like functions, with the shared arguments also accepted as one ``PolicyInputs``,
+and carrying the metadata a trainer needs (anchor, per-token arrays, default aggregation). All are usable under ``jit``, ``grad`` and
 ``vmap``. Formulas, defaults and references: docs/losses.md.
 """
-from jodc.losses.advantages import grpo_advantages
+from jodc.losses.advantages import gpg_advantages, grpo_advantages, passk_advantages, reinforce_pp_advantages
+from jodc.losses.advantages import remax_advantages, rloo_advantages
 from jodc.losses.aggregation import (
     AGGREGATIONS,
     aggregate,
     broadcast_sequence_mean,
+    broadcast_sequence_sum,
     loss_normalizer,
 )
 from jodc.losses.cispo import cispo_loss
+from jodc.losses.cov import clip_cov_loss, kl_cov_loss
 from jodc.losses.dg import dg_loss
 from jodc.losses.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 from jodc.losses.dppo import DEFAULT_DELTA, DEFAULT_TOPK, dppo_loss
+from jodc.losses.estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator, get_advantage_estimator
+from jodc.losses.gmpo import geo_mean_loss
+from jodc.losses.gpg import gpg_loss
 from jodc.losses.gspo import gspo_loss
 from jodc.losses.kl import KL_ESTIMATORS, kl_estimate, kl_penalty
 from jodc.losses.logprobs import (
@@ -24,31 +32,53 @@ from jodc.losses.logprobs import (
     topk_logprobs,
 )
 from jodc.losses.ppo import decoupled_ppo_loss, ppo_loss, tis_loss
+from jodc.losses._policy import LOG_RATIO_CLAMP
 from jodc.losses.registry import POLICY_LOSSES, get_policy_loss
+from jodc.losses.rollout_correction import REJECTION_CRITERIA, rollout_is_weights, rollout_rejection_mask
 from jodc.losses.sapo import sapo_loss
+from jodc.losses.spec import PolicyInputs, PolicyLoss
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "AdvantageEstimator",
     "DEFAULT_DELTA",
     "DEFAULT_TOPK",
     "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
     "POLICY_LOSSES",
+    "PolicyInputs",
+    "PolicyLoss",
+    "REJECTION_CRITERIA",
     "aggregate",
     "binary_kl",
     "binary_tv",
     "broadcast_sequence_mean",
+    "broadcast_sequence_sum",
     "cispo_loss",
+    "clip_cov_loss",
     "decoupled_ppo_loss",
     "dg_loss",
     "dppo_loss",
     "gather_logprobs",
+    "geo_mean_loss",
+    "get_advantage_estimator",
     "get_policy_loss",
+    "gpg_advantages",
+    "gpg_loss",
     "grpo_advantages",
     "gspo_loss",
+    "kl_cov_loss",
     "kl_estimate",
     "kl_penalty",
     "loss_normalizer",
+    "passk_advantages",
     "ppo_loss",
+    "reinforce_pp_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+    "rollout_is_weights",
+    "rollout_rejection_mask",
     "sapo_loss",
     "tis_loss",
     "token_logprobs",

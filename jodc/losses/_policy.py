@@ -1,24 +1,19 @@
 """Plumbing shared by the policy losses: checking the batch, computing log pi, sanitising padded positions,
 aggregating the per-token loss and averaging metrics.
 
-Each public loss is ``prepare`` -> a few lines of its own formula -> ``finish``.
+A loss's own formula (its *kernel*, see ``jodc.losses.spec``) sees only ``TokenBatch``: every per-token array
+already checked, cast to the compute dtype and zeroed where the token is not trained on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.losses._checks import (
-    check_bt,
-    check_choice,
-    check_chunk_size,
-    check_logits,
-    check_positive,
-)
+from jodc.losses._checks import check_bt, check_choice, check_chunk_size, check_logits, check_positive
 from jodc.losses.aggregation import AGGREGATIONS, aggregate, masked_mean, valid_tokens
 from jodc.losses.logprobs import _gather, compute_dtype
 
@@ -28,17 +23,18 @@ LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
-class PolicyBatch:
-    """The per-token quantities a policy loss needs, all [B, T] in the compute dtype (except ``valid``).
+class TokenBatch:
+    """The per-token quantities a loss kernel reads, all [B, T] in the compute dtype (except ``valid``).
 
     Fields at positions that are not valid are replaced by 0, so garbage in padding (NaN, -inf) never reaches
     a gradient."""
 
     logprobs: jax.Array  # log pi(a_t), differentiable
     entropy: jax.Array  # H(pi(. | s_t)), stop-gradient (a metric)
-    fields: Mapping[str, jax.Array]  # the caller's per-token fields, sanitised
+    fields: Mapping[str, jax.Array]  # the caller's per-token arrays by argument name, sanitised
     valid: jax.Array  # bool: mask != 0 (and segment id > 0 when segments are given)
-    extra_logprobs: jax.Array | None  # log pi at extra ids [B, T, K], when asked for
+    segment_ids: Any  # [B, T] int or None: the sequences of packed rows (see ``aggregation``)
+    extra_logprobs: jax.Array | None = None  # log pi at extra ids [B, T, K], when asked for
 
 
 def prepare(
@@ -53,7 +49,7 @@ def prepare(
     aggregation: str,
     segment_ids=None,
     extra_ids=None,
-) -> PolicyBatch:
+) -> TokenBatch:
     """Check shapes and options, compute log pi (and entropy) at the tokens, sanitise the per-token fields."""
     check_logits(fn, logits)
     logits = jnp.asarray(logits)
@@ -61,6 +57,8 @@ def prepare(
     check_bt(fn, "tokens", tokens, bt, integer=True)
     check_bt(fn, "mask", mask, bt)
     for name, value in fields.items():
+        if value is None:
+            raise ValueError(f"{fn}: {name} is required (a [B, T] array), got None")
         check_bt(fn, name, value, bt)
     if segment_ids is not None:
         check_bt(fn, "segment_ids", segment_ids, bt, integer=True)
@@ -77,11 +75,12 @@ def prepare(
     cdt = compute_dtype(logits.dtype)
     valid_bt = valid_tokens(mask, segment_ids)
     clean = {name: jnp.where(valid_bt, jnp.asarray(value).astype(cdt), 0) for name, value in fields.items()}
-    return PolicyBatch(
+    return TokenBatch(
         logprobs=lp_btk[..., 0],
         entropy=lax.stop_gradient(entropy_bt),
         fields=clean,
         valid=valid_bt,
+        segment_ids=segment_ids,
         extra_logprobs=None if extra_ids is None else lp_btk[..., 1:],
     )
 
@@ -101,12 +100,11 @@ def straight_through(weight: jax.Array, logprobs: jax.Array) -> jax.Array:
 
 def finish(
     per_token_loss: jax.Array,
-    batch: PolicyBatch,
+    batch: TokenBatch,
     metrics: Mapping[str, jax.Array],
     *,
     aggregation: str,
     normalizer,
-    segment_ids,
     norm_length: int | None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Aggregate the per-token loss; turn per-token metric arrays into scalar means over valid tokens.
@@ -118,7 +116,7 @@ def finish(
         batch.valid,
         aggregation,
         normalizer=normalizer,
-        segment_ids=segment_ids,
+        segment_ids=batch.segment_ids,
         norm_length=norm_length,
     )
     out: dict[str, jax.Array] = {}

@@ -5,6 +5,7 @@ seq-mean-token-sum-norm). Writing ``l`` for the per-token loss, ``m`` for the 0/
 ``n_s`` for its number of valid tokens:
 
 * ``token-mean``:              sum_s sum_t m l / N_tokens                        (DAPO, "global token mean")
+* ``token-sum``:               sum_s sum_t m l                                   (no denominator)
 * ``seq-mean-token-mean``:     sum_s (sum_t m l / n_s) / N_seqs                  (GRPO as published, GSPO)
 * ``seq-mean-token-sum``:      sum_s sum_t m l / N_seqs
 * ``seq-mean-token-sum-norm``: sum_s sum_t m l / (N_seqs * L)                    (Dr.GRPO; L a fixed length)
@@ -13,7 +14,7 @@ A *sequence* is a row of the batch, or, when ``segment_ids`` [B, T] is given (pa
 1, 2, ... = sequences within a row), a (row, segment) pair. Only sequences with at least one valid token count.
 
 Distributed training: pass ``normalizer`` = the global number of tokens (token-mean) or of sequences (the seq-*
-modes) over every device and microbatch of the minibatch. The local loss then is a partial sum, and summing the
+modes) over every device and microbatch of the minibatch (``token-sum`` has no denominator and ignores it). The local loss then is a partial sum, and summing the
 partial losses gives exactly the loss of the whole minibatch. ``loss_normalizer`` computes the local counts to
 be summed. Packing must not split a sequence across microbatches (the per-sequence token mean is local).
 """
@@ -26,6 +27,7 @@ from jodc.losses._checks import check_bt, check_choice, shape_of
 
 AGGREGATIONS: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
@@ -84,11 +86,13 @@ def _check(fn, values, mask, mode, segment_ids):
 def loss_normalizer(mask, aggregation: str = "token-mean", *, segment_ids=None) -> jax.Array:
     """The local denominator of ``aggregation``: the number of valid tokens (token-mean) or of sequences with at
     least one valid token (seq-* modes), as an fp32 scalar. Sum it over all microbatches and devices of a
-    minibatch and pass the total as ``normalizer``."""
+    minibatch and pass the total as ``normalizer``. ``token-sum`` has no denominator: 1."""
     fn = "loss_normalizer"
     mask = jnp.asarray(mask)
     _check(fn, mask, mask, aggregation, segment_ids)
     valid_bt = valid_tokens(mask, segment_ids)
+    if aggregation == "token-sum":
+        return jnp.ones((), jnp.float32)
     if aggregation == "token-mean":
         return jnp.sum(valid_bt).astype(jnp.float32)
     return _count_sequences(valid_bt, segment_ids, jnp.float32)
@@ -105,7 +109,8 @@ def aggregate(
 ) -> jax.Array:
     """Reduce a per-token loss ``values`` [B, T] to a scalar (see the module docstring for the modes).
 
-    ``normalizer`` replaces the local token / sequence count by a global one. ``norm_length`` is the constant L
+    ``normalizer`` replaces the local token / sequence count by a global one (``token-sum``, a plain sum whose
+    partial sums already add up to the minibatch's, ignores it). ``norm_length`` is the constant L
     of ``seq-mean-token-sum-norm`` (Dr.GRPO's generation budget); it defaults to T, which is only meaningful for
     unpacked [num_sequences, max_length] batches, so pass it explicitly for packed rows. Masked positions never
     contribute, whatever they hold (NaN included).
@@ -117,6 +122,8 @@ def aggregate(
         raise ValueError(f"{fn}: norm_length must be a positive int, got {norm_length!r}")
     valid_bt = valid_tokens(mask, segment_ids)
     dtype = values.dtype
+    if aggregation == "token-sum":
+        return jnp.sum(jnp.where(valid_bt, values, 0))
     if aggregation == "token-mean":
         total = jnp.sum(jnp.where(valid_bt, values, 0))
         if normalizer is None:
@@ -147,6 +154,15 @@ def broadcast_sequence_mean(values, mask, *, segment_ids=None) -> jax.Array:
     value_sums, counts, slot_bt, _ = _per_sequence_sums(values, valid_bt, segment_ids)
     means = value_sums / jnp.maximum(counts, 1)
     return means[slot_bt]
+
+
+def broadcast_sequence_sum(values, mask, *, segment_ids=None) -> jax.Array:
+    """Per token, the sum of ``values`` over the valid tokens of the token's own sequence ([B, T] -> [B, T]);
+    differentiable, like ``broadcast_sequence_mean``."""
+    values = jnp.asarray(values)
+    _check("broadcast_sequence_sum", values, mask, "token-mean", segment_ids)
+    value_sums, _, slot_bt, _ = _per_sequence_sums(values, valid_tokens(mask, segment_ids), segment_ids)
+    return value_sums[slot_bt]
 
 
 def masked_mean(values, valid_bt) -> jax.Array:

@@ -15,42 +15,21 @@ import jax
 import jax.numpy as jnp
 
 from jodc.losses._checks import check_nonnegative
-from jodc.losses._policy import clamped_exp, finish, prepare, straight_through
+from jodc.losses._policy import TokenBatch, clamped_exp, straight_through
+from jodc.losses.spec import policy_loss
 
 
-def cispo_loss(
-    logits,
-    tokens,
-    old_logprobs,
-    advantages,
-    mask,
-    *,
-    clip_low: float | None = None,
-    clip_high: float | None = 4.0,
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+@policy_loss("cispo_loss", anchor="old_logprobs")
+def cispo_loss(t: TokenBatch, *, clip_low: float | None = None, clip_high: float | None = 4.0):
     """CISPO loss from logits (arguments as ``ppo_loss``; None disables a bound).
 
     Returns (loss, metrics): clip_fraction (weights truncated on either side), ratio_mean, entropy."""
-    fn = "cispo_loss"
-    if clip_low is not None:
-        check_nonnegative(fn, "clip_low", clip_low)
-    if clip_high is not None:
-        check_nonnegative(fn, "clip_high", clip_high)
-    batch = prepare(
-        fn, logits, tokens, mask, {"old_logprobs": old_logprobs, "advantages": advantages},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    ratio = clamped_exp(jax.lax.stop_gradient(batch.logprobs) - batch.fields["old_logprobs"])
+    for name, bound in (("clip_low", clip_low), ("clip_high", clip_high)):
+        if bound is not None:
+            check_nonnegative("cispo_loss", name, bound)
+    ratio = clamped_exp(jax.lax.stop_gradient(t.logprobs) - t.fields["old_logprobs"])
     low = -jnp.inf if clip_low is None else 1.0 - clip_low
     high = jnp.inf if clip_high is None else 1.0 + clip_high
     weight = jnp.clip(ratio, low, high)
-    per_token = -batch.fields["advantages"] * straight_through(weight, batch.logprobs)
-    metrics = {"clip_fraction": (ratio < low) | (ratio > high), "ratio_mean": ratio}
-    return finish(per_token, batch, metrics, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    per_token = -t.fields["advantages"] * straight_through(weight, t.logprobs)
+    return per_token, {"clip_fraction": (ratio < low) | (ratio > high), "ratio_mean": ratio}

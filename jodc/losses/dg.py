@@ -14,36 +14,18 @@ import jax
 from jax import lax
 
 from jodc.losses._checks import check_positive
-from jodc.losses._policy import finish, prepare
+from jodc.losses._policy import TokenBatch
+from jodc.losses.spec import policy_loss
 
 
-def dg_loss(
-    logits,
-    tokens,
-    advantages,
-    mask,
-    *,
-    eta: float = 1.0,
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """DG loss from logits: logits [B, T, V], tokens / advantages / mask [B, T] (other arguments as ``ppo_loss``).
+@policy_loss("dg_loss", anchor=None)
+def dg_loss(t: TokenBatch, *, eta: float = 1.0):
+    """DG loss from logits: ``dg_loss(logits, tokens, advantages, mask, *, eta=1.0)`` (no anchor log-probs;
+    other arguments as ``ppo_loss``).
 
     Returns (loss, metrics): gate_mean, surprisal_mean, entropy."""
-    fn = "dg_loss"
-    check_positive(fn, "eta", eta)
-    batch = prepare(
-        fn, logits, tokens, mask, {"advantages": advantages},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    adv = batch.fields["advantages"]
-    surprisal = -lax.stop_gradient(batch.logprobs)
+    check_positive("dg_loss", "eta", eta)
+    adv = t.fields["advantages"]
+    surprisal = -lax.stop_gradient(t.logprobs)
     gate = jax.nn.sigmoid(adv * surprisal / eta)
-    per_token = -gate * adv * batch.logprobs
-    metrics = {"gate_mean": gate, "surprisal_mean": surprisal}
-    return finish(per_token, batch, metrics, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    return -gate * adv * t.logprobs, {"gate_mean": gate, "surprisal_mean": surprisal}

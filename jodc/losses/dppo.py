@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jodc.losses._checks import check_btk, check_choice, check_nonnegative
-from jodc.losses._policy import clamped_exp, finish, prepare, straight_through
+from jodc.losses._policy import TokenBatch, clamped_exp, straight_through
 from jodc.losses.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+from jodc.losses.spec import policy_loss
 
 DIVERGENCES: tuple[str, ...] = ("tv", "kl")
 APPROXIMATIONS: tuple[str, ...] = ("binary", "topk")
@@ -38,12 +39,40 @@ _DIVERGENCE_FNS = {
 }
 
 
+TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
+
+
+def _topk_needed(options) -> tuple[str, ...]:
+    """The Top-K arrays when the approximation asks for them."""
+    return TOPK_ARRAYS if options["approximation"] == "topk" else ()
+
+
+def _topk_ids(fn: str, bt: tuple[int, int], options) -> jax.Array | None:
+    """The ids to gather log pi at besides the tokens: the behaviour top-k ids for ``approximation="topk"``
+    (checked here, before the pass over the vocabulary that gathers them)."""
+    approximation, topk_ids, topk_logprobs = (options[n] for n in ("approximation", *TOPK_ARRAYS))
+    check_choice(fn, "approximation", approximation, APPROXIMATIONS)
+    if approximation != "topk":
+        return None
+    if topk_ids is None or topk_logprobs is None:
+        raise ValueError(
+            f"{fn}: approximation='topk' needs topk_ids and topk_logprobs of shape [B, T, K]; got "
+            f"topk_ids={None if topk_ids is None else jnp.shape(topk_ids)}, "
+            f"topk_logprobs={None if topk_logprobs is None else jnp.shape(topk_logprobs)}"
+        )
+    k_ids = check_btk(fn, "topk_ids", topk_ids, bt, integer=True)
+    k_lps = check_btk(fn, "topk_logprobs", topk_logprobs, bt)
+    if k_ids != k_lps:
+        raise ValueError(
+            f"{fn}: topk_ids has shape {jnp.shape(topk_ids)} but topk_logprobs has shape "
+            f"{jnp.shape(topk_logprobs)}; they must match"
+        )
+    return topk_ids
+
+
+@policy_loss("dppo_loss", anchor="behaviour_logprobs", gather=_topk_ids, needs=_topk_needed)
 def dppo_loss(
-    logits,
-    tokens,
-    behaviour_logprobs,
-    advantages,
-    mask,
+    t: TokenBatch,
     *,
     divergence: str = "tv",
     approximation: str = "binary",
@@ -52,14 +81,10 @@ def dppo_loss(
     delta_low: float | None = None,
     delta_high: float | None = None,
     ratio_cap: float | None = 20.0,
-    temperature: float = 1.0,
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """DPPO policy loss from logits.
+):
+    """DPPO policy loss from logits:
+    ``dppo_loss(logits, tokens, behaviour_logprobs, advantages, mask, *, divergence="tv", approximation="binary",
+    topk_ids=None, topk_logprobs=None, delta_low=None, delta_high=None, ratio_cap=20.0)``.
 
     Args:
       logits: [B, T, V] any float dtype (computed in fp32); ``logits[b, t]`` scores ``tokens[b, t]``.
@@ -74,9 +99,8 @@ def dppo_loss(
       delta_low: threshold for A < 0 (default 0.15 TV / 0.05 KL).
       delta_high: threshold for A > 0 (same defaults).
       ratio_cap: truncation C of the importance weight (None: no truncation).
-      temperature: sampling temperature (logits are divided by it).
-      aggregation, normalizer, segment_ids, norm_length: see ``jodc.losses.aggregation.aggregate``.
-      chunk_size: token-chunking of the log-softmax (see ``token_logprobs``).
+      aggregation, normalizer, segment_ids, norm_length, temperature, chunk_size: shared by every policy loss
+        (``jodc.losses.PolicyInputs``; temperature is the sampling temperature).
 
     Returns:
       (loss, metrics): masked_fraction, masked_high_fraction (A > 0 side), masked_low_fraction (A < 0 side),
@@ -84,37 +108,15 @@ def dppo_loss(
     """
     fn = "dppo_loss"
     check_choice(fn, "divergence", divergence, DIVERGENCES)
-    check_choice(fn, "approximation", approximation, APPROXIMATIONS)
     delta_low = DEFAULT_DELTA[divergence] if delta_low is None else delta_low
     delta_high = DEFAULT_DELTA[divergence] if delta_high is None else delta_high
     check_nonnegative(fn, "delta_low", delta_low)
     check_nonnegative(fn, "delta_high", delta_high)
     if ratio_cap is not None:
         check_nonnegative(fn, "ratio_cap", ratio_cap)
-    if approximation == "topk":
-        if topk_ids is None or topk_logprobs is None:
-            raise ValueError(
-                f"{fn}: approximation='topk' needs topk_ids and topk_logprobs of shape [B, T, K]; got "
-                f"topk_ids={None if topk_ids is None else jnp.shape(topk_ids)}, "
-                f"topk_logprobs={None if topk_logprobs is None else jnp.shape(topk_logprobs)}"
-            )
-        bt = tuple(jnp.shape(logits)[:2])
-        k_ids = check_btk(fn, "topk_ids", topk_ids, bt, integer=True)
-        k_lps = check_btk(fn, "topk_logprobs", topk_logprobs, bt)
-        if k_ids != k_lps:
-            raise ValueError(
-                f"{fn}: topk_ids has shape {jnp.shape(topk_ids)} but topk_logprobs has shape "
-                f"{jnp.shape(topk_logprobs)}; they must match"
-            )
-
-    batch = prepare(
-        fn, logits, tokens, mask, {"behaviour_logprobs": behaviour_logprobs, "advantages": advantages},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-        extra_ids=topk_ids if approximation == "topk" else None,
-    )
-    logprobs = batch.logprobs
-    behaviour = batch.fields["behaviour_logprobs"]
-    adv = batch.fields["advantages"]
+    logprobs = t.logprobs
+    behaviour = t.fields["behaviour_logprobs"]
+    adv = t.fields["advantages"]
 
     log_ratio = lax.stop_gradient(logprobs - behaviour)
     ratio = clamped_exp(log_ratio)
@@ -123,8 +125,8 @@ def dppo_loss(
         div = divergence_fn(behaviour, lax.stop_gradient(logprobs))
     else:
         mu_topk = jnp.asarray(topk_logprobs).astype(logprobs.dtype)
-        div = divergence_fn(mu_topk, lax.stop_gradient(batch.extra_logprobs))
-    div = lax.stop_gradient(jnp.where(batch.valid, div, 0.0))
+        div = divergence_fn(mu_topk, lax.stop_gradient(t.extra_logprobs))
+    div = lax.stop_gradient(jnp.where(t.valid, div, 0.0))
 
     masked_high = (adv > 0) & (log_ratio > 0) & (div > delta_high)
     masked_low = (adv < 0) & (log_ratio < 0) & (div > delta_low)
@@ -132,7 +134,7 @@ def dppo_loss(
     weight = ratio if ratio_cap is None else jnp.minimum(ratio, ratio_cap)
     per_token = -adv * jnp.where(keep, straight_through(weight, logprobs), 0.0)
 
-    metrics = {
+    return per_token, {
         "masked_fraction": ~keep,
         "masked_high_fraction": masked_high,
         "masked_low_fraction": masked_low,
@@ -141,5 +143,3 @@ def dppo_loss(
         "divergence_mean": div,
         "divergence_max": jnp.max(div),
     }
-    return finish(per_token, batch, metrics, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)

@@ -12,48 +12,26 @@ sequence-level GSPO. A sequence is a row, or a (row, segment) pair when ``segmen
 """
 from __future__ import annotations
 
-import jax
 from jax import lax
 
+from jodc.losses._policy import TokenBatch
 from jodc.losses.aggregation import broadcast_sequence_mean
-from jodc.losses._policy import finish, prepare
 from jodc.losses.ppo import _check_clip, _clipped_surrogate
+from jodc.losses.spec import policy_loss
 
 
-def gspo_loss(
-    logits,
-    tokens,
-    old_logprobs,
-    advantages,
-    mask,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    aggregation: str = "seq-mean-token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+@policy_loss("gspo_loss", anchor="old_logprobs", aggregation="seq-mean-token-mean")
+def gspo_loss(t: TokenBatch, *, clip_low: float = 3e-4, clip_high: float = 4e-4):
     """GSPO loss from logits (arguments as ``ppo_loss``; the clip bounds apply to the sequence ratio).
 
     Returns (loss, metrics): clip_fraction (tokens whose sequence ratio is clipped), ratio_mean (token mean of
     the sequence ratio), approx_kl, entropy."""
-    fn = "gspo_loss"
-    _check_clip(fn, clip_low, clip_high, None)
-    batch = prepare(
-        fn, logits, tokens, mask, {"old_logprobs": old_logprobs, "advantages": advantages},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    logprobs = batch.logprobs
-    token_log_ratio = lax.stop_gradient(logprobs - batch.fields["old_logprobs"])
-    seq_log_ratio = broadcast_sequence_mean(token_log_ratio, batch.valid, segment_ids=segment_ids)
+    _check_clip("gspo_loss", clip_low, clip_high, None)
+    logprobs = t.logprobs
+    token_log_ratio = lax.stop_gradient(logprobs - t.fields["old_logprobs"])
+    seq_log_ratio = broadcast_sequence_mean(token_log_ratio, t.valid, segment_ids=t.segment_ids)
     # Anchor chosen so that logprobs - anchor = sg(seq_log_ratio) + logprobs - sg(logprobs).
     anchor = lax.stop_gradient(logprobs - seq_log_ratio)
-    per_token, metrics = _clipped_surrogate(
-        logprobs, anchor, batch.fields["advantages"], clip_low, clip_high, None
-    )
+    per_token, metrics = _clipped_surrogate(logprobs, anchor, t.fields["advantages"], clip_low, clip_high, None)
     metrics.pop("dual_clip_fraction")
-    return finish(per_token, batch, metrics, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    return per_token, metrics

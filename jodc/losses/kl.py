@@ -5,24 +5,33 @@ With samples a_t ~ pi and k1 = log pi(a_t) - log pi_ref(a_t) (Schulman, "Approxi
 * ``k1`` = k1                        unbiased for KL(pi || ref), high variance, can be negative
 * ``k2`` = k1^2 / 2                  biased, low variance, always >= 0
 * ``k3`` = exp(-k1) + k1 - 1         unbiased, low variance, always >= 0 (GRPO's KL term, arXiv 2402.03300)
+* ``abs`` = |k1|                     verl's ``abs`` penalty
 
-The gradient flows through log pi as in the formula (no straight-through tricks).
+The gradient flows through log pi as in the formula, except for the straight-through variants ``k1+`` and
+``k3+`` (verl's names): the value of k1 / k3 with the gradient of k2, k2 - sg(k2) + sg(k_n). The expected
+gradient of k1 and k3 under samples of pi is not the gradient of the KL; that of k2 is (``k2+`` is k2).
+
+The k3 log-ratio is clamped to +-20 before ``exp`` (as in verl); verl also clamps the k3 *value* to [-10, 10],
+jodc does not (a value above 10 is reported as it is, and its gradient is not cut).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jodc.losses._checks import check_choice
-from jodc.losses._policy import LOG_RATIO_CLAMP, finish, prepare
+from jodc.losses._policy import LOG_RATIO_CLAMP, TokenBatch
+from jodc.losses.spec import policy_loss
 
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+")
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator: str = "k3") -> jax.Array:
     """Per-token estimate of KL(pi || ref) from log pi(a_t) and log ref(a_t) (same shapes, any float dtype).
 
-    ``k3`` clamps the log-ratio to +-20 before exponentiating so a huge gap stays finite."""
+    ``k3`` clamps the log-ratio to +-20 before exponentiating so a huge gap stays finite; ``k1+`` / ``k3+`` have
+    the value of k1 / k3 and the gradient of k2 (see the module docstring)."""
     check_choice("kl_estimate", "estimator", estimator, KL_ESTIMATORS)
     if jnp.shape(logprobs) != jnp.shape(ref_logprobs):
         raise ValueError(
@@ -30,38 +39,29 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str = "k3") -> jax.Array:
             f"{jnp.shape(ref_logprobs)}; they must match"
         )
     log_ratio = jnp.asarray(logprobs) - jnp.asarray(ref_logprobs)
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * jnp.square(log_ratio)
-    neg = jnp.clip(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return jnp.exp(neg) - neg - 1.0
+    base = estimator.rstrip("+")
+    if base == "k1":
+        value = log_ratio
+    elif base == "abs":
+        value = jnp.abs(log_ratio)
+    elif base == "k2":
+        value = 0.5 * jnp.square(log_ratio)
+    else:
+        neg = jnp.clip(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        value = jnp.exp(neg) - neg - 1.0
+    if not estimator.endswith("+") or base == "k2":
+        return value
+    k2 = 0.5 * jnp.square(log_ratio)
+    return k2 - lax.stop_gradient(k2) + lax.stop_gradient(value)
 
 
-def kl_penalty(
-    logits,
-    tokens,
-    ref_logprobs,
-    mask,
-    *,
-    estimator: str = "k3",
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """KL(pi || ref) penalty from logits: the aggregated per-token estimator (add beta * loss to the policy loss).
+@policy_loss("kl_penalty", anchor="ref_logprobs", advantages=False)
+def kl_penalty(t: TokenBatch, *, estimator: str = "k3"):
+    """KL(pi || ref) penalty from logits: the aggregated per-token estimator (add beta * loss to the policy loss):
+    ``kl_penalty(logits, tokens, ref_logprobs, mask, *, estimator="k3", aggregation="token-mean", ...)``.
 
-    Args as the policy losses; ``ref_logprobs`` [B, T] are the reference model's log-probs of ``tokens``.
-    Returns (loss, metrics) with kl_mean (local token mean of the estimator) and entropy."""
-    fn = "kl_penalty"
-    check_choice(fn, "estimator", estimator, KL_ESTIMATORS)
-    batch = prepare(
-        fn, logits, tokens, mask, {"ref_logprobs": ref_logprobs},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    per_token = kl_estimate(batch.logprobs, batch.fields["ref_logprobs"], estimator)
-    return finish(per_token, batch, {"kl_mean": per_token}, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    ``ref_logprobs`` [B, T] are the reference model's log-probs of ``tokens``; the other arguments are the policy
+    losses' shared ones. Returns (loss, metrics) with kl_mean (local token mean of the estimator) and entropy."""
+    check_choice("kl_penalty", "estimator", estimator, KL_ESTIMATORS)
+    per_token = kl_estimate(t.logprobs, t.fields["ref_logprobs"], estimator)
+    return per_token, {"kl_mean": per_token}

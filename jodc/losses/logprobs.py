@@ -188,19 +188,29 @@ def _gather(logits_btv, ids_btk, *, temperature, chunk_size, entropy_has_grad):
     return lp_nk.reshape(b, t, k), entropy_n.reshape(b, t)
 
 
+def _checked(fn: str, logits, ids, *, per_position: bool, temperature, chunk_size) -> jax.Array:
+    """The public gathers' argument checks; returns the logits as an array. ``ids`` are [B, T] tokens
+    (``per_position``) or [B, T, K] ids."""
+    check_logits(fn, logits)
+    logits = jnp.asarray(logits)
+    bt = tuple(logits.shape[:2])
+    if per_position:
+        check_bt(fn, "tokens", ids, bt, integer=True)
+    else:
+        check_btk(fn, "ids", ids, bt, integer=True)
+    check_positive(fn, "temperature", temperature)
+    check_chunk_size(fn, chunk_size)
+    return logits
+
+
 def gather_logprobs(logits, ids, *, temperature: float = 1.0, chunk_size: int | None = None) -> jax.Array:
     """log pi(i | s_t) for several ids per position: logits [B, T, V], ids [B, T, K] -> [B, T, K] (fp32).
 
     Used for DPPO Top-K (the current policy's log-probs at the behaviour policy's stored top-k ids). Ids outside
     [0, V) are clamped (so padding ids are harmless where the mask is 0).
     """
-    fn = "gather_logprobs"
-    check_logits(fn, logits)
-    logits = jnp.asarray(logits)
-    b, t, _ = logits.shape
-    check_btk(fn, "ids", ids, (b, t), integer=True)
-    check_positive(fn, "temperature", temperature)
-    check_chunk_size(fn, chunk_size)
+    logits = _checked("gather_logprobs", logits, ids, per_position=False, temperature=temperature,
+                      chunk_size=chunk_size)
     lp_btk, _ = _gather(logits, ids, temperature=temperature, chunk_size=chunk_size, entropy_has_grad=False)
     return lp_btk
 
@@ -213,13 +223,8 @@ def token_logprobs(logits, tokens, *, temperature: float = 1.0, chunk_size: int 
     the forward or the backward pass; ``chunk_size=None`` is the plain unchunked path. Values agree to float
     rounding.
     """
-    fn = "token_logprobs"
-    check_logits(fn, logits)
-    logits = jnp.asarray(logits)
-    b, t, _ = logits.shape
-    check_bt(fn, "tokens", tokens, (b, t), integer=True)
-    check_positive(fn, "temperature", temperature)
-    check_chunk_size(fn, chunk_size)
+    logits = _checked("token_logprobs", logits, tokens, per_position=True, temperature=temperature,
+                      chunk_size=chunk_size)
     lp_btk, _ = _gather(
         logits, tokens[..., None], temperature=temperature, chunk_size=chunk_size, entropy_has_grad=False
     )
@@ -233,13 +238,8 @@ def token_logprobs_and_entropy(
 
     Both outputs are differentiable (an entropy bonus can be added to a loss). Chunking as in ``token_logprobs``.
     """
-    fn = "token_logprobs_and_entropy"
-    check_logits(fn, logits)
-    logits = jnp.asarray(logits)
-    b, t, _ = logits.shape
-    check_bt(fn, "tokens", tokens, (b, t), integer=True)
-    check_positive(fn, "temperature", temperature)
-    check_chunk_size(fn, chunk_size)
+    logits = _checked("token_logprobs_and_entropy", logits, tokens, per_position=True, temperature=temperature,
+                      chunk_size=chunk_size)
     lp_btk, entropy_bt = _gather(
         logits, tokens[..., None], temperature=temperature, chunk_size=chunk_size, entropy_has_grad=True
     )

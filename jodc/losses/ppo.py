@@ -11,7 +11,7 @@
   (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"): the PPO loss
   weighted by min(pi_old_trainer / pi_rollout, C), C = 2.
 
-All three share the calling convention of every policy loss in jodc (see ``jodc.losses.registry``): the third
+All three share the calling convention of every policy loss in jodc (``jodc.losses.spec``): the third
 positional argument is the log-probs the clipped ratio is taken against.
 """
 from __future__ import annotations
@@ -20,8 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.losses._checks import check_nonnegative
-from jodc.losses._policy import clamped_exp, finish, prepare
+from jodc.losses._checks import check_choice, check_nonnegative
+from jodc.losses._policy import TokenBatch, clamped_exp
+from jodc.losses.aggregation import broadcast_sequence_sum
+from jodc.losses.spec import policy_loss
+
+IS_LEVELS = ("token", "sequence")
 
 
 def _check_clip(fn: str, clip_low: float, clip_high: float, dual_clip: float | None) -> None:
@@ -61,24 +65,16 @@ def _clipped_surrogate(logprobs, anchor_logprobs, advantages, clip_low, clip_hig
     return per_token, metrics
 
 
+@policy_loss("ppo_loss", anchor="old_logprobs")
 def ppo_loss(
-    logits,
-    tokens,
-    old_logprobs,
-    advantages,
-    mask,
+    t: TokenBatch,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = 3.0,
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """PPO clipped-surrogate loss from logits.
+):
+    """PPO clipped-surrogate loss from logits:
+    ``ppo_loss(logits, tokens, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=3.0)``.
 
     Args:
       logits: [B, T, V] any float dtype (computed in fp32). ``logits[b, t]`` scores ``tokens[b, t]``.
@@ -88,46 +84,28 @@ def ppo_loss(
       mask: [B, T], nonzero where the token is trained on.
       clip_low, clip_high: ratio bounds 1 - clip_low, 1 + clip_high (0.2 / 0.2; DAPO: 0.2 / 0.28).
       dual_clip: c > 1 for dual-clip PPO (default 3.0), or None.
-      aggregation, normalizer, segment_ids, norm_length: see ``jodc.losses.aggregation.aggregate``.
-      temperature: sampling temperature (logits are divided by it).
-      chunk_size: token-chunking of the log-softmax (see ``token_logprobs``).
+      aggregation, normalizer, segment_ids, norm_length, temperature, chunk_size: shared by every policy loss
+        (``jodc.losses.PolicyInputs``).
 
     Returns:
       (loss, metrics) with metrics clip_fraction, dual_clip_fraction, ratio_mean, approx_kl, entropy.
     """
-    fn = "ppo_loss"
-    _check_clip(fn, clip_low, clip_high, dual_clip)
-    batch = prepare(
-        fn, logits, tokens, mask, {"old_logprobs": old_logprobs, "advantages": advantages},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    per_token, metrics = _clipped_surrogate(
-        batch.logprobs, batch.fields["old_logprobs"], batch.fields["advantages"], clip_low, clip_high, dual_clip
-    )
-    return finish(per_token, batch, metrics, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    _check_clip("ppo_loss", clip_low, clip_high, dual_clip)
+    return _clipped_surrogate(t.logprobs, t.fields["old_logprobs"], t.fields["advantages"], clip_low, clip_high,
+                              dual_clip)
 
 
+@policy_loss("decoupled_ppo_loss", anchor="proximal_logprobs", extras=("behaviour_logprobs",))
 def decoupled_ppo_loss(
-    logits,
-    tokens,
-    proximal_logprobs,
-    advantages,
-    mask,
+    t: TokenBatch,
     *,
-    behaviour_logprobs,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     behaviour_weight_cap: float | None = None,
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """AReaL's decoupled PPO: w_t * PPO(pi / pi_prox), w_t = pi_prox(a_t) / mu(a_t) (no gradient).
+):
+    """AReaL's decoupled PPO: w_t * PPO(pi / pi_prox), w_t = pi_prox(a_t) / mu(a_t) (no gradient):
+    ``decoupled_ppo_loss(logits, tokens, proximal_logprobs, advantages, mask, *, behaviour_logprobs, ...)``.
 
     ``proximal_logprobs`` [B, T] anchor the clipped ratio; ``behaviour_logprobs`` [B, T] are the rollout
     engine's. With ``behaviour_weight_cap`` set, tokens whose weight exceeds it are dropped (weight 0), as in
@@ -137,67 +115,48 @@ def decoupled_ppo_loss(
     _check_clip(fn, clip_low, clip_high, dual_clip)
     if behaviour_weight_cap is not None:
         check_nonnegative(fn, "behaviour_weight_cap", behaviour_weight_cap)
-    batch = prepare(
-        fn, logits, tokens, mask,
-        {"proximal_logprobs": proximal_logprobs, "advantages": advantages, "behaviour_logprobs": behaviour_logprobs},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    proximal = batch.fields["proximal_logprobs"]
-    per_token, metrics = _clipped_surrogate(
-        batch.logprobs, proximal, batch.fields["advantages"], clip_low, clip_high, dual_clip
-    )
-    weight = clamped_exp(proximal - batch.fields["behaviour_logprobs"])
+    proximal = t.fields["proximal_logprobs"]
+    per_token, metrics = _clipped_surrogate(t.logprobs, proximal, t.fields["advantages"], clip_low, clip_high,
+                                            dual_clip)
+    weight = clamped_exp(proximal - t.fields["behaviour_logprobs"])
     if behaviour_weight_cap is None:
-        capped = jnp.zeros_like(batch.valid)
+        capped = jnp.zeros_like(t.valid)
     else:
         capped = weight > behaviour_weight_cap
         weight = jnp.where(capped, 0.0, weight)
     per_token = lax.stop_gradient(weight) * per_token
-    metrics = dict(metrics, behaviour_weight_mean=weight, behaviour_capped_fraction=capped)
-    return finish(per_token, batch, metrics, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    return per_token, dict(metrics, behaviour_weight_mean=weight, behaviour_capped_fraction=capped)
 
 
+@policy_loss("tis_loss", anchor="old_logprobs", extras=("rollout_logprobs",))
 def tis_loss(
-    logits,
-    tokens,
-    old_logprobs,
-    advantages,
-    mask,
+    t: TokenBatch,
     *,
-    rollout_logprobs,
     tis_cap: float = 2.0,
+    level: str = "token",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = 3.0,
-    aggregation: str = "token-mean",
-    normalizer=None,
-    segment_ids=None,
-    norm_length: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """PPO with truncated importance sampling for rollout / trainer mismatch (Yao et al. 2025).
+):
+    """PPO with truncated importance sampling for rollout / trainer mismatch (Yao et al. 2025):
+    ``tis_loss(logits, tokens, old_logprobs, advantages, mask, *, rollout_logprobs, tis_cap=2.0, ...)``.
 
     ``old_logprobs`` [B, T] are the trainer's recomputed log-probs of the rollout policy (anchor of the clipped
     ratio); ``rollout_logprobs`` [B, T] are the rollout engine's. Each token's PPO loss is multiplied by
-    min(exp(old - rollout), tis_cap) without gradient. Metrics add tis_weight_mean and tis_truncated_fraction.
+    min(exp(old - rollout), tis_cap) without gradient; ``level="sequence"`` uses the sequence's weight
+    min(exp(sum_t (old - rollout)), tis_cap) for each of its tokens (see ``rollout_is_weights``). Metrics add
+    tis_weight_mean and tis_truncated_fraction.
     """
     fn = "tis_loss"
     _check_clip(fn, clip_low, clip_high, dual_clip)
     check_nonnegative(fn, "tis_cap", tis_cap)
-    batch = prepare(
-        fn, logits, tokens, mask,
-        {"old_logprobs": old_logprobs, "advantages": advantages, "rollout_logprobs": rollout_logprobs},
-        temperature=temperature, chunk_size=chunk_size, aggregation=aggregation, segment_ids=segment_ids,
-    )
-    old = batch.fields["old_logprobs"]
-    per_token, metrics = _clipped_surrogate(
-        batch.logprobs, old, batch.fields["advantages"], clip_low, clip_high, dual_clip
-    )
-    raw_weight = clamped_exp(old - batch.fields["rollout_logprobs"])
+    check_choice(fn, "level", level, IS_LEVELS)
+    old = t.fields["old_logprobs"]
+    per_token, metrics = _clipped_surrogate(t.logprobs, old, t.fields["advantages"], clip_low, clip_high, dual_clip)
+    log_weight = old - t.fields["rollout_logprobs"]
+    if level == "sequence":
+        log_weight = broadcast_sequence_sum(log_weight, t.valid, segment_ids=t.segment_ids)
+    raw_weight = clamped_exp(log_weight)
     weight = jnp.minimum(raw_weight, tis_cap)
     per_token = lax.stop_gradient(weight) * per_token
-    metrics = dict(metrics, tis_weight_mean=weight, tis_truncated_fraction=raw_weight > tis_cap)
-    return finish(per_token, batch, metrics, aggregation=aggregation, normalizer=normalizer,
-                  segment_ids=segment_ids, norm_length=norm_length)
+    return per_token, dict(metrics, tis_weight_mean=weight, tis_truncated_fraction=raw_weight > tis_cap)

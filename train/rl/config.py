@@ -35,7 +35,11 @@ from ..core.config import (
 )
 from .tasks import TASK_NAMES
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+#: jodc.losses.KL_ESTIMATORS and the names of jodc.losses.ADVANTAGE_ESTIMATORS (this module imports no JAX; a test
+#: keeps the lists in step).
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+                        "grpo_passk", "gpg")
 #: Loss hyper-parameters that may be set in the `loss` section; null = the loss's default.
 LOSS_OPTIONS = ("divergence", "approximation", "delta_low", "delta_high", "ratio_cap", "clip_low", "clip_high",
                 "dual_clip", "tau_pos", "tau_neg", "eta", "tis_cap", "behaviour_weight_cap")
@@ -92,6 +96,7 @@ class LossConfig:
 
     name: str = _field("dppo", doc="dppo (binary TV), dppo_kl, dppo_topk, ppo, grpo, dapo, gspo, sapo, cispo, ...")
     aggregation: str | None = _field(None, doc="token-mean, seq-mean-token-mean, ...; null: the loss's default")
+    advantage: str = _field("grpo", choices=ADVANTAGE_ESTIMATORS, doc="advantage estimator (verl's names)")
     normalize_std: bool = _field(True, doc="divide group advantages by the group's std (false: Dr.GRPO)")
     kl_coef: float = _field(0.0, minimum=0.0, doc="weight of a KL penalty to the initial policy (0: none)")
     kl_estimator: str = _field("k3", choices=KL_ESTIMATORS)

@@ -25,7 +25,6 @@ from jodc.balance import get_planner
 from jodc.fsdp import NonFiniteStepError
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
-from jodc.losses import grpo_advantages
 
 from ..core import config as sft_config
 from . import config as rl_config
@@ -35,7 +34,7 @@ from ..core.metrics import TENSORBOARD_DIR, read_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
 from .batch import pack_minibatch, split_minibatches, training_sequences
 from .config import RLConfig
-from .loss import build_objective, summarize_metrics
+from .loss import build_advantages, build_objective, summarize_metrics
 from .metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics, update_metrics
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
@@ -81,6 +80,7 @@ class RLRun(TrainingRun):
             if resume_from is not None:
                 self.config = config = pin_schedule_length(config, self.store.read_trainer_state(resume_from), log)
             self.objective = build_objective(config.loss, r)
+            self.advantages = build_advantages(config.loss)
             self.task = make_task(config.task.name, **config.task.task_options())
             self.data_fingerprint = fingerprint_task(self.task)
             if resume_from is not None:
@@ -88,7 +88,7 @@ class RLRun(TrainingRun):
                                        self.data_fingerprint, accept=t.accept_changed_data,
                                        where=self.store.step_dir(resume_from), log=log)
             self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
-            self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems)
+            self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems, exclude=self.pool or ())
             if reward_fn is not None:
                 self.reward_fn = reward_fn
             elif config.task.reward_fn:
@@ -187,8 +187,7 @@ class RLRun(TrainingRun):
         reward_started = time.perf_counter()
         rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
         reward_seconds = time.perf_counter() - reward_started
-        advantages = np.asarray(grpo_advantages(rewards.astype(np.float32), r.group_size,
-                                                normalize_std=self.config.loss.normalize_std))
+        advantages = self.advantages(rewards, r.group_size, rollout.response_lengths)
         ref_started = time.perf_counter()
         ref_logprobs = self.reference.response_logprobs(rollout) if self.reference else None
         reference_seconds = time.perf_counter() - ref_started

@@ -8,6 +8,10 @@ log-probs under its sampling distribution), `advantages` (the response's group a
 minibatch's global normaliser and the microbatch's `segment_ids`, so the sum over microbatches and devices is the
 minibatch loss.
 
+The loss is chosen through `jodc.losses`' registry metadata (no signature inspection): `anchor` and
+`required_arrays` say which per-token arrays to pass, `default_aggregation` the aggregation when the config sets
+none. Advantages come from `jodc.losses.ADVANTAGE_ESTIMATORS` (`loss.advantage`).
+
 Anchor: every loss's ratio is taken against the behaviour log-probs. That is DPPO's definition; for the PPO
 family it is the "old policy" because rollouts are synchronous: the weights that sampled the rollout are the
 weights before the rollout's first update (the only difference is the kernels: the KV-cache sampler vs the
@@ -21,45 +25,32 @@ trainer divides by the total. Loss metrics that are maxima (`divergence_max`) ca
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jodc.losses import get_policy_loss, kl_penalty, token_logprobs
+from jodc.losses import (
+    LOG_RATIO_CLAMP,
+    PolicyInputs,
+    get_advantage_estimator,
+    get_policy_loss,
+    kl_penalty,
+    token_logprobs,
+)
 
 from ..core.config import ConfigError
 from .config import LossConfig, RolloutConfig
 
-#: Loss keyword arguments the trainer fills with the behaviour log-probs (see the module docstring).
-BEHAVIOUR_ARRAYS = ("behaviour_logprobs", "rollout_logprobs", "proximal_logprobs")
+#: Per-token arrays a loss may ask for (its anchor or extras) that the trainer fills with the behaviour log-probs
+#: (see the module docstring), and the ones it passes through from the minibatch.
+BEHAVIOUR_ARRAYS = ("behaviour_logprobs", "old_logprobs", "rollout_logprobs", "proximal_logprobs")
+MINIBATCH_ARRAYS = ("topk_ids", "topk_logprobs")
 #: Diagnostics every objective reports (token sums): ratio r = pi(a) / mu(a) of the sampled token, its square,
 #: binary TV |pi(a) - mu(a)|, and r - 1 - log r, whose mean estimates KL(mu || pi) from the rollout's samples.
 DIAGNOSTICS = ("tokens", "ratio_sum", "ratio_sq_sum", "policy_tv_sum", "policy_kl_sum")
-_LOG_RATIO_CLAMP = 20.0
-
-
-def _default_aggregation(fn) -> str:
-    """The loss's own default aggregation (registry presets hide the signature: their bases use token-mean)."""
-    parameter = inspect.signature(fn).parameters.get("aggregation")
-    if parameter is None or parameter.default is inspect.Parameter.empty:
-        return "token-mean"
-    return parameter.default
-
-
-def _behaviour_array_names(fn) -> tuple[str, ...]:
-    """Required keyword-only array arguments of the loss that the behaviour log-probs stand in for."""
-    names = []
-    for name, parameter in inspect.signature(fn).parameters.items():
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is inspect.Parameter.empty:
-            if name not in BEHAVIOUR_ARRAYS:
-                raise ConfigError(f"loss: the policy loss needs the array {name!r}, which the RL trainer does not "
-                                  "provide")
-            names.append(name)
-    return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +63,7 @@ class PolicyObjective:
     aggregation: str
     temperature: float
     norm_length: int
-    uses_topk: bool
-    behaviour_arrays: tuple[str, ...]
+    arrays: tuple[str, ...]
     kl_coef: float
     kl_estimator: str
     loss_metric_names: tuple[str, ...]
@@ -85,6 +75,16 @@ class PolicyObjective:
         return DIAGNOSTICS + tuple(f"{m}_sum" for m in self.loss_metric_names) + extra
 
     @property
+    def uses_topk(self) -> bool:
+        """Whether the loss reads the behaviour top-k (the rollout must then store it)."""
+        return "topk_ids" in self.arrays
+
+    @property
+    def behaviour_arrays(self) -> tuple[str, ...]:
+        """The loss's keyword arrays besides its anchor that the behaviour log-probs stand in for."""
+        return tuple(n for n in self.arrays if n in BEHAVIOUR_ARRAYS and n != self.loss_fn.anchor)
+
+    @property
     def extras(self) -> tuple[str, ...]:
         """Per-token minibatch extras the head reads."""
         names = ("behaviour_logprobs", "advantages")
@@ -94,21 +94,16 @@ class PolicyObjective:
             names += ("ref_logprobs",)
         return names
 
-    def _loss_kwargs(self, mb) -> dict:
-        kwargs = dict(self.options, aggregation=self.aggregation, normalizer=mb["normalizer"],
-                      segment_ids=mb["segment_ids"], temperature=self.temperature)
-        if self.aggregation == "seq-mean-token-sum-norm":
-            kwargs["norm_length"] = self.norm_length
-        if self.uses_topk:
-            kwargs["topk_ids"], kwargs["topk_logprobs"] = mb["topk_ids"], mb["topk_logprobs"]
-        for name in self.behaviour_arrays:
-            kwargs[name] = mb["behaviour_logprobs"]
-        return kwargs
-
     def policy_loss(self, logits_btv, mb) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The chosen policy loss on a microbatch: (partial loss, its local metric means)."""
-        return self.loss_fn(logits_btv, mb["targets"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"],
-                            **self._loss_kwargs(mb))
+        inputs = PolicyInputs(
+            tokens=mb["targets"], anchor_logprobs=mb["behaviour_logprobs"] if self.loss_fn.anchor else None,
+            advantages=mb["advantages"], mask=mb["loss_mask"], aggregation=self.aggregation,
+            normalizer=mb["normalizer"], segment_ids=mb["segment_ids"], temperature=self.temperature,
+            norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
+        arrays = {n: mb["behaviour_logprobs"] for n in self.behaviour_arrays}
+        arrays.update((n, mb[n]) for n in self.arrays if n in MINIBATCH_ARRAYS)
+        return self.loss_fn.apply(logits_btv, inputs, **self.options, **arrays)
 
     def head_loss(self, logits_btv, mb) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(loss, {metric: token-weighted sum}) of one packed microbatch."""
@@ -135,7 +130,7 @@ def policy_diagnostics(logits_btv, mb, valid, temperature: float) -> dict[str, j
     logprobs = lax.stop_gradient(token_logprobs(logits_btv, mb["targets"], temperature=temperature))
     behaviour = jnp.where(valid, mb["behaviour_logprobs"].astype(jnp.float32), 0.0)
     logprobs = jnp.where(valid, logprobs, 0.0)
-    log_ratio = jnp.clip(logprobs - behaviour, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = jnp.clip(logprobs - behaviour, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
 
     def total(x):
@@ -147,6 +142,18 @@ def policy_diagnostics(logits_btv, mb, valid, temperature: float) -> dict[str, j
             "policy_kl_sum": total(ratio - 1.0 - log_ratio)}
 
 
+def _provided_arrays(fn, options: dict) -> tuple[str, ...]:
+    """The per-token arrays the loss needs with these options; ConfigError when the trainer cannot provide one."""
+    try:
+        names = fn.required_arrays(**options)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"loss {fn.name}: {e}") from None
+    for name in names:
+        if name not in BEHAVIOUR_ARRAYS + MINIBATCH_ARRAYS:
+            raise ConfigError(f"loss: the policy loss needs the array {name!r}, which the RL trainer does not provide")
+    return names
+
+
 def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective:
     """The objective of the `loss` section; ConfigError when the loss is unknown or rejects an option (checked
     by tracing the loss once on a tiny dummy microbatch, which also names its metrics)."""
@@ -154,11 +161,12 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
         fn = get_policy_loss(loss.name)
     except ValueError as e:
         raise ConfigError(f"loss.name: {e}") from None
-    aggregation = loss.aggregation or _default_aggregation(fn)
+    aggregation = loss.aggregation or fn.default_aggregation
+    options = loss.options()
     objective = PolicyObjective(
-        name=loss.name, loss_fn=fn, options=loss.options(), aggregation=aggregation, temperature=rollout.temperature,
-        norm_length=rollout.max_new_tokens, uses_topk=loss.uses_topk, behaviour_arrays=_behaviour_array_names(fn),
-        kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator, loss_metric_names=())
+        name=loss.name, loss_fn=fn, options=options, aggregation=aggregation, temperature=rollout.temperature,
+        norm_length=rollout.max_new_tokens, arrays=_provided_arrays(fn, options), kl_coef=loss.kl_coef,
+        kl_estimator=loss.kl_estimator, loss_metric_names=())
     try:
         metrics = jax.eval_shape(lambda mb: objective.policy_loss(mb["logits"], mb)[1], _dummy_microbatch(rollout))
     except (TypeError, ValueError) as e:
@@ -166,6 +174,23 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
                           f"(aggregation {aggregation!r}): {e}") from None
     names = tuple(sorted(m for m, v in metrics.items() if v.shape == () and not m.endswith("_max")))
     return dataclasses.replace(objective, loss_metric_names=names)
+
+
+def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray]:
+    """`advantages(rewards [N], group_size, lengths [N]) -> [N]` for `loss.advantage` (verl's estimator names),
+    reading the estimator's metadata for what it needs; ConfigError for an estimator the trainer cannot feed
+    (ReMax needs a greedy response per prompt, which the trainer does not sample)."""
+    estimator = get_advantage_estimator(loss.advantage)
+    if set(estimator.inputs) - {"lengths"}:
+        raise ConfigError(f"loss.advantage={loss.advantage!r} needs {list(estimator.inputs)}, which the RL trainer "
+                          "does not provide (call jodc.losses directly)")
+    options = {"normalize_std": loss.normalize_std} if "normalize_std" in estimator.options else {}
+
+    def advantages(rewards, group_size: int, lengths) -> np.ndarray:
+        inputs = {"lengths": np.asarray(lengths)} if "lengths" in estimator.inputs else {}
+        return np.asarray(estimator(np.asarray(rewards, np.float32), group_size, **inputs, **options))
+
+    return advantages
 
 
 def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:

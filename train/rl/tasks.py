@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..core.jsonl import iter_jsonl
 
@@ -263,9 +263,27 @@ def step_problems(task: Task, seed: int, step: int, count: int, pool: list[Probl
     return [pool[int(i)] for i in picks]
 
 
-def eval_problems(task: Task, seed: int, count: int) -> list[Problem]:
-    """The run's fixed evaluation prompts."""
-    return _problems(task, np.random.default_rng([seed, _EVAL_STREAM]), count)
+#: How many draws per requested evaluation problem `eval_problems` may make before it gives up.
+_EVAL_DRAWS_PER_PROBLEM = 100
+
+
+def eval_problems(task: Task, seed: int, count: int, *, exclude: Iterable[Problem] = ()) -> list[Problem]:
+    """The run's fixed evaluation prompts: `count` distinct problems, none of them in `exclude` (pass the training
+    pool, so that evaluation is held out). Drawn from the evaluation stream, skipping repeats and excluded
+    prompts; ValueError when the task cannot supply that many (a small problem space, or a small jsonl file)."""
+    rng = np.random.default_rng([seed, _EVAL_STREAM])
+    taken = {p.prompt for p in exclude}
+    out: list[Problem] = []
+    for _ in range(_EVAL_DRAWS_PER_PROBLEM * count):
+        problem = task.problem(rng)
+        if problem.prompt not in taken:
+            taken.add(problem.prompt)
+            out.append(problem)
+            if len(out) == count:
+                return out
+    raise ValueError(f"the {task.name} task gave only {len(out)} distinct evaluation problems outside the training "
+                     f"pool in {_EVAL_DRAWS_PER_PROBLEM * count} draws, fewer than task.eval_problems={count}; lower "
+                     "task.eval_problems or task.pool_size, or widen the task")
 
 
 def warmstart_records(task: Task, seed: int, count: int) -> list[dict]:

@@ -1,0 +1,128 @@
+"""Rollout correction: importance weights and rejection masks for the rollout engine / trainer mismatch.
+
+Liu, Li et al., "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch"
+(2025); verl's rollout correction (``rollout_is`` / ``rollout_rs``). The rollout engine's log-probs ``log mu``
+differ from the trainer's ``log pi`` at the same weights (other kernels, other precision, stale weights). With
+``lr_t = log pi(a_t) - log mu(a_t)`` over the valid tokens:
+
+* **IS weights** (``rollout_is_weights``): ``token`` level w_t = exp(lr_t) (biased, low variance) or ``sequence``
+  level w_i = exp(sum_{t in i} lr_t) for every token of sequence i (unbiased, high variance). Log-ratios are
+  clamped to +-20 before ``exp``. With ``lower=None`` weights are truncated at ``upper`` (TIS); with a lower
+  bound, weights outside [lower, upper] are set to 0 (IcePop). Weights carry no gradient and are 0 on padding.
+* **Rejection** (``rollout_rejection_mask``): a token or a whole sequence is dropped when a divergence statistic
+  exceeds its threshold. ``k1 = -lr`` (from samples of mu, an estimate of KL(mu || pi)), ``k2 = lr^2 / 2``,
+  ``k3 = exp(lr) - 1 - lr``; criteria ``token_k{1,2,3}``, ``seq_sum_k{1,2,3}``, ``seq_mean_k{1,2,3}``,
+  ``seq_max_k{2,3}`` (token log-ratios clamped to +-20 first). k1 criteria keep log(lower) <= statistic <= log(upper) (``lower`` defaults to 1 / upper);
+  the others keep statistic <= upper.
+
+Both are pure functions over log-probs [B, T]: multiply the advantages by the weights (for the PPO family a
+non-negative stop-gradient weight on the advantage equals one on the per-token loss) and the mask by the kept
+mask (so rejected tokens also leave the loss's denominator, as in verl). Sequences follow ``segment_ids`` as in
+``jodc.losses.aggregation``.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jodc.losses._checks import check_bt, check_choice, check_positive, shape_of
+from jodc.losses._policy import LOG_RATIO_CLAMP
+from jodc.losses.aggregation import _per_sequence_sums, masked_mean, valid_tokens
+from jodc.losses.logprobs import compute_dtype
+from jodc.losses.ppo import IS_LEVELS
+
+REJECTION_CRITERIA: tuple[str, ...] = tuple(
+    [f"token_k{i}" for i in (1, 2, 3)] + [f"seq_sum_k{i}" for i in (1, 2, 3)]
+    + [f"seq_mean_k{i}" for i in (1, 2, 3)] + ["seq_max_k2", "seq_max_k3"]
+)
+
+
+def _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids):
+    """(lr [B, T] in the compute dtype, 0 where not valid; valid [B, T])."""
+    bt = shape_of(logprobs)
+    if len(bt) != 2:
+        raise ValueError(f"{fn}: logprobs must have shape [B, T], got shape {bt}")
+    check_bt(fn, "rollout_logprobs", rollout_logprobs, bt)
+    check_bt(fn, "mask", mask, bt)
+    if segment_ids is not None:
+        check_bt(fn, "segment_ids", segment_ids, bt, integer=True)
+    logprobs, rollout_logprobs = jnp.asarray(logprobs), jnp.asarray(rollout_logprobs)
+    dtype = compute_dtype(jnp.result_type(logprobs.dtype, rollout_logprobs.dtype))
+    valid = valid_tokens(mask, segment_ids)
+    lr = jnp.where(valid, logprobs.astype(dtype) - rollout_logprobs.astype(dtype), 0.0)
+    return lax.stop_gradient(lr), valid
+
+
+def _sequence_stat(values, valid, segment_ids, reduce: str) -> jax.Array:
+    """Per token, the sum / mean / max of ``values`` over the valid tokens of its sequence."""
+    if reduce == "max":
+        sums, counts, slot, num = _per_sequence_sums(values, valid, segment_ids)
+        maxima = jax.ops.segment_max(jnp.where(valid, values, -jnp.inf).reshape(-1), slot.reshape(-1),
+                                     num_segments=num)
+        return jnp.where(counts > 0, maxima, 0.0)[slot]
+    sums, counts, slot, _ = _per_sequence_sums(values, valid, segment_ids)
+    return (sums if reduce == "sum" else sums / jnp.maximum(counts, 1))[slot]
+
+
+def rollout_is_weights(logprobs, rollout_logprobs, mask, *, level: str = "token", upper: float = 2.0,
+                       lower: float | None = None, segment_ids=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Importance weights pi / mu [B, T] (no gradient, 0 on padding) and metrics (see the module docstring).
+
+    ``logprobs`` are the trainer's log pi(a_t), ``rollout_logprobs`` the rollout engine's log mu(a_t).
+    Metrics: is_weight_mean (over valid tokens, after truncation), is_truncated_fraction (tokens whose raw
+    weight was above ``upper``, or outside [lower, upper] with a lower bound)."""
+    fn = "rollout_is_weights"
+    check_choice(fn, "level", level, IS_LEVELS)
+    check_positive(fn, "upper", upper)
+    if lower is not None:
+        check_positive(fn, "lower", lower)
+        if lower > upper:
+            raise ValueError(f"{fn}: lower must be <= upper, got lower={lower!r}, upper={upper!r}")
+    lr, valid = _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids)
+    if level == "sequence":
+        lr = _sequence_stat(lr, valid, segment_ids, "sum")
+    raw = jnp.where(valid, jnp.exp(jnp.clip(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), 0.0)
+    if lower is None:
+        outside = raw > upper
+        weights = jnp.minimum(raw, upper)
+    else:
+        outside = valid & ((raw < lower) | (raw > upper))
+        weights = jnp.where(outside, 0.0, raw)
+    return weights, {"is_weight_mean": masked_mean(weights, valid),
+                     "is_truncated_fraction": masked_mean(outside.astype(weights.dtype), valid)}
+
+
+def rollout_rejection_mask(logprobs, rollout_logprobs, mask, *, criterion: str = "token_k1", upper: float,
+                           lower: float | None = None, segment_ids=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The mask with rejected tokens (or whole sequences) set to 0, in ``mask``'s dtype, and metrics.
+
+    ``criterion`` is one of ``REJECTION_CRITERIA``; thresholds as in the module docstring (k1 criteria take ratio
+    bounds ``lower`` / ``upper``; the others a divergence bound ``upper``). Metrics: rejected_fraction (of valid
+    tokens), statistic_mean (the criterion's statistic over valid tokens)."""
+    fn = "rollout_rejection_mask"
+    check_choice(fn, "criterion", criterion, REJECTION_CRITERIA)
+    check_positive(fn, "upper", upper)
+    if lower is not None and not criterion.endswith("k1"):
+        raise ValueError(f"{fn}: lower applies to the k1 criteria only, got lower={lower!r} with {criterion!r}")
+    if lower is not None:
+        check_positive(fn, "lower", lower)
+    lr, valid = _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids)
+    estimator = criterion[-2:]
+    lr = jnp.clip(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    token_stat = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": jnp.expm1(lr) - lr}[estimator]
+    token_stat = jnp.where(valid, token_stat, 0.0)
+    stat = token_stat if criterion.startswith("token") else _sequence_stat(
+        token_stat, valid, segment_ids, criterion.split("_")[1])
+    if estimator == "k1":
+        low = math.log(1.0 / upper if lower is None else lower)
+        keep = (stat >= low) & (stat <= math.log(upper))
+    else:
+        keep = stat <= upper
+    rejected = valid & ~keep
+    mask = jnp.asarray(mask)
+    return jnp.where(rejected, jnp.zeros_like(mask), mask), {
+        "rejected_fraction": masked_mean(rejected.astype(lr.dtype), valid),
+        "statistic_mean": masked_mean(stat, valid)}
