@@ -92,9 +92,11 @@ def test_accumulate_sums_gradients():
     assert float(loss) == 3.0 and metrics == {} and float(grads["w"]) == 7.0
 
 
-def test_engines_declare_whether_they_record_timelines():
+def test_engines_declare_their_capabilities():
     assert ODCEngine.supports_timeline and CollectiveEngine.supports_timeline
     assert not SPMDEngine.supports_timeline and not ReferenceEngine.supports_timeline
+    assert CollectiveEngine.lockstep and SPMDEngine.lockstep
+    assert not ODCEngine.lockstep and not ReferenceEngine.lockstep
 
 
 @pytest.mark.parametrize("kind", ["xla_spmd", "reference"])

@@ -25,6 +25,7 @@ class CollectiveEngine(ShardedStateMixin, Engine):
 
     name = "collective"
     supports_timeline = True
+    lockstep = True
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):

@@ -59,6 +59,7 @@ class Engine(abc.ABC):
     name: str = "engine"
     # Capabilities (class attributes, read by trainers instead of inspecting signatures):
     supports_timeline: bool = False  # `step(record_timeline=True)` records per-device busy / wait events
+    lockstep: bool = False  # every device runs max(counts) microbatches (feed it `lb_micro` plans); else own counts
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):

@@ -201,13 +201,15 @@ def from_nnx(module: nnx.Module, *, embed: str | Sequence[str] = "embed", layers
     head_parts = tuple(head_parts)
     tied = any(src == EMBED for src, _ in head_sources)
     layer_parts = tuple(_Part.of(module, layers, i) for i in range(len(_layer_list(module, layers))))
-    _check_coverage(module, embed_names + head_names, layers)
+    _check_coverage(module, embed_names, layers, head_names)
 
     embed_call = embed_call or _default_embed
     layer_call = layer_call or _default_layer
     head_call = head_call or _default_head
     loss_fn = loss_fn or _default_loss
-    single = lambda mods: mods[0] if len(mods) == 1 else mods  # noqa: E731
+
+    def single(mods):  # one module as itself, several as a tuple
+        return mods[0] if len(mods) == 1 else mods
 
     def embed_stage(params, h, mb):
         (tree,) = params
@@ -240,9 +242,9 @@ def from_nnx(module: nnx.Module, *, embed: str | Sequence[str] = "embed", layers
     return NNXStagedModel(StagedModel.build(groups, stages, metric_names), groups, parts)
 
 
-def _check_coverage(module: nnx.Module, names: tuple[str, ...], layers: str) -> None:
+def _check_coverage(module: nnx.Module, embed: tuple[str, ...], layers: str, head: tuple[str, ...]) -> None:
     """A ValueError naming the parameters that neither embed, layers nor head holds (they would never train)."""
-    owned = [tuple(n.split(".")) for n in names + (layers,)]
+    owned = [tuple(n.split(".")) for n in embed + (layers,) + head]
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(module, nnx.Param)))[0]
     stray = set()
     for path, _ in flat:
@@ -250,7 +252,7 @@ def _check_coverage(module: nnx.Module, names: tuple[str, ...], layers: str) -> 
         if not any(keys[:len(o)] == o for o in owned):
             stray.add(".".join(keys[:-1]) or keys[0])
     if stray:
-        raise ValueError(f"from_nnx: parameters outside embed={names!r}, layers={layers!r} and head would not be "
+        raise ValueError(f"from_nnx: parameters outside embed={embed}, layers={layers!r} and head={head} would not be "
                          f"trained: {sorted(stray)}; name their attributes in embed= or head= (a tuple is allowed)")
 
 

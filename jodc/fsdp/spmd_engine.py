@@ -25,6 +25,7 @@ class SPMDEngine(Engine):
 
     name = "xla_spmd"
     supports_timeline = False
+    lockstep = True
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, remat: bool = True, length_buckets=None):
