@@ -1,18 +1,26 @@
-"""What every FSDP engine offers: one minibatch step, the current parameters, and state for checkpoints."""
+"""The engine core: what every FSDP engine offers (one minibatch step, the current parameters, state for
+checkpoints, declared capabilities) and the two pieces every engine's compiled step is made of, written once here:
+the microbatch loop (`microbatch_loop`) and the optimizer update (`update_step`). An engine supplies only what is
+its own: how a microbatch's forward and backward reach the parameters (gather / push, collectives, a plain
+`jax.grad`) and where the gradients come from before the update (accumulated in the loop, or read from the heap).
+"""
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax import lax
 
-from jodc.fsdp import sharding
+from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import MinibatchArrays
-from jodc.fsdp.optim import OptimizerConfig
+from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
 from jodc.fsdp.stages import StagedModel
 from jodc.fsdp.timeline import TimelineRecorder
 
@@ -49,6 +57,9 @@ class Engine(abc.ABC):
     for it (never more than one in flight: a blocking barrier must not face queued launches)."""
 
     name: str = "engine"
+    # Capabilities (class attributes, read by trainers instead of inspecting signatures):
+    supports_timeline: bool = False  # `step(record_timeline=True)` records per-device busy / wait events
+    lockstep: bool = False  # every device runs max(counts) microbatches (feed it `lb_micro` plans); else own counts
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):
@@ -67,6 +78,15 @@ class Engine(abc.ABC):
             if not length_buckets or length_buckets[0] < 1:
                 raise ValueError(f"length_buckets must be positive token counts, got {length_buckets}")
         self.length_buckets = length_buckets
+        self.tx = make_optimizer(optimizer)
+        self._compiled: dict[Any, Any] = {}
+
+    def _cached(self, key, build: Callable[[], Any]):
+        """The compiled step for `key` (shapes, lengths, timeline or not), built once by `build()`."""
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = build()
+        return fn
 
     def bucket_lengths(self, token_cap: int) -> tuple[int, ...]:
         """The static lengths a microbatch runs at: the configured buckets below `token_cap`, then `token_cap`.
@@ -97,6 +117,9 @@ class Engine(abc.ABC):
         its previous state, selected on device) and raises `NonFiniteStepError`, or, with `skip_nonfinite`,
         returns its result with `applied=False`. `steps_done` counts applied steps (optax's step count)."""
         self._check_batch(batch)
+        if record_timeline and not self.supports_timeline:
+            raise ValueError(f"the {self.name} engine cannot record timelines (supports_timeline is False); check "
+                             "`engine.supports_timeline` before asking for one")
         recorder = None
         if record_timeline:
             if self._recorder is None:
@@ -148,3 +171,72 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Releases native resources (ODC heap); the engine is unusable afterwards."""
+
+
+# -- the pieces of a compiled step -------------------------------------------------------------------------------
+
+def scalar_zero(axis: str | None = None) -> jax.Array:
+    """fp32 0, typed as varying over `axis` inside shard_map (a per-device loop carry)."""
+    zero = jnp.zeros((), jnp.float32)
+    return zero if axis is None else lax.pcast(zero, axis, to="varying")
+
+
+def microbatch_loop(run: Callable, arrays: dict, count, state, *, normalizer, lengths: tuple[int, ...], bucket,
+                    metric_names: tuple[str, ...], axis: str | None = None,
+                    recorder: TimelineRecorder | None = None):
+    """Runs microbatches 0 .. `count` - 1 (a static or a per-device traced count) and sums their losses and metrics.
+
+    `arrays` hold every per-token field as [M, B, T, ...] (microbatch, rows, tokens); microbatch i is row block
+    ``arrays[i]`` cut to its static length ``lengths[bucket[i]]`` (one compiled branch per length, `lax.switch`
+    between them; no switch with one length), with the minibatch's `normalizer` added. ``run(microbatch, i, state)
+    -> (loss, {metric: value}, state)`` does its forward and backward; `state` is what the engine carries from one
+    microbatch to the next (summed gradients, an ordering token). With `recorder`, marks the start and end of every
+    microbatch (for engines whose first stage has no backward probe). Returns (loss sum, metric sums, state)."""
+
+    def one(length, full, i, state):
+        microbatch = {k: v[:, :length] for k, v in full.items()}
+        microbatch["normalizer"] = normalizer
+        return run(microbatch, i, state)
+
+    def body(i, carry):
+        state, loss_sum, metric_sums = carry
+        if recorder is not None:
+            loss_sum = recorder.mark(loss_sum, i, timeline.MICROBATCH_START)
+        full = {k: lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in arrays.items()}
+        if len(lengths) == 1:
+            loss, metrics, state = one(lengths[0], full, i, state)
+        else:
+            branches = [functools.partial(one, length) for length in lengths]
+            loss, metrics, state = lax.switch(bucket[i], branches, full, i, state)
+        if recorder is not None:
+            state = recorder.mark(state, i, timeline.MICROBATCH_END)
+        metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
+        return state, loss_sum + loss.astype(jnp.float32), metric_sums
+
+    init = (state, scalar_zero(axis), {m: scalar_zero(axis) for m in metric_names})
+    state, loss_sum, metric_sums = lax.fori_loop(0, count, body, init)
+    return loss_sum, metric_sums, state
+
+
+def accumulate(grad_fn: Callable) -> Callable:
+    """A `microbatch_loop` step for engines that sum gradients locally: ``grad_fn(microbatch, i)`` returns
+    ((loss, metrics), grads); the carried state is the running gradient sum."""
+
+    def run(microbatch, i, grads):
+        (loss, metrics), g = grad_fn(microbatch, i)
+        return loss, metrics, optax.tree_utils.tree_add(grads, g)
+
+    return run
+
+
+def update_step(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads, params, opt_state, loss_sum,
+                metric_sums, *, axis: str | None = None):
+    """The optimizer update every engine ends its step with, on whole parameters (`axis` None) or on this device's
+    shards inside shard_map (`axis` 'd': the squared gradient norm, the loss and the metrics are summed over the
+    devices, so clipping sees the global norm). Non-finite steps are not applied (`optim.guarded_update`).
+    Returns (params, opt_state, loss, grad_norm, metrics, applied)."""
+    reduce = (lambda x: x) if axis is None else (lambda x: lax.psum(x, axis))
+    global_sq, loss = reduce((squared_norm(grads), loss_sum))
+    params, opt_state, norm, applied = guarded_update(tx, cfg, grads, params, opt_state, global_sq_norm=global_sq,
+                                                      loss=loss, all_reduce=reduce)
+    return params, opt_state, loss, norm, reduce(metric_sums), applied

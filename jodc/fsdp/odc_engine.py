@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jodc import ops
 from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import FIELDS, MinibatchArrays
-from jodc.fsdp.engine import Engine
-from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
+from jodc.fsdp.engine import Engine, microbatch_loop, scalar_zero, update_step
+from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
 
@@ -37,38 +37,28 @@ class ODCEngine(ShardedStateMixin, Engine):
     """
 
     name = "odc"
+    supports_timeline = True
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float = 300.0,
                  length_buckets=None):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
-        if "d" not in mesh.shape or len(mesh.shape) != 1:
-            raise ValueError(f"the ODC engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
-        self.mesh = mesh
+        self.mesh = sharding.check_mesh(mesh, "ODC")
         self.heap = ops.SymmetricHeap(mesh, "d", deterministic=deterministic, barrier_timeout_s=barrier_timeout_s)
         self.buckets = {g: self.heap.register(model.layouts[g].numel, jnp.float32, name=g) for g in model.group_names}
         self.numels = {g: b.numel for g, b in self.buckets.items()}
-        self.shard_numels = {g: b.shard_numel for g, b in self.buckets.items()}
-        self.tx = make_optimizer(optimizer)
-        flats = model.flatten_groups(groups)
-        for g, b in self.buckets.items():
-            b.set_full(flats[g])
-        shards = {g: np.stack([b.shard(d) for d in range(b.heap.world)]) for g, b in self.buckets.items()}
-        self.shards = sharding.put_per_device(mesh, shards)
-        self.opt_state = self._init_opt_state(self.shards)
-        self._step_fns: dict[int, Any] = {}
+        self.shard_numels = sharding.shard_numels(self.numels, self.num_devices)
+        native = {g: b.shard_numel for g, b in self.buckets.items()}
+        if native != self.shard_numels:  # one layout for every engine and checkpoint; never expected to differ
+            raise RuntimeError(f"the heap's shard sizes {native} differ from jodc.ops.layout's {self.shard_numels}")
+        self._init_sharded_state(model.flatten_groups(groups))
 
     @property
     def num_devices(self) -> int:
         return self.heap.world
 
     # -- compiled pieces ---------------------------------------------------------------------------------------
-    def _init_opt_state(self, shards):
-        init = jax.shard_map(lambda s: sharding.stacked(self.tx.init(sharding.local(s))), mesh=self.mesh,
-                             in_specs=(sharding.device_spec(shards),), out_specs=P_tree(self.tx, shards))
-        return jax.jit(init)(shards)
-
     def _layers(self):
         layers = []
         for st in self.model.stages:
@@ -80,9 +70,7 @@ class ODCEngine(ShardedStateMixin, Engine):
     def _device_step(self, shards, opt_state, arrays, counts, bucket_index, normalizer, recorder=None,
                      lengths=()):
         shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
-        count, bucket_index = counts[0], bucket_index[0]
         layers = self._layers()
-        per_device_normalizer = lax.pcast(normalizer, "d", to="varying")  # no collective in the backward pass
 
         def microbatch_loss(anchor, token, microbatch, i):
             h = anchor  # a float input whose cotangent is released only after the first stage's push
@@ -96,33 +84,21 @@ class ODCEngine(ShardedStateMixin, Engine):
             loss, metrics = split_loss(h, self.model.metric_names)
             return loss, (token, metrics)
 
-        def varying_zero():
-            return lax.pcast(jnp.zeros((), jnp.float32), "d", to="varying")
-
-        def run_microbatch(length, full, token, i):
-            """Forward + backward of one microbatch on its first `length` tokens (a static bucket length)."""
-            microbatch = {k: v[:, :length] for k, v in full.items()}
-            microbatch["normalizer"] = per_device_normalizer
+        def run_microbatch(microbatch, i, token):
+            """Forward + backward of one microbatch; its gradients are pushed to their owners, not carried."""
             anchor = lax.pcast(jnp.zeros(()), "d", to="varying")
             loss, vjp_fn, (token, metrics) = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor,
                                                      token, has_aux=True)
             d_anchor, _ = vjp_fn(jnp.ones_like(loss))
             token = ops.after(token, d_anchor)  # every push of this microbatch precedes what follows
-            return loss.astype(jnp.float32), token, metrics
+            return loss, metrics, token
 
-        def body(carry):
-            i, token, loss_sum, metric_sums = carry
-            full = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
-            if len(lengths) == 1:
-                loss, token, metrics = run_microbatch(lengths[0], full, token, i)
-            else:  # each device picks its own length per microbatch: no collective, so branches may differ
-                branches = [functools.partial(run_microbatch, length) for length in lengths]
-                loss, token, metrics = lax.switch(bucket_index[i], branches, full, token, i)
-            metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
-            return i + 1, token, loss_sum + loss, metric_sums
-
-        init = (jnp.int32(0), ops.new_token("d"), varying_zero(), {m: varying_zero() for m in self.model.metric_names})
-        _, token, loss_sum, metric_sums = lax.while_loop(lambda c: c[0] < count, body, init)
+        # each device runs its own count and picks its own length per microbatch: no collective inside the loop
+        arrays = jax.tree.map(lambda v: v[:, None], arrays)  # [M, 1, T]: this device's one row per microbatch
+        per_device_normalizer = lax.pcast(normalizer, "d", to="varying")  # no collective in the backward pass
+        loss_sum, metric_sums, token = microbatch_loop(
+            run_microbatch, arrays, counts[0], ops.new_token("d"), normalizer=per_device_normalizer,
+            lengths=lengths, bucket=bucket_index[0], metric_names=self.model.metric_names, axis="d")
         token = self._barrier(token, recorder)  # every device's pushes have landed
         # the reductions below are collectives: keep them after the barrier (XLA would otherwise hoist them, and
         # the devices would meet there instead, invisibly)
@@ -131,18 +107,15 @@ class ODCEngine(ShardedStateMixin, Engine):
         for g in self.model.group_names:
             grads[g], token = ops.read_accumulator(self.buckets[g], token)
             token = ops.zero_accumulator(self.buckets[g], token)
-        global_sq, loss = lax.psum((squared_norm(grads), loss_sum), "d")
         # a non-finite step keeps (and republishes) the previous shards: a NaN on one device reaches no parameter
-        shards, opt_state, norm, applied = guarded_update(self.tx, self.optimizer, grads, shards, opt_state,
-                                                          global_sq_norm=global_sq, loss=loss,
-                                                          all_reduce=lambda x: lax.psum(x, "d"))
+        shards, opt_state, loss, norm, metrics, applied = update_step(
+            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis="d")
         for g in self.model.group_names:
             token = ops.publish(self.buckets[g], shards[g], token)
         token = self._barrier(token, recorder)  # nobody gathers the next minibatch before everyone published
-        metric_sums = {k: lax.psum(v, "d")[None] for k, v in metric_sums.items()}
         shards = jax.tree.map(lambda s: ops.depend_on(s, token), shards)  # results wait for the last barrier
-        return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None], metric_sums,
-                applied[None])
+        return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None],
+                sharding.stacked(metrics), applied[None])
 
     def _barrier(self, token, recorder):
         if recorder is not None:
@@ -156,17 +129,16 @@ class ODCEngine(ShardedStateMixin, Engine):
         lengths = self.bucket_lengths(next(iter(arrays_template.values())).shape[2])
         key = jax.tree.map(lambda x: x.shape, arrays_template)
         key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None, lengths)
-        fn = self._step_fns.get(key)
-        if fn is None:
-            specs = (sharding.device_spec(self.shards), P_tree(self.tx, self.shards),
-                     sharding.device_spec(arrays_template), jax.sharding.PartitionSpec("d"),
-                     jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec())
+
+        def build():
+            specs = (sharding.device_spec(self.shards), sharding.opt_state_specs(self.tx, self.shards),
+                     sharding.device_spec(arrays_template), P("d"), P("d"), P())
             device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
-            fn = jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
-                                       out_specs=(specs[0], specs[1], *[jax.sharding.PartitionSpec("d")] * 4)),
-                         donate_argnums=(0, 1))
-            self._step_fns[key] = fn
-        return fn
+            return jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
+                                         out_specs=(specs[0], specs[1], *[P("d")] * 4)),
+                           donate_argnums=(0, 1))
+
+        return self._cached(key, build)
 
     def _run(self, batch: MinibatchArrays, recorder=None):
         self.heap.check_alive()  # an aborted or timed-out heap fails here, before anything is dispatched
@@ -195,12 +167,6 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     def close(self) -> None:
         self.heap.free()
-
-
-def P_tree(tx, shards):
-    """PartitionSpecs for the optimizer state of `shards` (every leaf split over 'd')."""
-    shapes = jax.eval_shape(lambda s: tx.init(jax.tree.map(lambda x: x[0], s)), shards)
-    return jax.tree.map(lambda _: jax.sharding.PartitionSpec("d"), shapes)
 
 
 def _pad_microbatches(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -70,7 +70,9 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def squared_norm(tree) -> jax.Array:
-    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+    """Squared L2 norm of a pytree (fp32 gradients: the engines' accumulators are fp32 whatever the compute dtype);
+    inside shard_map this is one device's part of the global squared norm."""
+    return optax.tree_utils.tree_norm(tree, squared=True)
 
 
 def clip_by_global_norm(grads, global_sq_norm, max_norm: float | None):
@@ -79,7 +81,7 @@ def clip_by_global_norm(grads, global_sq_norm, max_norm: float | None):
     if max_norm is None:
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
-    return jax.tree.map(lambda g: g * scale, grads), norm
+    return optax.tree_utils.tree_scale(scale, grads), norm
 
 
 def nonfinite_leaves(tree) -> jax.Array:
@@ -98,7 +100,7 @@ def guarded_update(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads
     and a NaN on one device cannot reach any parameter. Returns (params, opt_state, grad_norm, applied)."""
     grads, norm = clip_by_global_norm(grads, global_sq_norm, cfg.max_grad_norm)
     updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+    new_params = optax.apply_updates(params, updates)
     applied = jnp.isfinite(norm) & jnp.isfinite(loss) & (all_reduce(nonfinite_leaves(new_params)) == 0)
 
     def keep(new, old):

@@ -7,11 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jodc.fsdp.batch import MinibatchArrays
-from jodc.fsdp.engine import Engine
-from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
+from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, update_step
+from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel
 
 
@@ -19,13 +18,13 @@ class ReferenceEngine(Engine):
     """Runs every microbatch of every device, in order, on one device with full fp32 parameters."""
 
     name = "reference"
+    supports_timeline = False  # one device: nothing to wait for
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, num_devices: int = 1, device=None):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
         self._num_devices = num_devices
         self.device = device or jax.devices("cpu")[0]
-        self.tx = make_optimizer(optimizer)
         self.flats = jax.device_put({g: jnp.asarray(v) for g, v in model.flatten_groups(groups).items()}, self.device)
         self.opt_state = jax.jit(self.tx.init)(self.flats)
         self._step = jax.jit(self._full_step, donate_argnums=(0, 1))
@@ -41,24 +40,15 @@ class ReferenceEngine(Engine):
 
     def _full_step(self, flats, opt_state, arrays, normalizer):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-
-        def body(i, carry):
-            grads, loss_sum, metric_sums = carry
-            microbatch = {k: lax.dynamic_index_in_dim(v, i, keepdims=True)[0][None] for k, v in arrays.items()}
-            microbatch["normalizer"] = normalizer
-            (loss, metrics), g = grad_fn(flats, microbatch)
-            metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
-            return jax.tree.map(jnp.add, grads, g), loss_sum + loss, metric_sums
-
+        arrays = jax.tree.map(lambda v: v[:, None], arrays)  # [N, 1, T]: one row per microbatch
         n = next(iter(arrays.values())).shape[0]
-        init = (jax.tree.map(jnp.zeros_like, flats), jnp.zeros((), jnp.float32),
-                {m: jnp.zeros((), jnp.float32) for m in self.model.metric_names})
-        grads, loss, metric_sums = lax.fori_loop(0, n, body, init)
-        flats, opt_state, norm, applied = guarded_update(self.tx, self.optimizer, grads, flats, opt_state,
-                                                         global_sq_norm=squared_norm(grads), loss=loss)
-        return flats, opt_state, loss, norm, metric_sums, applied
+        loss, metric_sums, grads = microbatch_loop(
+            accumulate(lambda mb, i: grad_fn(flats, mb)), arrays, n, jax.tree.map(jnp.zeros_like, flats),
+            normalizer=normalizer, lengths=(next(iter(arrays.values())).shape[2],), bucket=None,
+            metric_names=self.model.metric_names)
+        return update_step(self.tx, self.optimizer, grads, flats, opt_state, loss, metric_sums)
 
-    def _run(self, batch: MinibatchArrays, recorder=None):  # no timeline: one device, nothing to wait for
+    def _run(self, batch: MinibatchArrays, recorder=None):
         rows = [(d, m) for d in range(batch.num_devices) for m in range(int(batch.counts[d]))]
         arrays = {k: np.stack([v[d, m] for d, m in rows]) if rows else v[0, :0]
                   for k, v in batch.as_dict().items()}

@@ -14,35 +14,34 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jodc.fsdp import sharding
 from jodc.fsdp.batch import MinibatchArrays
-from jodc.fsdp.engine import Engine
-from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
+from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, update_step
+from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel
 
 
 class SPMDEngine(Engine):
-    """Flat fp32 parameter vectors per group, padded to a multiple of the device count and sharded over 'd'."""
+    """Flat fp32 parameter vectors per group, padded as the heap pads them (`sharding.shard_numels`) and sharded
+    over 'd'. No timelines: one program for all devices has no per-device place to stamp (`supports_timeline`)."""
 
     name = "xla_spmd"
+    supports_timeline = False
+    lockstep = True
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, remat: bool = True, length_buckets=None):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
-        if "d" not in mesh.shape or len(mesh.shape) != 1:
-            raise ValueError(f"the SPMD engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
-        self.mesh = mesh
+        self.mesh = sharding.check_mesh(mesh, "SPMD")
         self.remat = remat  # per-stage rematerialisation, like the other engines (MaxText's remat_policy=full)
-        devices = int(mesh.shape["d"])
         self.numels = {g: model.layouts[g].numel for g in model.group_names}
-        self.padded = {g: -(-n // devices) * devices for g, n in self.numels.items()}
+        self.padded = {g: n * self.num_devices
+                       for g, n in sharding.shard_numels(self.numels, self.num_devices).items()}
         self.param_sharding = NamedSharding(mesh, P("d"))
         flats = model.flatten_groups(groups)
         self.flats = {g: jax.device_put(np.pad(flats[g], (0, self.padded[g] - self.numels[g])), self.param_sharding)
                       for g in model.group_names}
-        self.tx = make_optimizer(optimizer)
         self.opt_state = jax.jit(self.tx.init)(self.flats)
         self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
-        self._steps: dict[tuple, Any] = {}
 
     @property
     def num_devices(self) -> int:
@@ -56,44 +55,26 @@ class SPMDEngine(Engine):
 
     def _full_step(self, flats, opt_state, arrays, round_bucket, normalizer, lengths=()):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-
-        def run_microbatch(length, full):
-            microbatch = {k: v[:, :length] for k, v in full.items()}
-            microbatch["normalizer"] = normalizer
-            return grad_fn(flats, microbatch)
-
-        def body(i, carry):
-            grads, loss_sum, metric_sums = carry
-            full = {k: lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in arrays.items()}
-            if len(lengths) == 1:
-                (loss, metrics), g = run_microbatch(lengths[0], full)
-            else:  # one program for all devices: round i runs at the longest bucket any device needs
-                branches = [functools.partial(run_microbatch, length) for length in lengths]
-                (loss, metrics), g = lax.switch(round_bucket[i], branches, full)
-            metric_sums = {k: metric_sums[k] + metrics[k] for k in metric_sums}
-            return jax.tree.map(jnp.add, grads, g), loss_sum + loss, metric_sums
-
-        m = next(iter(arrays.values())).shape[0]
-        zeros = jax.tree.map(jnp.zeros_like, flats)
-        init = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in self.model.metric_names})
-        grads, loss, metric_sums = lax.fori_loop(0, m, body, init)
-        flats, opt_state, norm, applied = guarded_update(self.tx, self.optimizer, grads, flats, opt_state,
-                                                         global_sq_norm=squared_norm(grads), loss=loss)
+        # one program for all devices: round i runs every device's row at the longest bucket any of them needs
+        loss, metric_sums, grads = microbatch_loop(
+            accumulate(lambda mb, i: grad_fn(flats, mb)), arrays, next(iter(arrays.values())).shape[0],
+            jax.tree.map(jnp.zeros_like, flats), normalizer=normalizer, lengths=lengths, bucket=round_bucket,
+            metric_names=self.model.metric_names)
+        flats, opt_state, loss, norm, metrics, applied = update_step(self.tx, self.optimizer, grads, flats,
+                                                                     opt_state, loss, metric_sums)
         flats = jax.tree.map(lambda p: lax.with_sharding_constraint(p, self.param_sharding), flats)
-        return flats, opt_state, loss, norm, metric_sums, applied
+        return flats, opt_state, loss, norm, metrics, applied
 
     def _run(self, batch: MinibatchArrays, recorder=None):
-        if recorder is not None:
-            raise ValueError("the XLA-SPMD engine cannot record timelines (one program for all devices)")
         m = max(1, int(batch.counts.max()))
         arrays = {k: np.ascontiguousarray(np.swapaxes(np.asarray(v)[:, :m], 0, 1))  # [M, D, T]
                   for k, v in batch.as_dict().items()}
         arrays = jax.device_put(arrays, self.batch_sharding)
         lengths = self.bucket_lengths(batch.token_cap)
         round_bucket = self.bucket_indices(batch)[:, :m].max(axis=0)
-        if lengths not in self._steps:
-            self._steps[lengths] = jax.jit(functools.partial(self._full_step, lengths=lengths), donate_argnums=(0, 1))
-        self.flats, self.opt_state, loss, norm, metrics, applied = self._steps[lengths](
+        step = self._cached(lengths, lambda: jax.jit(functools.partial(self._full_step, lengths=lengths),
+                                                     donate_argnums=(0, 1)))
+        self.flats, self.opt_state, loss, norm, metrics, applied = step(
             self.flats, self.opt_state, arrays, sharding.put_replicated(self.mesh, round_bucket),
             sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))
         return loss, norm, metrics, applied

@@ -49,8 +49,18 @@ def shard_tree(tree, numels: dict[str, int], shard_numels: dict[str, int], devic
 
 
 class ShardedStateMixin:
-    """flat_params / state_dict / load_state_dict for engines whose state is `shards` and `opt_state` with a
-    leading device axis ([D, shard] per group), `numels` and `shard_numels` per group, on `mesh`."""
+    """State for engines whose parameters are `shards` and `opt_state` with a leading device axis ([D, shard] per
+    group) on `mesh`, given `numels` and `shard_numels` per group: building it, flat_params, state_dict and
+    load_state_dict."""
+
+    def _init_sharded_state(self, params: dict[str, np.ndarray]) -> None:
+        """Shards the canonical flat fp32 `params` over the devices and initialises the optimizer on each shard."""
+        from jodc.fsdp import sharding
+
+        self._params_loaded(params)
+        self.shards = sharding.put_per_device(
+            self.mesh, shard_tree(params, self.numels, self.shard_numels, self.num_devices))
+        self.opt_state = sharding.init_opt_state(self.tx, self.mesh, self.shards)
 
     def flat_params(self) -> dict[str, np.ndarray]:
         from jodc.fsdp import sharding
