@@ -163,5 +163,8 @@ def test_evaluation_problems_are_distinct_and_held_out_from_the_training_pool():
     assert held_out == eval_problems(task, 0, 256, exclude=pool)  # still a pure function of the seed
     assert len(set(eval_problems(task, 0, 256))) == 256  # distinct without a pool too
     small = make_task("arithmetic", max_digits=1, min_terms=2, max_terms=2)  # at most 2 * 10 * 10 problems
-    with pytest.raises(ValueError, match="gave only .* distinct evaluation problems .* task.eval_problems=300"):
-        eval_problems(small, 0, 300)
+    everything = eval_problems(small, 0, 300)  # fewer than asked: every distinct problem, once
+    assert 100 < len(everything) == len({p.prompt for p in everything}) < 300
+    assert len(eval_problems(small, 0, 300, exclude=everything[:50])) == len(everything) - 50
+    with pytest.raises(ValueError, match="no evaluation problem outside the training pool"):
+        eval_problems(small, 0, 10, exclude=everything)

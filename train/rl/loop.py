@@ -89,6 +89,9 @@ class RLRun(TrainingRun):
                                        where=self.store.step_dir(resume_from), log=log)
             self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
             self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems, exclude=self.pool or ())
+            if len(self.eval_set) < config.task.eval_problems:
+                log(f"evaluating on the {len(self.eval_set)} distinct problems outside the training pool "
+                    f"(task.eval_problems={config.task.eval_problems})")
             if reward_fn is not None:
                 self.reward_fn = reward_fn
             elif config.task.reward_fn:

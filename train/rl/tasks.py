@@ -268,9 +268,10 @@ _EVAL_DRAWS_PER_PROBLEM = 100
 
 
 def eval_problems(task: Task, seed: int, count: int, *, exclude: Iterable[Problem] = ()) -> list[Problem]:
-    """The run's fixed evaluation prompts: `count` distinct problems, none of them in `exclude` (pass the training
-    pool, so that evaluation is held out). Drawn from the evaluation stream, skipping repeats and excluded
-    prompts; ValueError when the task cannot supply that many (a small problem space, or a small jsonl file)."""
+    """The run's fixed evaluation prompts: up to `count` distinct problems, none of them in `exclude` (pass the
+    training pool, so that evaluation is held out), drawn from the evaluation stream skipping repeats and excluded
+    prompts. A task with fewer such problems (a small prompt file, a tiny problem space) gives all it has, found
+    within `_EVAL_DRAWS_PER_PROBLEM * count` draws; ValueError when it has none."""
     rng = np.random.default_rng([seed, _EVAL_STREAM])
     taken = {p.prompt for p in exclude}
     out: list[Problem] = []
@@ -280,10 +281,11 @@ def eval_problems(task: Task, seed: int, count: int, *, exclude: Iterable[Proble
             taken.add(problem.prompt)
             out.append(problem)
             if len(out) == count:
-                return out
-    raise ValueError(f"the {task.name} task gave only {len(out)} distinct evaluation problems outside the training "
-                     f"pool in {_EVAL_DRAWS_PER_PROBLEM * count} draws, fewer than task.eval_problems={count}; lower "
-                     "task.eval_problems or task.pool_size, or widen the task")
+                break
+    if not out:
+        raise ValueError(f"the {task.name} task has no evaluation problem outside the training pool of "
+                         f"{len(taken)} problems; lower task.pool_size or widen the task")
+    return out
 
 
 def warmstart_records(task: Task, seed: int, count: int) -> list[dict]:
