@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jodc.ops import _targets
 from jodc.ops.heap import Bucket, SymmetricHeap
 from jodc.ops.token import TOKEN_TYPE, as_varying, check_token  # noqa: F401 (TOKEN_TYPE re-exported)
 
@@ -40,7 +41,7 @@ def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
 
 def target(heap: SymmetricHeap, op: str) -> str:
     """The FFI target of `op` for the heap's transport: jodc_<op> in-process, jodc_mpi_<op> across processes."""
-    return f"jodc_mpi_{op}" if getattr(heap, "transport", "local") == "mpi" else f"jodc_{op}"
+    return _targets.target_name(op, getattr(heap, "transport", "local"))
 
 
 def _other_axes(axis_name: str) -> dict[str, int]:
