@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jodc import dtypes
 from jodc.ops import _targets
-from jodc.ops.heap import Bucket, SymmetricHeap
+from jodc.ops.heap import MASTER_DTYPE_NAMES, Bucket, SymmetricHeap
 from jodc.ops.token import TOKEN_TYPE, as_varying, check_token  # noqa: F401 (TOKEN_TYPE re-exported)
 
 
@@ -68,10 +69,8 @@ def attrs(bucket: Bucket) -> dict:
 
 
 def float_dtype(dtype, what: str, op: str) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"jodc.ops.{op}: {what} must be float32 or bfloat16, got {dt}")
-    return dt
+    """`dtype` (any spelling, see jodc.dtypes) as float32 or bfloat16, the dtypes the native ops move."""
+    return dtypes.as_dtype(dtype, MASTER_DTYPE_NAMES, f"jodc.ops.{op}: {what}")
 
 
 def per_device(x, axis_name: str):

@@ -18,21 +18,18 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jodc import dtypes
 from jodc.ops import _mpi, _native, layout
 
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+MASTER_DTYPE_NAMES = tuple(MASTER_DTYPES)
 DEFAULT_BARRIER_TIMEOUT_S = 300.0
 
 
 def dtype_name(dtype) -> str:
-    """'float32' or 'bfloat16' for any spelling of those dtypes; ValueError otherwise."""
-    try:
-        name = np.dtype(dtype).name
-    except TypeError as e:
-        raise ValueError(f"unsupported dtype {dtype!r}: jodc buckets hold float32 or bfloat16") from e
-    if name not in MASTER_DTYPES:
-        raise ValueError(f"unsupported dtype {name}: jodc buckets hold float32 or bfloat16")
-    return name
+    """'float32' or 'bfloat16' for any spelling of those dtypes (a name, jnp.bfloat16, a numpy dtype); ValueError
+    naming the allowed ones otherwise."""
+    return dtypes.dtype_name(dtype, MASTER_DTYPE_NAMES, "a jodc bucket's master dtype")
 
 
 def wait_for_ops() -> None:
