@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "common/error.h"
 
@@ -35,6 +37,33 @@ inline int32_t Report(const Error& e, char* err, int64_t capacity) {
 inline Error CheckDevice(int32_t device, int32_t world) {
   if (device >= 0 && device < world) return Error::Success();
   return InvalidArgument("device " + std::to_string(device) + " outside [0, " + std::to_string(world) + ")");
+}
+
+// A heap and one of its buckets, resolved for a host-side access to a device's memory.
+template <typename HeapPtr, typename BucketPtr>
+struct HostTarget {
+  HeapPtr heap;
+  BucketPtr bucket;
+};
+
+// Resolves `heap` (a FindHeap result), its bucket `bucket_id` (find_bucket(heap pointer, id) -> ErrorOr<bucket
+// pointer>) and checks `device`: the preamble of every C function that reads or writes a device's shard.
+template <typename HeapPtr, typename FindBucket>
+auto LocateForHost(ErrorOr<HeapPtr> heap, FindBucket&& find_bucket, int64_t bucket_id, int32_t device)
+    -> ErrorOr<HostTarget<HeapPtr, std::decay_t<decltype(*find_bucket(std::declval<HeapPtr&>(), bucket_id))>>> {
+  using Bucket = std::decay_t<decltype(*find_bucket(std::declval<HeapPtr&>(), bucket_id))>;
+  if (!heap.has_value()) return Fail(heap.error());
+  auto bucket = find_bucket(*heap, bucket_id);
+  if (!bucket.has_value()) return Fail(bucket.error());
+  if (Error e = CheckDevice(device, (*heap)->world); e.failure()) return Fail(e);
+  return HostTarget<HeapPtr, Bucket>{*heap, *bucket};
+}
+
+// The C return code of fn(heap) -> Error on `heap` (a FindHeap result), or of the lookup's failure.
+template <typename HeapPtr, typename Fn>
+int32_t WithHeap(ErrorOr<HeapPtr> heap, char* err, int64_t capacity, Fn&& fn) {
+  if (!heap.has_value()) return Report(heap.error(), err, capacity);
+  return Report(fn(**heap), err, capacity);
 }
 
 }  // namespace jodc

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <sstream>
 
+#include "common/index_list.h"
 #include "cpu/handler_util.h"
 #include "cpu/handlers.h"
 
@@ -42,15 +43,8 @@ Error Wait(Heap& h, int32_t device, int64_t heap_id) {
     if (deadline != kForeverNs && now >= deadline) {
       std::ostringstream msg;
       msg << "jodc barrier timed out after " << timeout_s << " s in generation " << generation << " of heap "
-          << heap_id << ": device(s) [";
-      bool first = true;
-      for (int32_t d = 0; d < h.world; ++d) {
-        if (h.arrivals[d] < generation) {
-          msg << (first ? "" : ", ") << d;
-          first = false;
-        }
-      }
-      msg << "] never arrived (device " << device << " waited); the heap is now unusable: free and re-create it";
+          << heap_id << ": device(s) " << IndexList(h.world, [&](int32_t d) { return h.arrivals[d] < generation; })
+          << " never arrived (device " << device << " waited); the heap is now unusable: free and re-create it";
       h.poisoned = msg.str();
       h.barrier_cv.notify_all();
       return Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());

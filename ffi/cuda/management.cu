@@ -16,19 +16,9 @@
 namespace jodc::cuda {
 namespace {
 
-struct Located {
-  std::shared_ptr<Heap> heap;
-  std::shared_ptr<Bucket> bucket;
-};
-
 // Resolves a bucket (and its heap) for a host-side access to position `device`'s memory.
-ErrorOr<Located> Lookup(int64_t heap_id, int64_t bucket_id, int32_t device) {
-  auto heap = FindHeap(heap_id);
-  if (!heap.has_value()) return Fail(heap.error());
-  auto bucket = FindBucket(*heap, bucket_id);
-  if (!bucket.has_value()) return Fail(bucket.error());
-  if (Error e = CheckDevice(device, (*heap)->world); e.failure()) return Fail(e);
-  return Located{*heap, *bucket};
+auto Lookup(int64_t heap_id, int64_t bucket_id, int32_t device) {
+  return LocateForHost(FindHeap(heap_id), FindBucket, bucket_id, device);
 }
 
 // Synchronous copy between host and one GPU's memory (unified addressing: the runtime infers the direction).
@@ -95,34 +85,33 @@ JODC_EXPORT int32_t jodc_cuda_heap_free(int64_t heap_id, char* err, int64_t err_
 
 JODC_EXPORT int32_t jodc_cuda_heap_set_barrier_timeout(int64_t heap_id, double timeout_s, char* err,
                                                        int64_t err_capacity) {
-  auto heap = FindHeap(heap_id);
-  if (!heap.has_value()) return Report(heap.error(), err, err_capacity);
-  if (Error e = CheckBarrierTimeout(timeout_s); e.failure()) return Report(e, err, err_capacity);
-  (*heap)->barrier_timeout_s = timeout_s;
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](Heap& heap) {
+    if (Error e = CheckBarrierTimeout(timeout_s); e.failure()) return e;
+    heap.barrier_timeout_s = timeout_s;
+    return Error::Success();
+  });
 }
 
 // Copies min(world, capacity) generations into `out` and the heap's world into *world.
 JODC_EXPORT int32_t jodc_cuda_heap_generations(int64_t heap_id, uint64_t* out, int32_t capacity, int32_t* world,
                                                char* err, int64_t err_capacity) {
-  auto found = FindHeap(heap_id);
-  if (!found.has_value()) return Report(found.error(), err, err_capacity);
-  const Heap& heap = **found;
-  *world = heap.world;
-  for (int32_t p = 0; p < heap.world && p < capacity; ++p)
-    out[p] = __atomic_load_n(&heap.control->arrivals[p], __ATOMIC_ACQUIRE);
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](const Heap& heap) {
+    *world = heap.world;
+    for (int32_t p = 0; p < heap.world && p < capacity; ++p)
+      out[p] = __atomic_load_n(&heap.control->arrivals[p], __ATOMIC_ACQUIRE);
+    return Error::Success();
+  });
 }
 
 // Writes the poison message ("" while healthy) into `out`; *length receives its full length.
 JODC_EXPORT int32_t jodc_cuda_heap_poisoned(int64_t heap_id, char* out, int64_t out_capacity, int64_t* length,
                                             char* err, int64_t err_capacity) {
-  auto heap = FindHeap(heap_id);
-  if (!heap.has_value()) return Report(heap.error(), err, err_capacity);
-  const std::string poisoned = CurrentPoison(**heap);
-  *length = static_cast<int64_t>(poisoned.size());
-  CopyText(poisoned, out, out_capacity);
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](Heap& heap) {
+    const std::string poisoned = CurrentPoison(heap);
+    *length = static_cast<int64_t>(poisoned.size());
+    CopyText(poisoned, out, out_capacity);
+    return Error::Success();
+  });
 }
 
 // Aborts the heap with `reason` (see AbortHeap) and writes the poison message now recorded into `out`.
@@ -136,12 +125,11 @@ JODC_EXPORT int32_t jodc_cuda_heap_abort(int64_t heap_id, const char* reason, ch
 // Whether pushes land in per-source slots (deterministic heap, or no native peer atomics) rather than atomically.
 JODC_EXPORT int32_t jodc_cuda_heap_landing_slots(int64_t heap_id, int32_t* landing_slots, char* err,
                                                  int64_t err_capacity) {
-  auto found = FindHeap(heap_id);
-  if (!found.has_value()) return Report(found.error(), err, err_capacity);
-  Heap& heap = **found;
-  std::lock_guard<std::mutex> lock(heap.mu);
-  *landing_slots = heap.landing_slots ? 1 : 0;
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](Heap& heap) {
+    std::lock_guard<std::mutex> lock(heap.mu);
+    *landing_slots = heap.landing_slots ? 1 : 0;
+    return Error::Success();
+  });
 }
 
 JODC_EXPORT int64_t jodc_cuda_live_heaps() { return LiveHeapCount(); }

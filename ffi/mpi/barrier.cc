@@ -7,6 +7,7 @@
 #include <sstream>
 #include <vector>
 
+#include "common/index_list.h"
 #include "mpi/handler_util.h"
 #include "mpi/handlers.h"
 
@@ -38,27 +39,16 @@ Error Wait(Heap& h, int32_t device, int64_t heap_id) {
     lock.unlock();
     return Error::Internal(Poison(h, mpi_err.message()));
   }
+  auto missing = [&](int32_t d) { return static_cast<uint64_t>(h.seen[1 + d]) < generation; };
   std::ostringstream msg;
   msg << "jodc barrier timed out after " << timeout_s << " s in generation " << generation << " of MPI heap "
-      << heap_id << ": device(s) [";
-  std::vector<char> missing_rank(h.nprocs, 0);
-  bool first = true;
-  for (int32_t d = 0; d < h.world; ++d) {
-    if (static_cast<uint64_t>(h.seen[1 + d]) < generation) {
-      msg << (first ? "" : ", ") << d;
-      missing_rank[h.dev_rank[d]] = 1;
-      first = false;
-    }
-  }
-  msg << "] never arrived (held by process(es) [";
-  first = true;
-  for (int32_t r = 0; r < h.nprocs; ++r) {
-    if (missing_rank[r]) {
-      msg << (first ? "" : ", ") << r;
-      first = false;
-    }
-  }
-  msg << "]; device " << device << " of process " << h.rank
+      << heap_id << ": device(s) " << IndexList(h.world, missing) << " never arrived (held by process(es) "
+      << IndexList(h.nprocs, [&](int32_t r) {
+           for (int32_t d = 0; d < h.world; ++d)
+             if (missing(d) && h.dev_rank[d] == r) return true;
+           return false;
+         });
+  msg << "; device " << device << " of process " << h.rank
       << " waited); the heap is now unusable: free and re-create it";
   lock.unlock();
   return Error(ffi::ErrorCode::kDeadlineExceeded, Poison(h, msg.str()));

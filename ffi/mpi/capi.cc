@@ -14,19 +14,11 @@ using namespace jodc::mpi;
 
 namespace {
 
-struct Located {
-  std::shared_ptr<Heap> heap;
-  std::shared_ptr<Bucket> bucket;
-};
-
 // Heap and bucket for a host-side access to `device`'s memory.
-ErrorOr<Located> Lookup(int64_t heap_id, int64_t bucket_id, int32_t device) {
-  auto h = FindHeap(heap_id);
-  if (!h.has_value()) return Fail(h.error());
-  auto b = FindBucket(**h, bucket_id);
-  if (!b.has_value()) return Fail(b.error());
-  if (Error e = CheckDevice(device, (*h)->world); e.failure()) return Fail(e);
-  return Located{*h, *b};
+auto Lookup(int64_t heap_id, int64_t bucket_id, int32_t device) {
+  return LocateForHost(
+      FindHeap(heap_id), [](const std::shared_ptr<Heap>& h, int64_t id) { return FindBucket(*h, id); }, bucket_id,
+      device);
 }
 
 }  // namespace
@@ -72,46 +64,44 @@ JODC_MPI_EXPORT int jodc_mpi_heap_free(int64_t heap_id, char* err, int64_t err_c
 }
 
 JODC_MPI_EXPORT int jodc_mpi_heap_set_barrier_timeout(int64_t heap_id, double timeout_s, char* err, int64_t err_cap) {
-  auto h = FindHeap(heap_id);
-  if (!h.has_value()) return Report(h.error(), err, err_cap);
-  if (!(timeout_s > 0)) return Report(InvalidArgument("barrier timeout must be > 0 seconds"), err, err_cap);
-  (*h)->barrier_timeout_s = timeout_s;
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_cap, [&](Heap& h) {
+    if (!(timeout_s > 0)) return InvalidArgument("barrier timeout must be > 0 seconds");
+    h.barrier_timeout_s = timeout_s;
+    return Error::Success();
+  });
 }
 
 // Per device of the heap (every process's), the generation it last published; out holds `world` entries.
 JODC_MPI_EXPORT int jodc_mpi_heap_generations(int64_t heap_id, uint64_t* out, int32_t cap, int32_t* world, char* err,
                                               int64_t err_cap) {
-  auto found = FindHeap(heap_id);
-  if (!found.has_value()) return Report(found.error(), err, err_cap);
-  Heap& h = **found;
-  if (Error e = PollControl(h); e.failure()) return Report(e, err, err_cap);
-  std::lock_guard<std::mutex> lock(h.mu);
-  *world = h.world;
-  if (cap < h.world) return Report(InvalidArgument("generation buffer too small"), err, err_cap);
-  for (int32_t d = 0; d < h.world; ++d) out[d] = static_cast<uint64_t>(h.seen[1 + d]);
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_cap, [&](Heap& h) {
+    if (Error e = PollControl(h); e.failure()) return e;
+    std::lock_guard<std::mutex> lock(h.mu);
+    *world = h.world;
+    if (cap < h.world) return InvalidArgument("generation buffer too small");
+    for (int32_t d = 0; d < h.world; ++d) out[d] = static_cast<uint64_t>(h.seen[1 + d]);
+    return Error::Success();
+  });
 }
 
 // The heap's failure message ("" while healthy), a peer's abort included; len gets its full length.
 JODC_MPI_EXPORT int jodc_mpi_heap_poisoned(int64_t heap_id, char* out, int64_t cap, int64_t* len, char* err,
                                            int64_t err_cap) {
-  auto found = FindHeap(heap_id);
-  if (!found.has_value()) return Report(found.error(), err, err_cap);
-  Heap& h = **found;
-  PollControl(h);  // a peer's abort word counts too (best effort: an MPI error here is reported by the ops)
-  std::lock_guard<std::mutex> lock(h.mu);
-  *len = static_cast<int64_t>(h.poisoned.size());
-  CopyText(h.poisoned, out, cap);
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_cap, [&](Heap& h) {
+    PollControl(h);  // a peer's abort word counts too (best effort: an MPI error here is reported by the ops)
+    std::lock_guard<std::mutex> lock(h.mu);
+    *len = static_cast<int64_t>(h.poisoned.size());
+    CopyText(h.poisoned, out, cap);
+    return Error::Success();
+  });
 }
 
 // Marks the heap failed with `msg` and sets the abort word of every peer (e.g. a Python-side failure).
 JODC_MPI_EXPORT int jodc_mpi_heap_abort(int64_t heap_id, const char* msg, char* err, int64_t err_cap) {
-  auto h = FindHeap(heap_id);
-  if (!h.has_value()) return Report(h.error(), err, err_cap);
-  Poison(**h, msg);
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_cap, [&](Heap& h) {
+    Poison(h, msg);
+    return Error::Success();
+  });
 }
 
 JODC_MPI_EXPORT int jodc_mpi_bucket_register(int64_t heap_id, int64_t numel, const char* dtype, int64_t* bucket_id,

@@ -18,8 +18,32 @@ ERR_ARGS = (ctypes.c_char_p, ctypes.c_int64)  # trailing (message buffer, capaci
 _MAX_OPS = 64
 
 
+c_i32, c_i64, c_u64, c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
+c_ptr, c_str, P = ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER
+
+
+def shared_signatures(prefix: str) -> dict:
+    """The C functions both libraries have (same arguments), which CLibrary's methods call, under `prefix`:
+    {name: (restype, argtypes without the error buffer, fallible)}."""
+    return {prefix + name: sig for name, sig in {
+        "shard_numel": (c_i64, (c_i64, c_i32, c_i32), False),
+        "live_heaps": (c_i64, (), False),
+        "live_bytes": (c_i64, (), False),
+        "heap_free": (c_i32, (c_i64,), True),
+        "heap_set_barrier_timeout": (c_i32, (c_i64, c_dbl), True),
+        "heap_generations": (c_i32, (c_i64, P(c_u64), c_i32, P(c_i32)), True),
+        "heap_poisoned": (c_i32, (c_i64, c_str, c_i64, P(c_i64)), True),
+        "bucket_register": (c_i32, (c_i64, c_i64, c_str, P(c_i64)), True),
+        "bucket_free": (c_i32, (c_i64, c_i64), True),
+        "bucket_get_shard": (c_i32, (c_i64, c_i64, c_i32, c_ptr, c_i64), True),
+        "bucket_set_shard": (c_i32, (c_i64, c_i64, c_i32, c_ptr, c_i64), True),
+        "bucket_get_accumulator": (c_i32, (c_i64, c_i64, c_i32, c_ptr, c_i64), True),
+        "bucket_zero_accumulator": (c_i32, (c_i64, c_i64, c_i32), True),
+    }.items()}
+
+
 class CLibrary:
-    """A shared library with a C API of `signatures`: {name: (restype, argtypes without the error buffer, fallible)}.
+    """A shared library whose C API is :func:`shared_signatures` plus `signatures` (its own functions, same form).
 
     `prefix` names the library's C functions (``jodc_cuda_``, ``jodc_mpi_``); `transport` says which FFI targets
     its handler table must hold (see :mod:`jodc.ops._targets`).
@@ -34,7 +58,7 @@ class CLibrary:
         handlers = getattr(self._lib, self.prefix + "handlers")
         handlers.restype = ctypes.c_int32
         handlers.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32]
-        for name, (restype, argtypes, fallible) in signatures.items():
+        for name, (restype, argtypes, fallible) in {**shared_signatures(self.prefix), **signatures}.items():
             fn = getattr(self._lib, name)
             fn.restype = restype
             fn.argtypes = list(argtypes) + (list(ERR_ARGS) if fallible else [])

