@@ -22,8 +22,6 @@ inline Error InvalidArgument(std::string message) { return Error::InvalidArgumen
 // An allocation that cannot be had (the bindings raise MemoryError for it).
 inline Error OutOfMemory(std::string message) { return Error(ffi::ErrorCode::kResourceExhausted, std::move(message)); }
 
-inline bool IsOutOfMemory(const Error& e);
-
 // The failed state of an ErrorOr<T>: `return Fail(InvalidArgument("..."));`.
 inline ffi::Unexpected<Error> Fail(Error e) { return ffi::Unexpected<Error>(std::move(e)); }
 
@@ -40,6 +38,7 @@ inline Error ForOp(const char* op, const Error& e) {
   return Error(CodeOf(e), std::string("jodc ") + op + ": " + e.message());
 }
 
+// Whether `e` is an allocation that cannot be had (OutOfMemory).
 inline bool IsOutOfMemory(const Error& e) { return e.failure() && CodeOf(e) == ffi::ErrorCode::kResourceExhausted; }
 
 }  // namespace jodc
