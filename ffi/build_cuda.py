@@ -8,8 +8,10 @@ import argparse
 import glob
 import os
 import shutil
-import subprocess
-import tempfile
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run_compiler  # noqa: E402  (ffi/run_compiler.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARCHS = ("80", "90")
@@ -29,15 +31,8 @@ def nvcc_command(out_path: str, include_dir: str) -> list[str]:
 
 
 def build(out_path: str, include_dir: str) -> str:
-    """Runs nvcc; its output goes to a file (a pipe that closes early breaks nvcc). Returns out_path."""
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.run(nvcc_command(out_path, include_dir), stdout=log, stderr=subprocess.STDOUT)
-        log.seek(0)
-        text = log.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed (exit {proc.returncode}):\n{text}")
-    return out_path
+    """Runs nvcc (raises RuntimeError with its log on failure). Returns out_path."""
+    return run_compiler.run(nvcc_command(out_path, include_dir), out_path, "nvcc")
 
 
 if __name__ == "__main__":

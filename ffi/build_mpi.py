@@ -14,7 +14,9 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run_compiler  # noqa: E402  (ffi/run_compiler.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARY_NAME = "_ffi_mpi.so"
@@ -61,14 +63,7 @@ def build(out_path: str, include_dir: str, mpicxx: str | None = None) -> str:
     mpicxx = mpicxx or find_mpicxx()
     if mpicxx is None:
         raise RuntimeError("no MPI C++ compiler (mpicxx): `pip install 'jodc[mpi]'` installs one into the venv")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.run(mpicxx_command(mpicxx, out_path, include_dir), stdout=log, stderr=subprocess.STDOUT)
-        log.seek(0)
-        text = log.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mpicxx} failed (exit {proc.returncode}):\n{text}")
-    return out_path
+    return run_compiler.run(mpicxx_command(mpicxx, out_path, include_dir), out_path, mpicxx)
 
 
 if __name__ == "__main__":

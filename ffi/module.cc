@@ -22,7 +22,7 @@ py::capsule Capsule(T* fn) {
   return py::capsule(reinterpret_cast<void*>(fn));
 }
 
-[[noreturn]] void Fail(const std::string& err) { throw std::invalid_argument(err); }
+[[noreturn]] void Raise(const std::string& err) { throw std::invalid_argument(err); }
 
 // Raises Python's MemoryError with `err` (pybind11 would turn std::bad_alloc into one without our message).
 [[noreturn]] void FailOutOfMemory(const std::string& err) {
@@ -30,19 +30,28 @@ py::capsule Capsule(T* fn) {
   throw py::error_already_set();
 }
 
+// A failed native call as a Python exception: MemoryError for an allocation that cannot be had, else ValueError.
+void Check(const Error& e) {
+  if (e.success()) return;
+  if (IsOutOfMemory(e)) FailOutOfMemory(e.message());
+  Raise(e.message());
+}
+
+template <typename T>
+T Check(ErrorOr<T> result) {
+  if (!result.has_value()) Check(result.error());
+  return std::move(*result);
+}
+
 std::shared_ptr<Bucket> Lookup(int64_t heap_id, int64_t bucket_id, std::shared_ptr<Heap>* heap_out = nullptr) {
-  std::string err;
-  auto heap = FindHeap(heap_id, &err);
-  if (!heap) Fail(err);
-  auto bucket = FindBucket(heap, bucket_id, &err);
-  if (!bucket) Fail(err);
+  auto heap = Check(FindHeap(heap_id));
   if (heap_out) *heap_out = heap;
-  return bucket;
+  return Check(FindBucket(heap, bucket_id));
 }
 
 void CheckDevice(const Bucket& b, int32_t device) {
   if (device < 0 || device >= b.layout.world)
-    Fail("device " + std::to_string(device) + " outside [0, " + std::to_string(b.layout.world) + ")");
+    Raise("device " + std::to_string(device) + " outside [0, " + std::to_string(b.layout.world) + ")");
 }
 
 }  // namespace
@@ -50,18 +59,16 @@ void CheckDevice(const Bucket& b, int32_t device) {
 PYBIND11_MODULE(_ffi, m) {
   m.doc() = "jodc native ODC ops: XLA FFI handlers (CPU) and symmetric-heap management";
 
-  m.def("handlers", [] {
-    py::dict d;
-    d["jodc_gather"] = Capsule(JodcGatherCpu);
-    d["jodc_scatter_accumulate"] = Capsule(JodcScatterAccumulateCpu);
-    d["jodc_barrier"] = Capsule(JodcBarrierCpu);
-    d["jodc_read_accumulator"] = Capsule(JodcReadAccumulatorCpu);
-    d["jodc_zero_accumulator"] = Capsule(JodcZeroAccumulatorCpu);
-    d["jodc_publish"] = Capsule(JodcPublishCpu);
-    d["jodc_after"] = Capsule(JodcAfterCpu);
-    d["jodc_depend_on"] = Capsule(JodcDependOnCpu);
-    return d;
-  });
+  m.def(
+      "handlers",
+      [] {
+        py::dict d;
+#define JODC_ADD_CPU_HANDLER(op, Camel) d["jodc_" #op] = Capsule(Jodc##Camel##Cpu);
+        JODC_ALL_OPS(JODC_ADD_CPU_HANDLER)
+#undef JODC_ADD_CPU_HANDLER
+        return d;
+      },
+      "FFI target name (jodc_<op>) -> capsule of its CPU handler, for every op of ffi/common/ops.h.");
 
   m.def("shard_numel", &ShardNumel, py::arg("numel"), py::arg("world"), py::arg("master_bytes"),
         "Padded elements per shard (the layout the native ops use); -1 for invalid arguments or on overflow.");
@@ -87,42 +94,29 @@ PYBIND11_MODULE(_ffi, m) {
   m.def(
       "heap_create",
       [](int32_t world, bool deterministic, double timeout_s) {
-        std::string err;
-        int64_t id = CreateHeap(world, deterministic, timeout_s, &err);
-        if (id < 0) Fail(err);
-        return id;
+        return Check(CreateHeap(world, deterministic, timeout_s));
       },
       py::arg("world"), py::arg("deterministic"), py::arg("barrier_timeout_s"));
-  m.def("heap_free", [](int64_t heap_id) {
-    std::string err;
-    if (!FreeHeap(heap_id, &err)) Fail(err);
-  });
+  m.def("heap_free", [](int64_t heap_id) { Check(FreeHeap(heap_id)); });
   m.def("heap_set_barrier_timeout", [](int64_t heap_id, double timeout_s) {
-    std::string err;
-    auto heap = FindHeap(heap_id, &err);
-    if (!heap) Fail(err);
-    if (!CheckBarrierTimeout(timeout_s, &err)) Fail(err);
+    auto heap = Check(FindHeap(heap_id));
+    Check(CheckBarrierTimeout(timeout_s));
     heap->barrier_timeout_s = timeout_s;
   });
   m.def("heap_generations", [](int64_t heap_id) {
-    std::string err;
-    auto heap = FindHeap(heap_id, &err);
-    if (!heap) Fail(err);
+    auto heap = Check(FindHeap(heap_id));
     std::lock_guard<std::mutex> lock(heap->mu);
     return std::vector<uint64_t>(heap->arrivals);
   });
   m.def("heap_poisoned", [](int64_t heap_id) {
-    std::string err;
-    auto heap = FindHeap(heap_id, &err);
-    if (!heap) Fail(err);
+    auto heap = Check(FindHeap(heap_id));
     std::lock_guard<std::mutex> lock(heap->mu);
     return heap->poisoned;
   });
   m.def(
       "heap_abort",
       [](int64_t heap_id, const std::string& reason) {
-        std::string err;
-        if (!FindHeap(heap_id, &err)) Fail(err);
+        Check(FindHeap(heap_id));
         return AbortHeap(heap_id, reason);
       },
       py::arg("heap_id"), py::arg("reason"),
@@ -133,20 +127,10 @@ PYBIND11_MODULE(_ffi, m) {
 
   m.def("bucket_register", [](int64_t heap_id, int64_t numel, const std::string& dtype) {
     Dtype d;
-    if (!ParseDtype(dtype, &d)) Fail("master dtype must be float32 or bfloat16, got " + dtype);
-    std::string err;
-    bool out_of_memory = false;
-    int64_t id = RegisterBucket(heap_id, numel, d, &err, &out_of_memory);
-    if (id < 0) {
-      if (out_of_memory) FailOutOfMemory(err);
-      Fail(err);
-    }
-    return id;
+    if (!ParseDtype(dtype, &d)) Raise("master dtype must be float32 or bfloat16, got " + dtype);
+    return Check(RegisterBucket(heap_id, numel, d));
   });
-  m.def("bucket_free", [](int64_t heap_id, int64_t bucket_id) {
-    std::string err;
-    if (!FreeBucket(heap_id, bucket_id, &err)) Fail(err);
-  });
+  m.def("bucket_free", [](int64_t heap_id, int64_t bucket_id) { Check(FreeBucket(heap_id, bucket_id)); });
   m.def("bucket_shard_numel", [](int64_t heap_id, int64_t bucket_id) {
     return Lookup(heap_id, bucket_id)->layout.shard_numel;
   });
@@ -163,7 +147,7 @@ PYBIND11_MODULE(_ffi, m) {
     py::buffer_info info = data.request();
     const int64_t want = b->layout.shard_numel * DtypeBytes(b->master);
     if (info.size * info.itemsize != want)
-      Fail("shard needs " + std::to_string(want) + " bytes, got " + std::to_string(info.size * info.itemsize));
+      Raise("shard needs " + std::to_string(want) + " bytes, got " + std::to_string(info.size * info.itemsize));
     std::memcpy(b->shard(device), info.ptr, want);
   });
   m.def("bucket_get_accumulator", [](int64_t heap_id, int64_t bucket_id, int32_t device) {
@@ -184,7 +168,7 @@ PYBIND11_MODULE(_ffi, m) {
   m.def(
       "memcpy_bandwidth",
       [](int64_t bytes, int32_t threads, int32_t iters) {
-        if (bytes < 1 || threads < 1 || iters < 1) Fail("bytes, threads and iters must be >= 1");
+        if (bytes < 1 || threads < 1 || iters < 1) Raise("bytes, threads and iters must be >= 1");
         int64_t needed = 0;  // a source and a destination buffer per thread
         if (!CheckedMul(bytes, 2 * static_cast<int64_t>(threads), &needed) || needed > AvailableHostBytes())
           FailOutOfMemory("memcpy_bandwidth: " + std::to_string(threads) + " threads x 2 buffers of " +

@@ -9,6 +9,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jodc.dtypes import dtype_name
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("blockwise", "dense")
@@ -54,6 +56,7 @@ class DecoderConfig:
     qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
     param_dtype: dtype parameters are created and stored in (fp32 masters or bf16).
     compute_dtype: dtype activations and matmuls run in; parameters are cast to it at use.
+      Both take a name or a dtype object (jnp.bfloat16); the config holds the name.
       Norm statistics, softmax and logits are always fp32.
     attention_impl: "blockwise" (segment-aware, skips blocks; the default) or "dense" (reference, O(T^2)).
     attention_block_size: query/key block length of the blockwise attention.
@@ -105,9 +108,8 @@ class DecoderConfig:
             raise ValueError(f"head_dim must be a positive even number (RoPE rotates pairs), got {self.head_dim}")
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        for name in ("param_dtype", "compute_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"DecoderConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        for name in ("param_dtype", "compute_dtype"):  # any spelling (jnp.bfloat16, "bfloat16"), stored as the name
+            object.__setattr__(self, name, dtype_name(getattr(self, name), DTYPES, f"DecoderConfig.{name}"))
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:

@@ -20,6 +20,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jodc.dtypes import dtype_name
+
 from .config import DTYPES, DecoderConfig, RopeScaling
 from .decoder import Decoder, split_params
 from .layerwise import EMBED, HEAD, group_param_shapes, param_groups
@@ -109,10 +111,11 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     raise ValueError(f"config.json: RoPE type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
-def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", compute_dtype: str | None = None,
-                   **overrides) -> DecoderConfig:
+def config_from_hf(hf: Mapping[str, Any], *, dtype="float32", compute_dtype=None, **overrides) -> DecoderConfig:
     """A `DecoderConfig` from a HF config.json dict. `overrides` set other DecoderConfig fields
-    (e.g. attention_impl, attention_block_size). Unsupported architectures or features raise ValueError."""
+    (e.g. attention_impl, attention_block_size). Unsupported architectures or features raise ValueError.
+    dtype / compute_dtype: a name or a dtype object (jnp.bfloat16); compute_dtype defaults to dtype."""
+    dtype = dtype_name(dtype, DTYPES, "config_from_hf: dtype")
     family = hf.get("model_type")
     if family not in ARCHITECTURES:
         raise ValueError(
@@ -298,17 +301,18 @@ def _weight_files(path: str) -> dict[str, str]:
     )
 
 
-def load_pretrained(path: str, *, dtype: str = "float32", compute_dtype: str | None = None, **config_overrides
-                    ) -> Decoder:
+def load_pretrained(path: str, *, dtype="float32", compute_dtype=None, **config_overrides) -> Decoder:
     """Load a local HF checkpoint directory into a `Decoder`.
 
-    dtype: parameter dtype ("float32", "bfloat16", "float16"); compute_dtype defaults to dtype.
+    dtype: parameter dtype, a name ("float32", "bfloat16", "float16") or a dtype object (jnp.bfloat16);
+      compute_dtype (the same spellings) defaults to dtype.
     config_overrides: other `DecoderConfig` fields (attention_impl, attention_block_size, ...).
     Raises ValueError naming unsupported architectures / features, missing tensors, unexpected tensors or
     shape mismatches, and FileNotFoundError for absent files.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"load_pretrained: dtype must be one of {DTYPES}, got {dtype!r}")
+    dtype = dtype_name(dtype, DTYPES, "load_pretrained: dtype")
+    if compute_dtype is not None:
+        compute_dtype = dtype_name(compute_dtype, DTYPES, "load_pretrained: compute_dtype")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such HF checkpoint directory")
     config_path = os.path.join(path, CONFIG_FILE)

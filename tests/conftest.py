@@ -32,6 +32,26 @@ def cpu_mesh(n: int, axis: str = "d"):
     return jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]), (axis,))
 
 
+def spmd(mesh, fn, *per_device_args):
+    """Runs fn(device_args...) under jit + shard_map over axis 'd'; each arg/result has a leading device axis (the
+    ops tests' harness, CPU and GPU alike)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.shape["d"]
+
+    def body(*args):
+        out = fn(*[a[0] for a in args])
+        return jax.tree.map(lambda o: o[None], out)
+
+    args = per_device_args or (jnp.zeros((n,)),)
+    if not per_device_args:
+        inner = fn
+        fn = lambda _: inner()  # noqa: E731
+    sm = jax.shard_map(body, mesh=mesh, in_specs=tuple(P("d") for _ in args), out_specs=P("d"))
+    return jax.block_until_ready(jax.jit(sm)(*args))
+
+
 # JODC_TEST_TRANSPORT=mpi reruns a test module with every heap forced onto the MPI transport (one process: all ops
 # go through MPI windows); tests/test_multiprocess.py does this for tests/test_ops.py in a subprocess.
 if os.environ.get("JODC_TEST_TRANSPORT"):

@@ -108,8 +108,10 @@ def test_bf16_load_and_save(tmp_path):
     save_pretrained(ours, str(tmp_path / "bf16"))
     assert json.load(open(tmp_path / "bf16" / "config.json"))["dtype"] == "bfloat16"
     assert load_file(str(tmp_path / "bf16" / "model.safetensors"))["model.norm.weight"].dtype.name == "bfloat16"
-    masters = load_pretrained(str(tmp_path / "hf"), dtype="float32", compute_dtype="bfloat16")
+    # JAX dtype objects are accepted as well as names (issue 12); the config holds the names
+    masters = load_pretrained(str(tmp_path / "hf"), dtype=jnp.float32, compute_dtype=jnp.dtype("bfloat16"))
     assert masters.config.param_dtype == "float32" and masters.config.compute_dtype == "bfloat16"
+    assert split_params(masters)["layer_0"]["q_proj"].dtype == jnp.float32
 
 
 def test_config_round_trip_and_unsupported_features():

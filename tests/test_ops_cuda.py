@@ -15,9 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from conftest import cpu_mesh
+from conftest import cpu_mesh, spmd
 from jodc import ops
 from jodc.ops import _native
 from jodc.ops.heap import _settle_ops_before_free
@@ -49,22 +48,6 @@ TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 
 def gpu_mesh(n: int, axis: str = "d"):
     return jax.sharding.Mesh(np.array(GPUS[:n]), (axis,))
-
-
-def spmd(mesh, fn, *per_device_args):
-    """Runs fn(device_args...) under jit + shard_map; each arg/result has a leading device axis."""
-    n = mesh.shape["d"]
-
-    def body(*args):
-        out = fn(*[a[0] for a in args])
-        return jax.tree.map(lambda o: o[None], out)
-
-    args = per_device_args or (jnp.zeros((n,)),)
-    if not per_device_args:
-        inner = fn
-        fn = lambda _: inner()  # noqa: E731
-    sm = jax.shard_map(body, mesh=mesh, in_specs=tuple(P("d") for _ in args), out_specs=P("d"))
-    return jax.block_until_ready(jax.jit(sm)(*args))
 
 
 # ---------------------------------------------------------------------------------------------------------------

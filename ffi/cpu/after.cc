@@ -6,17 +6,13 @@
 namespace jodc::cpu {
 namespace {
 
-ffi::Error After(ffi::Buffer<ffi::S32> token, ffi::RemainingArgs values, ffi::Result<ffi::Buffer<ffi::S32>> token_out) {
-  if (token.element_count() != 1) return InvalidArgument("jodc after: the token must be an int32 scalar");
+Error After(Scalar token, ffi::RemainingArgs values, TokenOut token_out) {
+  if (Error e = CheckToken("after", token); e.failure()) return e;
   token_out->typed_data()[0] = token.typed_data()[0] + 1;
-  return ffi::Error::Success();
+  return Error::Success();
 }
 
 }  // namespace
 }  // namespace jodc::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcAfterCpu, jodc::cpu::After,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .RemainingArgs()                         // values to wait for (not read)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+JODC_CPU_HANDLER(After, jodc::cpu::After);

@@ -8,8 +8,8 @@
 namespace jodc::cpu {
 namespace {
 
-ffi::Error DependOn(ffi::Buffer<ffi::S32> token, ffi::RemainingArgs values, ffi::RemainingRets outs) {
-  if (token.element_count() != 1) return InvalidArgument("jodc depend_on: the token must be an int32 scalar");
+Error DependOn(Scalar token, ffi::RemainingArgs values, ffi::RemainingRets outs) {
+  if (Error e = CheckToken("depend_on", token); e.failure()) return e;
   if (values.size() != outs.size())
     return InvalidArgument("jodc depend_on: " + std::to_string(values.size()) + " values but " +
                            std::to_string(outs.size()) + " results");
@@ -22,14 +22,10 @@ ffi::Error DependOn(ffi::Buffer<ffi::S32> token, ffi::RemainingArgs values, ffi:
     if ((*out)->untyped_data() != in->untyped_data())  // not aliased by XLA: copy
       std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
   }
-  return ffi::Error::Success();
+  return Error::Success();
 }
 
 }  // namespace
 }  // namespace jodc::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcDependOnCpu, jodc::cpu::DependOn,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .RemainingArgs()                         // values
-                                  .RemainingRets());                       // the same values
+JODC_CPU_HANDLER(DependOn, jodc::cpu::DependOn);

@@ -1,13 +1,17 @@
-// Small helpers shared by the CPU handlers: error construction, scalar operands (the XLA-free loops: kernels.h).
+// What the CPU handlers share: the heap-op frame (common/host_op.h) bound to the CPU heap, and the core loops
+// (kernels.h, XLA-free).
 #ifndef JODC_FFI_CPU_HANDLER_UTIL_H_
 #define JODC_FFI_CPU_HANDLER_UTIL_H_
 
 #include <cstdint>
-#include <cstring>
-#include <string>
+#include <utility>
 
-#include "common/bf16.h"
+#include "common/bindings.h"
 #include "common/dtype.h"
+#include "common/error.h"
+#include "common/host_op.h"
+#include "common/operands.h"
+#include "cpu/heap.h"
 #include "cpu/kernels.h"  // CopyConvert, AccumulateF32 and the core loops, XLA-free
 #include "xla/ffi/api/ffi.h"
 
@@ -15,26 +19,19 @@ namespace jodc::cpu {
 
 namespace ffi = xla::ffi;
 
-inline ffi::Error InvalidArgument(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
-// Reads an int32 scalar operand (device index, token); fails if the operand is not a single element.
-inline bool ReadScalar(const char* op, const char* what, const ffi::Buffer<ffi::S32>& buf, int32_t* out,
-                       std::string* err) {
-  if (buf.element_count() != 1) {
-    *err = std::string("jodc ") + op + ": operand '" + what + "' must be an int32 scalar, got " +
-           std::to_string(buf.element_count()) + " elements";
-    return false;
-  }
-  *out = buf.typed_data()[0];
-  return true;
-}
-
-inline bool ToDtype(ffi::DataType t, Dtype* out) {
-  if (t == ffi::DataType::F32) { *out = Dtype::kF32; return true; }
-  if (t == ffi::DataType::BF16) { *out = Dtype::kBF16; return true; }
-  return false;
+// Runs `body(const OpTarget&, device) -> Error` as op `op` on bucket `bucket_id` (-1: a heap-level op) of heap
+// `heap_id`. Any error aborts the heap, so peers waiting in a barrier for this device fail at once.
+template <typename Body>
+Error RunOp(const char* op, const Scalar& device, const Scalar& token, TokenOut& token_out, int64_t heap_id,
+            int64_t bucket_id, Body&& body) {
+  return RunHostOp(
+      op, device, token, token_out, [&](int32_t d) { return ResolveTarget(op, heap_id, bucket_id, d); },
+      std::forward<Body>(body), [&](int32_t d, const Error& e) { AbortOnHandlerError(heap_id, d, e.message()); });
 }
 
 }  // namespace jodc::cpu
+
+// Defines the CPU handler symbol Jodc<Camel>Cpu of op Camel (ffi/common/ops.h, binding: ffi/common/bindings.h).
+#define JODC_CPU_HANDLER(Camel, impl) JODC_DEFINE_HANDLER(Camel, Cpu, impl, ::xla::ffi::Ffi::Bind())
 
 #endif  // JODC_FFI_CPU_HANDLER_UTIL_H_

@@ -1,16 +1,13 @@
-// Every CPU FFI handler symbol, one per op file; module.cc exposes them to Python as capsules.
+// Every CPU FFI handler symbol, Jodc<Op>Cpu, one per op of ffi/common/ops.h (one op file each); module.cc hands them
+// to Python as capsules.
 #ifndef JODC_FFI_CPU_HANDLERS_H_
 #define JODC_FFI_CPU_HANDLERS_H_
 
+#include "common/ops.h"
 #include "xla/ffi/api/ffi.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcGatherCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcScatterAccumulateCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcBarrierCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcReadAccumulatorCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcZeroAccumulatorCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcPublishCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcAfterCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JodcDependOnCpu);
+#define JODC_DECLARE_CPU_HANDLER(op, Camel) XLA_FFI_DECLARE_HANDLER_SYMBOL(Jodc##Camel##Cpu);
+JODC_ALL_OPS(JODC_DECLARE_CPU_HANDLER)
+#undef JODC_DECLARE_CPU_HANDLER
 
 #endif  // JODC_FFI_CPU_HANDLERS_H_

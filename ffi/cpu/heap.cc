@@ -8,18 +8,17 @@
 #include <fstream>
 #include <sstream>
 #include <string>
-#include <unordered_map>
+
+#include "common/registry.h"
 
 namespace jodc::cpu {
 namespace {
 
 std::atomic<int64_t> g_live_bytes{0};
-std::atomic<int64_t> g_next_heap_id{1};
 std::atomic<int64_t> g_next_bucket_id{1};
 
-std::mutex g_registry_mu;
-std::unordered_map<int64_t, std::shared_ptr<Heap>>& Registry() {
-  static auto* heaps = new std::unordered_map<int64_t, std::shared_ptr<Heap>>();
+HeapRegistry<Heap>& Heaps() {
+  static auto* heaps = new HeapRegistry<Heap>("heap");  // never destroyed: handlers may run during exit
   return *heaps;
 }
 
@@ -57,80 +56,49 @@ int64_t AvailableHostBytes() {
   return kInt64Max;  // unknown: let the allocation decide
 }
 
-bool CheckBarrierTimeout(double seconds, std::string* err) {
-  if (TimeoutNanos(seconds) < 0) {
-    *err = "barrier timeout must be > 0 seconds (or inf to wait forever), got " + std::to_string(seconds);
-    return false;
-  }
-  return true;
+Error CheckBarrierTimeout(double seconds) {
+  if (TimeoutNanos(seconds) < 0)
+    return InvalidArgument("barrier timeout must be > 0 seconds (or inf to wait forever), got " +
+                           std::to_string(seconds));
+  return Error::Success();
 }
 
-int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err) {
-  if (world < 1) {
-    *err = "heap world size must be >= 1, got " + std::to_string(world);
-    return -1;
-  }
-  if (!CheckBarrierTimeout(barrier_timeout_s, err)) return -1;
+ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s) {
+  if (world < 1) return Fail(InvalidArgument("heap world size must be >= 1, got " + std::to_string(world)));
+  if (Error e = CheckBarrierTimeout(barrier_timeout_s); e.failure()) return Fail(e);
   auto heap = std::make_shared<Heap>();
-  heap->id = g_next_heap_id++;
   heap->world = world;
   heap->deterministic = deterministic;
   heap->barrier_timeout_s = barrier_timeout_s;
   heap->arrivals.assign(world, 0);
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  Registry()[heap->id] = heap;
-  return heap->id;
+  return Heaps().Add(heap);
 }
 
-bool FreeHeap(int64_t heap_id, std::string* err) {
-  std::shared_ptr<Heap> heap;
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
-    auto it = Registry().find(heap_id);
-    if (it == Registry().end()) {
-      *err = "heap " + std::to_string(heap_id) + " is not registered (already freed?)";
-      return false;
-    }
-    heap = it->second;
-    Registry().erase(it);
-  }
+Error FreeHeap(int64_t heap_id) {
+  auto removed = Heaps().Remove(heap_id, "(already freed?)");
+  if (!removed.has_value()) return removed.error();
+  const std::shared_ptr<Heap>& heap = *removed;
   // Wake any device still blocked in a barrier of this heap so it fails instead of hanging.
   std::lock_guard<std::mutex> lock(heap->mu);
   heap->poisoned = "heap " + std::to_string(heap_id) + " was freed";
   heap->buckets.clear();
   heap->barrier_cv.notify_all();
-  return true;
+  return Error::Success();
 }
 
-std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  auto it = Registry().find(heap_id);
-  if (it == Registry().end()) {
-    *err = "heap " + std::to_string(heap_id) + " is not registered (freed, or created in another process?)";
-    return nullptr;
-  }
-  return it->second;
+ErrorOr<std::shared_ptr<Heap>> FindHeap(int64_t heap_id) {
+  return Heaps().Find(heap_id, "(freed, or created in another process?)");
 }
 
-std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(heap->mu);
-  auto it = heap->buckets.find(bucket_id);
-  if (it == heap->buckets.end()) {
-    *err = "bucket " + std::to_string(bucket_id) + " is not registered in heap " + std::to_string(heap->id) +
-           " (freed?)";
-    return nullptr;
-  }
-  return it->second;
+ErrorOr<std::shared_ptr<Bucket>> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id) {
+  return Heaps().FindBucket(*heap, bucket_id);
 }
 
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err, bool* out_of_memory) {
-  if (out_of_memory) *out_of_memory = false;
-  auto heap = FindHeap(heap_id, err);
-  if (!heap) return -1;
-  if (numel < 1) {
-    *err = "bucket size must be >= 1 element, got " + std::to_string(numel);
-    return -1;
-  }
+ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return Fail(found.error());
+  const std::shared_ptr<Heap>& heap = *found;
+  if (numel < 1) return Fail(InvalidArgument("bucket size must be >= 1 element, got " + std::to_string(numel)));
   const std::string what = "a bucket of " + std::to_string(numel) + " " + DtypeName(master) + " elements over " +
                            std::to_string(heap->world) + " devices in heap " + std::to_string(heap_id);
   auto b = std::make_shared<Bucket>();
@@ -141,15 +109,12 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
     const double per_element = DtypeBytes(master) + 4.0 + (heap->deterministic ? 4.0 * heap->world : 0.0);
     msg << what << " is too large: its memory (about " << static_cast<double>(numel) * per_element
         << " bytes) overflows 64-bit byte counts";
-    *err = msg.str();
-    return -1;
+    return Fail(InvalidArgument(msg.str()));
   }
   const int64_t available = AvailableHostBytes();
   if (b->bytes.total > available) {
-    if (out_of_memory) *out_of_memory = true;
-    *err = "out of host memory: " + what + " needs " + std::to_string(b->bytes.total) + " bytes, only " +
-           std::to_string(available) + " are available";
-    return -1;
+    return Fail(OutOfMemory("out of host memory: " + what + " needs " + std::to_string(b->bytes.total) +
+                            " bytes, only " + std::to_string(available) + " are available"));
   }
   const int64_t padded = b->layout.padded_numel();
   try {
@@ -159,81 +124,63 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
       b->landing = std::make_unique<AlignedBuffer>(b->bytes.landing * heap->world);
     }
   } catch (const std::bad_alloc&) {
-    if (out_of_memory) *out_of_memory = true;
-    *err = "out of host memory: allocating " + what + " (" + std::to_string(b->bytes.total) + " bytes, " +
-           std::to_string(padded) + " padded elements) failed";
-    return -1;
+    return Fail(OutOfMemory("out of host memory: allocating " + what + " (" + std::to_string(b->bytes.total) +
+                            " bytes, " + std::to_string(padded) + " padded elements) failed"));
   }
   b->id = g_next_bucket_id++;
   for (int32_t o = 0; o < heap->world; ++o) b->owner_locks.push_back(std::make_unique<std::mutex>());
   std::lock_guard<std::mutex> lock(heap->mu);
-  if (!heap->poisoned.empty()) {
-    *err = heap->poisoned;
-    return -1;
-  }
+  if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));
   heap->buckets[b->id] = b;
   return b->id;
 }
 
-bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err) {
-  auto heap = FindHeap(heap_id, err);
-  if (!heap) return false;
-  std::lock_guard<std::mutex> lock(heap->mu);
-  if (heap->buckets.erase(bucket_id) == 0) {
-    *err = "bucket " + std::to_string(bucket_id) + " is not registered in heap " + std::to_string(heap_id);
-    return false;
-  }
-  return true;
+Error FreeBucket(int64_t heap_id, int64_t bucket_id) {
+  auto heap = FindHeap(heap_id);
+  if (!heap.has_value()) return heap.error();
+  std::lock_guard<std::mutex> lock((*heap)->mu);
+  if ((*heap)->buckets.erase(bucket_id) == 0)
+    return InvalidArgument("bucket " + std::to_string(bucket_id) + " is not registered in heap " +
+                           std::to_string(heap_id));
+  return Error::Success();
 }
 
-int64_t LiveHeapCount() {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  return static_cast<int64_t>(Registry().size());
-}
+int64_t LiveHeapCount() { return Heaps().Count(); }
 
 std::string AbortHeap(int64_t heap_id, const std::string& reason) {
-  std::string ignored;
-  auto heap = FindHeap(heap_id, &ignored);
-  if (!heap) return "";
-  std::lock_guard<std::mutex> lock(heap->mu);
-  if (heap->poisoned.empty())
-    heap->poisoned = "aborted: " + reason + "; the heap is now unusable: free and re-create it";
-  heap->barrier_cv.notify_all();
-  return heap->poisoned;
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return "";
+  Heap& heap = **found;
+  std::lock_guard<std::mutex> lock(heap.mu);
+  if (heap.poisoned.empty()) heap.poisoned = "aborted: " + reason + "; the heap is now unusable: free and re-create it";
+  heap.barrier_cv.notify_all();
+  return heap.poisoned;
 }
 
 void AbortOnHandlerError(int64_t heap_id, int32_t device, const std::string& message) {
   AbortHeap(heap_id, "device " + std::to_string(device) + " failed: " + message);
 }
 
-bool ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device, OpTarget* out,
-                   std::string* err) {
-  std::string why;
-  out->heap = FindHeap(heap_id, &why);
-  if (!out->heap) {
-    *err = std::string("jodc ") + op + ": " + why;
-    return false;
-  }
+ErrorOr<OpTarget> ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device) {
+  OpTarget out;
+  auto heap = FindHeap(heap_id);
+  if (!heap.has_value()) return Fail(ForOp(op, heap.error()));
+  out.heap = *heap;
   {
-    std::lock_guard<std::mutex> lock(out->heap->mu);
-    if (!out->heap->poisoned.empty()) {
-      *err = std::string("jodc ") + op + ": " + out->heap->poisoned;
-      return false;
-    }
+    std::lock_guard<std::mutex> lock(out.heap->mu);
+    if (!out.heap->poisoned.empty()) return Fail(InvalidArgument(std::string("jodc ") + op + ": " + out.heap->poisoned));
   }
-  if (device < 0 || device >= out->heap->world) {
-    *err = std::string("jodc ") + op + ": device index " + std::to_string(device) + " outside [0, " +
-           std::to_string(out->heap->world) + ") of heap " + std::to_string(heap_id);
-    return false;
+  if (device < 0 || device >= out.heap->world) {
+    return Fail(InvalidArgument(std::string("jodc ") + op + ": device index " + std::to_string(device) +
+                                " outside [0, " + std::to_string(out.heap->world) + ") of heap " +
+                                std::to_string(heap_id)));
   }
   if (bucket_id >= 0) {
-    out->bucket = FindBucket(out->heap, bucket_id, &why);
-    if (!out->bucket) {
-      *err = std::string("jodc ") + op + ": " + why;
-      return false;
-    }
+    auto bucket = FindBucket(out.heap, bucket_id);
+    if (!bucket.has_value()) return Fail(ForOp(op, bucket.error()));
+    out.bucket = *bucket;
   }
-  return true;
+  return out;
 }
 
 void ReadAccumulator(const Bucket& b, int32_t d, bool deterministic, float* out) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/error.h"
 #include "common/layout.h"
 
 namespace jodc::cpu {
@@ -72,18 +73,17 @@ struct Heap {
                                    // fails with this
 };
 
-// Registry operations. Errors are returned as a non-empty message (never thrown across the FFI boundary).
-int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err);
-// A barrier timeout is valid when > 0 (+inf: wait forever); false with a message for NaN, zero or negative values.
-bool CheckBarrierTimeout(double seconds, std::string* err);
-bool FreeHeap(int64_t heap_id, std::string* err);
-std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
-std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err);
-// Fails (-1) when the bucket's byte counts overflow int64 or exceed the host memory available; *out_of_memory
-// (when given) tells the second case apart, so the bindings can raise MemoryError.
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err,
-                       bool* out_of_memory = nullptr);
-bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err);
+// Registry operations. Failures are returned as errors (common/error.h), never thrown across the FFI boundary.
+ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s);
+// A barrier timeout is valid when > 0 (+inf: wait forever); an error for NaN, zero or negative values.
+Error CheckBarrierTimeout(double seconds);
+Error FreeHeap(int64_t heap_id);
+ErrorOr<std::shared_ptr<Heap>> FindHeap(int64_t heap_id);
+ErrorOr<std::shared_ptr<Bucket>> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id);
+// Fails when the bucket's byte counts overflow int64 (kInvalidArgument) or exceed the host memory available
+// (kResourceExhausted, which the bindings raise as MemoryError).
+ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master);
+Error FreeBucket(int64_t heap_id, int64_t bucket_id);
 int64_t LiveHeapCount();
 
 // Bytes of host memory an allocation can still get without swapping out others (MemAvailable + SwapFree on Linux;
@@ -98,13 +98,12 @@ std::string AbortHeap(int64_t heap_id, const std::string& reason);
 // waiting in a barrier for this device leave at once instead of waiting for the timeout.
 void AbortOnHandlerError(int64_t heap_id, int32_t device, const std::string& message);
 
-// Resolves heap + bucket and checks the device index; the common preamble of every handler.
+// Resolves heap + bucket and checks the device index; the common preamble of every handler (errors name the op).
 struct OpTarget {
   std::shared_ptr<Heap> heap;
   std::shared_ptr<Bucket> bucket;  // null for heap-level ops (barrier)
 };
-bool ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device, OpTarget* out,
-                   std::string* err);
+ErrorOr<OpTarget> ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device);
 
 // Accumulated gradient of device `d`'s shard (deterministic mode: landing slots summed in source order).
 void ReadAccumulator(const Bucket& b, int32_t d, bool deterministic, float* out);

@@ -62,69 +62,35 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   AdvanceToken(token_in, token_out);
 }
 
-ffi::Error ReadAccImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                       ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
-                       int64_t heap_id, int64_t bucket_id) {
-  OpTarget t;
-  if (ffi::Error e = Prepare("read_accumulator", stream, device, token, heap_id, bucket_id, &t); e.failure())
-    return e;
-  const BucketView& view = t.bucket->view;
-  if (static_cast<int64_t>(out->element_count()) != view.layout.shard_numel) {
-    return InvalidArgument("jodc read_accumulator: output has " + std::to_string(out->element_count()) +
-                           " elements, the shard has " + std::to_string(view.layout.shard_numel));
-  }
-  float* dst = out->typed_data();
-  const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, 1));
-  ReadAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
-                                                                token.typed_data(), token_out->typed_data(), dst,
-                                                                Aligned16(dst));
-  return LaunchResult("read_accumulator");
+// Any error aborts the heap, so peers spinning in a barrier for this device fail at once (both ops).
+ffi::Error ReadAcc(cudaStream_t stream, Scalar device, Scalar token, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                   TokenOut token_out, int64_t heap_id, int64_t bucket_id) {
+  return RunOp("read_accumulator", stream, device, token, heap_id, bucket_id, [&](const OpTarget& t) -> ffi::Error {
+    const BucketView& view = t.bucket->view;
+    if (ffi::Error e = CheckAccumulatorOut(*out, view.layout); e.failure()) return e;
+    float* dst = out->typed_data();
+    const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, 1));
+    ReadAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+                                                                  token.typed_data(), token_out->typed_data(), dst,
+                                                                  Aligned16(dst));
+    return ffi::Error::Success();
+  });
 }
 
-// Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
-ffi::Error ReadAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
-                   int64_t heap_id, int64_t bucket_id) {
-  return AbortOnError(heap_id, ReadAccImpl(stream, device, token, out, token_out, heap_id, bucket_id));
-}
-
-ffi::Error ZeroAccImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                       ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
-  OpTarget t;
-  if (ffi::Error e = Prepare("zero_accumulator", stream, device, token, heap_id, bucket_id, &t); e.failure())
-    return e;
-  const BucketView& view = t.bucket->view;
-  const unsigned regions = view.landing_slots ? 1u + static_cast<unsigned>(view.layout.world) : 1u;
-  const dim3 grid(BlocksFor((view.layout.shard_numel + 3) / 4, t.gpu, static_cast<int32_t>(regions)), regions);
-  ZeroAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
-                                                                token.typed_data(), token_out->typed_data());
-  return LaunchResult("zero_accumulator");
-}
-
-// Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
-ffi::Error ZeroAcc(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
-  return AbortOnError(heap_id, ZeroAccImpl(stream, device, token, token_out, heap_id, bucket_id));
+ffi::Error ZeroAcc(cudaStream_t stream, Scalar device, Scalar token, TokenOut token_out, int64_t heap_id,
+                   int64_t bucket_id) {
+  return RunOp("zero_accumulator", stream, device, token, heap_id, bucket_id, [&](const OpTarget& t) -> ffi::Error {
+    const BucketView& view = t.bucket->view;
+    const unsigned regions = view.landing_slots ? 1u + static_cast<unsigned>(view.layout.world) : 1u;
+    const dim3 grid(BlocksFor((view.layout.shard_numel + 3) / 4, t.gpu, static_cast<int32_t>(regions)), regions);
+    ZeroAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+                                                                  token.typed_data(), token_out->typed_data());
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
 }  // namespace jodc::cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcReadAccumulatorCuda, jodc::cuda::ReadAcc,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // the device's accumulated shard
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcZeroAccumulatorCuda, jodc::cuda::ZeroAcc,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_CUDA_HANDLER(ReadAccumulator, jodc::cuda::ReadAcc);
+JODC_CUDA_HANDLER(ZeroAccumulator, jodc::cuda::ZeroAcc);

@@ -19,9 +19,4 @@ ffi::Error After(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Remainin
 }  // namespace
 }  // namespace jodc::cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcAfterCuda, jodc::cuda::After,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .RemainingArgs()                         // values to wait for (not read)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+JODC_CUDA_HANDLER(After, jodc::cuda::After);

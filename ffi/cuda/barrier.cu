@@ -187,10 +187,4 @@ ffi::Error Barrier(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffe
 }  // namespace
 }  // namespace jodc::cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcBarrierCuda, jodc::cuda::Barrier,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap"));
+JODC_CUDA_HANDLER(Barrier, jodc::cuda::Barrier);

@@ -29,9 +29,4 @@ ffi::Error DependOn(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Remai
 }  // namespace
 }  // namespace jodc::cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcDependOnCuda, jodc::cuda::DependOn,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .RemainingArgs()                         // values
-                                  .RemainingRets());                       // the same values
+JODC_CUDA_HANDLER(DependOn, jodc::cuda::DependOn);

@@ -32,50 +32,32 @@ void LaunchGather(cudaStream_t stream, const OpTarget& t, const int32_t* device,
                                                                  static_cast<Dst*>(out), Aligned16(out));
 }
 
-ffi::Error GatherImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
-                      int64_t bucket_id) {
-  OpTarget t;
-  if (ffi::Error e = Prepare("gather", stream, device, token, heap_id, bucket_id, &t); e.failure()) return e;
-  const BucketView& view = t.bucket->view;
-  Dtype out_t;
-  if (!ToDtype(out->element_type(), &out_t)) return InvalidArgument("jodc gather: output must be float32 or bfloat16");
-  if (static_cast<int64_t>(out->element_count()) != view.layout.numel) {
-    return InvalidArgument("jodc gather: output has " + std::to_string(out->element_count()) + " elements, bucket " +
-                           std::to_string(bucket_id) + " has " + std::to_string(view.layout.numel));
-  }
-  const int32_t* dev = device.typed_data();
-  const int32_t* tok = token.typed_data();
-  int32_t* tok_out = token_out->typed_data();
-  void* dst = out->untyped_data();
-  if (view.master == Dtype::kF32 && out_t == Dtype::kF32) {
-    LaunchGather<float, float>(stream, t, dev, tok, tok_out, dst);
-  } else if (view.master == Dtype::kF32) {
-    LaunchGather<float, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
-  } else if (out_t == Dtype::kF32) {
-    LaunchGather<Bf16Bits, float>(stream, t, dev, tok, tok_out, dst);
-  } else {
-    LaunchGather<Bf16Bits, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
-  }
-  return LaunchResult("gather");
-}
-
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
-ffi::Error Gather(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
-                  int64_t bucket_id) {
-  return AbortOnError(heap_id, GatherImpl(stream, device, token, out, token_out, heap_id, bucket_id));
+ffi::Error Gather(cudaStream_t stream, Scalar device, Scalar token, ffi::Result<ffi::AnyBuffer> out, TokenOut token_out,
+                  int64_t heap_id, int64_t bucket_id) {
+  return RunOp("gather", stream, device, token, heap_id, bucket_id, [&](const OpTarget& t) -> ffi::Error {
+    const BucketView& view = t.bucket->view;
+    ErrorOr<Dtype> out_dtype = CheckFullBucket("gather", "output", *out, view.layout, bucket_id);
+    if (!out_dtype.has_value()) return out_dtype.error();
+    const Dtype out_t = *out_dtype;
+    const int32_t* dev = device.typed_data();
+    const int32_t* tok = token.typed_data();
+    int32_t* tok_out = token_out->typed_data();
+    void* dst = out->untyped_data();
+    if (view.master == Dtype::kF32 && out_t == Dtype::kF32) {
+      LaunchGather<float, float>(stream, t, dev, tok, tok_out, dst);
+    } else if (view.master == Dtype::kF32) {
+      LaunchGather<float, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
+    } else if (out_t == Dtype::kF32) {
+      LaunchGather<Bf16Bits, float>(stream, t, dev, tok, tok_out, dst);
+    } else {
+      LaunchGather<Bf16Bits, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
+    }
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
 }  // namespace jodc::cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcGatherCuda, jodc::cuda::Gather,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::AnyBuffer>()              // full bucket, compute dtype
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_CUDA_HANDLER(Gather, jodc::cuda::Gather);

@@ -12,8 +12,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
+#include "common/bindings.h"
 #include "common/dtype.h"
+#include "common/error.h"
+#include "common/operands.h"
 #include "cuda/heap.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -22,14 +26,6 @@ namespace jodc::cuda {
 namespace ffi = xla::ffi;
 
 constexpr int kThreadsPerBlock = 256;
-
-inline ffi::Error InvalidArgument(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
-inline bool ToDtype(ffi::DataType t, Dtype* out) {
-  if (t == ffi::DataType::F32) { *out = Dtype::kF32; return true; }
-  if (t == ffi::DataType::BF16) { *out = Dtype::kBF16; return true; }
-  return false;
-}
 
 inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -58,13 +54,15 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
                            "' must be an int32 scalar, got " +
                            std::to_string(bad_device ? device.element_count() : token.element_count()) + " elements");
   }
+  auto heap = FindHeap(heap_id);
+  if (!heap.has_value()) return ForOp(op, heap.error());
+  out->heap = *heap;
   std::string why;
-  out->heap = FindHeap(heap_id, &why);
-  if (!out->heap) return InvalidArgument(std::string("jodc ") + op + ": " + why);
   if (!CheckHealthy(op, *out->heap, &why)) return InvalidArgument(why);
   if (bucket_id >= 0) {
-    out->bucket = FindBucket(out->heap, bucket_id, &why);
-    if (!out->bucket) return InvalidArgument(std::string("jodc ") + op + ": " + why);
+    auto bucket = FindBucket(out->heap, bucket_id);
+    if (!bucket.has_value()) return ForOp(op, bucket.error());
+    out->bucket = *bucket;
   }
   int gpu = -1;
 #if CUDART_VERSION >= 12080
@@ -101,6 +99,21 @@ inline ffi::Error LaunchResult(const char* op) {
   return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("launching the kernel", e));
 }
 
+// Runs `body(const OpTarget&) -> Error` (checks operands, launches the op's kernel on `stream`) as op `op` on bucket
+// `bucket_id` (-1: a heap-level op) of heap `heap_id`, after the common preamble (Prepare) and followed by the launch
+// check. Any error aborts the heap (AbortOnError).
+template <typename Body>
+ffi::Error RunOp(const char* op, cudaStream_t stream, const Scalar& device, const Scalar& token, int64_t heap_id,
+                 int64_t bucket_id, Body&& body) {
+  ffi::Error e = [&]() -> ffi::Error {
+    OpTarget t;
+    if (ffi::Error failed = Prepare(op, stream, device, token, heap_id, bucket_id, &t); failed.failure()) return failed;
+    if (ffi::Error failed = body(t); failed.failure()) return failed;
+    return LaunchResult(op);
+  }();
+  return AbortOnError(heap_id, std::move(e));
+}
+
 // Streaming multiprocessors of `gpu`, cached (queried once per GPU).
 inline int SmCount(int32_t gpu) {
   static std::array<std::atomic<int>, 256> cache{};
@@ -125,5 +138,10 @@ inline unsigned BlocksFor(int64_t items, int32_t gpu, int32_t shares) {
 }
 
 }  // namespace jodc::cuda
+
+// Defines the CUDA handler symbol Jodc<Camel>Cuda of op Camel (ffi/common/ops.h, binding: ffi/common/bindings.h,
+// after the platform stream every CUDA handler takes first).
+#define JODC_CUDA_HANDLER(Camel, impl) \
+  JODC_DEFINE_HANDLER(Camel, Cuda, impl, ::xla::ffi::Ffi::Bind().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>())
 
 #endif  // JODC_FFI_CUDA_HANDLER_UTIL_CUH_

@@ -5,58 +5,50 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
-#include <unordered_map>
+
+#include "common/registry.h"
 
 namespace jodc::cuda {
 namespace {
 
 std::atomic<int64_t> g_live_bytes{0};
-std::atomic<int64_t> g_next_heap_id{1};
 std::atomic<int64_t> g_next_bucket_id{1};
 
-std::mutex g_registry_mu;
-std::unordered_map<int64_t, std::shared_ptr<Heap>>& Registry() {
-  static auto* heaps = new std::unordered_map<int64_t, std::shared_ptr<Heap>>();
+HeapRegistry<Heap>& Heaps() {
+  static auto* heaps = new HeapRegistry<Heap>("heap");  // never destroyed: handlers may run during exit
   return *heaps;
 }
 
 // Enables peer access in both directions between every pair of distinct GPUs in `gpus`. Sets *native_atomics to
 // whether every pair also supports native atomics over its link (NVLink: yes; PCIe: usually not).
-bool EnablePeerAccess(const std::vector<int32_t>& gpus, bool* native_atomics, std::string* err) {
+Error EnablePeerAccess(const std::vector<int32_t>& gpus, bool* native_atomics) {
   std::vector<int32_t> distinct(gpus);
   std::sort(distinct.begin(), distinct.end());
   distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
   *native_atomics = true;
   for (int32_t a : distinct) {
     ScopedDevice on_a(a);
-    if (!on_a.ok()) {
-      *err = CudaMessage(("selecting GPU " + std::to_string(a)).c_str(), on_a.status());
-      return false;
-    }
+    if (!on_a.ok()) return Error::Internal(CudaMessage(("selecting GPU " + std::to_string(a)).c_str(), on_a.status()));
     for (int32_t b : distinct) {
       if (a == b) continue;
       int can_access = 0;
       cudaError_t e = cudaDeviceCanAccessPeer(&can_access, a, b);
       if (e != cudaSuccess) {
-        *err = CudaMessage(("querying peer access from GPU " + std::to_string(a) + " to GPU " + std::to_string(b))
-                               .c_str(),
-                           e);
-        return false;
+        return Error::Internal(CudaMessage(
+            ("querying peer access from GPU " + std::to_string(a) + " to GPU " + std::to_string(b)).c_str(), e));
       }
       if (!can_access) {
-        *err = "GPU " + std::to_string(a) + " cannot access GPU " + std::to_string(b) +
-               "'s memory directly (no peer-to-peer path between them); jodc's CUDA ops need peer access between "
-               "all GPUs of a heap (NVLink, or PCIe with P2P enabled under one root complex)";
-        return false;
+        return InvalidArgument("GPU " + std::to_string(a) + " cannot access GPU " + std::to_string(b) +
+                               "'s memory directly (no peer-to-peer path between them); jodc's CUDA ops need peer "
+                               "access between all GPUs of a heap (NVLink, or PCIe with P2P enabled under one root "
+                               "complex)");
       }
       e = cudaDeviceEnablePeerAccess(b, 0);
       if (e == cudaErrorPeerAccessAlreadyEnabled) {
         cudaGetLastError();  // not an error for us (XLA or an earlier heap enabled it); clear the sticky record
       } else if (e != cudaSuccess) {
-        *err = CudaMessage(("enabling peer access from GPU " + std::to_string(a) + " to GPU " + std::to_string(b))
-                               .c_str(),
-                           e);
-        return false;
+        return Error::Internal(CudaMessage(
+            ("enabling peer access from GPU " + std::to_string(a) + " to GPU " + std::to_string(b)).c_str(), e));
       }
       int atomics = 0;
       if (cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, a, b) != cudaSuccess) {
@@ -66,7 +58,7 @@ bool EnablePeerAccess(const std::vector<int32_t>& gpus, bool* native_atomics, st
       if (!atomics) *native_atomics = false;
     }
   }
-  return true;
+  return Error::Success();
 }
 
 // Waits for all work queued on the heap's GPUs (XLA's streams included), so memory can be released safely even if a
@@ -82,30 +74,28 @@ void SynchronizeGpus(const std::vector<int32_t>& placement) {
   }
 }
 
-bool VisibleDeviceCount(int* count, std::string* err) {
-  cudaError_t e = cudaGetDeviceCount(count);
+ErrorOr<int> VisibleDeviceCount() {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    *err = "no usable CUDA device: " + CudaMessage("cudaGetDeviceCount", e);
-    return false;
+    return Fail(InvalidArgument("no usable CUDA device: " + CudaMessage("cudaGetDeviceCount", e)));
   }
-  if (*count < 1) {
-    *err = "no CUDA device is visible to this process";
-    return false;
-  }
-  return true;
+  if (count < 1) return Fail(InvalidArgument("no CUDA device is visible to this process"));
+  return count;
 }
 
 }  // namespace
 
 const char* OpName(int32_t op) {
   switch (static_cast<OpCode>(op)) {
-    case OpCode::kGather: return "gather";
-    case OpCode::kScatterAccumulate: return "scatter_accumulate";
-    case OpCode::kBarrier: return "barrier";
-    case OpCode::kReadAccumulator: return "read_accumulator";
-    case OpCode::kZeroAccumulator: return "zero_accumulator";
-    case OpCode::kPublish: return "publish";
+#define JODC_OP_NAME(name, Camel) \
+  case OpCode::k##Camel:          \
+    return #name;
+    JODC_HEAP_OPS(JODC_OP_NAME)
+#undef JODC_OP_NAME
+    case OpCode::kNone:
+      break;
   }
   return "unknown op";
 }
@@ -135,16 +125,10 @@ DeviceBuffer::~DeviceBuffer() {
   g_live_bytes -= bytes_;
 }
 
-bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err, bool* out_of_memory) {
-  if (bytes < 0) {
-    *err = "cannot allocate a negative size (" + std::to_string(bytes) + " bytes)";
-    return false;
-  }
+Error DeviceBuffer::Allocate(int32_t gpu, int64_t bytes) {
+  if (bytes < 0) return InvalidArgument("cannot allocate a negative size (" + std::to_string(bytes) + " bytes)");
   ScopedDevice on(gpu);
-  if (!on.ok()) {
-    *err = CudaMessage(("selecting GPU " + std::to_string(gpu)).c_str(), on.status());
-    return false;
-  }
+  if (!on.ok()) return Error::Internal(CudaMessage(("selecting GPU " + std::to_string(gpu)).c_str(), on.status()));
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes));
   if (e == cudaSuccess) e = cudaMemset(p, 0, static_cast<size_t>(bytes));
@@ -152,15 +136,14 @@ bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err, bool* 
   if (e != cudaSuccess) {
     cudaGetLastError();
     if (p != nullptr) cudaFree(p);
-    if (out_of_memory != nullptr && e == cudaErrorMemoryAllocation) *out_of_memory = true;
-    *err = CudaMessage(("allocating " + std::to_string(bytes) + " bytes on GPU " + std::to_string(gpu)).c_str(), e);
-    return false;
+    std::string msg = CudaMessage(("allocating " + std::to_string(bytes) + " bytes on GPU " + std::to_string(gpu)).c_str(), e);
+    return e == cudaErrorMemoryAllocation ? OutOfMemory(std::move(msg)) : Error::Internal(std::move(msg));
   }
   gpu_ = gpu;
   data_ = p;
   bytes_ = bytes;
   g_live_bytes += bytes;
-  return true;
+  return Error::Success();
 }
 
 int64_t LiveHeapBytes() { return g_live_bytes.load(); }
@@ -195,22 +178,22 @@ std::string CurrentPoison(Heap& heap) {
   return heap.poisoned;
 }
 
-bool CheckBarrierTimeout(double seconds, std::string* err) {
-  if (TimeoutNanos(seconds) < 0) {
-    *err = "barrier timeout must be > 0 seconds (or inf to wait forever), got " + std::to_string(seconds);
-    return false;
-  }
-  return true;
+Error CheckBarrierTimeout(double seconds) {
+  if (TimeoutNanos(seconds) < 0)
+    return InvalidArgument("barrier timeout must be > 0 seconds (or inf to wait forever), got " +
+                           std::to_string(seconds));
+  return Error::Success();
 }
 
-int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err) {
+ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s) {
   if (world < 1 || world > kMaxWorld) {
-    *err = "heap world size must be in [1, " + std::to_string(kMaxWorld) + "] on CUDA, got " + std::to_string(world);
-    return -1;
+    return Fail(InvalidArgument("heap world size must be in [1, " + std::to_string(kMaxWorld) + "] on CUDA, got " +
+                                std::to_string(world)));
   }
-  if (!CheckBarrierTimeout(barrier_timeout_s, err)) return -1;
-  int count = 0;
-  if (!VisibleDeviceCount(&count, err)) return -1;
+  if (Error e = CheckBarrierTimeout(barrier_timeout_s); e.failure()) return Fail(e);
+  auto visible = VisibleDeviceCount();
+  if (!visible.has_value()) return Fail(visible.error());
+  const int count = *visible;
   auto heap = std::make_shared<Heap>();
   heap->world = world;
   heap->deterministic = deterministic;
@@ -220,7 +203,7 @@ int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, 
   heap->placement.resize(world);
   for (int32_t p = 0; p < world; ++p) heap->placement[p] = p % count;
   bool native_atomics = true;
-  if (!EnablePeerAccess(heap->placement, &native_atomics, err)) return -1;
+  if (Error e = EnablePeerAccess(heap->placement, &native_atomics); e.failure()) return Fail(e);
   heap->landing_slots = deterministic || !native_atomics;
   {
     ScopedDevice on(heap->placement[0]);
@@ -229,58 +212,46 @@ int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, 
                             : on.status();
     if (e != cudaSuccess) {
       cudaGetLastError();
-      *err = CudaMessage("allocating the heap's pinned control block", e);
-      return -1;
+      return Fail(Error::Internal(CudaMessage("allocating the heap's pinned control block", e)));
     }
     std::memset(control, 0, sizeof(HeapControl));
     heap->control = static_cast<HeapControl*>(control);
   }
-  heap->id = g_next_heap_id++;
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  Registry()[heap->id] = heap;
-  return heap->id;
+  return Heaps().Add(heap);
 }
 
-bool SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus, std::string* err) {
-  auto heap = FindHeap(heap_id, err);
-  if (!heap) return false;
+Error SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus) {
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return found.error();
+  const std::shared_ptr<Heap>& heap = *found;
   if (static_cast<int32_t>(gpus.size()) != heap->world) {
-    *err = "placement lists " + std::to_string(gpus.size()) + " GPUs, heap " + std::to_string(heap_id) + " has " +
-           std::to_string(heap->world) + " devices";
-    return false;
+    return InvalidArgument("placement lists " + std::to_string(gpus.size()) + " GPUs, heap " +
+                           std::to_string(heap_id) + " has " + std::to_string(heap->world) + " devices");
   }
-  int count = 0;
-  if (!VisibleDeviceCount(&count, err)) return false;
+  auto visible = VisibleDeviceCount();
+  if (!visible.has_value()) return visible.error();
+  const int count = *visible;
   for (int32_t g : gpus) {
-    if (g < 0 || g >= count) {
-      *err = "placement names GPU " + std::to_string(g) + ", but only " + std::to_string(count) + " are visible";
-      return false;
-    }
+    if (g < 0 || g >= count)
+      return InvalidArgument("placement names GPU " + std::to_string(g) + ", but only " + std::to_string(count) +
+                             " are visible");
   }
   std::lock_guard<std::mutex> lock(heap->mu);
   if (!heap->buckets.empty()) {
-    *err = "heap " + std::to_string(heap_id) + " already holds buckets: set its placement before registering any";
-    return false;
+    return InvalidArgument("heap " + std::to_string(heap_id) +
+                           " already holds buckets: set its placement before registering any");
   }
   bool native_atomics = true;
-  if (!EnablePeerAccess(gpus, &native_atomics, err)) return false;
+  if (Error e = EnablePeerAccess(gpus, &native_atomics); e.failure()) return e;
   heap->placement = gpus;
   heap->landing_slots = heap->deterministic || !native_atomics;
-  return true;
+  return Error::Success();
 }
 
-bool FreeHeap(int64_t heap_id, std::string* err) {
-  std::shared_ptr<Heap> heap;
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
-    auto it = Registry().find(heap_id);
-    if (it == Registry().end()) {
-      *err = "heap " + std::to_string(heap_id) + " is not registered (already freed?)";
-      return false;
-    }
-    heap = it->second;
-    Registry().erase(it);
-  }
+Error FreeHeap(int64_t heap_id) {
+  auto removed = Heaps().Remove(heap_id, "(already freed?)");
+  if (!removed.has_value()) return removed.error();
+  const std::shared_ptr<Heap>& heap = *removed;
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
   {
     // Release barrier kernels still waiting so that nothing below waits for a timeout.
@@ -292,46 +263,27 @@ bool FreeHeap(int64_t heap_id, std::string* err) {
   // the last reference: let them finish (waiting barrier kernels see `abort` and return at once).
   SynchronizeGpus(heap->placement);
   buckets.clear();
-  return true;
+  return Error::Success();
 }
 
-std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  auto it = Registry().find(heap_id);
-  if (it == Registry().end()) {
-    *err = "heap " + std::to_string(heap_id) + " is not registered (freed, or created in another process?)";
-    return nullptr;
-  }
-  return it->second;
+ErrorOr<std::shared_ptr<Heap>> FindHeap(int64_t heap_id) {
+  return Heaps().Find(heap_id, "(freed, or created in another process?)");
 }
 
-std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(heap->mu);
-  auto it = heap->buckets.find(bucket_id);
-  if (it == heap->buckets.end()) {
-    *err = "bucket " + std::to_string(bucket_id) + " is not registered in heap " + std::to_string(heap->id) +
-           " (freed?)";
-    return nullptr;
-  }
-  return it->second;
+ErrorOr<std::shared_ptr<Bucket>> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id) {
+  return Heaps().FindBucket(*heap, bucket_id);
 }
 
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err, bool* out_of_memory) {
-  if (out_of_memory != nullptr) *out_of_memory = false;
-  auto heap = FindHeap(heap_id, err);
-  if (!heap) return -1;
-  if (numel < 1) {
-    *err = "bucket size must be >= 1 element, got " + std::to_string(numel);
-    return -1;
-  }
+ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return Fail(found.error());
+  const std::shared_ptr<Heap>& heap = *found;
+  if (numel < 1) return Fail(InvalidArgument("bucket size must be >= 1 element, got " + std::to_string(numel)));
   const int32_t world = heap->world;
   const std::string what = "a bucket of " + std::to_string(numel) + " " + DtypeName(master) + " elements over " +
                            std::to_string(world) + " devices in heap " + std::to_string(heap_id);
   std::lock_guard<std::mutex> lock(heap->mu);  // placement must not change while we allocate
-  if (!heap->poisoned.empty()) {
-    *err = heap->poisoned;
-    return -1;
-  }
+  if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));
   auto b = std::make_shared<Bucket>();
   BucketView& v = b->view;
   v.layout = MakeLayout(numel, world, DtypeBytes(master));
@@ -342,8 +294,7 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
     const double per_element = DtypeBytes(master) + 4.0 + (v.landing_slots ? 4.0 * world : 0.0);
     msg << what << " is too large: its memory (about " << static_cast<double>(numel) * per_element
         << " bytes) overflows 64-bit byte counts";
-    *err = msg.str();
-    return -1;
+    return Fail(InvalidArgument(msg.str()));
   }
   // Refuse up front what a GPU cannot hold (positions sharing a GPU add up), naming the bytes asked for.
   std::map<int32_t, int64_t> per_gpu;
@@ -353,11 +304,9 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
     size_t free_bytes = 0, total_bytes = 0;
     if (on.ok() && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       if (static_cast<uint64_t>(needed) > free_bytes) {
-        if (out_of_memory != nullptr) *out_of_memory = true;
-        *err = "out of GPU memory: " + what + " needs " + std::to_string(needed) + " bytes on GPU " +
-               std::to_string(gpu) + " (" + std::to_string(b->bytes.total) + " bytes in all), only " +
-               std::to_string(free_bytes) + " are free";
-        return -1;
+        return Fail(OutOfMemory("out of GPU memory: " + what + " needs " + std::to_string(needed) + " bytes on GPU " +
+                                std::to_string(gpu) + " (" + std::to_string(b->bytes.total) + " bytes in all), only " +
+                                std::to_string(free_bytes) + " are free"));
       }
     } else {
       cudaGetLastError();  // the allocation below reports a real problem
@@ -369,17 +318,15 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   if (v.landing_slots) b->landing = std::vector<DeviceBuffer>(world);
   for (int32_t p = 0; p < world; ++p) {
     const int32_t gpu = heap->placement[p];
-    std::string why;
-    bool oom = false;
-    bool ok = b->shards[p].Allocate(gpu, b->bytes.shard, &why, &oom) &&
-              b->accumulators[p].Allocate(gpu, b->bytes.accumulator, &why, &oom) &&
-              (!v.landing_slots || b->landing[p].Allocate(gpu, b->bytes.landing, &why, &oom));
-    if (!ok) {
-      if (out_of_memory != nullptr) *out_of_memory = oom;
-      *err = std::string(oom ? "out of GPU memory: " : "") + "registering " + what + " (" +
-             std::to_string(b->bytes.total) + " bytes, " + std::to_string(shard_numel) +
-             " elements per shard; device " + std::to_string(p) + "): " + why;
-      return -1;  // the DeviceBuffers allocated so far are released with `b`
+    Error e = b->shards[p].Allocate(gpu, b->bytes.shard);
+    if (e.success()) e = b->accumulators[p].Allocate(gpu, b->bytes.accumulator);
+    if (e.success() && v.landing_slots) e = b->landing[p].Allocate(gpu, b->bytes.landing);
+    if (e.failure()) {
+      const bool oom = IsOutOfMemory(e);
+      // the DeviceBuffers allocated so far are released with `b`
+      return Fail(Error(CodeOf(e), std::string(oom ? "out of GPU memory: " : "") + "registering " + what + " (" +
+                                       std::to_string(b->bytes.total) + " bytes, " + std::to_string(shard_numel) +
+                                       " elements per shard; device " + std::to_string(p) + "): " + e.message()));
     }
     v.shard[p] = b->shards[p].data();
     v.accumulator[p] = static_cast<float*>(b->accumulators[p].data());
@@ -390,37 +337,34 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   return b->id;
 }
 
-bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err) {
-  auto heap = FindHeap(heap_id, err);
-  if (!heap) return false;
+Error FreeBucket(int64_t heap_id, int64_t bucket_id) {
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return found.error();
+  const std::shared_ptr<Heap>& heap = *found;
   std::shared_ptr<Bucket> bucket;
   {
     std::lock_guard<std::mutex> lock(heap->mu);
     auto it = heap->buckets.find(bucket_id);
-    if (it == heap->buckets.end()) {
-      *err = "bucket " + std::to_string(bucket_id) + " is not registered in heap " + std::to_string(heap_id);
-      return false;
-    }
+    if (it == heap->buckets.end())
+      return InvalidArgument("bucket " + std::to_string(bucket_id) + " is not registered in heap " +
+                             std::to_string(heap_id));
     bucket = it->second;
     heap->buckets.erase(it);
   }
   // Kernels queued on any GPU of the heap may still read or write this bucket: let them finish first. The memory
   // goes with the last reference (a handler running right now may still hold one).
   SynchronizeGpus(heap->placement);
-  return true;
+  return Error::Success();
 }
 
-int64_t LiveHeapCount() {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  return static_cast<int64_t>(Registry().size());
-}
+int64_t LiveHeapCount() { return Heaps().Count(); }
 
 std::string AbortHeap(int64_t heap_id, const std::string& reason) {
-  std::string ignored;
-  auto heap = FindHeap(heap_id, &ignored);
-  if (!heap) return "";
-  std::lock_guard<std::mutex> lock(heap->mu);
-  return PoisonLocked(*heap, "aborted: " + reason + "; the heap is now unusable: free and re-create it");
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return "";
+  Heap& heap = **found;
+  std::lock_guard<std::mutex> lock(heap.mu);
+  return PoisonLocked(heap, "aborted: " + reason + "; the heap is now unusable: free and re-create it");
 }
 
 void AbortOnHandlerError(int64_t heap_id, const std::string& message) {

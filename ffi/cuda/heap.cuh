@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/error.h"
 #include "common/layout.h"
+#include "common/ops.h"
 
 // Symbols the Python side looks up with ctypes; everything else stays hidden (-fvisibility=hidden).
 #define JODC_EXPORT extern "C" __attribute__((visibility("default")))
@@ -30,14 +32,13 @@ namespace jodc::cuda {
 // with room to spare, and the barrier waits on every device with one thread of a single block.
 constexpr int32_t kMaxWorld = 64;
 
-// Which op a kernel belongs to (recorded with a device-side fault so the host can name it).
+// Which op a kernel belongs to (recorded with a device-side fault so the host can name it): the heap ops of
+// ffi/common/ops.h, numbered from 1 in its order.
 enum class OpCode : int32_t {
-  kGather = 1,
-  kScatterAccumulate = 2,
-  kBarrier = 3,
-  kReadAccumulator = 4,
-  kZeroAccumulator = 5,
-  kPublish = 6,
+  kNone = 0,
+#define JODC_OP_CODE(op, Camel) k##Camel,
+  JODC_HEAP_OPS(JODC_OP_CODE)
+#undef JODC_OP_CODE
 };
 const char* OpName(int32_t op);
 
@@ -81,9 +82,8 @@ class DeviceBuffer {
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  // Allocates and zeroes `bytes` on GPU `gpu`; returns false with a message on failure (*out_of_memory, when given,
-  // tells an allocation the GPU could not satisfy apart from other failures).
-  bool Allocate(int32_t gpu, int64_t bytes, std::string* err, bool* out_of_memory = nullptr);
+  // Allocates and zeroes `bytes` on GPU `gpu`; an allocation the GPU cannot satisfy fails with kResourceExhausted.
+  Error Allocate(int32_t gpu, int64_t bytes);
   void* data() const { return data_; }
   int64_t bytes() const { return bytes_; }
 
@@ -140,19 +140,18 @@ class ScopedDevice {
 
 std::string CudaMessage(const char* what, cudaError_t e);
 
-// Registry operations. Errors are returned as a non-empty message (never thrown across the C boundary).
-int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err);
-// A barrier timeout is valid when > 0 (+inf: wait forever); false with a message for NaN, zero or negative values.
-bool CheckBarrierTimeout(double seconds, std::string* err);
-bool SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus, std::string* err);
-bool FreeHeap(int64_t heap_id, std::string* err);
-std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
-std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err);
-// Fails (-1) when the bucket's byte counts overflow int64 or a GPU cannot hold its part; *out_of_memory (when
-// given) tells the second case apart, so the C API can report it as such (Python raises MemoryError).
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err,
-                       bool* out_of_memory = nullptr);
-bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err);
+// Registry operations. Failures are returned as errors (common/error.h), never thrown across the C boundary.
+ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s);
+// A barrier timeout is valid when > 0 (+inf: wait forever); an error for NaN, zero or negative values.
+Error CheckBarrierTimeout(double seconds);
+Error SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus);
+Error FreeHeap(int64_t heap_id);
+ErrorOr<std::shared_ptr<Heap>> FindHeap(int64_t heap_id);
+ErrorOr<std::shared_ptr<Bucket>> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id);
+// Fails when the bucket's byte counts overflow int64 (kInvalidArgument) or a GPU cannot hold its part
+// (kResourceExhausted: the C API reports it as such, Python raises MemoryError).
+ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master);
+Error FreeBucket(int64_t heap_id, int64_t bucket_id);
 int64_t LiveHeapCount();
 
 // Marks the heap unusable with `message` (kept if one is already recorded) and releases waiting barrier kernels.

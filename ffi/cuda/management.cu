@@ -2,45 +2,27 @@
 // accumulators (initialisation, checkpoints, tests), barrier state, and the process-wide tallies. It mirrors the CPU
 // extension's functions (ffi/module.cc) one for one.
 //
-// Convention: functions that can fail return 0 on success and 1 on failure (2: out of memory, which Python raises as
-// MemoryError), with a message written into the caller's buffer `err` of `err_capacity` bytes (always
-// NUL-terminated, truncated if needed). Nothing throws.
+// Convention (common/c_api.h): functions that can fail return 0 on success and 1 on failure (2: out of memory, which
+// Python raises as MemoryError), with a message written into the caller's buffer `err` of `err_capacity` bytes
+// (always NUL-terminated, truncated if needed). Nothing throws.
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "common/c_api.h"
+#include "cuda/handlers.cuh"
 #include "cuda/heap.cuh"
 
 namespace jodc::cuda {
 namespace {
 
-int32_t Fail(const std::string& message, char* err, int64_t err_capacity) {
-  if (err != nullptr && err_capacity > 0) {
-    const size_t n = std::min<size_t>(message.size(), static_cast<size_t>(err_capacity - 1));
-    std::memcpy(err, message.data(), n);
-    err[n] = '\0';
-  }
-  return 1;
-}
-
-constexpr int32_t kOutOfMemory = 2;  // the return code of a failure that is an allocation the GPU cannot satisfy
-
 // Resolves a bucket (and its heap) for a host-side access to position `device`'s memory.
-bool Lookup(int64_t heap_id, int64_t bucket_id, int32_t device, std::shared_ptr<Heap>* heap,
-            std::shared_ptr<Bucket>* bucket, std::string* err) {
-  *heap = FindHeap(heap_id, err);
-  if (!*heap) return false;
-  *bucket = FindBucket(*heap, bucket_id, err);
-  if (!*bucket) return false;
-  if (device < 0 || device >= (*heap)->world) {
-    *err = "device " + std::to_string(device) + " outside [0, " + std::to_string((*heap)->world) + ")";
-    return false;
-  }
-  return true;
+auto Lookup(int64_t heap_id, int64_t bucket_id, int32_t device) {
+  return LocateForHost(FindHeap(heap_id), FindBucket, bucket_id, device);
 }
 
 // Synchronous copy between host and one GPU's memory (unified addressing: the runtime infers the direction).
-bool CopyOnGpu(int32_t gpu, void* dst, const void* src, int64_t bytes, const char* what, std::string* err) {
+Error CopyOnGpu(int32_t gpu, void* dst, const void* src, int64_t bytes, const char* what) {
   ScopedDevice on(gpu);
   cudaError_t e = on.ok() ? cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault) : on.status();
   // A host-to-device copy from pageable memory may return before the DMA lands: wait, so kernels launched next on
@@ -48,10 +30,9 @@ bool CopyOnGpu(int32_t gpu, void* dst, const void* src, int64_t bytes, const cha
   if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    *err = CudaMessage(what, e);
-    return false;
+    return Error::Internal(CudaMessage(what, e));
   }
-  return true;
+  return Error::Success();
 }
 
 }  // namespace
@@ -59,6 +40,14 @@ bool CopyOnGpu(int32_t gpu, void* dst, const void* src, int64_t bytes, const cha
 
 using namespace jodc;
 using namespace jodc::cuda;
+
+// The handler of every op (ffi/common/ops.h): names[i] / handlers[i] for i < capacity; returns how many there are.
+JODC_EXPORT int32_t jodc_cuda_handlers(const char** names, void** handlers, int32_t capacity) {
+#define JODC_CUDA_HANDLER_ENTRY(op, Camel) {#op, reinterpret_cast<void*>(&Jodc##Camel##Cuda)},
+  static const OpHandler kTable[] = {JODC_ALL_OPS(JODC_CUDA_HANDLER_ENTRY)};
+#undef JODC_CUDA_HANDLER_ENTRY
+  return CopyOpHandlers(kTable, names, handlers, capacity);
+}
 
 JODC_EXPORT int64_t jodc_cuda_shard_numel(int64_t numel, int32_t world, int32_t master_bytes) {
   return ShardNumel(numel, world, master_bytes);
@@ -69,7 +58,7 @@ JODC_EXPORT int32_t jodc_cuda_device_count(int32_t* count, char* err, int64_t er
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return Fail(CudaMessage("cudaGetDeviceCount", e), err, err_capacity);
+    return Report(InvalidArgument(CudaMessage("cudaGetDeviceCount", e)), err, err_capacity);
   }
   *count = n;
   return 0;
@@ -77,81 +66,70 @@ JODC_EXPORT int32_t jodc_cuda_device_count(int32_t* count, char* err, int64_t er
 
 JODC_EXPORT int32_t jodc_cuda_heap_create(int32_t world, int32_t deterministic, double barrier_timeout_s,
                                           int64_t* heap_id, char* err, int64_t err_capacity) {
-  std::string why;
-  const int64_t id = CreateHeap(world, deterministic != 0, barrier_timeout_s, &why);
-  if (id < 0) return Fail(why, err, err_capacity);
-  *heap_id = id;
+  auto id = CreateHeap(world, deterministic != 0, barrier_timeout_s);
+  if (!id.has_value()) return Report(id.error(), err, err_capacity);
+  *heap_id = *id;
   return 0;
 }
 
 JODC_EXPORT int32_t jodc_cuda_heap_set_placement(int64_t heap_id, const int32_t* gpus, int32_t count, char* err,
                                                  int64_t err_capacity) {
-  if (count < 0 || (count > 0 && gpus == nullptr)) return Fail("placement must list one GPU per device", err,
-                                                               err_capacity);
-  std::string why;
-  if (!SetPlacement(heap_id, std::vector<int32_t>(gpus, gpus + count), &why)) return Fail(why, err, err_capacity);
-  return 0;
+  if (count < 0 || (count > 0 && gpus == nullptr))
+    return Report(InvalidArgument("placement must list one GPU per device"), err, err_capacity);
+  return Report(SetPlacement(heap_id, std::vector<int32_t>(gpus, gpus + count)), err, err_capacity);
 }
 
 JODC_EXPORT int32_t jodc_cuda_heap_free(int64_t heap_id, char* err, int64_t err_capacity) {
-  std::string why;
-  if (!FreeHeap(heap_id, &why)) return Fail(why, err, err_capacity);
-  return 0;
+  return Report(FreeHeap(heap_id), err, err_capacity);
 }
 
 JODC_EXPORT int32_t jodc_cuda_heap_set_barrier_timeout(int64_t heap_id, double timeout_s, char* err,
                                                        int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
-  if (!CheckBarrierTimeout(timeout_s, &why)) return Fail(why, err, err_capacity);
-  heap->barrier_timeout_s = timeout_s;
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](Heap& heap) {
+    if (Error e = CheckBarrierTimeout(timeout_s); e.failure()) return e;
+    heap.barrier_timeout_s = timeout_s;
+    return Error::Success();
+  });
 }
 
 // Copies min(world, capacity) generations into `out` and the heap's world into *world.
 JODC_EXPORT int32_t jodc_cuda_heap_generations(int64_t heap_id, uint64_t* out, int32_t capacity, int32_t* world,
                                                char* err, int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
-  *world = heap->world;
-  for (int32_t p = 0; p < heap->world && p < capacity; ++p)
-    out[p] = __atomic_load_n(&heap->control->arrivals[p], __ATOMIC_ACQUIRE);
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](const Heap& heap) {
+    *world = heap.world;
+    for (int32_t p = 0; p < heap.world && p < capacity; ++p)
+      out[p] = __atomic_load_n(&heap.control->arrivals[p], __ATOMIC_ACQUIRE);
+    return Error::Success();
+  });
 }
 
 // Writes the poison message ("" while healthy) into `out`; *length receives its full length.
 JODC_EXPORT int32_t jodc_cuda_heap_poisoned(int64_t heap_id, char* out, int64_t out_capacity, int64_t* length,
                                             char* err, int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
-  const std::string poisoned = CurrentPoison(*heap);
-  *length = static_cast<int64_t>(poisoned.size());
-  Fail(poisoned, out, out_capacity);  // same truncating copy
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](Heap& heap) {
+    const std::string poisoned = CurrentPoison(heap);
+    *length = static_cast<int64_t>(poisoned.size());
+    CopyText(poisoned, out, out_capacity);
+    return Error::Success();
+  });
 }
 
 // Aborts the heap with `reason` (see AbortHeap) and writes the poison message now recorded into `out`.
 JODC_EXPORT int32_t jodc_cuda_heap_abort(int64_t heap_id, const char* reason, char* out, int64_t out_capacity,
                                          char* err, int64_t err_capacity) {
-  std::string why;
-  if (!FindHeap(heap_id, &why)) return Fail(why, err, err_capacity);
-  const std::string poisoned = AbortHeap(heap_id, reason != nullptr ? reason : "");
-  Fail(poisoned, out, out_capacity);  // same truncating copy
+  if (auto heap = FindHeap(heap_id); !heap.has_value()) return Report(heap.error(), err, err_capacity);
+  CopyText(AbortHeap(heap_id, reason != nullptr ? reason : ""), out, out_capacity);
   return 0;
 }
 
 // Whether pushes land in per-source slots (deterministic heap, or no native peer atomics) rather than atomically.
 JODC_EXPORT int32_t jodc_cuda_heap_landing_slots(int64_t heap_id, int32_t* landing_slots, char* err,
                                                  int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
-  std::lock_guard<std::mutex> lock(heap->mu);
-  *landing_slots = heap->landing_slots ? 1 : 0;
-  return 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](Heap& heap) {
+    std::lock_guard<std::mutex> lock(heap.mu);
+    *landing_slots = heap.landing_slots ? 1 : 0;
+    return Error::Success();
+  });
 }
 
 JODC_EXPORT int64_t jodc_cuda_live_heaps() { return LiveHeapCount(); }
@@ -162,87 +140,79 @@ JODC_EXPORT int32_t jodc_cuda_bucket_register(int64_t heap_id, int64_t numel, co
                                               char* err, int64_t err_capacity) {
   Dtype master;
   const std::string name = dtype != nullptr ? dtype : "";
-  if (!ParseDtype(name, &master)) return Fail("master dtype must be float32 or bfloat16, got " + name, err,
-                                              err_capacity);
-  std::string why;
-  bool out_of_memory = false;
-  const int64_t id = RegisterBucket(heap_id, numel, master, &why, &out_of_memory);
-  if (id < 0) {
-    Fail(why, err, err_capacity);
-    return out_of_memory ? kOutOfMemory : 1;
-  }
-  *bucket_id = id;
+  if (!ParseDtype(name, &master))
+    return Report(InvalidArgument("master dtype must be float32 or bfloat16, got " + name), err, err_capacity);
+  auto id = RegisterBucket(heap_id, numel, master);
+  if (!id.has_value()) return Report(id.error(), err, err_capacity);  // 2 for out of memory
+  *bucket_id = *id;
   return 0;
 }
 
 JODC_EXPORT int32_t jodc_cuda_bucket_free(int64_t heap_id, int64_t bucket_id, char* err, int64_t err_capacity) {
-  std::string why;
-  if (!FreeBucket(heap_id, bucket_id, &why)) return Fail(why, err, err_capacity);
-  return 0;
+  return Report(FreeBucket(heap_id, bucket_id), err, err_capacity);
 }
 
 JODC_EXPORT int32_t jodc_cuda_bucket_info(int64_t heap_id, int64_t bucket_id, int64_t* numel, int64_t* shard_numel,
                                           int32_t* master_bytes, int32_t* world, char* err, int64_t err_capacity) {
-  std::shared_ptr<Heap> heap;
-  std::shared_ptr<Bucket> bucket;
-  std::string why;
-  if (!Lookup(heap_id, bucket_id, 0, &heap, &bucket, &why)) return Fail(why, err, err_capacity);
-  *numel = bucket->layout().numel;
-  *shard_numel = bucket->layout().shard_numel;
-  *master_bytes = DtypeBytes(bucket->view.master);
-  *world = bucket->layout().world;
+  auto found = Lookup(heap_id, bucket_id, 0);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const Bucket& bucket = *found->bucket;
+  *numel = bucket.layout().numel;
+  *shard_numel = bucket.layout().shard_numel;
+  *master_bytes = DtypeBytes(bucket.view.master);
+  *world = bucket.layout().world;
   return 0;
 }
 
-// Raw bytes of position `device`'s master shard (padded): exactly shard_numel * master bytes.
+// Copies position `device`'s master shard (padded: exactly shard_numel * master bytes) from (to_host) or to the host.
+static int32_t CopyShard(int64_t heap_id, int64_t bucket_id, int32_t device, void* host, int64_t bytes, bool to_host,
+                  char* err, int64_t err_capacity) {
+  auto found = Lookup(heap_id, bucket_id, device);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const Bucket& b = *found->bucket;
+  const int64_t want = b.layout().shard_numel * DtypeBytes(b.view.master);
+  if (bytes != want) {
+    return Report(InvalidArgument("shard needs " + std::to_string(want) + " bytes, got " + std::to_string(bytes)),
+                  err, err_capacity);
+  }
+  void* shard = b.view.shard[device];
+  const int32_t gpu = found->heap->placement[device];
+  return Report(to_host ? CopyOnGpu(gpu, host, shard, want, "reading a shard")
+                        : CopyOnGpu(gpu, shard, host, want, "writing a shard"),
+                err, err_capacity);
+}
+
 JODC_EXPORT int32_t jodc_cuda_bucket_get_shard(int64_t heap_id, int64_t bucket_id, int32_t device, void* dst,
                                                int64_t bytes, char* err, int64_t err_capacity) {
-  std::shared_ptr<Heap> heap;
-  std::shared_ptr<Bucket> b;
-  std::string why;
-  if (!Lookup(heap_id, bucket_id, device, &heap, &b, &why)) return Fail(why, err, err_capacity);
-  const int64_t want = b->layout().shard_numel * DtypeBytes(b->view.master);
-  if (bytes != want) return Fail("shard needs " + std::to_string(want) + " bytes, got " + std::to_string(bytes), err,
-                                 err_capacity);
-  if (!CopyOnGpu(heap->placement[device], dst, b->view.shard[device], want, "reading a shard", &why))
-    return Fail(why, err, err_capacity);
-  return 0;
+  return CopyShard(heap_id, bucket_id, device, dst, bytes, /*to_host=*/true, err, err_capacity);
 }
 
 JODC_EXPORT int32_t jodc_cuda_bucket_set_shard(int64_t heap_id, int64_t bucket_id, int32_t device, const void* src,
                                                int64_t bytes, char* err, int64_t err_capacity) {
-  std::shared_ptr<Heap> heap;
-  std::shared_ptr<Bucket> b;
-  std::string why;
-  if (!Lookup(heap_id, bucket_id, device, &heap, &b, &why)) return Fail(why, err, err_capacity);
-  const int64_t want = b->layout().shard_numel * DtypeBytes(b->view.master);
-  if (bytes != want) return Fail("shard needs " + std::to_string(want) + " bytes, got " + std::to_string(bytes), err,
-                                 err_capacity);
-  if (!CopyOnGpu(heap->placement[device], b->view.shard[device], src, want, "writing a shard", &why))
-    return Fail(why, err, err_capacity);
-  return 0;
+  return CopyShard(heap_id, bucket_id, device, const_cast<void*>(src), bytes, /*to_host=*/false, err, err_capacity);
 }
 
 // Position `device`'s accumulated gradient (fp32, shard_numel). With landing slots: accumulator + slot 0 + slot 1 +
 // ... summed on the host in the same order (and the same fp32 arithmetic) as the read_accumulator kernel.
 JODC_EXPORT int32_t jodc_cuda_bucket_get_accumulator(int64_t heap_id, int64_t bucket_id, int32_t device, float* dst,
                                                      int64_t count, char* err, int64_t err_capacity) {
-  std::shared_ptr<Heap> heap;
-  std::shared_ptr<Bucket> b;
-  std::string why;
-  if (!Lookup(heap_id, bucket_id, device, &heap, &b, &why)) return Fail(why, err, err_capacity);
-  const int64_t n = b->layout().shard_numel;
-  if (count != n) return Fail("accumulator holds " + std::to_string(n) + " elements, got room for " +
-                              std::to_string(count), err, err_capacity);
-  const int32_t gpu = heap->placement[device];
-  if (!CopyOnGpu(gpu, dst, b->view.accumulator[device], n * 4, "reading an accumulator", &why))
-    return Fail(why, err, err_capacity);
-  if (b->view.landing_slots) {
-    std::vector<float> slots(static_cast<size_t>(n) * b->layout().world);
-    if (!CopyOnGpu(gpu, slots.data(), b->view.landing[device], n * 4 * b->layout().world, "reading landing slots",
-                   &why))
-      return Fail(why, err, err_capacity);
-    for (int32_t s = 0; s < b->layout().world; ++s) {
+  auto found = Lookup(heap_id, bucket_id, device);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const Bucket& b = *found->bucket;
+  const int64_t n = b.layout().shard_numel;
+  if (count != n) {
+    return Report(InvalidArgument("accumulator holds " + std::to_string(n) + " elements, got room for " +
+                                  std::to_string(count)),
+                  err, err_capacity);
+  }
+  const int32_t gpu = found->heap->placement[device];
+  if (Error e = CopyOnGpu(gpu, dst, b.view.accumulator[device], n * 4, "reading an accumulator"); e.failure())
+    return Report(e, err, err_capacity);
+  if (b.view.landing_slots) {
+    std::vector<float> slots(static_cast<size_t>(n) * b.layout().world);
+    Error e = CopyOnGpu(gpu, slots.data(), b.view.landing[device], n * 4 * b.layout().world, "reading landing slots");
+    if (e.failure()) return Report(e, err, err_capacity);
+    for (int32_t s = 0; s < b.layout().world; ++s) {
       const float* slot = slots.data() + static_cast<int64_t>(s) * n;
       for (int64_t i = 0; i < n; ++i) dst[i] += slot[i];
     }
@@ -252,18 +222,17 @@ JODC_EXPORT int32_t jodc_cuda_bucket_get_accumulator(int64_t heap_id, int64_t bu
 
 JODC_EXPORT int32_t jodc_cuda_bucket_zero_accumulator(int64_t heap_id, int64_t bucket_id, int32_t device, char* err,
                                                       int64_t err_capacity) {
-  std::shared_ptr<Heap> heap;
-  std::shared_ptr<Bucket> b;
-  std::string why;
-  if (!Lookup(heap_id, bucket_id, device, &heap, &b, &why)) return Fail(why, err, err_capacity);
-  const int64_t n = b->layout().shard_numel;
-  ScopedDevice on(heap->placement[device]);
-  cudaError_t e = on.ok() ? cudaMemset(b->view.accumulator[device], 0, n * 4) : on.status();
-  if (e == cudaSuccess && b->view.landing_slots) e = cudaMemset(b->view.landing[device], 0, n * 4 * b->layout().world);
+  auto found = Lookup(heap_id, bucket_id, device);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const Bucket& b = *found->bucket;
+  const int64_t n = b.layout().shard_numel;
+  ScopedDevice on(found->heap->placement[device]);
+  cudaError_t e = on.ok() ? cudaMemset(b.view.accumulator[device], 0, n * 4) : on.status();
+  if (e == cudaSuccess && b.view.landing_slots) e = cudaMemset(b.view.landing[device], 0, n * 4 * b.layout().world);
   if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return Fail(CudaMessage("zeroing an accumulator", e), err, err_capacity);
+    return Report(Error::Internal(CudaMessage("zeroing an accumulator", e)), err, err_capacity);
   }
   return 0;
 }

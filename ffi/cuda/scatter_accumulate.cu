@@ -45,47 +45,24 @@ void LaunchScatter(cudaStream_t stream, const OpTarget& t, const int32_t* device
       view, t.heap->control, device, token_in, token_out, static_cast<const Src*>(grad), Aligned16(grad));
 }
 
-ffi::Error ScatterAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad,
-                                 ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
-                                 int64_t heap_id, int64_t bucket_id) {
-  OpTarget t;
-  if (ffi::Error e = Prepare("scatter_accumulate", stream, device, token, heap_id, bucket_id, &t); e.failure())
-    return e;
-  const BucketView& view = t.bucket->view;
-  Dtype grad_t;
-  if (!ToDtype(grad.element_type(), &grad_t))
-    return InvalidArgument("jodc scatter_accumulate: gradient must be float32 or bfloat16");
-  if (static_cast<int64_t>(grad.element_count()) != view.layout.numel) {
-    return InvalidArgument("jodc scatter_accumulate: gradient has " + std::to_string(grad.element_count()) +
-                           " elements, bucket " + std::to_string(bucket_id) + " has " +
-                           std::to_string(view.layout.numel));
-  }
-  if (grad_t == Dtype::kF32) {
-    LaunchScatter<float>(stream, t, device.typed_data(), token.typed_data(), token_out->typed_data(),
-                         grad.untyped_data());
-  } else {
-    LaunchScatter<Bf16Bits>(stream, t, device.typed_data(), token.typed_data(), token_out->typed_data(),
-                            grad.untyped_data());
-  }
-  return LaunchResult("scatter_accumulate");
-}
-
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
-ffi::Error ScatterAccumulate(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad,
-                             ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out,
+ffi::Error ScatterAccumulate(cudaStream_t stream, Scalar device, ffi::AnyBuffer grad, Scalar token, TokenOut token_out,
                              int64_t heap_id, int64_t bucket_id) {
-  return AbortOnError(heap_id, ScatterAccumulateImpl(stream, device, grad, token, token_out, heap_id, bucket_id));
+  return RunOp("scatter_accumulate", stream, device, token, heap_id, bucket_id, [&](const OpTarget& t) -> ffi::Error {
+    ErrorOr<Dtype> grad_t = CheckFullBucket("scatter_accumulate", "gradient", grad, t.bucket->view.layout, bucket_id);
+    if (!grad_t.has_value()) return grad_t.error();
+    if (*grad_t == Dtype::kF32) {
+      LaunchScatter<float>(stream, t, device.typed_data(), token.typed_data(), token_out->typed_data(),
+                           grad.untyped_data());
+    } else {
+      LaunchScatter<Bf16Bits>(stream, t, device.typed_data(), token.typed_data(), token_out->typed_data(),
+                              grad.untyped_data());
+    }
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
 }  // namespace jodc::cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcScatterAccumulateCuda, jodc::cuda::ScatterAccumulate,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::AnyBuffer>()              // full-size gradient (f32 / bf16)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_CUDA_HANDLER(ScatterAccumulate, jodc::cuda::ScatterAccumulate);

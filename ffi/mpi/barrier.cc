@@ -7,20 +7,15 @@
 #include <sstream>
 #include <vector>
 
+#include "common/index_list.h"
 #include "mpi/handler_util.h"
 #include "mpi/handlers.h"
 
 namespace jodc::mpi {
 namespace {
 
-ffi::Error Barrier(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id) {
-  std::string err;
-  int32_t device = 0, tok = 0;
-  if (!ReadDeviceAndToken("barrier", device_buf, token, &device, &tok, &err)) return InvalidArgument(err);
-  OpTarget t;
-  if (!ResolveTarget("barrier", heap_id, /*bucket_id=*/-1, device, true, &t, &err)) return InvalidArgument(err);
-  Heap& h = *t.heap;
+// Publishes device d's new generation and waits until every device of the heap has reached it.
+Error Wait(Heap& h, int32_t device, int64_t heap_id) {
   const double timeout_s = h.barrier_timeout_s.load();
   uint64_t generation;
   {
@@ -28,57 +23,43 @@ ffi::Error Barrier(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token
     generation = ++h.arrivals[device];
   }
   // This device's pushes were flushed by their ops, so they are complete at their owners before peers see this.
-  if (!PublishControlWord(h, h.arrivals_disp(device), static_cast<int64_t>(generation), &err))
-    return ffi::Error(ffi::ErrorCode::kInternal, Poison(h, err));
+  if (Error e = PublishControlWord(h, h.arrivals_disp(device), static_cast<int64_t>(generation)); e.failure())
+    return Error::Internal(Poison(h, e.message()));
   std::unique_lock<std::mutex> lock(h.mu);
   auto all_arrived = [&] {
     for (int32_t d = 0; d < h.world; ++d)
       if (static_cast<uint64_t>(h.seen[1 + d]) < generation) return false;
     return true;
   };
-  const int rc = WaitControl(h, lock, timeout_s, all_arrived, &err);
-  if (rc == 0) {
-    lock.unlock();
-    token_out->typed_data()[0] = tok + 1;
-    return ffi::Error::Success();
-  }
-  if (rc == 1) return ffi::Error(ffi::ErrorCode::kAborted, "jodc barrier: " + h.poisoned);
+  Error mpi_err;
+  const int rc = WaitControl(h, lock, timeout_s, all_arrived, &mpi_err);
+  if (rc == 0) return Error::Success();
+  if (rc == 1) return Error(ffi::ErrorCode::kAborted, "jodc barrier: " + h.poisoned);
   if (rc == 3) {
     lock.unlock();
-    return ffi::Error(ffi::ErrorCode::kInternal, Poison(h, err));
+    return Error::Internal(Poison(h, mpi_err.message()));
   }
+  auto missing = [&](int32_t d) { return static_cast<uint64_t>(h.seen[1 + d]) < generation; };
   std::ostringstream msg;
   msg << "jodc barrier timed out after " << timeout_s << " s in generation " << generation << " of MPI heap "
-      << heap_id << ": device(s) [";
-  std::vector<char> missing_rank(h.nprocs, 0);
-  bool first = true;
-  for (int32_t d = 0; d < h.world; ++d) {
-    if (static_cast<uint64_t>(h.seen[1 + d]) < generation) {
-      msg << (first ? "" : ", ") << d;
-      missing_rank[h.dev_rank[d]] = 1;
-      first = false;
-    }
-  }
-  msg << "] never arrived (held by process(es) [";
-  first = true;
-  for (int32_t r = 0; r < h.nprocs; ++r) {
-    if (missing_rank[r]) {
-      msg << (first ? "" : ", ") << r;
-      first = false;
-    }
-  }
-  msg << "]; device " << device << " of process " << h.rank
+      << heap_id << ": device(s) " << IndexList(h.world, missing) << " never arrived (held by process(es) "
+      << IndexList(h.nprocs, [&](int32_t r) {
+           for (int32_t d = 0; d < h.world; ++d)
+             if (missing(d) && h.dev_rank[d] == r) return true;
+           return false;
+         });
+  msg << "; device " << device << " of process " << h.rank
       << " waited); the heap is now unusable: free and re-create it";
   lock.unlock();
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, Poison(h, msg.str()));
+  return Error(ffi::ErrorCode::kDeadlineExceeded, Poison(h, msg.str()));
+}
+
+Error Barrier(Scalar device, Scalar token, TokenOut token_out, int64_t heap_id) {
+  return RunOp("barrier", device, token, token_out, heap_id, /*bucket_id=*/-1,
+               [&](const OpTarget& t, int32_t d) { return Wait(*t.heap, d, heap_id); });
 }
 
 }  // namespace
 }  // namespace jodc::mpi
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcBarrierMpi, jodc::mpi::Barrier,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap"));
+JODC_MPI_HANDLER(Barrier, jodc::mpi::Barrier);

@@ -8,22 +8,13 @@
 namespace jodc::mpi {
 namespace {
 
-ffi::Error Gather(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> out,
-                  ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
-  std::string err;
-  int32_t device = 0, tok = 0;
-  if (!ReadDeviceAndToken("gather", device_buf, token, &device, &tok, &err)) return InvalidArgument(err);
-  OpTarget t;
-  if (!ResolveTarget("gather", heap_id, bucket_id, device, true, &t, &err)) return InvalidArgument(err);
+Error GatherBody(const OpTarget& t, int32_t device, ffi::AnyBuffer& out_buf, int64_t bucket_id) {
   Heap& h = *t.heap;
   const Bucket& b = *t.bucket;
-  Dtype out_t;
-  if (!ToDtype(out->element_type(), &out_t)) return InvalidArgument("jodc gather: output must be float32 or bfloat16");
-  if (static_cast<int64_t>(out->element_count()) != b.layout.numel) {
-    return InvalidArgument("jodc gather: output has " + std::to_string(out->element_count()) + " elements, bucket " +
-                           std::to_string(bucket_id) + " has " + std::to_string(b.layout.numel));
-  }
-  char* dst = static_cast<char*>(out->untyped_data());
+  ErrorOr<Dtype> out_dtype = CheckFullBucket("gather", "output", out_buf, b.layout, bucket_id);
+  if (!out_dtype.has_value()) return out_dtype.error();
+  const Dtype out_t = *out_dtype;
+  char* dst = static_cast<char*>(out_buf.untyped_data());
   const int32_t world = b.layout.world;
   const int64_t master_bytes = DtypeBytes(b.master);
   std::vector<MPI_Request> reqs;
@@ -69,18 +60,16 @@ ffi::Error Gather(ffi::Buffer<ffi::S32> device_buf, ffi::Buffer<ffi::S32> token,
     CopyConvert(dst + b.layout.begin(s.owner) * DtypeBytes(out_t), out_t, s.data.data(), b.master,
                 b.layout.valid(s.owner));
   }
-  token_out->typed_data()[0] = tok + 1;
-  return ffi::Error::Success();
+  return Error::Success();
+}
+
+Error Gather(Scalar device, Scalar token, ffi::Result<ffi::AnyBuffer> out, TokenOut token_out, int64_t heap_id,
+             int64_t bucket_id) {
+  return RunOp("gather", device, token, token_out, heap_id, bucket_id,
+               [&](const OpTarget& t, int32_t d) { return GatherBody(t, d, *out, bucket_id); });
 }
 
 }  // namespace
 }  // namespace jodc::mpi
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcGatherMpi, jodc::mpi::Gather,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::AnyBuffer>()              // full bucket, compute dtype
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_MPI_HANDLER(Gather, jodc::mpi::Gather);

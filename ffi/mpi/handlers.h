@@ -1,19 +1,17 @@
-// Every MPI FFI handler symbol, one per op file. Exported (the library is built with -fvisibility=hidden) and looked
-// up by name from Python (jodc/ops/_mpi.py), which registers them for the CPU platform as jodc_mpi_<op>.
+// Every MPI FFI handler symbol, Jodc<Op>Mpi, one per heap op of ffi/common/ops.h (one op file each). Python gets them
+// from the library's handler table (jodc_mpi_handlers, capi.cc) and registers them for the CPU platform as
+// jodc_mpi_<op>.
 #ifndef JODC_FFI_MPI_HANDLERS_H_
 #define JODC_FFI_MPI_HANDLERS_H_
 
+#include "common/ops.h"
 #include "xla/ffi/api/ffi.h"
 
+// The library is built with -fvisibility=hidden: what Python calls through ctypes is marked with this.
 #define JODC_MPI_EXPORT __attribute__((visibility("default")))
 
-extern "C" {
-JODC_MPI_EXPORT XLA_FFI_Error* JodcGatherMpi(XLA_FFI_CallFrame* call_frame);
-JODC_MPI_EXPORT XLA_FFI_Error* JodcScatterAccumulateMpi(XLA_FFI_CallFrame* call_frame);
-JODC_MPI_EXPORT XLA_FFI_Error* JodcBarrierMpi(XLA_FFI_CallFrame* call_frame);
-JODC_MPI_EXPORT XLA_FFI_Error* JodcReadAccumulatorMpi(XLA_FFI_CallFrame* call_frame);
-JODC_MPI_EXPORT XLA_FFI_Error* JodcZeroAccumulatorMpi(XLA_FFI_CallFrame* call_frame);
-JODC_MPI_EXPORT XLA_FFI_Error* JodcPublishMpi(XLA_FFI_CallFrame* call_frame);
-}
+#define JODC_DECLARE_MPI_HANDLER(op, Camel) XLA_FFI_DECLARE_HANDLER_SYMBOL(Jodc##Camel##Mpi);
+JODC_HEAP_OPS(JODC_DECLARE_MPI_HANDLER)
+#undef JODC_DECLARE_MPI_HANDLER
 
 #endif  // JODC_FFI_MPI_HANDLERS_H_

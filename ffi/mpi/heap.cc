@@ -3,39 +3,38 @@
 #include <climits>
 #include <cstring>
 #include <sstream>
-#include <unordered_map>
+
+#include "common/registry.h"
 
 namespace jodc::mpi {
 namespace {
 
 std::atomic<int64_t> g_live_bytes{0};
-std::atomic<int64_t> g_next_heap_id{1};
 std::atomic<int64_t> g_next_bucket_id{1};
 
-std::mutex g_registry_mu;
-std::unordered_map<int64_t, std::shared_ptr<Heap>>& Registry() {
-  static auto* heaps = new std::unordered_map<int64_t, std::shared_ptr<Heap>>();
+HeapRegistry<Heap>& Heaps() {
+  static auto* heaps = new HeapRegistry<Heap>("MPI heap");  // never destroyed: handlers may run during exit
   return *heaps;
 }
 
 constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are int: transfers go in 1 GiB pieces
 
 // Allocates a window of `bytes` on every process of h.comm (collective), zeroed, passive-target epoch opened.
-bool AllocateWindow(Heap& h, int64_t bytes, const char* what, MPI_Win* win, char** base, std::string* err) {
+Error AllocateWindow(Heap& h, int64_t bytes, const char* what, MPI_Win* win, char** base) {
   void* ptr = nullptr;
   MPI_Info info;
   MPI_Info_create(&info);
   MPI_Info_set(info, "same_disp_unit", "true");
   int rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, info, h.comm, &ptr, win);
   MPI_Info_free(&info);
-  if (!MpiOk(rc, what, "MPI_Win_allocate", err)) return false;
+  if (Error e = MpiCheck(rc, what, "MPI_Win_allocate"); e.failure()) return e;
   MPI_Win_set_errhandler(*win, MPI_ERRORS_RETURN);
   if (bytes > 0) std::memset(ptr, 0, bytes);
   *base = static_cast<char*>(ptr);
-  if (!MpiOk(MPI_Win_lock_all(MPI_MODE_NOCHECK, *win), what, "MPI_Win_lock_all", err)) return false;
+  if (Error e = MpiCheck(MPI_Win_lock_all(MPI_MODE_NOCHECK, *win), what, "MPI_Win_lock_all"); e.failure()) return e;
   MPI_Win_sync(*win);
   // Every process has zeroed its part before any peer may write into it.
-  return MpiOk(MPI_Barrier(h.comm), what, "MPI_Barrier", err);
+  return MpiCheck(MPI_Barrier(h.comm), what, "MPI_Barrier");
 }
 
 void FreeWindow(MPI_Win* win) {
@@ -47,15 +46,12 @@ void FreeWindow(MPI_Win* win) {
 // Every process of the heap reaches the same collective step (registration, free) before it runs: each publishes its
 // count of such steps and waits, with the barrier timeout, until all have reached it. A missing process then gives
 // an error naming it instead of a hang inside a collective MPI call.
-bool Rendezvous(Heap& h, const char* what, std::string* err) {
+Error Rendezvous(Heap& h, const char* what) {
   std::unique_lock<std::mutex> lock(h.mu);
-  if (!h.poisoned.empty()) {
-    *err = std::string("jodc ") + what + ": " + h.poisoned;
-    return false;
-  }
+  if (!h.poisoned.empty()) return InvalidArgument(std::string("jodc ") + what + ": " + h.poisoned);
   const int64_t epoch = ++h.collective_epoch;
   lock.unlock();
-  if (!PublishControlWord(h, h.freeing_disp(h.rank), epoch, err)) return false;
+  if (Error e = PublishControlWord(h, h.freeing_disp(h.rank), epoch); e.failure()) return e;
   lock.lock();
   auto all_there = [&] {
     for (int32_t r = 0; r < h.nprocs; ++r)
@@ -63,16 +59,13 @@ bool Rendezvous(Heap& h, const char* what, std::string* err) {
     return true;
   };
   const double timeout_s = h.barrier_timeout_s.load();
-  std::string mpi_err;
+  Error mpi_err;
   const int rc = WaitControl(h, lock, timeout_s, all_there, &mpi_err);
-  if (rc == 0) return true;
-  if (rc == 1) {
-    *err = std::string("jodc ") + what + ": " + h.poisoned;
-    return false;
-  }
+  if (rc == 0) return Error::Success();
+  if (rc == 1) return InvalidArgument(std::string("jodc ") + what + ": " + h.poisoned);
   std::string msg;
   if (rc == 3) {
-    msg = mpi_err;
+    msg = mpi_err.message();
   } else {
     std::ostringstream m;
     m << "jodc " << what << " on heap " << h.id << ": process(es) [";
@@ -88,8 +81,7 @@ bool Rendezvous(Heap& h, const char* what, std::string* err) {
     msg = m.str();
   }
   lock.unlock();
-  *err = Poison(h, msg);
-  return false;
+  return InvalidArgument(Poison(h, msg));
 }
 
 }  // namespace
@@ -101,10 +93,9 @@ std::string MpiErrorString(int code) {
   return std::string(text, len);
 }
 
-bool MpiOk(int code, const char* op, const char* call, std::string* err) {
-  if (code == MPI_SUCCESS) return true;
-  *err = std::string("jodc ") + op + ": " + call + " failed: " + MpiErrorString(code);
-  return false;
+Error MpiCheck(int code, const char* op, const char* call) {
+  if (code == MPI_SUCCESS) return Error::Success();
+  return Error::Internal(std::string("jodc ") + op + ": " + call + " failed: " + MpiErrorString(code));
 }
 
 int GetBytes(void* dst, int64_t bytes, int32_t rank, int64_t disp, MPI_Win win) {
@@ -176,22 +167,22 @@ int ZeroAccumulator(const Heap& h, const Bucket& b, int32_t device) {
   return MPI_Win_flush(r, b.win);
 }
 
-bool PublishControlWord(Heap& h, int64_t disp, int64_t value, std::string* err) {
+Error PublishControlWord(Heap& h, int64_t disp, int64_t value) {
   for (int32_t r = 0; r < h.nprocs; ++r) {
     int rc = MPI_Accumulate(&value, 1, MPI_INT64_T, r, static_cast<MPI_Aint>(disp), 1, MPI_INT64_T, MPI_REPLACE,
                             h.ctl);
-    if (!MpiOk(rc, "control", "MPI_Accumulate", err)) return false;
+    if (Error e = MpiCheck(rc, "control", "MPI_Accumulate"); e.failure()) return e;
   }
-  return MpiOk(MPI_Win_flush_all(h.ctl), "control", "MPI_Win_flush_all", err);
+  return MpiCheck(MPI_Win_flush_all(h.ctl), "control", "MPI_Win_flush_all");
 }
 
-bool PollControl(Heap& h, std::string* err) {
+Error PollControl(Heap& h) {
   std::vector<int64_t> words(h.ctl_words());
   MPI_Win_sync(h.ctl);
   int rc = MPI_Get_accumulate(nullptr, 0, MPI_INT64_T, words.data(), static_cast<int>(words.size()), MPI_INT64_T,
                               h.rank, 0, static_cast<int>(words.size()), MPI_INT64_T, MPI_NO_OP, h.ctl);
   if (rc == MPI_SUCCESS) rc = MPI_Win_flush(h.rank, h.ctl);
-  if (!MpiOk(rc, "control", "MPI_Get_accumulate", err)) return false;
+  if (Error e = MpiCheck(rc, "control", "MPI_Get_accumulate"); e.failure()) return e;
   std::string abort_msg;
   if (words[0] != 0) {
     const int32_t from = static_cast<int32_t>(words[0] - 1);
@@ -209,7 +200,7 @@ bool PollControl(Heap& h, std::string* err) {
     h.poisoned = abort_msg;
     h.cv.notify_all();
   }
-  return true;
+  return Error::Success();
 }
 
 std::string Poison(Heap& h, const std::string& msg) {
@@ -238,36 +229,27 @@ std::string Poison(Heap& h, const std::string& msg) {
   return msg;
 }
 
-int64_t CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministic, double timeout_s, const int32_t* dev_rank,
-                   const int32_t* dev_slot, bool progress_thread, std::string* err) {
+ErrorOr<int64_t> CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministic, double timeout_s,
+                            const int32_t* dev_rank, const int32_t* dev_slot, bool progress_thread) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  if (!initialized || finalized) {
-    *err = "jodc MPI heap: MPI is not initialised (import mpi4py.MPI first) or already finalised";
-    return -1;
-  }
+  if (!initialized || finalized)
+    return Fail(InvalidArgument("jodc MPI heap: MPI is not initialised (import mpi4py.MPI first) or already finalised"));
   int provided = 0;
   MPI_Query_thread(&provided);
   if (provided < MPI_THREAD_MULTIPLE) {
-    *err = "jodc MPI heap: MPI was initialised without MPI_THREAD_MULTIPLE (got level " + std::to_string(provided) +
-           "); XLA runs a process's ops on several threads. Leave mpi4py.rc.thread_level at 'multiple'";
-    return -1;
+    return Fail(InvalidArgument("jodc MPI heap: MPI was initialised without MPI_THREAD_MULTIPLE (got level " +
+                                std::to_string(provided) + "); XLA runs a process's ops on several threads. Leave "
+                                "mpi4py.rc.thread_level at 'multiple'"));
   }
-  if (world < 1) {
-    *err = "jodc MPI heap: world size must be >= 1, got " + std::to_string(world);
-    return -1;
-  }
-  if (!(timeout_s > 0)) {
-    *err = "jodc MPI heap: barrier timeout must be > 0 seconds";
-    return -1;
-  }
+  if (world < 1) return Fail(InvalidArgument("jodc MPI heap: world size must be >= 1, got " + std::to_string(world)));
+  if (!(timeout_s > 0)) return Fail(InvalidArgument("jodc MPI heap: barrier timeout must be > 0 seconds"));
   auto h = std::make_shared<Heap>();
-  h->id = g_next_heap_id++;
   h->world = world;
   h->deterministic = deterministic;
   h->barrier_timeout_s = timeout_s;
-  if (!MpiOk(MPI_Comm_dup(user_comm, &h->comm), "MPI heap", "MPI_Comm_dup", err)) return -1;
+  if (Error e = MpiCheck(MPI_Comm_dup(user_comm, &h->comm), "MPI heap", "MPI_Comm_dup"); e.failure()) return Fail(e);
   MPI_Comm_set_errhandler(h->comm, MPI_ERRORS_RETURN);
   int rank = 0, size = 0;
   MPI_Comm_rank(h->comm, &rank);
@@ -279,29 +261,28 @@ int64_t CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministic, double
   h->rank_devices.assign(size, 0);
   for (int32_t d = 0; d < world; ++d) {
     if (dev_rank[d] < 0 || dev_rank[d] >= size) {
-      *err = "jodc MPI heap: device " + std::to_string(d) + " placed on process " + std::to_string(dev_rank[d]) +
-             ", outside the communicator's " + std::to_string(size) + " processes";
       MPI_Comm_free(&h->comm);
-      return -1;
+      return Fail(InvalidArgument("jodc MPI heap: device " + std::to_string(d) + " placed on process " +
+                                  std::to_string(dev_rank[d]) + ", outside the communicator's " +
+                                  std::to_string(size) + " processes"));
     }
     h->rank_devices[dev_rank[d]]++;
   }
   for (int32_t d = 0; d < world; ++d) {
     if (dev_slot[d] < 0 || dev_slot[d] >= h->rank_devices[dev_rank[d]]) {
-      *err = "jodc MPI heap: device " + std::to_string(d) + " has local slot " + std::to_string(dev_slot[d]) +
-             " but process " + std::to_string(dev_rank[d]) + " holds " +
-             std::to_string(h->rank_devices[dev_rank[d]]) + " devices";
       MPI_Comm_free(&h->comm);
-      return -1;
+      return Fail(InvalidArgument("jodc MPI heap: device " + std::to_string(d) + " has local slot " +
+                                  std::to_string(dev_slot[d]) + " but process " + std::to_string(dev_rank[d]) +
+                                  " holds " + std::to_string(h->rank_devices[dev_rank[d]]) + " devices"));
     }
   }
   h->arrivals.assign(world, 0);
   h->seen.assign(h->ctl_words(), 0);
   char* base = nullptr;
   const int64_t ctl_bytes = h->ctl_words() * 8 + int64_t{h->nprocs} * kAbortMessageBytes;
-  if (!AllocateWindow(*h, ctl_bytes, "MPI heap", &h->ctl, &base, err)) {
+  if (Error e = AllocateWindow(*h, ctl_bytes, "MPI heap", &h->ctl, &base); e.failure()) {
     MPI_Comm_free(&h->comm);
-    return -1;
+    return Fail(e);
   }
   h->ctl_base = reinterpret_cast<int64_t*>(base);
   g_live_bytes += ctl_bytes;
@@ -317,43 +298,23 @@ int64_t CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministic, double
       }
     });
   }
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  Registry()[h->id] = h;
-  return h->id;
+  return Heaps().Add(h);
 }
 
-std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  auto it = Registry().find(heap_id);
-  if (it == Registry().end()) {
-    *err = "MPI heap " + std::to_string(heap_id) + " is not registered (freed?)";
-    return nullptr;
-  }
-  return it->second;
+ErrorOr<std::shared_ptr<Heap>> FindHeap(int64_t heap_id) { return Heaps().Find(heap_id, "(freed?)"); }
+
+ErrorOr<std::shared_ptr<Bucket>> FindBucket(Heap& heap, int64_t bucket_id) {
+  return Heaps().FindBucket(heap, bucket_id);
 }
 
-std::shared_ptr<Bucket> FindBucket(Heap& heap, int64_t bucket_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(heap.mu);
-  auto it = heap.buckets.find(bucket_id);
-  if (it == heap.buckets.end()) {
-    *err = "bucket " + std::to_string(bucket_id) + " is not registered in MPI heap " + std::to_string(heap.id) +
-           " (freed?)";
-    return nullptr;
-  }
-  return it->second;
-}
-
-bool FreeHeap(int64_t heap_id, std::string* err) {
-  auto h = FindHeap(heap_id, err);
-  if (!h) return false;
+Error FreeHeap(int64_t heap_id) {
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return found.error();
+  const std::shared_ptr<Heap>& h = *found;
   // Free is collective: windows are released only when every process got here; otherwise (a peer failed or never
   // frees) they are left allocated rather than hanging in MPI_Win_free. Either way the heap is gone for this process.
-  std::string why;
-  const bool together = Rendezvous(*h, "free", &why);
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
-    Registry().erase(heap_id);
-  }
+  const bool together = Rendezvous(*h, "free").success();
+  Heaps().Remove(heap_id, "");
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
   {
     std::lock_guard<std::mutex> lock(h->mu);
@@ -371,17 +332,15 @@ bool FreeHeap(int64_t heap_id, std::string* err) {
     FreeWindow(&h->ctl);
     MPI_Comm_free(&h->comm);
   }
-  return true;
+  return Error::Success();
 }
 
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err) {
-  auto h = FindHeap(heap_id, err);
-  if (!h) return -1;
-  if (numel < 1) {
-    *err = "bucket size must be >= 1 element, got " + std::to_string(numel);
-    return -1;
-  }
-  if (!Rendezvous(*h, "register", err)) return -1;
+ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return Fail(found.error());
+  const std::shared_ptr<Heap>& h = *found;
+  if (numel < 1) return Fail(InvalidArgument("bucket size must be >= 1 element, got " + std::to_string(numel)));
+  if (Error e = Rendezvous(*h, "register"); e.failure()) return Fail(e);
   auto b = std::make_shared<Bucket>();
   b->id = g_next_bucket_id++;
   b->master = master;
@@ -404,12 +363,12 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
     if (r == h->rank) my_bytes = total;
   }
   if (!ok) {
-    *err = "bucket of " + std::to_string(numel) + " elements is too large: its window size overflows int64";
-    return -1;
+    return Fail(InvalidArgument("bucket of " + std::to_string(numel) +
+                                " elements is too large: its window size overflows int64"));
   }
-  if (!AllocateWindow(*h, my_bytes, "register", &b->win, &b->base, err)) {
-    Poison(*h, *err);
-    return -1;
+  if (Error e = AllocateWindow(*h, my_bytes, "register", &b->win, &b->base); e.failure()) {
+    Poison(*h, e.message());
+    return Fail(e);
   }
   b->local_bytes = my_bytes;
   g_live_bytes += my_bytes;
@@ -418,63 +377,53 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   return b->id;
 }
 
-bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err) {
-  auto h = FindHeap(heap_id, err);
-  if (!h) return false;
-  auto b = FindBucket(*h, bucket_id, err);
-  if (!b) return false;
-  const bool together = Rendezvous(*h, "free bucket", err);
+Error FreeBucket(int64_t heap_id, int64_t bucket_id) {
+  auto h = FindHeap(heap_id);
+  if (!h.has_value()) return h.error();
+  auto b = FindBucket(**h, bucket_id);
+  if (!b.has_value()) return b.error();
+  Error together = Rendezvous(**h, "free bucket");
   {
-    std::lock_guard<std::mutex> lock(h->mu);
-    h->buckets.erase(bucket_id);
+    std::lock_guard<std::mutex> lock((*h)->mu);
+    (*h)->buckets.erase(bucket_id);
   }
-  g_live_bytes -= b->local_bytes;
-  if (together) FreeWindow(&b->win);
+  g_live_bytes -= (*b)->local_bytes;
+  if (together.success()) FreeWindow(&(*b)->win);
   return together;
 }
 
-int64_t LiveHeapCount() {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  return static_cast<int64_t>(Registry().size());
-}
+int64_t LiveHeapCount() { return Heaps().Count(); }
 
 int64_t LiveHeapBytes() { return g_live_bytes.load(); }
 
-bool ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device, bool must_be_local,
-                   OpTarget* out, std::string* err) {
-  std::string why;
-  out->heap = FindHeap(heap_id, &why);
-  if (!out->heap) {
-    *err = std::string("jodc ") + op + ": " + why;
-    return false;
-  }
-  Heap& h = *out->heap;
+ErrorOr<OpTarget> ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device,
+                                bool must_be_local) {
+  OpTarget out;
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return Fail(ForOp(op, found.error()));
+  out.heap = *found;
+  Heap& h = *out.heap;
   {
     std::lock_guard<std::mutex> lock(h.mu);
-    if (!h.poisoned.empty()) {
-      *err = std::string("jodc ") + op + ": " + h.poisoned;
-      return false;
-    }
+    if (!h.poisoned.empty()) return Fail(InvalidArgument(std::string("jodc ") + op + ": " + h.poisoned));
   }
   if (device < 0 || device >= h.world) {
-    *err = std::string("jodc ") + op + ": device index " + std::to_string(device) + " outside [0, " +
-           std::to_string(h.world) + ") of MPI heap " + std::to_string(heap_id);
-    return false;
+    return Fail(InvalidArgument(std::string("jodc ") + op + ": device index " + std::to_string(device) +
+                                " outside [0, " + std::to_string(h.world) + ") of MPI heap " +
+                                std::to_string(heap_id)));
   }
   if (must_be_local && !h.is_local(device)) {
-    *err = std::string("jodc ") + op + ": device " + std::to_string(device) + " belongs to process " +
-           std::to_string(h.dev_rank[device]) + ", but this is process " + std::to_string(h.rank) +
-           " (the mesh's device order does not match the heap's placement)";
-    return false;
+    return Fail(InvalidArgument(std::string("jodc ") + op + ": device " + std::to_string(device) +
+                                " belongs to process " + std::to_string(h.dev_rank[device]) +
+                                ", but this is process " + std::to_string(h.rank) +
+                                " (the mesh's device order does not match the heap's placement)"));
   }
   if (bucket_id >= 0) {
-    out->bucket = FindBucket(h, bucket_id, &why);
-    if (!out->bucket) {
-      *err = std::string("jodc ") + op + ": " + why;
-      return false;
-    }
+    auto bucket = FindBucket(h, bucket_id);
+    if (!bucket.has_value()) return Fail(ForOp(op, bucket.error()));
+    out.bucket = *bucket;
   }
-  return true;
+  return out;
 }
 
 }  // namespace jodc::mpi

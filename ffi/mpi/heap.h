@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/error.h"
 #include "common/layout.h"
 
 namespace jodc::mpi {
@@ -89,14 +90,15 @@ struct Heap {
   bool is_local(int32_t device) const { return dev_rank[device] == rank; }
 };
 
-// Registry (process-wide). Errors are returned as messages, never thrown across the C or FFI boundary.
-int64_t CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministic, double timeout_s, const int32_t* dev_rank,
-                   const int32_t* dev_slot, bool progress_thread, std::string* err);
-bool FreeHeap(int64_t heap_id, std::string* err);
-std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
-std::shared_ptr<Bucket> FindBucket(Heap& heap, int64_t bucket_id, std::string* err);
-int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err);
-bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err);
+// Registry (process-wide). Failures are returned as errors (common/error.h), never thrown across the C or FFI
+// boundary.
+ErrorOr<int64_t> CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministic, double timeout_s,
+                            const int32_t* dev_rank, const int32_t* dev_slot, bool progress_thread);
+Error FreeHeap(int64_t heap_id);
+ErrorOr<std::shared_ptr<Heap>> FindHeap(int64_t heap_id);
+ErrorOr<std::shared_ptr<Bucket>> FindBucket(Heap& heap, int64_t bucket_id);
+ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master);
+Error FreeBucket(int64_t heap_id, int64_t bucket_id);
 int64_t LiveHeapCount();
 int64_t LiveHeapBytes();
 
@@ -105,31 +107,31 @@ struct OpTarget {
   std::shared_ptr<Heap> heap;
   std::shared_ptr<Bucket> bucket;  // null for heap-level ops
 };
-bool ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device, bool must_be_local,
-                   OpTarget* out, std::string* err);
+ErrorOr<OpTarget> ResolveTarget(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device,
+                                bool must_be_local);
 
 // Marks the heap failed with `msg` and tells every peer process (abort word + message in their control windows),
 // best effort. Returns msg.
 std::string Poison(Heap& h, const std::string& msg);
 
 // Reads this process's control words atomically (MPI_Get_accumulate NO_OP) into h.seen; if a peer set the abort
-// word, poisons the heap with its message. Call with h.mu NOT held. Returns false on an MPI error (err set).
-bool PollControl(Heap& h, std::string* err);
+// word, poisons the heap with its message. Call with h.mu NOT held. Fails on an MPI error.
+Error PollControl(Heap& h);
 
 // Publishes the int64 `value` at byte displacement `disp` of every process's control window (atomic replace) and
-// flushes. Returns false on an MPI error.
-bool PublishControlWord(Heap& h, int64_t disp, int64_t value, std::string* err);
+// flushes. Fails on an MPI error.
+Error PublishControlWord(Heap& h, int64_t disp, int64_t value);
 
 // Waits (h.mu held through `lock`) until `done()` holds on the polled control words, the heap is poisoned, or the
 // deadline passes. One waiter at a time polls; the others sleep on h.cv. Returns 0: done, 1: poisoned, 2: timeout,
-// 3: MPI error (err set).
+// 3: MPI error (*err set).
 template <typename Done>
-int WaitControl(Heap& h, std::unique_lock<std::mutex>& lock, double timeout_s, Done done, std::string* err);
+int WaitControl(Heap& h, std::unique_lock<std::mutex>& lock, double timeout_s, Done done, Error* err);
 
 // MPI error code -> text.
 std::string MpiErrorString(int code);
-// Checks an MPI return code; on failure fills err with "jodc <op>: <call> failed: <text>".
-bool MpiOk(int code, const char* op, const char* call, std::string* err);
+// An MPI return code as an error: kInternal "jodc <op>: <call> failed: <text>" unless it is MPI_SUCCESS.
+Error MpiCheck(int code, const char* op, const char* call);
 
 // One-sided transfers of any byte size (MPI counts are int: large transfers are split in 1 GiB pieces).
 int GetBytes(void* dst, int64_t bytes, int32_t rank, int64_t disp, MPI_Win win);

@@ -11,23 +11,12 @@
 namespace jodc::mpi {
 namespace {
 
-ffi::Error ScatterAccumulate(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> token,
-                             ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
-  std::string err;
-  int32_t device = 0, tok = 0;
-  if (!ReadDeviceAndToken("scatter_accumulate", device_buf, token, &device, &tok, &err)) return InvalidArgument(err);
-  OpTarget t;
-  if (!ResolveTarget("scatter_accumulate", heap_id, bucket_id, device, true, &t, &err)) return InvalidArgument(err);
+Error ScatterBody(const OpTarget& t, int32_t device, const ffi::AnyBuffer& grad, int64_t bucket_id) {
   Heap& h = *t.heap;
   const Bucket& b = *t.bucket;
-  Dtype grad_t;
-  if (!ToDtype(grad.element_type(), &grad_t))
-    return InvalidArgument("jodc scatter_accumulate: gradient must be float32 or bfloat16");
-  if (static_cast<int64_t>(grad.element_count()) != b.layout.numel) {
-    return InvalidArgument("jodc scatter_accumulate: gradient has " + std::to_string(grad.element_count()) +
-                           " elements, bucket " + std::to_string(bucket_id) + " has " +
-                           std::to_string(b.layout.numel));
-  }
+  ErrorOr<Dtype> grad_dtype = CheckFullBucket("scatter_accumulate", "gradient", grad, b.layout, bucket_id);
+  if (!grad_dtype.has_value()) return grad_dtype.error();
+  const Dtype grad_t = *grad_dtype;
   const char* src = static_cast<const char*>(grad.untyped_data());
   // bf16 gradients are widened once (MPI has no bf16 sum); fp32 ones are sent from XLA's buffer directly.
   std::vector<float> widened;
@@ -54,18 +43,16 @@ ffi::Error ScatterAccumulate(ffi::Buffer<ffi::S32> device_buf, ffi::AnyBuffer gr
     int rc = MPI_Win_flush(r, b.win);
     if (rc != MPI_SUCCESS) return MpiFailure(h, "scatter_accumulate", "MPI_Win_flush", rc);
   }
-  token_out->typed_data()[0] = tok + 1;
-  return ffi::Error::Success();
+  return Error::Success();
+}
+
+Error ScatterAccumulate(Scalar device, ffi::AnyBuffer grad, Scalar token, TokenOut token_out, int64_t heap_id,
+                        int64_t bucket_id) {
+  return RunOp("scatter_accumulate", device, token, token_out, heap_id, bucket_id,
+               [&](const OpTarget& t, int32_t d) { return ScatterBody(t, d, grad, bucket_id); });
 }
 
 }  // namespace
 }  // namespace jodc::mpi
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcScatterAccumulateMpi, jodc::mpi::ScatterAccumulate,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::AnyBuffer>()              // full-size gradient (f32 / bf16)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_MPI_HANDLER(ScatterAccumulate, jodc::mpi::ScatterAccumulate);

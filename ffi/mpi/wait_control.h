@@ -8,11 +8,12 @@
 #include <chrono>
 #include <cmath>
 #include <thread>
+#include <utility>
 
 namespace jodc::mpi {
 
 template <typename Done>
-int WaitControl(Heap& h, std::unique_lock<std::mutex>& lock, double timeout_s, Done done, std::string* err) {
+int WaitControl(Heap& h, std::unique_lock<std::mutex>& lock, double timeout_s, Done done, Error* err) {
   using Clock = std::chrono::steady_clock;
   const bool forever = std::isinf(timeout_s);
   const auto deadline =
@@ -26,13 +27,12 @@ int WaitControl(Heap& h, std::unique_lock<std::mutex>& lock, double timeout_s, D
     if (!h.polling) {
       h.polling = true;
       lock.unlock();
-      std::string e;
-      const bool ok = PollControl(h, &e);
+      Error polled = PollControl(h);
       lock.lock();
       h.polling = false;
       h.cv.notify_all();
-      if (!ok) {
-        *err = e;
+      if (polled.failure()) {
+        *err = std::move(polled);
         return 3;
       }
       if (!h.poisoned.empty()) return 1;

@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <limits>
 #include <new>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "gtest/gtest.h"
 
@@ -15,56 +17,94 @@ namespace {
 
 bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// The registry returns Error / ErrorOr<T> (common/error.h); these tests read a result as (value, or -1 / null / false
+// on failure, with the error's message in *err and, for registration, whether its code is out-of-memory).
+std::string Take(const Error& e, std::string* err) {
+  if (e.failure()) *err = e.message();
+  return e.message();
+}
+template <typename T>
+T Take(ErrorOr<T> r, T failed, std::string* err) {
+  if (r.has_value()) return std::move(*r);
+  *err = r.error().message();
+  return failed;
+}
+int64_t Create(int32_t world, bool deterministic, double timeout_s, std::string* err) {
+  return Take(CreateHeap(world, deterministic, timeout_s), int64_t{-1}, err);
+}
+std::shared_ptr<Heap> Find(int64_t heap_id, std::string* err) {
+  return Take(FindHeap(heap_id), std::shared_ptr<Heap>(), err);
+}
+std::shared_ptr<Bucket> FindB(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err) {
+  return Take(FindBucket(heap, bucket_id), std::shared_ptr<Bucket>(), err);
+}
+int64_t Register(int64_t heap_id, int64_t numel, Dtype master, std::string* err, bool* oom = nullptr) {
+  auto r = RegisterBucket(heap_id, numel, master);
+  if (oom != nullptr) *oom = !r.has_value() && IsOutOfMemory(r.error());
+  return Take(std::move(r), int64_t{-1}, err);
+}
+bool Free(int64_t heap_id, std::string* err) { return Take(FreeHeap(heap_id), err).empty(); }
+bool FreeB(int64_t heap_id, int64_t bucket_id, std::string* err) {
+  return Take(FreeBucket(heap_id, bucket_id), err).empty();
+}
+bool TimeoutOk(double seconds, std::string* err) { return Take(CheckBarrierTimeout(seconds), err).empty(); }
+bool Resolve(const char* op, int64_t heap_id, int64_t bucket_id, int32_t device, OpTarget* out, std::string* err) {
+  auto r = ResolveTarget(op, heap_id, bucket_id, device);
+  if (r.has_value()) *out = *r;
+  else *err = r.error().message();
+  return r.has_value();
+}
+
 TEST(Heap, CreateRejectsBadArguments) {
   std::string err;
-  EXPECT_EQ(CreateHeap(0, false, 10.0, &err), -1);
+  EXPECT_EQ(Create(0, false, 10.0, &err), -1);
   EXPECT_TRUE(Contains(err, "world size must be >= 1, got 0")) << err;
   err.clear();
-  EXPECT_EQ(CreateHeap(2, false, 0.0, &err), -1);
+  EXPECT_EQ(Create(2, false, 0.0, &err), -1);
   EXPECT_TRUE(Contains(err, "barrier timeout must be > 0")) << err;
   err.clear();
-  EXPECT_EQ(CreateHeap(2, false, -1.0, &err), -1);
+  EXPECT_EQ(Create(2, false, -1.0, &err), -1);
   EXPECT_FALSE(err.empty());
 }
 
 TEST(Heap, CreateFindFree) {
   std::string err;
   const int64_t before = LiveHeapCount();
-  const int64_t id = CreateHeap(3, false, 5.0, &err);
+  const int64_t id = Create(3, false, 5.0, &err);
   ASSERT_GT(id, 0) << err;
   EXPECT_EQ(LiveHeapCount(), before + 1);
-  auto heap = FindHeap(id, &err);
+  auto heap = Find(id, &err);
   ASSERT_NE(heap, nullptr) << err;
   EXPECT_EQ(heap->world, 3);
   EXPECT_FALSE(heap->deterministic);
   EXPECT_DOUBLE_EQ(heap->barrier_timeout_s.load(), 5.0);
   EXPECT_EQ(heap->arrivals.size(), 3u);
 
-  const int64_t other = CreateHeap(1, true, 1.0, &err);
+  const int64_t other = Create(1, true, 1.0, &err);
   EXPECT_NE(other, id) << "heap ids must be unique";
 
-  ASSERT_TRUE(FreeHeap(id, &err)) << err;
+  ASSERT_TRUE(Free(id, &err)) << err;
   EXPECT_EQ(LiveHeapCount(), before + 1);
   EXPECT_EQ(heap->poisoned, "heap " + std::to_string(id) + " was freed") << "a freed heap must poison waiters";
   err.clear();
-  EXPECT_FALSE(FreeHeap(id, &err));
+  EXPECT_FALSE(Free(id, &err));
   EXPECT_TRUE(Contains(err, "is not registered (already freed?)")) << err;
   err.clear();
-  EXPECT_EQ(FindHeap(id, &err), nullptr);
+  EXPECT_EQ(Find(id, &err), nullptr);
   EXPECT_TRUE(Contains(err, "heap " + std::to_string(id) + " is not registered")) << err;
-  ASSERT_TRUE(FreeHeap(other, &err)) << err;
+  ASSERT_TRUE(Free(other, &err)) << err;
   EXPECT_EQ(LiveHeapCount(), before);
 }
 
 TEST(Heap, RegisterBucketLayoutAndMemory) {
   std::string err;
-  const int64_t heap_id = CreateHeap(4, /*deterministic=*/false, 5.0, &err);
+  const int64_t heap_id = Create(4, /*deterministic=*/false, 5.0, &err);
   ASSERT_GT(heap_id, 0) << err;
   const int64_t bytes_before = LiveHeapBytes();
-  const int64_t bucket_id = RegisterBucket(heap_id, 100, Dtype::kBF16, &err);
+  const int64_t bucket_id = Register(heap_id, 100, Dtype::kBF16, &err);
   ASSERT_GT(bucket_id, 0) << err;
-  auto heap = FindHeap(heap_id, &err);
-  auto b = FindBucket(heap, bucket_id, &err);
+  auto heap = Find(heap_id, &err);
+  auto b = FindB(heap, bucket_id, &err);
   ASSERT_NE(b, nullptr) << err;
   EXPECT_EQ(b->layout.numel, 100);
   EXPECT_EQ(b->layout.world, 4);
@@ -83,24 +123,24 @@ TEST(Heap, RegisterBucketLayoutAndMemory) {
     }
   }
   b.reset();
-  ASSERT_TRUE(FreeBucket(heap_id, bucket_id, &err)) << err;
+  ASSERT_TRUE(FreeB(heap_id, bucket_id, &err)) << err;
   EXPECT_EQ(LiveHeapBytes(), bytes_before) << "freeing the bucket must release its memory";
   err.clear();
-  EXPECT_FALSE(FreeBucket(heap_id, bucket_id, &err));
+  EXPECT_FALSE(FreeB(heap_id, bucket_id, &err));
   EXPECT_TRUE(Contains(err, "bucket " + std::to_string(bucket_id) + " is not registered in heap")) << err;
   err.clear();
-  EXPECT_EQ(FindBucket(heap, bucket_id, &err), nullptr);
+  EXPECT_EQ(FindB(heap, bucket_id, &err), nullptr);
   EXPECT_TRUE(Contains(err, "(freed?)")) << err;
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
 }
 
 TEST(Heap, DeterministicBucketHasLandingSlots) {
   std::string err;
-  const int64_t heap_id = CreateHeap(3, /*deterministic=*/true, 5.0, &err);
+  const int64_t heap_id = Create(3, /*deterministic=*/true, 5.0, &err);
   const int64_t bytes_before = LiveHeapBytes();
-  const int64_t bucket_id = RegisterBucket(heap_id, 40, Dtype::kF32, &err);
+  const int64_t bucket_id = Register(heap_id, 40, Dtype::kF32, &err);
   ASSERT_GT(bucket_id, 0) << err;
-  auto b = FindBucket(FindHeap(heap_id, &err), bucket_id, &err);
+  auto b = FindB(Find(heap_id, &err), bucket_id, &err);
   ASSERT_NE(b, nullptr) << err;
   ASSERT_NE(b->landing, nullptr);
   const int64_t padded = b->layout.padded_numel();
@@ -112,19 +152,19 @@ TEST(Heap, DeterministicBucketHasLandingSlots) {
     }
   }
   b.reset();
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
   EXPECT_EQ(LiveHeapBytes(), bytes_before) << "freeing the heap must release its buckets";
 }
 
 TEST(Heap, RegisterRejectsBadArguments) {
   std::string err;
-  const int64_t heap_id = CreateHeap(2, false, 5.0, &err);
-  EXPECT_EQ(RegisterBucket(heap_id, 0, Dtype::kF32, &err), -1);
+  const int64_t heap_id = Create(2, false, 5.0, &err);
+  EXPECT_EQ(Register(heap_id, 0, Dtype::kF32, &err), -1);
   EXPECT_TRUE(Contains(err, "bucket size must be >= 1 element, got 0")) << err;
   err.clear();
-  EXPECT_EQ(RegisterBucket(heap_id + 100000, 10, Dtype::kF32, &err), -1);
+  EXPECT_EQ(Register(heap_id + 100000, 10, Dtype::kF32, &err), -1);
   EXPECT_TRUE(Contains(err, "is not registered")) << err;
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
 }
 
 // ---- refusals of sizes that overflow or cannot be allocated (issue 11 item 1) --------------------------------------
@@ -135,24 +175,24 @@ std::string HeapName(int64_t heap_id) { return "heap " + std::to_string(heap_id)
 
 TEST(Heap, RegisterRefusesBucketsWhoseBytesOverflow) {
   std::string err;
-  const int64_t heap_id = CreateHeap(4, /*deterministic=*/false, 5.0, &err);
+  const int64_t heap_id = Create(4, /*deterministic=*/false, 5.0, &err);
   ASSERT_GT(heap_id, 0) << err;
-  auto heap = FindHeap(heap_id, &err);
+  auto heap = Find(heap_id, &err);
   const int64_t bytes_before = LiveHeapBytes();
   const int64_t numel = (1LL << 31) * (1LL << 31);  // the (2**31, 2**31) bucket of the issue
 
   bool oom = true;
-  EXPECT_EQ(RegisterBucket(heap_id, numel, Dtype::kF32, &err, &oom), -1);
+  EXPECT_EQ(Register(heap_id, numel, Dtype::kF32, &err, &oom), -1);
   // 2^62 elements * (4 master + 4 accumulator) bytes = 2^65 = 3.68935e+19 bytes.
   EXPECT_EQ(err, "a bucket of 4611686018427387904 float32 elements over 4 devices in " + HeapName(heap_id) +
                      " is too large: its memory (about 3.68935e+19 bytes) overflows 64-bit byte counts");
   EXPECT_FALSE(oom) << "an overflow is not an out-of-memory condition";
   err.clear();
-  EXPECT_EQ(RegisterBucket(heap_id, numel, Dtype::kBF16, &err), -1);
+  EXPECT_EQ(Register(heap_id, numel, Dtype::kBF16, &err), -1);
   EXPECT_EQ(err, "a bucket of 4611686018427387904 bfloat16 elements over 4 devices in " + HeapName(heap_id) +
                      " is too large: its memory (about 2.76701e+19 bytes) overflows 64-bit byte counts");
   err.clear();
-  EXPECT_EQ(RegisterBucket(heap_id, INT64_MAX, Dtype::kF32, &err), -1) << "shard rounding past INT64_MAX";
+  EXPECT_EQ(Register(heap_id, INT64_MAX, Dtype::kF32, &err), -1) << "shard rounding past INT64_MAX";
   EXPECT_TRUE(Contains(err, "a bucket of 9223372036854775807 float32 elements")) << err;
   EXPECT_TRUE(Contains(err, "overflows 64-bit byte counts")) << err;
 
@@ -160,9 +200,9 @@ TEST(Heap, RegisterRefusesBucketsWhoseBytesOverflow) {
   EXPECT_TRUE(heap->buckets.empty()) << "a refused bucket must not be registered";
   EXPECT_TRUE(heap->poisoned.empty()) << "a refusal must leave the heap usable";
   err.clear();
-  const int64_t ok = RegisterBucket(heap_id, 100, Dtype::kF32, &err);
+  const int64_t ok = Register(heap_id, 100, Dtype::kF32, &err);
   EXPECT_GT(ok, 0) << "the heap still takes a bucket that fits: " << err;
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
   EXPECT_EQ(LiveHeapBytes(), bytes_before);
 }
 
@@ -170,16 +210,16 @@ TEST(Heap, RegisterRefusesLandingSlotsThatOverflow) {
   // 2^57 fp32 elements over 16 devices fit in 2^60 bytes, but deterministic landing slots (16 fp32 shards per
   // owner) take the total past 2^63.
   std::string err;
-  const int64_t heap_id = CreateHeap(16, /*deterministic=*/true, 5.0, &err);
+  const int64_t heap_id = Create(16, /*deterministic=*/true, 5.0, &err);
   ASSERT_GT(heap_id, 0) << err;
   const int64_t bytes_before = LiveHeapBytes();
   bool oom = true;
-  EXPECT_EQ(RegisterBucket(heap_id, 1LL << 57, Dtype::kF32, &err, &oom), -1);
+  EXPECT_EQ(Register(heap_id, 1LL << 57, Dtype::kF32, &err, &oom), -1);
   EXPECT_EQ(err, "a bucket of 144115188075855872 float32 elements over 16 devices in " + HeapName(heap_id) +
                      " is too large: its memory (about 1.03763e+19 bytes) overflows 64-bit byte counts");
   EXPECT_FALSE(oom);
   EXPECT_EQ(LiveHeapBytes(), bytes_before);
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
 }
 
 TEST(Heap, RegisterRefusesWhatHostMemoryCannotHold) {
@@ -187,12 +227,12 @@ TEST(Heap, RegisterRefusesWhatHostMemoryCannotHold) {
   const int64_t need = (1LL << 40) * 8;
   if (AvailableHostBytes() >= need) GTEST_SKIP() << "this machine has " << AvailableHostBytes() << " bytes";
   std::string err;
-  const int64_t heap_id = CreateHeap(1, /*deterministic=*/false, 5.0, &err);
+  const int64_t heap_id = Create(1, /*deterministic=*/false, 5.0, &err);
   ASSERT_GT(heap_id, 0) << err;
-  auto heap = FindHeap(heap_id, &err);
+  auto heap = Find(heap_id, &err);
   const int64_t bytes_before = LiveHeapBytes();
   bool oom = false;
-  EXPECT_EQ(RegisterBucket(heap_id, 1LL << 40, Dtype::kF32, &err, &oom), -1);
+  EXPECT_EQ(Register(heap_id, 1LL << 40, Dtype::kF32, &err, &oom), -1);
   EXPECT_TRUE(oom) << "the bindings raise MemoryError on this flag";
   const std::string head = "out of host memory: a bucket of 1099511627776 float32 elements over 1 devices in " +
                            HeapName(heap_id) + " needs 8796093022208 bytes, only ";
@@ -200,7 +240,7 @@ TEST(Heap, RegisterRefusesWhatHostMemoryCannotHold) {
   EXPECT_TRUE(Contains(err, " are available")) << err;
   EXPECT_EQ(LiveHeapBytes(), bytes_before) << "refused before allocating anything";
   EXPECT_TRUE(heap->buckets.empty());
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
 }
 
 TEST(Heap, AlignedBufferRefusesImpossibleSizes) {
@@ -221,52 +261,52 @@ TEST(Heap, BarrierTimeoutsAtTheEdges) {
   std::string err;
   const double inf = std::numeric_limits<double>::infinity();
   for (double ok : {inf, 1e12, 1e10, 1e-12, std::numeric_limits<double>::denorm_min()}) {
-    EXPECT_TRUE(CheckBarrierTimeout(ok, &err)) << ok << ": " << err;
+    EXPECT_TRUE(TimeoutOk(ok, &err)) << ok << ": " << err;
   }
-  const int64_t heap_id = CreateHeap(2, false, inf, &err);
+  const int64_t heap_id = Create(2, false, inf, &err);
   ASSERT_GT(heap_id, 0) << "inf means wait forever: " << err;
-  EXPECT_EQ(FindHeap(heap_id, &err)->barrier_timeout_s.load(), inf);
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  EXPECT_EQ(Find(heap_id, &err)->barrier_timeout_s.load(), inf);
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
   for (double bad : {std::nan(""), 0.0, -0.0, -1.0, -inf}) {
     err.clear();
-    EXPECT_FALSE(CheckBarrierTimeout(bad, &err)) << bad;
+    EXPECT_FALSE(TimeoutOk(bad, &err)) << bad;
     EXPECT_TRUE(Contains(err, "barrier timeout must be > 0 seconds (or inf to wait forever), got ")) << err;
     err.clear();
-    EXPECT_EQ(CreateHeap(2, false, bad, &err), -1) << bad;
+    EXPECT_EQ(Create(2, false, bad, &err), -1) << bad;
     EXPECT_FALSE(err.empty());
   }
 }
 
 TEST(Heap, ResolveTargetErrorsNameTheOp) {
   std::string err;
-  const int64_t heap_id = CreateHeap(2, false, 5.0, &err);
-  const int64_t bucket_id = RegisterBucket(heap_id, 10, Dtype::kF32, &err);
+  const int64_t heap_id = Create(2, false, 5.0, &err);
+  const int64_t bucket_id = Register(heap_id, 10, Dtype::kF32, &err);
   OpTarget t;
-  EXPECT_TRUE(ResolveTarget("gather", heap_id, bucket_id, 1, &t, &err)) << err;
+  EXPECT_TRUE(Resolve("gather", heap_id, bucket_id, 1, &t, &err)) << err;
   EXPECT_NE(t.bucket, nullptr);
   OpTarget heap_only;
-  EXPECT_TRUE(ResolveTarget("barrier", heap_id, -1, 0, &heap_only, &err)) << err;
+  EXPECT_TRUE(Resolve("barrier", heap_id, -1, 0, &heap_only, &err)) << err;
   EXPECT_EQ(heap_only.bucket, nullptr);
 
   err.clear();
   OpTarget bad;
-  EXPECT_FALSE(ResolveTarget("gather", heap_id, bucket_id, 2, &bad, &err));
+  EXPECT_FALSE(Resolve("gather", heap_id, bucket_id, 2, &bad, &err));
   EXPECT_EQ(err, "jodc gather: device index 2 outside [0, 2) of heap " + std::to_string(heap_id));
   err.clear();
-  EXPECT_FALSE(ResolveTarget("publish", heap_id, bucket_id, -1, &bad, &err));
+  EXPECT_FALSE(Resolve("publish", heap_id, bucket_id, -1, &bad, &err));
   EXPECT_TRUE(Contains(err, "jodc publish: device index -1 outside")) << err;
   err.clear();
-  EXPECT_FALSE(ResolveTarget("scatter_accumulate", heap_id, bucket_id + 1000, 0, &bad, &err));
+  EXPECT_FALSE(Resolve("scatter_accumulate", heap_id, bucket_id + 1000, 0, &bad, &err));
   EXPECT_TRUE(Contains(err, "jodc scatter_accumulate: bucket ")) << err;
   err.clear();
-  auto heap = FindHeap(heap_id, &err);
+  auto heap = Find(heap_id, &err);
   heap->poisoned = "barrier timed out";
-  EXPECT_FALSE(ResolveTarget("gather", heap_id, bucket_id, 0, &bad, &err));
+  EXPECT_FALSE(Resolve("gather", heap_id, bucket_id, 0, &bad, &err));
   EXPECT_EQ(err, "jodc gather: barrier timed out") << "a poisoned heap must fail every later op";
   heap->poisoned.clear();
-  ASSERT_TRUE(FreeHeap(heap_id, &err)) << err;
+  ASSERT_TRUE(Free(heap_id, &err)) << err;
   err.clear();
-  EXPECT_FALSE(ResolveTarget("gather", heap_id, bucket_id, 0, &bad, &err));
+  EXPECT_FALSE(Resolve("gather", heap_id, bucket_id, 0, &bad, &err));
   EXPECT_TRUE(Contains(err, "jodc gather: heap " + std::to_string(heap_id) + " is not registered")) << err;
 }
 

@@ -25,18 +25,22 @@ uint32_t Bits(float f) {
 class BucketFixture {
  public:
   BucketFixture(int32_t world, bool deterministic, int64_t numel, Dtype master) {
-    std::string err;
-    heap_id_ = CreateHeap(world, deterministic, 5.0, &err);
-    EXPECT_GT(heap_id_, 0) << err;
-    const int64_t bucket_id = RegisterBucket(heap_id_, numel, master, &err);
-    EXPECT_GT(bucket_id, 0) << err;
-    bucket_ = FindBucket(FindHeap(heap_id_, &err), bucket_id, &err);
-    EXPECT_NE(bucket_, nullptr) << err;
+    auto heap_id = CreateHeap(world, deterministic, 5.0);
+    if (!heap_id.has_value()) ADD_FAILURE() << heap_id.error().message();
+    heap_id_ = heap_id.has_value() ? *heap_id : -1;
+    auto bucket_id = RegisterBucket(heap_id_, numel, master);
+    if (!bucket_id.has_value()) ADD_FAILURE() << bucket_id.error().message();
+    auto heap = FindHeap(heap_id_);
+    if (heap.has_value() && bucket_id.has_value()) {
+      auto bucket = FindBucket(*heap, *bucket_id);
+      if (bucket.has_value()) bucket_ = *bucket;
+    }
+    EXPECT_NE(bucket_, nullptr);
   }
   ~BucketFixture() {
-    std::string err;
     bucket_.reset();
-    EXPECT_TRUE(FreeHeap(heap_id_, &err)) << err;
+    Error freed = FreeHeap(heap_id_);
+    EXPECT_TRUE(freed.success()) << freed.message();
   }
   const Bucket& b() const { return *bucket_; }
 

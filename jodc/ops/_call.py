@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jodc.ops.heap import Bucket, SymmetricHeap
+from jodc import dtypes
+from jodc.ops import _targets
+from jodc.ops.heap import MASTER_DTYPE_NAMES, Bucket, SymmetricHeap
 from jodc.ops.token import TOKEN_TYPE, as_varying, check_token  # noqa: F401 (TOKEN_TYPE re-exported)
 
 
@@ -40,7 +42,7 @@ def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
 
 def target(heap: SymmetricHeap, op: str) -> str:
     """The FFI target of `op` for the heap's transport: jodc_<op> in-process, jodc_mpi_<op> across processes."""
-    return f"jodc_mpi_{op}" if getattr(heap, "transport", "local") == "mpi" else f"jodc_{op}"
+    return _targets.target_name(op, getattr(heap, "transport", "local"))
 
 
 def _other_axes(axis_name: str) -> dict[str, int]:
@@ -67,10 +69,8 @@ def attrs(bucket: Bucket) -> dict:
 
 
 def float_dtype(dtype, what: str, op: str) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"jodc.ops.{op}: {what} must be float32 or bfloat16, got {dt}")
-    return dt
+    """`dtype` (any spelling, see jodc.dtypes) as float32 or bfloat16, the dtypes the native ops move."""
+    return dtypes.as_dtype(dtype, MASTER_DTYPE_NAMES, f"jodc.ops.{op}: {what}")
 
 
 def per_device(x, axis_name: str):

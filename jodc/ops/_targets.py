@@ -1,0 +1,41 @@
+"""The FFI targets of jodc's native ops, as the Python side names them.
+
+The one list is ``ffi/common/ops.h`` (an X-macro every C++ backend generates its handlers' declarations and its
+handler table from); this module spells the same op names for Python. Each built library hands over its table
+(``handlers()``), which :func:`check_handlers` compares with these names before anything is registered, and
+tests/test_ops_targets.py compares this module with the header, so the two cannot drift apart silently.
+"""
+from __future__ import annotations
+
+# Ops on a heap (every backend, the MPI transport included), in ffi/common/ops.h's order.
+HEAP_OPS = ("gather", "scatter_accumulate", "barrier", "read_accumulator", "zero_accumulator", "publish")
+# Ordering ops on tokens alone (the in-process backends: CPU and CUDA).
+TOKEN_OPS = ("after", "depend_on")
+ALL_OPS = HEAP_OPS + TOKEN_OPS
+
+# transport -> the FFI target prefix of its ops, and the ops its library provides
+PREFIXES = {"local": "jodc_", "mpi": "jodc_mpi_"}
+_OPS = {"local": ALL_OPS, "mpi": HEAP_OPS}
+
+
+def target_name(op: str, transport: str = "local") -> str:
+    """The FFI target of `op`: ``jodc_<op>`` in-process, ``jodc_mpi_<op>`` on the MPI transport."""
+    if op not in _OPS[transport]:
+        raise ValueError(f"jodc has no {transport} FFI op {op!r}; its ops are {_OPS[transport]}")
+    return PREFIXES[transport] + op
+
+
+def expected_targets(transport: str = "local") -> tuple[str, ...]:
+    """Every FFI target a library of `transport` ('local': CPU or CUDA; 'mpi') must provide."""
+    return tuple(target_name(op, transport) for op in _OPS[transport])
+
+
+def check_handlers(handlers: dict, transport: str, library: str) -> None:
+    """Raises RuntimeError naming the difference when `library`'s handler table does not hold exactly the targets
+    jodc.ops calls (a stale build, or ffi/common/ops.h and this module out of step)."""
+    expected = set(expected_targets(transport))
+    missing, extra = sorted(expected - set(handlers)), sorted(set(handlers) - expected)
+    if missing or extra:
+        raise RuntimeError(
+            f"{library}'s FFI handler table does not match jodc.ops (rebuild it: `make native`): missing {missing}, "
+            f"unexpected {extra}")

@@ -1,0 +1,64 @@
+"""One list of FFI targets: ffi/common/ops.h (the C++ X-macro every backend generates its handlers from), the Python
+names (jodc/ops/_targets.py) and each built library's handler table must agree; a difference fails here."""
+import os
+import re
+
+import pytest
+
+from jodc.ops import _mpi, _native, _targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def header_ops(macro: str) -> tuple[str, ...]:
+    """The op names of X-macro `macro` in ffi/common/ops.h, in order."""
+    text = open(os.path.join(ROOT, "ffi", "common", "ops.h")).read()
+    body = re.search(rf"#define {macro}\(X\)((?:.*\\\n)*.*\n)", text)
+    assert body is not None, f"{macro} not found in ffi/common/ops.h"
+    return tuple(re.findall(r"X\((\w+),\s*\w+\)", body.group(1)))
+
+
+def test_python_names_are_the_headers():
+    assert _targets.HEAP_OPS == header_ops("JODC_HEAP_OPS")
+    assert _targets.TOKEN_OPS == header_ops("JODC_TOKEN_OPS")
+
+
+def test_every_op_module_calls_a_listed_target():
+    """Each Python op file names its target through _targets (a typo'd or unlisted op would fail at trace time)."""
+    ops_dir = os.path.join(ROOT, "jodc", "ops")
+    called = set()
+    for name in os.listdir(ops_dir):
+        if name.endswith(".py") and not name.startswith("_"):  # the op modules, not the plumbing
+            src = open(os.path.join(ops_dir, name)).read()
+            called |= set(re.findall(r"""target(?:_name)?\([^"']*["'](\w+)["']\)""", src))
+            assert not re.search(r"""ffi_call\(\s*["']""", src), f"{name} hard-codes an FFI target name"
+    assert called == set(_targets.ALL_OPS)
+
+
+def test_cpu_library_exports_exactly_the_targets():
+    assert sorted(_native.cpu_library().handlers()) == sorted(_targets.expected_targets("local"))
+
+
+@pytest.mark.skipif(not _mpi.available(), reason="the MPI backend is not built")
+def test_mpi_library_exports_exactly_the_heap_targets():
+    lib = _mpi.library()
+    assert sorted(lib.handler_pointers()) == sorted(_targets.expected_targets("mpi"))
+    assert all(ptr for ptr in lib.handler_pointers().values())
+
+
+def test_target_names():
+    assert _targets.target_name("gather") == "jodc_gather"
+    assert _targets.target_name("gather", "mpi") == "jodc_mpi_gather"
+    with pytest.raises(ValueError, match="no mpi FFI op 'after'"):
+        _targets.target_name("after", "mpi")
+    with pytest.raises(ValueError, match="no local FFI op 'gathr'"):
+        _targets.target_name("gathr")
+
+
+def test_a_library_out_of_step_is_refused_naming_the_difference():
+    table = {name: object() for name in _targets.expected_targets("local")}
+    _targets.check_handlers(table, "local", "lib")
+    del table["jodc_after"]
+    table["jodc_extra"] = object()
+    with pytest.raises(RuntimeError, match=r"missing \['jodc_after'\], unexpected \['jodc_extra'\]"):
+        _targets.check_handlers(table, "local", "lib")
