@@ -164,8 +164,8 @@ def test_rl_skips_and_counts_a_non_finite_update_and_resumes_after_it(tmp_path, 
 
 def test_non_finite_parameters_are_never_written_to_a_checkpoint(tmp_path):
     """The last line of defence: whatever reaches a save with a NaN parameter is refused, nothing is written."""
-    from jodc.train.core.checkpoint import CheckpointStore
-    from jodc.train.core.run_common import TrainingRun
+    from jodc.train.core import config
+    from jodc.train.core.trainer import Trainer
 
     class Engine:
         def state_dict(self):
@@ -175,17 +175,20 @@ def test_non_finite_parameters_are_never_written_to_a_checkpoint(tmp_path):
         def close(self):
             pass
 
-    class Run(TrainingRun):
-        def _trainer_state(self, done):
-            return {}
+    class Run(Trainer):
+        config_io = config
 
-    run = Run()
-    run.config, run.engine = load_config(None, sft_overrides(tmp_path)), Engine()
-    run.store = CheckpointStore(str(tmp_path / "checkpoints"), keep=2)
+        def load_data(self):
+            return None
+
+        def build(self):
+            self.engine = Engine()
+
+    run = Run(load_config(None, sft_overrides(tmp_path)), log=quiet)
     try:
         with pytest.raises(FloatingPointError, match=r"step 1: parameter groups \['embed'\] hold NaN or inf "
                            r"values; refusing to save them \(latest checkpoint: step None\)"):
-            run._save(1)
+            run.save(1)
         assert run.store.steps() == []
     finally:
         run.close()

@@ -1,6 +1,7 @@
 """The SFT trainer end to end on the tiny preset: the loss drops, checkpoints keep the latest N, a stopped and
 resumed deterministic ODC run equals an uninterrupted one bit for bit, the engines agree, the HF export loads
 back, checkpoints of another run are refused, and the CLI runs in a fresh process (where it sets XLA_FLAGS)."""
+import json
 import os
 import subprocess
 import sys
@@ -124,6 +125,23 @@ def test_engines_agree_on_the_same_minibatches(straight, tmp_path):
         np.testing.assert_allclose([loss for _, loss in summary["losses"]], want, rtol=2e-5, err_msg=engine)
 
 
+def test_xla_spmd_draws_its_timelines_from_the_plan(straight, tmp_path):
+    """The XLA-SPMD engine cannot record timelines (one program for all devices, `supports_timeline` false): a
+    run asking for one every step gets the planner-cost estimate instead of a crash at the first due step."""
+    out, _ = straight
+    config = load_config(None, overrides(tmp_path, "--engine", "xla_spmd", "--steps", "2", "--timeline_every", "1",
+                                         "--no-deterministic", "--no-export_hf"))
+    summary = run_sft(config, log=quiet)
+    records = read_metrics(summary["metrics"])
+    assert [r["step"] for r in records if "bubble_rate" in r] == [1, 2]
+    assert summary["timeline"].endswith("step_000002.png") and os.path.exists(summary["timeline"])
+    events = json.load(open(summary["timeline"][:-4] + ".json"))  # estimated: whole microbatches, no stages
+    assert events and all(e["label"].startswith(("mb", "wait mb", "barrier", "idle")) for e in events)
+    assert not any("fwd" in e["label"] or "bwd" in e["label"] for e in events)
+    want = [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))][:2]
+    np.testing.assert_allclose([r["loss"] for r in records], want, rtol=2e-5)
+
+
 def test_hf_export_loads_back_with_the_trained_parameters(straight):
     from jodc.models import load_pretrained, load_tokenizer
 
@@ -197,14 +215,14 @@ def test_ctrl_c_between_steps_saves_and_during_a_step_does_not(tmp_path, monkeyp
     store.close()
     monkeypatch.undo()
 
-    real_step = sft.SFTRun._step
+    real_step = sft.SFTRun.train_step
 
-    def interrupt_inside_the_third_step(self, step, last, logger):
+    def interrupt_inside_the_third_step(self, step):
         if step == 5:  # steps 4 and 5 ran in this invocation; the interrupt hits inside step 6
             raise KeyboardInterrupt
-        return real_step(self, step, last, logger)
+        return real_step(self, step)
 
-    monkeypatch.setattr(sft.SFTRun, "_step", interrupt_inside_the_third_step)
+    monkeypatch.setattr(sft.SFTRun, "train_step", interrupt_inside_the_third_step)
     with pytest.raises(KeyboardInterrupt):
         run_sft(config, log=quiet)
     store = CheckpointStore(os.path.join(tmp_path, CHECKPOINT_DIR), keep=2)
