@@ -76,25 +76,13 @@ class Trainer:
             self.config_io.save_yaml(self.config, os.path.join(self.out_dir, CONFIG_FILE))
         self.last_saved_step = self.start_step or None
 
-    # -- hooks -----------------------------------------------------------------------------------------------------
-    def load_data(self) -> dict | None:
-        raise NotImplementedError
-
-    def build(self) -> None:
-        raise NotImplementedError
-
-    def train_step(self, step: int) -> dict[str, Any]:
-        raise NotImplementedError
-
+    # -- hooks with defaults (load_data, build, train_step and evaluate have none: see the module docstring) --------
     def checkpoint_state(self, done: int) -> dict[str, Any]:
         return {}
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         """Checks checkpoint `step`'s trainer state; returns the optimizer updates the engine had applied."""
         return step - self.skipped
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        raise NotImplementedError
 
     def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:
         return {}
