@@ -142,12 +142,12 @@ def test_another_runs_checkpoints_are_refused(straight):
     out, _ = straight
     with pytest.raises(RuntimeError, match="another model, data or data order.*model.preset: 'tiny' -> 'small'"):
         run_sft(load_config(None, overrides(out, "--preset", "small")), log=quiet)
-    with pytest.raises(RuntimeError, match="already holds checkpoints .* trainer.resume is false"):
+    with pytest.raises(RuntimeError, match="already holds checkpoints .* checkpoint.resume is false"):
         run_sft(load_config(None, overrides(out, "--no-resume")), log=quiet)
 
 
 def test_too_few_devices_is_a_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="trainer.devices=16 but only 8 cpu device.*xla_force_host_platform"):
+    with pytest.raises(RuntimeError, match="engine.devices=16 but only 8 cpu device.*xla_force_host_platform"):
         run_sft(load_config(None, overrides(tmp_path, "--devices", "16")), log=quiet)
 
 
@@ -164,7 +164,7 @@ def test_cli_end_to_end_in_a_fresh_process(tmp_path):
     assert f"HF export:  {tmp_path / 'run' / 'hf'}" in proc.stdout
     assert len(read_metrics(str(tmp_path / "run" / "metrics.jsonl"))) == 2
     bad = subprocess.run(cmd[:4] + ["--engine", "mpi"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert bad.returncode == 2 and "trainer.engine must be one of" in bad.stderr
+    assert bad.returncode == 2 and "engine.name must be one of" in bad.stderr
 
 
 def test_training_starts_from_a_hf_checkpoint_and_its_tokenizer(straight, tmp_path):

@@ -1,12 +1,12 @@
 """The RL loop (GRPO-style, DPPO by default): prompts -> rollout with the current policy -> rewards -> group
 advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) -> metrics / checkpoints.
 
-`run_rl(config)` is the whole job. One *step* is one rollout and its `trainer.updates_per_step` optimizer updates.
+`run_rl(config)` is the whole job. One *step* is one rollout and its `run.updates_per_step` optimizer updates.
 The prompts, the sampling key and the minibatch split of step k are pure functions of (seed, k), and rollouts
 are sampled from the engine's parameters, so a run resumed from a checkpoint continues exactly (bit for bit with
-`trainer.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
+`engine.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
 function that fails, or a non-finite update (which the engine never applies), stops the run before anything of that
-step is saved, so the latest checkpoint stays the last consistent state; with `trainer.skip_nonfinite_steps` a
+step is saved, so the latest checkpoint stays the last consistent state; with `run.skip_nonfinite_steps` a
 non-finite update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes the model on
 the task's solutions with the SFT trainer (`rl_warmstart`) and starts RL from that policy; with
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
@@ -27,10 +27,8 @@ from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.losses import grpo_advantages
 
-from ..core import config as sft_config
-from . import config as rl_config
 from ..core.checkpoint import CheckpointStore, export_hf
-from ..core.config import ConfigError
+from ..core.config import ConfigError, DataConfig, RunConfig, SftConfig, resume_mismatches, save_yaml, to_dict
 from ..core.metrics import TENSORBOARD_DIR, read_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
 from .batch import pack_minibatch, split_minibatches, training_sequences
@@ -51,16 +49,12 @@ CHECKPOINT_DIR, HF_DIR, CONFIG_FILE = "checkpoints", "hf", "config.yaml"
 EVAL_SAMPLES = 4  # sampled responses per evaluation problem
 
 
-def engine_settings(config: RLConfig) -> sft_config.SFTConfig:
-    """The RL run's engine and optimizer settings as an SFT config, so the engine is built exactly as the SFT
+def engine_settings(config: RLConfig) -> SftConfig:
+    """The RL run's engine and optimizer sections as an SFT config, so the engine is built exactly as the SFT
     trainer builds it (`sft.make_engine`); the learning-rate schedule spans the run's optimizer updates."""
-    t = config.trainer
-    optimizer = dict(dataclasses.asdict(config.optimizer), total_steps=config.total_steps)
-    trainer = {"engine": t.engine, "devices": t.devices, "platform": t.platform, "compute_dtype": t.compute_dtype,
-               "deterministic": t.deterministic, "barrier_timeout_s": t.barrier_timeout_s, "token_cap": t.token_cap,
-               "seed": t.seed}
-    return sft_config.config_from_dict({"optimizer": optimizer, "trainer": trainer,
-                                        "data": {"max_length": t.token_cap}}, source="the RL engine settings")
+    return SftConfig(optimizer=dataclasses.replace(config.optimizer, total_steps=config.total_steps),
+                     engine=config.engine, data=DataConfig(max_length=config.engine.token_cap),
+                     run=RunConfig(seed=config.run.seed))
 
 
 class RLRun(TrainingRun):
@@ -69,10 +63,10 @@ class RLRun(TrainingRun):
     def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
                  log: Callable[[str], None] = print):
         self.config, self.log = config, log
-        t, r = config.trainer, config.rollout
-        self.out_dir = os.path.abspath(t.out_dir)
+        e, run, ckpt, r = config.engine, config.run, config.checkpoint, config.rollout
+        self.out_dir = os.path.abspath(run.out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
-        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
+        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=ckpt.keep_checkpoints)
         self.engine = None
         self.skipped_updates = 0  # optimizer updates not applied for a non-finite value
         self.step_times: list[tuple[float, float]] = []  # (plan_ms, step_seconds) of the steps run here
@@ -85,10 +79,10 @@ class RLRun(TrainingRun):
             self.data_fingerprint = fingerprint_task(self.task)
             if resume_from is not None:
                 check_data_fingerprint(self.store.read_trainer_state(resume_from).get("data_fingerprint"),
-                                       self.data_fingerprint, accept=t.accept_changed_data,
+                                       self.data_fingerprint, accept=ckpt.accept_changed_data,
                                        where=self.store.step_dir(resume_from), log=log)
-            self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
-            self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems)
+            self.pool = training_pool(self.task, run.seed, config.task.pool_size) if config.task.pool_size else None
+            self.eval_set = eval_problems(self.task, run.seed, config.task.eval_problems)
             if reward_fn is not None:
                 self.reward_fn = reward_fn
             elif config.task.reward_fn:
@@ -103,9 +97,9 @@ class RLRun(TrainingRun):
                 model_section = dataclasses.replace(model_section,
                                                     hf_path=run_warmstart(config, self.task, log=log))
             self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
-            self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=t.token_cap,
-                                                      compute_dtype=t.compute_dtype, seed=t.seed)
-            self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed,
+            self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=e.token_cap,
+                                                      compute_dtype=e.compute_dtype, seed=run.seed)
+            self.model, groups = decoder_staged_model(self.model_config, groups, seed=run.seed,
                                                       head_loss=self.objective.head_loss,
                                                       metric_names=self.objective.metric_names)
             self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
@@ -116,8 +110,8 @@ class RLRun(TrainingRun):
                                             prompt_bucket=r.prompt_bucket)
             self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
             self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
-            self.planner = TimedPlanner(get_planner(t.planner_name))  # its wall time is the plan_ms metric
-            self.cost_model = cost_model(t.cost_model, self.model_config)
+            self.planner = TimedPlanner(get_planner(e.planner_name))  # its wall time is the plan_ms metric
+            self.cost_model = cost_model(e.cost_model, self.model_config)
             settings = engine_settings(config)
             self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
             self.engine = make_engine(settings, self.model, groups)
@@ -125,19 +119,19 @@ class RLRun(TrainingRun):
         except BaseException:
             self.close()
             raise
-        rl_config.save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
+        save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
         self.last_saved_step = self.start_step if self.start_step else None
 
     # -- resume ----------------------------------------------------------------------------------------------------
     def _resumable_step(self) -> int | None:
         """The latest checkpoint's step when this run may resume from it (None without checkpoints)."""
-        return self.store.resumable_step(self.config.trainer.resume,
-                                         lambda saved: rl_config.resume_mismatches(saved, self.config))
+        return self.store.resumable_step(self.config.checkpoint.resume,
+                                         lambda saved: resume_mismatches(saved, self.config))
 
     def _restore(self, step: int) -> int:
         engine_state, trainer_state = self.store.restore(step, self.engine.state_dict())
         self.skipped_updates = int(trainer_state.get("skipped_updates", 0))
-        expected_updates = step * self.config.trainer.updates_per_step - self.skipped_updates
+        expected_updates = step * self.config.run.updates_per_step - self.skipped_updates
         if trainer_state.get("optimizer_updates") != expected_updates:
             raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
                                f"{trainer_state.get('optimizer_updates')} optimizer updates, expected "
@@ -148,13 +142,13 @@ class RLRun(TrainingRun):
         return step
 
     def _trainer_state(self, done: int) -> dict[str, Any]:
-        return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done,
+        return {"config": to_dict(self.config), "optimizer_updates": self.engine.steps_done,
                 "skipped_updates": self.skipped_updates, "data_fingerprint": self.data_fingerprint}
 
     # -- pieces of a step ------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:
         """The sampling key of 0-based step `step`."""
-        return jax.random.fold_in(jax.random.PRNGKey(self.config.trainer.seed), step)
+        return jax.random.fold_in(jax.random.PRNGKey(self.config.run.seed), step)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The current policy on the fixed held-out evaluation set: `eval_accuracy` (greedy decoding) and
@@ -166,7 +160,7 @@ class RLRun(TrainingRun):
         for key, group_size, sampling in (("eval_accuracy", 1, self.greedy),
                                           ("eval_sampled_reward", EVAL_SAMPLES, self.eval_sampling)):
             rollout = sample_rollout(self.model_config, params, self.tokenizer, prompts, group_size=group_size,
-                                     sampling=sampling, key=jax.random.PRNGKey(self.config.trainer.seed))
+                                     sampling=sampling, key=jax.random.PRNGKey(self.config.run.seed))
             rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step)
             out[key] = float(np.mean(rewards >= self.config.task.success_reward) if group_size == 1
                              else np.mean(rewards))
@@ -174,14 +168,14 @@ class RLRun(TrainingRun):
 
     def _step(self, step: int) -> dict[str, Any]:
         """Runs 0-based step `step`; returns its metrics record."""
-        t, r = self.config.trainer, self.config.rollout
+        e, run, r = self.config.engine, self.config.run, self.config.rollout
         started = time.perf_counter()
         record: dict[str, Any] = {"step": step + 1}
-        if t.eval_every and step % t.eval_every == 0:
+        if run.eval_every and step % run.eval_every == 0:
             eval_started = time.perf_counter()
             record.update(self.evaluate(step + 1))
             record["eval_seconds"] = time.perf_counter() - eval_started
-        problems = step_problems(self.task, t.seed, step, r.prompts_per_step, pool=self.pool)
+        problems = step_problems(self.task, run.seed, step, r.prompts_per_step, pool=self.pool)
         rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer, [p.prompt for p in problems],
                                  group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step))
         reward_started = time.perf_counter()
@@ -197,19 +191,19 @@ class RLRun(TrainingRun):
         updates, train_seconds, tokens, microbatches = [], 0.0, 0, []
         learning_rate = float(self.lr_schedule(self.engine.steps_done))
         self.planner.take_ms()
-        for indices in split_minibatches(len(sequences), t.updates_per_step, seed=t.seed, step=step):
+        for indices in split_minibatches(len(sequences), run.updates_per_step, seed=run.seed, step=step):
             update_started = time.perf_counter()
-            _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=t.devices,
-                                       token_cap=t.token_cap, cost_model=self.cost_model,
+            _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=e.devices,
+                                       token_cap=e.token_cap, cost_model=self.cost_model,
                                        aggregation=self.objective.aggregation,
-                                       skip_empty_microbatches=t.engine == "odc")
+                                       skip_empty_microbatches=e.name == "odc")
             try:
                 result = self.engine.step(arrays)
             except NonFiniteStepError as e:  # not applied: the engine kept its previous state
                 result = e.result
                 self.skipped_updates += 1
-                what = f"step {step + 1}, update {len(updates) + 1} of {t.updates_per_step}"
-                if not t.skip_nonfinite_steps:
+                what = f"step {step + 1}, update {len(updates) + 1} of {run.updates_per_step}"
+                if not run.skip_nonfinite_steps:
                     raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(),
                                                                skip=False)) from None
                 self.log(nonfinite_message(what, result, None, skip=True))
@@ -226,7 +220,7 @@ class RLRun(TrainingRun):
         record.update(rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
                                       success_reward=self.config.task.success_reward))
         # every update of the step skipped (non-finite): no loss to report
-        record.update(update_metrics(updates, unstable_kl=t.unstable_kl) if updates else
+        record.update(update_metrics(updates, unstable_kl=run.unstable_kl) if updates else
                       {"loss": float("nan"), "grad_norm": float("nan")})
         record["skipped_updates"] = self.skipped_updates
         record.update({"learning_rate": learning_rate, "tokens": tokens,
@@ -239,25 +233,25 @@ class RLRun(TrainingRun):
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
-        """Runs steps start_step+1 .. trainer.steps (or stop_at_step), then finishes the run.
+        """Runs steps start_step+1 .. run.steps (or stop_at_step), then finishes the run.
 
         Ctrl-C between steps saves a checkpoint of the last finished step before stopping; an error inside a step
         (a failing reward function, a non-finite loss) saves nothing, so the latest checkpoint stays consistent.
         """
-        t = self.config.trainer
-        last = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
+        run, ckpt, logs = self.config.run, self.config.checkpoint, self.config.logging
+        last = run.steps if stop_at_step is None else min(run.steps, stop_at_step)
         started = time.perf_counter()
-        logger = RLMetricsLogger(self.out_dir, total_steps=t.steps, start_step=self.start_step, progress=t.progress)
+        logger = RLMetricsLogger(self.out_dir, total_steps=run.steps, start_step=self.start_step, progress=logs.progress)
         done, consistent = self.start_step, True
         try:
             for step in range(self.start_step, last):
                 consistent = False
                 record = self._step(step)
                 done, consistent = step + 1, True
-                if done % t.log_every == 0 or done == last:
+                if done % logs.log_every == 0 or done == last:
                     logger.log(record)
                 logger.advance()
-                if t.save_every and done % t.save_every == 0:
+                if ckpt.save_every and done % ckpt.save_every == 0:
                     consistent = False
                     self._save(done)
                     consistent = True
@@ -275,13 +269,13 @@ class RLRun(TrainingRun):
         return self._finish(done, time.perf_counter() - started, logger.path)
 
     def _finish(self, done: int, seconds: float, metrics_path: str) -> dict[str, Any]:
-        t = self.config.trainer
+        run, ckpt = self.config.run, self.config.checkpoint
         records = read_metrics(metrics_path)
-        final_eval = self.evaluate(done) if t.eval_every and done > self.start_step else None
+        final_eval = self.evaluate(done) if run.eval_every and done > self.start_step else None
         curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE), final_eval=final_eval,
                              title=f"{self.config.loss.name} on {self.config.task.name}") if records else None
         hf_path = None
-        if t.export_hf and done == t.steps and done > self.start_step:
+        if ckpt.export_hf and done == run.steps and done > self.start_step:
             hf_path = export_hf(self.model_config, self.engine.params(), self.tokenizer,
                                 os.path.join(self.out_dir, HF_DIR))
         ran = [r for r in records if r["step"] > self.start_step]
@@ -313,7 +307,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{summary['unstable_steps']} unstable step(s)")
     else:
         lines.append(f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
-                     "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
+                     "(raise run.steps to go on, or choose another run.out_dir for a new run)")
     if summary["final_eval_accuracy"] is not None:
         lines.append(f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
                      f"sampled reward {summary['final_eval_sampled_reward']:.3f}")

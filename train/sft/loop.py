@@ -1,9 +1,9 @@
 """The SFT loop: data -> planner -> packed minibatch -> engine step -> metrics / checkpoints, and the end of a run
 (final checkpoint, HF export, timeline plot, summary).
 
-`run_sft(config)` is the whole job. It resumes from the latest checkpoint in `trainer.out_dir` when there is one:
+`run_sft(config)` is the whole job. It resumes from the latest checkpoint in `run.out_dir` when there is one:
 the engine state, the step and the data position are restored, and minibatch k is a pure function of
-(seed, k), so with `trainer.deterministic` a stopped and resumed run reproduces an uninterrupted one bit for bit.
+(seed, k), so with `engine.deterministic` a stopped and resumed run reproduces an uninterrupted one bit for bit.
 A checkpoint whose model or data differ from the config is refused rather than overwritten.
 """
 from __future__ import annotations
@@ -53,11 +53,11 @@ def mesh_devices(platform: str, count: int) -> list:
     try:
         devices = jax.devices(platform)
     except RuntimeError as e:
-        raise RuntimeError(f"trainer.platform={platform!r} has no devices here: {e}") from None
+        raise RuntimeError(f"engine.platform={platform!r} has no devices here: {e}") from None
     if len(devices) < count:
         hint = (f" On a CPU host, set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX is "
                 "imported (the jodc-train CLI does this).") if platform == "cpu" else ""
-        raise RuntimeError(f"trainer.devices={count} but only {len(devices)} {platform} device(s) exist.{hint}")
+        raise RuntimeError(f"engine.devices={count} but only {len(devices)} {platform} device(s) exist.{hint}")
     return devices[:count]
 
 
@@ -72,31 +72,31 @@ def load_dataset(config: SFTConfig, tokenizer) -> tuple[list[Example], LoadRepor
 
 
 def make_engine(config: SFTConfig, model, groups):
-    """The engine of `trainer.engine` on a 1-D mesh of `trainer.devices` devices."""
-    t = config.trainer
+    """The engine of `engine.name` on a 1-D mesh of `engine.devices` devices."""
+    e = config.engine
     optimizer = optimizer_config(config)
-    dtype = jnp.dtype(t.compute_dtype)
-    if t.engine == "reference":
-        return ReferenceEngine(model, groups, optimizer=optimizer, compute_dtype=dtype, num_devices=t.devices,
-                               device=mesh_devices(t.platform, 1)[0])
-    mesh = jax.sharding.Mesh(np.array(mesh_devices(t.platform, t.devices)), ("d",))
-    buckets = parse_length_buckets(t.length_buckets) if t.length_buckets else None
-    if t.engine == "odc":
-        timeout = float("inf") if t.barrier_timeout_s is None else t.barrier_timeout_s
-        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=t.deterministic,
+    dtype = jnp.dtype(e.compute_dtype)
+    if e.name == "reference":
+        return ReferenceEngine(model, groups, optimizer=optimizer, compute_dtype=dtype, num_devices=e.devices,
+                               device=mesh_devices(e.platform, 1)[0])
+    mesh = jax.sharding.Mesh(np.array(mesh_devices(e.platform, e.devices)), ("d",))
+    buckets = parse_length_buckets(e.length_buckets) if e.length_buckets else None
+    if e.name == "odc":
+        timeout = float("inf") if e.barrier_timeout_s is None else e.barrier_timeout_s
+        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=e.deterministic,
                          barrier_timeout_s=timeout, length_buckets=buckets)
-    if t.engine == "xla_spmd":
+    if e.name == "xla_spmd":
         return SPMDEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
     return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
 
 
 def make_planner(config: SFTConfig):
-    """The planner of `trainer.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
+    """The planner of `engine.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
     microbatches cost at their padded lengths)."""
-    t = config.trainer
-    planner = get_planner(t.planner_name)
-    if planner is lb_mini and t.length_buckets:
-        return functools.partial(lb_mini, length_buckets=parse_length_buckets(t.length_buckets))
+    e = config.engine
+    planner = get_planner(e.planner_name)
+    if planner is lb_mini and e.length_buckets:
+        return functools.partial(lb_mini, length_buckets=parse_length_buckets(e.length_buckets))
     return planner
 
 
@@ -111,12 +111,12 @@ class SFTRun(TrainingRun):
         self.config = config
         self.primary = jax.process_index() == 0  # under mpirun only process 0 prints and writes outputs
         self.log = log if self.primary else (lambda *_: None)
-        t = config.trainer
-        self.out_dir = os.path.abspath(t.out_dir)
+        e, run, ckpt = config.engine, config.run, config.checkpoint
+        self.out_dir = os.path.abspath(run.out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
-        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
+        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=ckpt.keep_checkpoints)
         self.engine = None
-        self.skipped_steps = 0  # steps not applied for a non-finite value (trainer.skip_nonfinite_steps)
+        self.skipped_steps = 0  # steps not applied for a non-finite value (run.skip_nonfinite_steps)
         self.step_times: list[tuple[float, float]] = []  # (plan_ms, step_seconds) of the steps run here
         try:
             resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
@@ -129,14 +129,14 @@ class SFTRun(TrainingRun):
             self.data_fingerprint = fingerprint_examples(self.examples)
             if saved is not None:
                 check_data_fingerprint(saved.get("data_fingerprint"), self.data_fingerprint,
-                                       accept=t.accept_changed_data, where=self.store.step_dir(resume_from), log=log)
+                                       accept=ckpt.accept_changed_data, where=self.store.step_dir(resume_from), log=log)
             self.model_config, groups = build_decoder(config.model, self.tokenizer,
                                                       max_length=config.data.max_length,
-                                                      compute_dtype=t.compute_dtype, seed=t.seed)
-            self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed)
-            self.sampler = MinibatchSampler(len(self.examples), t.sequences_per_minibatch, seed=t.seed)
+                                                      compute_dtype=e.compute_dtype, seed=run.seed)
+            self.model, groups = decoder_staged_model(self.model_config, groups, seed=run.seed)
+            self.sampler = MinibatchSampler(len(self.examples), config.data.sequences_per_minibatch, seed=run.seed)
             self.planner = TimedPlanner(make_planner(config))  # its wall time is the plan_ms metric
-            self.cost_model = cost_model(t.cost_model, self.model_config)
+            self.cost_model = cost_model(e.cost_model, self.model_config)
             self.lr_schedule = learning_rate_schedule(optimizer_config(config))
             self.engine = make_engine(config, self.model, groups)
             self.start_step = self._restore(resume_from) if resume_from is not None else 0
@@ -151,7 +151,7 @@ class SFTRun(TrainingRun):
     # -- resume ----------------------------------------------------------------------------------------------------
     def _resumable_step(self) -> int | None:
         """The latest checkpoint's step when this run may resume from it (None without checkpoints)."""
-        return self.store.resumable_step(self.config.trainer.resume,
+        return self.store.resumable_step(self.config.checkpoint.resume,
                                          lambda saved: config_lib.resume_mismatches(saved, self.config),
                                          written_for="another model, data or data order")
 
@@ -171,27 +171,27 @@ class SFTRun(TrainingRun):
     def minibatch(self, step: int):
         """(plan, arrays, examples) of 0-based step `step`."""
         examples = [self.examples[i] for i in self.sampler.minibatch(step)]
-        plan = self.planner([e.length for e in examples], self.config.trainer.devices, self.config.token_cap,
+        plan = self.planner([e.length for e in examples], self.config.engine.devices, self.config.token_cap,
                             cost_model=self.cost_model)
-        arrays = minibatch_arrays(plan, examples, skip_empty_microbatches=self.config.trainer.engine == "odc")
+        arrays = minibatch_arrays(plan, examples, skip_empty_microbatches=self.config.engine.name == "odc")
         return plan, arrays, examples
 
     def _wants_timeline(self, done: int, last: int) -> bool:
-        every = self.config.trainer.timeline_every
+        every = self.config.logging.timeline_every
         return every > 0 and (done % every == 0 or done == last)
 
     def _record_timeline(self, done: int, plan, result) -> None:
         events = getattr(result, "timeline", None)
         source = "engine"
         if not events:
-            events = events_from_plan(plan, result.seconds, lockstep=self.config.trainer.engine == "collective")
+            events = events_from_plan(plan, result.seconds, lockstep=self.config.engine.name == "collective")
             source = "planner-cost estimate"
         directory = os.path.join(self.out_dir, TIMELINE_DIR)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"step_{done:06d}.png")
-        t = self.config.trainer
-        rate = plot_timeline(events, path, num_devices=t.devices,
-                             title=f"{t.engine} / {t.planner_name}, step {done} ({source})")
+        e = self.config.engine
+        rate = plot_timeline(events, path, num_devices=e.devices,
+                             title=f"{e.name} / {e.planner_name}, step {done} ({source})")
         save_events(events, path[:-4] + ".json")
         self.timeline = {"path": path, "bubble_rate": rate, "step": done, "source": source}
 
@@ -201,16 +201,16 @@ class SFTRun(TrainingRun):
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
-        """Runs steps start_step+1 .. trainer.steps (or stop_at_step), then finishes the run.
+        """Runs steps start_step+1 .. run.steps (or stop_at_step), then finishes the run.
 
         Ctrl-C between steps saves a checkpoint of the last finished step before stopping; during a step or a
         save the engine state is not known to be consistent, so the latest earlier checkpoint stays the one.
         """
-        t = self.config.trainer
-        last = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
+        run, ckpt, logs = self.config.run, self.config.checkpoint, self.config.logging
+        last = run.steps if stop_at_step is None else min(run.steps, stop_at_step)
         losses: list[tuple[int, float]] = []
         started = time.perf_counter()
-        logger = (MetricsLogger(self.out_dir, total_steps=t.steps, start_step=self.start_step, progress=t.progress)
+        logger = (MetricsLogger(self.out_dir, total_steps=run.steps, start_step=self.start_step, progress=logs.progress)
                   if self.primary else _SilentLogger())
         done, consistent = self.start_step, True
         try:
@@ -220,7 +220,7 @@ class SFTRun(TrainingRun):
                 done, consistent = step + 1, True
                 losses.append((done, loss))
                 logger.advance()
-                if t.save_every and done % t.save_every == 0:
+                if ckpt.save_every and done % ckpt.save_every == 0:
                     consistent = False
                     self._save(done)
                     consistent = True
@@ -238,13 +238,13 @@ class SFTRun(TrainingRun):
 
     def _step(self, step: int, last: int, logger: MetricsLogger) -> float:
         """Runs 0-based step `step`, logs it, draws its timeline if due; returns the loss."""
-        t = self.config.trainer
+        run, logs = self.config.run, self.config.logging
         host_start = time.perf_counter()
         self.planner.take_ms()
         plan, arrays, examples = self.minibatch(step)
         host_seconds = time.perf_counter() - host_start
         plan_ms = self.planner.take_ms()  # part of host_seconds
-        want_timeline = self._wants_timeline(step + 1, t.steps) and self.primary  # same steps if resumed or not
+        want_timeline = self._wants_timeline(step + 1, run.steps) and self.primary  # same steps if resumed or not
         kwargs = ({"record_timeline": True} if want_timeline and _engine_records_timelines(self.engine)
                   and jax.process_count() == 1 else {})  # every process runs the same program
         learning_rate = float(self.lr_schedule(self.engine.steps_done))
@@ -253,7 +253,7 @@ class SFTRun(TrainingRun):
             result = self.engine.step(arrays, **kwargs)
         except NonFiniteStepError as e:  # the engine kept its previous state: nothing non-finite was applied
             result = e.result
-            if not t.skip_nonfinite_steps:
+            if not run.skip_nonfinite_steps:
                 raise FloatingPointError(nonfinite_message(f"step {done}", result, self.store.latest_step(),
                                                            skip=False)) from None
             self.skipped_steps += 1
@@ -266,7 +266,7 @@ class SFTRun(TrainingRun):
         if want_timeline:
             self._record_timeline(done, plan, result)
             extra["bubble_rate"] = self.timeline["bubble_rate"]
-        if done % t.log_every == 0 or done == last:
+        if done % logs.log_every == 0 or done == last:
             logger.log(step_metrics(
                 step=done, loss=result.loss, grad_norm=result.grad_norm, seconds=result.seconds,
                 tokens=arrays.num_tokens, loss_tokens=int(arrays.normalizer), sequences=len(examples),
@@ -275,7 +275,7 @@ class SFTRun(TrainingRun):
 
     def _finish(self, done: int, losses, seconds: float, metrics_path: str) -> dict[str, Any]:
         hf_path = None
-        if self.config.trainer.export_hf and done == self.config.trainer.steps:
+        if self.config.checkpoint.export_hf and done == self.config.run.steps:
             params = self.engine.params()  # every process: it gathers from all of them
             if self.primary:
                 hf_path = export_hf(self.model_config, params, self.tokenizer, os.path.join(self.out_dir, HF_DIR))
@@ -315,10 +315,10 @@ def nonfinite_message(what: str, result, latest_checkpoint: int | None, *, skip:
     head = (f"{what}: non-finite {cause} (loss {result.loss}, global grad norm {result.grad_norm}); the update was "
             "not applied")
     if skip:
-        return f"{head}; skipped (trainer.skip_nonfinite_steps)"
+        return f"{head}; skipped (run.skip_nonfinite_steps)"
     latest = f"step {latest_checkpoint}" if latest_checkpoint is not None else "none yet"
     return (f"{head}; stopping without saving (latest checkpoint: {latest}, which holds only finite parameters). "
-            "Lower the learning rate or check the data; trainer.skip_nonfinite_steps=true skips such steps instead")
+            "Lower the learning rate or check the data; run.skip_nonfinite_steps=true skips such steps instead")
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -330,7 +330,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}")
     else:
         lines.append(f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
-                     "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
+                     "(raise run.steps to go on, or choose another run.out_dir for a new run)")
     timeline = ([f"timeline:   {summary['timeline']} (bubble rate {summary['bubble_rate']:.1%})"]
                 if summary["timeline"] else [])
     return "\n".join(lines + timing_lines(summary) + output_lines(summary, timeline))
