@@ -1,17 +1,12 @@
-"""Training configs: dataclass sections loaded with `draccus` from a YAML file plus command-line overrides.
+"""Training configs: dataclass sections read by `draccus` from YAML plus command-line overrides.
 
-Sections both trainers share: `model`, `optimizer`, `engine` (how a step runs), `run` (steps, seed, out_dir),
-`checkpoint` and `logging`; `SftConfig` adds `data`, and the RL config (`train/rl/config.py`) adds `task`,
-`rollout`, `loss` and `warmstart`. Every section checks its own fields in `__post_init__` (type, null, finite
-floats, choices, lower bounds), so a config built in code is checked like one read from YAML.
-
-draccus decodes the nested mapping into the dataclasses; this module adds the command line users know (a thin
-layer over draccus): `--section.field value` or `=value`, a field name alone where it is unique (`--devices 4`,
-`--learning_rate 3e-3`), a section alone for its `name` (`--engine odc`, `--loss ppo`), a bool field alone for
-true and `--no-<field>` for false, values read as YAML scalars (`null`, `true`, `4`, `3e-3`), and unknown keys
-refused with a did-you-mean. Configs saved before the `trainer` section was split are read with a note.
-
-This module imports no JAX: the CLI loads and validates the config, then sets XLA flags, then imports JAX.
+Both trainers share `model`, `optimizer`, `engine`, `run`, `checkpoint` and `logging` (`TrainingConfig`);
+`SftConfig` adds `data`, the RL config (`train/rl/config.py`) adds `task`, `rollout`, `loss` and `warmstart`.
+Every section checks its fields in `__post_init__`, so a config built in code is checked like one from YAML.
+Over draccus, a thin command-line layer: `--section.field value` or `=value`, a unique field name alone
+(`--devices 4`), a section alone for its `name` (`--engine odc`), a bool alone for true and `--no-<field>` for
+false, YAML scalar values, did-you-mean for unknown keys, and the old `trainer` section read with a note.
+Imports no JAX: the CLI validates the config and sets XLA flags before JAX loads.
 """
 from __future__ import annotations
 
@@ -48,33 +43,26 @@ class ConfigError(ValueError):
 
 def _parts(annotation) -> tuple[Any, bool]:
     """(the type without None, whether None is allowed)."""
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is Literal or type(None) not in args:
-        return annotation, False
-    return next(a for a in args if a is not type(None)), True
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = typing.get_origin(annotation) is not Literal and len(args) < len(typing.get_args(annotation))
+    return (args[0] if optional else annotation), optional
 
 
 def describe(annotation) -> str:
     """What a field of this type accepts, for error messages: 'an integer', 'one of odc, collective or null'."""
     base, optional = _parts(annotation)
-    if typing.get_origin(base) is Literal:
-        kind = "one of " + ", ".join(map(str, typing.get_args(base)))
-    else:
-        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a non-empty string"}[base]
+    kind = ("one of " + ", ".join(map(str, typing.get_args(base))) if typing.get_origin(base) is Literal else
+            {bool: "true or false", int: "an integer", float: "a number", str: "a non-empty string"}[base])
     return kind + (" or null" if optional else "")
 
 
 def _fits(value, annotation) -> bool:
     base, optional = _parts(annotation)
-    if value is None:
-        return optional
-    if typing.get_origin(base) is Literal:
-        return value in typing.get_args(base)
-    if base is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if base is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, base) and (base is not str or value != "")
+    if value is None or typing.get_origin(base) is Literal:
+        return optional if value is None else value in typing.get_args(base)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {float: number, int: number and isinstance(value, int), str: isinstance(value, str) and value != "",
+            bool: isinstance(value, bool)}[base]
 
 
 class Section:
@@ -240,8 +228,7 @@ class LoggingConfig(Section):
 
 
 def config_class(cls):
-    """`@dataclass` for a config made of sections: a section field declared without a default defaults to a fresh
-    instance of its class."""
+    """`@dataclass` for a config of sections: a section declared without a default gets a fresh instance."""
     hints = typing.get_type_hints(cls)
     for name in cls.__dict__.get("__annotations__", {}):
         if name not in cls.__dict__ and issubclass(hints[name], Section):
@@ -457,11 +444,7 @@ def read_yaml(path: str) -> dict:
     return raw or {}
 
 
-def _note(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
-def load(cls, path: str | None = None, overrides: Sequence[str] = (), *, log=_note):
+def load(cls, path: str | None = None, overrides: Sequence[str] = (), *, log=lambda m: print(m, file=sys.stderr)):
     """Defaults, then the YAML file at `path` (if any), then `overrides`; checked."""
     raw = migrate(read_yaml(path), cls, log=log) if path else {}
     return config_from_dict(apply_overrides(raw, overrides, cls), cls, source=path or "config", log=log)
