@@ -1,7 +1,6 @@
 """The Trainer core on a fake engine and a fake step (no model, no JAX program): checkpoint cadence, resume,
 Ctrl-C between and inside steps, non-finite updates (stop or skip and count), evaluation cadence, timelines only
 from engines that declare them, step timers and the summary."""
-import dataclasses
 import os
 
 import numpy as np
@@ -12,57 +11,11 @@ from jodc.fsdp import NonFiniteStepError
 from jodc.fsdp.engine import StepResult
 from jodc.train.core import metrics
 from jodc.train.core.checkpoint import CheckpointStore
+from jodc.train.core.config import load_config
 from jodc.train.core.metrics import read_metrics
 from jodc.train.core.timers import Timers, step_times, timing_lines, timing_summary
 from jodc.train.core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
-
-
-@dataclasses.dataclass
-class Optimizer:
-    total_steps: int | None = None
-
-
-@dataclasses.dataclass
-class Settings:
-    out_dir: str
-    steps: int = 5
-    save_every: int = 2
-    keep_checkpoints: int = 10
-    log_every: int = 1
-    resume: bool = True
-    accept_changed_data: bool = False
-    skip_nonfinite_steps: bool = False
-    progress: bool = False
-    export_hf: bool = False
-    engine: str = "fake"
-    devices: int = 2
-    planner_name: str = "lb_mini"
-    eval_every: int = 0
-    timeline_every: int = 0
-
-
-@dataclasses.dataclass
-class Config:
-    trainer: Settings
-    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
-
-    @property
-    def total_steps(self):
-        return self.optimizer.total_steps or self.trainer.steps
-
-
-class ConfigIO:
-    @staticmethod
-    def to_dict(config):
-        return {"steps": config.trainer.steps}
-
-    @staticmethod
-    def save_yaml(config, path):
-        open(path, "w").write(f"steps: {config.trainer.steps}\n")
-
-    @staticmethod
-    def resume_mismatches(saved, config):
-        return []
+from jodc.train.rl.config import load_rl_config
 
 
 class Engine:
@@ -103,8 +56,6 @@ class Engine:
 class Run(Trainer):
     """Step k adds `deltas[k]` (default k + 1) to w; evaluation reports w's sum."""
 
-    config_io = ConfigIO
-
     def __init__(self, config, deltas=None, supports_timeline=False, **kwargs):
         self.deltas, self.supports_timeline, self.evaluated = deltas or {}, supports_timeline, []
         super().__init__(config, **kwargs)
@@ -134,8 +85,13 @@ class Run(Trainer):
         return {"final_eval": final_eval}
 
 
-def config(tmp_path, **settings):
-    return Config(Settings(out_dir=str(tmp_path), **settings))
+def config(tmp_path, *flags, eval_every=0):
+    """A real SFT config (RL's when evaluating: only its run section has eval_every); the engine is the fake."""
+    flags = ["--out_dir", str(tmp_path), "--steps", "5", "--save_every", "2", "--keep_checkpoints", "10",
+             "--devices", "2", "--no-progress", "--no-export_hf", *flags]
+    if eval_every:
+        return load_rl_config(None, [*flags, "--eval_every", str(eval_every)])
+    return load_config(None, flags)
 
 
 def quiet(_message):
@@ -152,7 +108,7 @@ def saved_w(tmp_path):
 
 def test_checkpoint_cadence_logging_and_summary(tmp_path):
     lines = []
-    summary = run(Run, config(tmp_path, log_every=2), log=lines.append)
+    summary = run(Run, config(tmp_path, "--log_every", "2"), log=lines.append)
     assert saved_w(tmp_path) == {2: [3.0, 3.0], 4: [10.0, 10.0], 5: [15.0, 15.0]}  # every 2, and the end
     assert [r["step"] for r in read_metrics(summary["metrics"])] == [2, 4, 5]  # log_every=2, and the last
     assert summary["steps_done"] == 5 and summary["checkpoint"].endswith(os.path.join(CHECKPOINT_DIR, "5"))
@@ -173,8 +129,8 @@ def test_resume_continues_where_the_checkpoint_is(tmp_path):
     again = run(Run, config(tmp_path / "a"), log=lines.append)
     assert again["start_step"] == again["steps_done"] == 5 and lines[-1].startswith("nothing to do")
     assert summary_text(again, None) == lines[-1]
-    with pytest.raises(RuntimeError, match="trainer.resume is false"):
-        run(Run, config(tmp_path / "a", resume=False), log=quiet)
+    with pytest.raises(RuntimeError, match="checkpoint.resume is false"):
+        run(Run, config(tmp_path / "a", "--no-resume"), log=quiet)
 
 
 def test_ctrl_c_between_steps_saves_and_inside_a_step_does_not(tmp_path, monkeypatch):
@@ -187,7 +143,7 @@ def test_ctrl_c_between_steps_saves_and_inside_a_step_does_not(tmp_path, monkeyp
 
     monkeypatch.setattr(metrics.MetricsLogger, "advance", interrupt_after_third)
     with pytest.raises(KeyboardInterrupt):
-        run(Run, config(tmp_path, save_every=0), log=quiet)
+        run(Run, config(tmp_path, "--save_every", "0"), log=quiet)
     assert sorted(saved_w(tmp_path)) == [3]
     monkeypatch.undo()
     real = Run.train_step
@@ -199,7 +155,7 @@ def test_ctrl_c_between_steps_saves_and_inside_a_step_does_not(tmp_path, monkeyp
 
     monkeypatch.setattr(Run, "train_step", interrupt_inside_step_5)
     with pytest.raises(KeyboardInterrupt):
-        run(Run, config(tmp_path, save_every=0), log=quiet)
+        run(Run, config(tmp_path, "--save_every", "0"), log=quiet)
     assert sorted(saved_w(tmp_path)) == [3]  # step 4 finished but was not saved: the interrupt came inside 5
 
 
@@ -212,7 +168,7 @@ def test_a_non_finite_update_stops_the_run_without_saving_it(tmp_path):
 
 
 def test_a_skipped_non_finite_update_is_counted_and_survives_resume(tmp_path):
-    cfg = config(tmp_path, skip_nonfinite_steps=True)
+    cfg = config(tmp_path, "--skip_nonfinite_steps")
     run(Run, cfg, deltas={2: float("nan")}, stop_at_step=3, log=quiet)
     resumed = Run(cfg, log=quiet)
     try:
@@ -242,7 +198,7 @@ def test_evaluation_before_due_steps_and_at_the_end(tmp_path):
 
 @pytest.mark.parametrize("supports", [False, True])
 def test_timelines_are_asked_only_of_engines_that_declare_them(tmp_path, supports):
-    trainer = Run(config(tmp_path, timeline_every=2), supports_timeline=supports, log=quiet)
+    trainer = Run(config(tmp_path, "--timeline_every", "2"), supports_timeline=supports, log=quiet)
     try:
         trainer.train()
         asked = trainer.engine.timelines

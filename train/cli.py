@@ -1,6 +1,6 @@
 """`jodc-train`: the command line of the trainers.
 
-    jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --trainer.steps 50 ...]
+    jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --run.steps 50 ...]
     jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl/cli.py)
     python -m jodc.train sft ...
     mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/core/distributed.py)
@@ -19,8 +19,7 @@ import traceback
 from typing import Sequence
 
 from .core import distributed
-from .core.config import ConfigError, all_keys, load_config
-from .core.config import to_dict as config_to_dict
+from .core.config import ConfigError, all_keys, dump, load_config
 from .rl.cli import add_rl_parser, run_rl_command
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -41,17 +40,18 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jodc-train", description="jodc trainers (SFT and RL).", allow_abbrev=False,
         epilog="Overrides: --section.field value, --section.field=value, or a short alias when the field name is "
-               "unique (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys()))
+               "unique, or a section for its name (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys()))
     commands = parser.add_subparsers(dest="command", required=True)
     sft = commands.add_parser("sft", help="supervised fine-tuning", allow_abbrev=False,
                               description="Supervised fine-tuning with the ODC, collective or reference engine.")
-    sft.add_argument("--config", help="YAML file with sections model, data, optimizer, trainer")
+    sft.add_argument("--config", help="YAML file with sections model, data, optimizer, engine, run, checkpoint, "
+                                        "logging")
     sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     add_rl_parser(commands)
     return parser
 
 
-def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer,
+def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, trainer,
                 multiprocess: bool = False) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
     then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
@@ -60,21 +60,19 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
     try:
         config = load(args.config, overrides)
         if args.print_config:
-            import yaml
-
-            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+            print(dump(config), end="")
             return 0
         processes = distributed.launched_processes()
-        local = config.trainer.devices
+        local = config.engine.devices
         if processes > 1:  # mpirun -np N: each process drives its share of the devices
             if not multiprocess:
                 raise ConfigError(f"{label} does not run across processes yet (launched as {processes}); run it "
                                   "as one process")
             try:
-                local = distributed.local_device_count(config.trainer.devices, processes)
+                local = distributed.local_device_count(config.engine.devices, processes)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        if config.trainer.platform == "cpu" and local > 1:
+        if config.engine.platform == "cpu" and local > 1:
             set_host_device_count(local)
         run = trainer()
         if processes > 1:
@@ -102,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     if args.command == "rl":
         return run_rl_command(args, overrides)
-    return run_command(args, overrides, label="jodc-train", load=load_config, to_dict=config_to_dict,
-                       trainer=_sft_trainer, multiprocess=True)
+    return run_command(args, overrides, label="jodc-train", load=load_config, trainer=_sft_trainer,
+                       multiprocess=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import numpy as np
 from jodc.fsdp import NonFiniteStepError
 
 from .checkpoint import CheckpointStore, export_hf
+from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import TENSORBOARD_DIR, MetricsLogger
 from .run_common import check_data_fingerprint, pin_schedule_length
 from .timeline import events_from_plan, plot_timeline, save_events
@@ -38,7 +39,6 @@ class Trainer:
     """One invocation of a training run: `__init__` resumes or starts it, `train` runs its steps and finishes it,
     `close` releases the engine and the checkpoint manager (also when `__init__` fails)."""
 
-    config_io: Any          # the config module: to_dict, save_yaml, resume_mismatches
     skipped_key = "skipped_steps"  # the count of non-finite updates not applied, in checkpoints and records
     written_for = "another run"    # what a refused checkpoint was written for, in the error
     logger_class = MetricsLogger
@@ -47,17 +47,17 @@ class Trainer:
         self.config = config
         self.primary = jax.process_index() == 0
         self.log = log if self.primary else (lambda *_: None)
-        t = config.trainer
-        self.out_dir = os.path.abspath(t.out_dir)
+        ckpt = config.checkpoint
+        self.out_dir = os.path.abspath(config.run.out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
-        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
+        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=ckpt.keep_checkpoints)
         self.engine = self.logger = self.timeline = None
         self.skipped = 0
         self.records: list[dict[str, Any]] = []  # every step this invocation ran, logged or not
         self.timers = Timers()
         try:
             resume_from = self.store.resumable_step(
-                t.resume, lambda saved: self.config_io.resume_mismatches(saved, self.config),
+                ckpt.resume, lambda saved: resume_mismatches(saved, self.config),
                 written_for=self.written_for)
             saved = self.store.read_trainer_state(resume_from) if resume_from is not None else None
             if saved is not None:
@@ -65,7 +65,7 @@ class Trainer:
             self.data_fingerprint = self.load_data()
             if saved is not None:
                 check_data_fingerprint(saved.get("data_fingerprint"), self.data_fingerprint,
-                                       accept=t.accept_changed_data, where=self.store.step_dir(resume_from),
+                                       accept=ckpt.accept_changed_data, where=self.store.step_dir(resume_from),
                                        log=self.log)
             self.build()
             self.start_step = self._restore(resume_from) if resume_from is not None else 0
@@ -73,7 +73,7 @@ class Trainer:
             self.close()
             raise
         if self.primary:
-            self.config_io.save_yaml(self.config, os.path.join(self.out_dir, CONFIG_FILE))
+            save_yaml(self.config, os.path.join(self.out_dir, CONFIG_FILE))
         self.last_saved_step = self.start_step or None
 
     # -- hooks with defaults (load_data, build, train_step and evaluate have none: see the module docstring) --------
@@ -105,10 +105,10 @@ class Trainer:
         are not all finite are never saved."""
         if self.last_saved_step == done:
             return
-        t = self.config.trainer
-        state = {**self.checkpoint_state(done), "config": self.config_io.to_dict(self.config),
-                 self.skipped_key: self.skipped, "data_fingerprint": self.data_fingerprint, "engine": t.engine,
-                 "devices": t.devices, "schedule_steps": self.config.total_steps}
+        e = self.config.engine
+        state = {**self.checkpoint_state(done), "config": to_dict(self.config), self.skipped_key: self.skipped,
+                 "data_fingerprint": self.data_fingerprint, "engine": e.name, "devices": e.devices,
+                 "schedule_steps": self.config.total_steps}
         engine_state = self.engine.state_dict()
         bad = sorted(g for g, v in engine_state["params"].items() if not np.isfinite(v).all())
         if bad:  # the engines never apply a non-finite step; this is the last line of defence for checkpoints
@@ -128,27 +128,27 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
-        """Runs steps start_step+1 .. trainer.steps (or stop_at_step), then finishes the run.
+        """Runs steps start_step+1 .. run.steps (or stop_at_step), then finishes the run.
 
         Ctrl-C between steps saves a checkpoint of the last finished step before stopping; during a step or a
         save the engine state is not known to be consistent, so the latest earlier checkpoint stays the one. An
         error inside a step (a failing reward function, a non-finite update) saves nothing of that step.
         """
-        t = self.config.trainer
-        last = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
+        steps, ckpt, logs = self.config.run.steps, self.config.checkpoint, self.config.logging
+        last = steps if stop_at_step is None else min(steps, stop_at_step)
         started = time.perf_counter()
-        self.logger = logger = (self.logger_class(self.out_dir, total_steps=t.steps, start_step=self.start_step,
-                                                  progress=t.progress) if self.primary else _SilentLogger())
+        self.logger = logger = (self.logger_class(self.out_dir, total_steps=steps, start_step=self.start_step,
+                                                  progress=logs.progress) if self.primary else _SilentLogger())
         done, consistent = self.start_step, True
         try:
             for step in range(self.start_step, last):
                 consistent = False
                 record = self._run_step(step)
                 done, consistent = step + 1, True
-                if done % t.log_every == 0 or done == last:
+                if done % logs.log_every == 0 or done == last:
                     logger.log(record)
                 logger.advance()
-                if t.save_every and done % t.save_every == 0:
+                if ckpt.save_every and done % ckpt.save_every == 0:
                     consistent = False
                     self.save(done)
                     consistent = True
@@ -179,12 +179,12 @@ class Trainer:
         return record
 
     def _eval_every(self) -> int:
-        return getattr(self.config.trainer, "eval_every", 0)
+        return getattr(self.config.run, "eval_every", 0)
 
     # -- one optimizer update --------------------------------------------------------------------------------------
     def update(self, arrays, what: str, *, timeline: tuple[int, Any] | None = None):
         """One optimizer update with the run's non-finite policy: a non-finite update is never applied, and it
-        stops the run (FloatingPointError; nothing of the step is saved) or, with trainer.skip_nonfinite_steps,
+        stops the run (FloatingPointError; nothing of the step is saved) or, with run.skip_nonfinite_steps,
         is counted and skipped (`result.applied` is False). `what` names the update in messages.
 
         timeline: (step, plan) to record and plot this update's per-device timeline: measured by the engine where
@@ -195,7 +195,7 @@ class Trainer:
             result = self.engine.step(arrays, **({"record_timeline": True} if record else {}))
         except NonFiniteStepError as e:  # the engine kept its previous state: nothing non-finite was applied
             result = e.result
-            if not self.config.trainer.skip_nonfinite_steps:
+            if not self.config.run.skip_nonfinite_steps:
                 raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(),
                                                            skip=False)) from None
             self.skipped += 1
@@ -205,10 +205,9 @@ class Trainer:
         return result
 
     def timeline_due(self, done: int) -> bool:
-        """Whether step `done` draws a timeline (trainer.timeline_every; the same steps whether resumed or not)."""
-        t = self.config.trainer
-        every = getattr(t, "timeline_every", 0)
-        return self.primary and every > 0 and (done % every == 0 or done == t.steps)
+        """Whether step `done` draws a timeline (logging.timeline_every; the same steps whether resumed or not)."""
+        every = getattr(self.config.logging, "timeline_every", 0)
+        return self.primary and every > 0 and (done % every == 0 or done == self.config.run.steps)
 
     def _plot_timeline(self, done: int, plan, result) -> None:
         events, source = result.timeline, "engine"
@@ -218,19 +217,18 @@ class Trainer:
         directory = os.path.join(self.out_dir, TIMELINE_DIR)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"step_{done:06d}.png")
-        t = self.config.trainer
-        rate = plot_timeline(events, path, num_devices=t.devices,
-                             title=f"{t.engine} / {t.planner_name}, step {done} ({source})")
+        e = self.config.engine
+        rate = plot_timeline(events, path, num_devices=e.devices,
+                             title=f"{e.name} / {e.planner_name}, step {done} ({source})")
         save_events(events, path[:-4] + ".json")
         self.timeline = {"path": path, "bubble_rate": rate, "step": done, "source": source}
 
     # -- the end of a run ------------------------------------------------------------------------------------------
     def _finish(self, done: int, seconds: float) -> dict[str, Any]:
         """Final evaluation, HF export, summary (printed and returned)."""
-        t = self.config.trainer
         final_eval = self.evaluate(done) if self._eval_every() and done > self.start_step else None
         hf_path = None
-        if t.export_hf and done == t.steps:
+        if self.config.checkpoint.export_hf and done == self.config.run.steps:
             params = self.engine.params()  # every process: it gathers from all of them
             if self.primary:
                 hf_path = export_hf(self.model_config, params, self.tokenizer, os.path.join(self.out_dir, HF_DIR))
@@ -273,10 +271,10 @@ def nonfinite_message(what: str, result, latest_checkpoint: int | None, *, skip:
     head = (f"{what}: non-finite {cause} (loss {result.loss}, global grad norm {result.grad_norm}); the update was "
             "not applied")
     if skip:
-        return f"{head}; skipped (trainer.skip_nonfinite_steps)"
+        return f"{head}; skipped (run.skip_nonfinite_steps)"
     latest = f"step {latest_checkpoint}" if latest_checkpoint is not None else "none yet"
     return (f"{head}; stopping without saving (latest checkpoint: {latest}, which holds only finite parameters). "
-            "Lower the learning rate or check the data; trainer.skip_nonfinite_steps=true skips such steps instead")
+            "Lower the learning rate or check the data; run.skip_nonfinite_steps=true skips such steps instead")
 
 
 def summary_text(summary: dict[str, Any], done_line: str | None, extra=(), outputs=()) -> str:
@@ -287,7 +285,7 @@ def summary_text(summary: dict[str, Any], done_line: str | None, extra=(), outpu
                      f"{summary['steps_done']}) in {summary['seconds']:.1f} s")
     if summary["steps_done"] == summary["start_step"]:
         done_line = (f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
-                     "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
+                     "(raise run.steps to go on, or choose another run.out_dir for a new run)")
     lines = [done_line, *extra, *timing_lines(summary), f"checkpoint: {summary['checkpoint']}",
              f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})", *outputs]
     if summary["hf_export"]:

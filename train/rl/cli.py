@@ -13,7 +13,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .config import all_keys, load_rl_config, to_dict
+from ..core.config import all_keys
+from .config import RLConfig, load_rl_config
 
 DESCRIPTION = ("RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference "
                "engine, on a verifiable task or your own reward function.")
@@ -21,11 +22,11 @@ DESCRIPTION = ("RL post-training (GRPO-style groups, DPPO by default) with the O
 
 def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `rl` command's own arguments (everything else is a config override)."""
-    parser.add_argument("--config", help="YAML file with sections model, task, rollout, loss, optimizer, trainer, "
-                                         "warmstart")
+    parser.add_argument("--config", help="YAML file with sections model, task, rollout, loss, optimizer, engine, run, "
+                                         "checkpoint, logging, warmstart")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.epilog = ("Overrides: --section.field value, --section.field=value, or the field name alone when it is "
-                     "unique (--steps 20 --group_size 4 --loss.name ppo). Keys: " + ", ".join(all_keys()))
+                     "unique (--steps 20 --group_size 4 --loss.name ppo). Keys: " + ", ".join(all_keys(RLConfig)))
     return parser
 
 
@@ -46,8 +47,7 @@ def run_rl_command(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     """Loads the config (exit status 2 with the message on a config error), sets the host device count, runs."""
     from ..cli import run_command  # cli imports this module
 
-    return run_command(args, overrides, label="jodc-train rl", load=load_rl_config, to_dict=to_dict,
-                       trainer=_rl_trainer)
+    return run_command(args, overrides, label="jodc-train rl", load=load_rl_config, trainer=_rl_trainer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,12 +2,12 @@
 advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) -> metrics / checkpoints.
 
 `run_rl(config)` is the whole job; `RLRun` supplies the data, model and step to the `Trainer` core, which owns
-the loop, checkpoints, metrics, evaluation cadence and the summary. One *step* is one rollout and its `trainer.updates_per_step` optimizer updates.
+the loop, checkpoints, metrics, evaluation cadence and the summary. One *step* is one rollout and its `run.updates_per_step` optimizer updates.
 The prompts, the sampling key and the minibatch split of step k are pure functions of (seed, k), and rollouts
 are sampled from the engine's parameters, so a run resumed from a checkpoint continues exactly (bit for bit with
-`trainer.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
+`engine.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
 function that fails, or a non-finite update (which the engine never applies), stops the run before anything of that
-step is saved, so the latest checkpoint stays the last consistent state; with `trainer.skip_nonfinite_steps` a
+step is saved, so the latest checkpoint stays the last consistent state; with `run.skip_nonfinite_steps` a
 non-finite update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes the model on
 the task's solutions with the SFT trainer (`rl_warmstart`) and starts RL from that policy; with
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
@@ -26,9 +26,7 @@ from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.losses import grpo_advantages
 
-from ..core import config as sft_config
-from . import config as rl_config
-from ..core.config import ConfigError
+from ..core.config import ConfigError, DataConfig, RunConfig, SftConfig
 from ..core.metrics import read_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
 from .batch import pack_minibatch, split_minibatches, training_sequences
@@ -48,23 +46,18 @@ __all__ = ["CHECKPOINT_DIR", "RLRun", "engine_settings", "format_summary", "run_
 EVAL_SAMPLES = 4  # sampled responses per evaluation problem
 
 
-def engine_settings(config: RLConfig) -> sft_config.SFTConfig:
-    """The RL run's engine and optimizer settings as an SFT config, so the engine is built exactly as the SFT
+def engine_settings(config: RLConfig) -> SftConfig:
+    """The RL run's engine and optimizer sections as an SFT config, so the engine is built exactly as the SFT
     trainer builds it (`sft.make_engine`); the learning-rate schedule spans the run's optimizer updates."""
-    t = config.trainer
-    optimizer = dict(dataclasses.asdict(config.optimizer), total_steps=config.total_steps)
-    trainer = {"engine": t.engine, "devices": t.devices, "platform": t.platform, "compute_dtype": t.compute_dtype,
-               "deterministic": t.deterministic, "barrier_timeout_s": t.barrier_timeout_s, "token_cap": t.token_cap,
-               "seed": t.seed}
-    return sft_config.config_from_dict({"optimizer": optimizer, "trainer": trainer,
-                                        "data": {"max_length": t.token_cap}}, source="the RL engine settings")
+    return SftConfig(optimizer=dataclasses.replace(config.optimizer, total_steps=config.total_steps),
+                     engine=config.engine, data=DataConfig(max_length=config.engine.token_cap),
+                     run=RunConfig(seed=config.run.seed))
 
 
 class RLRun(Trainer):
     """One invocation of an RL run (see `run_rl`): the task, rewards, policy and engine, the evaluation and the
     step; the loop, resume and outputs are the `Trainer`'s."""
 
-    config_io = rl_config
     skipped_key = "skipped_updates"  # optimizer updates not applied for a non-finite value
     logger_class = RLMetricsLogger
 
@@ -80,9 +73,9 @@ class RLRun(Trainer):
         return fingerprint_task(self.task)
 
     def build(self) -> None:
-        config, t, r = self.config, self.config.trainer, self.config.rollout
-        self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
-        self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems)
+        config, e, seed, r = self.config, self.config.engine, self.config.run.seed, self.config.rollout
+        self.pool = training_pool(self.task, seed, config.task.pool_size) if config.task.pool_size else None
+        self.eval_set = eval_problems(self.task, seed, config.task.eval_problems)
         if self.reward_fn is None and config.task.reward_fn:
             self.reward_fn = load_reward_function(config.task.reward_fn)
         elif self.reward_fn is None and config.task.name == "jsonl":
@@ -94,9 +87,9 @@ class RLRun(Trainer):
         if config.warmstart.sft_steps:
             model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))
         self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
-        self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=t.token_cap,
-                                                  compute_dtype=t.compute_dtype, seed=t.seed)
-        self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed,
+        self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=e.token_cap,
+                                                  compute_dtype=e.compute_dtype, seed=seed)
+        self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed,
                                                   head_loss=self.objective.head_loss,
                                                   metric_names=self.objective.metric_names)
         self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
@@ -106,14 +99,14 @@ class RLRun(Trainer):
                                         prompt_bucket=r.prompt_bucket)
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
         self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
-        self.planner = self.timers.timed("plan", get_planner(t.planner_name))  # its wall time is plan_ms
-        self.cost_model = cost_model(t.cost_model, self.model_config)
+        self.planner = self.timers.timed("plan", get_planner(e.planner_name))  # its wall time is plan_ms
+        self.cost_model = cost_model(e.cost_model, self.model_config)
         settings = engine_settings(config)
         self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
         self.engine = make_engine(settings, self.model, groups)
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
-        expected_updates = step * self.config.trainer.updates_per_step - self.skipped
+        expected_updates = step * self.config.run.updates_per_step - self.skipped
         if state.get("optimizer_updates") != expected_updates:
             raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
                                f"{state.get('optimizer_updates')} optimizer updates, expected {expected_updates}")
@@ -125,7 +118,7 @@ class RLRun(Trainer):
     # -- the step ----------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:
         """The sampling key of 0-based step `step`."""
-        return jax.random.fold_in(jax.random.PRNGKey(self.config.trainer.seed), step)
+        return jax.random.fold_in(jax.random.PRNGKey(self.config.run.seed), step)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The current policy on the fixed held-out evaluation set: `eval_accuracy` (greedy decoding) and
@@ -137,7 +130,7 @@ class RLRun(Trainer):
         for key, group_size, sampling in (("eval_accuracy", 1, self.greedy),
                                           ("eval_sampled_reward", EVAL_SAMPLES, self.eval_sampling)):
             rollout = sample_rollout(self.model_config, params, self.tokenizer, prompts, group_size=group_size,
-                                     sampling=sampling, key=jax.random.PRNGKey(self.config.trainer.seed))
+                                     sampling=sampling, key=jax.random.PRNGKey(self.config.run.seed))
             rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step)
             out[key] = float(np.mean(rewards >= self.config.task.success_reward) if group_size == 1
                              else np.mean(rewards))
@@ -146,9 +139,9 @@ class RLRun(Trainer):
     def train_step(self, step: int) -> dict[str, Any]:
         """Runs 0-based step `step`: rollout, rewards, advantages, then `updates_per_step` optimizer updates;
         returns its record (the timers add step/reward/reference/train seconds and plan_ms)."""
-        t, r, timers = self.config.trainer, self.config.rollout, self.timers
+        e, run_, r, timers = self.config.engine, self.config.run, self.config.rollout, self.timers
         with timers("step"):
-            problems = step_problems(self.task, t.seed, step, r.prompts_per_step, pool=self.pool)
+            problems = step_problems(self.task, run_.seed, step, r.prompts_per_step, pool=self.pool)
             rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer,
                                      [p.prompt for p in problems], group_size=r.group_size, sampling=self.sampling,
                                      key=self.rollout_key(step))
@@ -162,14 +155,14 @@ class RLRun(Trainer):
                                            ref_logprobs=ref_logprobs)
             updates, tokens, microbatches = [], 0, []
             learning_rate = float(self.lr_schedule(self.engine.steps_done))
-            minibatches = split_minibatches(len(sequences), t.updates_per_step, seed=t.seed, step=step)
+            minibatches = split_minibatches(len(sequences), run_.updates_per_step, seed=run_.seed, step=step)
             for i, indices in enumerate(minibatches):
                 with timers("train"):  # planning (plan_ms) is part of it
-                    _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=t.devices,
-                                               token_cap=t.token_cap, cost_model=self.cost_model,
+                    _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=e.devices,
+                                               token_cap=e.token_cap, cost_model=self.cost_model,
                                                aggregation=self.objective.aggregation,
-                                               skip_empty_microbatches=t.engine == "odc")
-                    result = self.update(arrays, f"step {step + 1}, update {i + 1} of {t.updates_per_step}")
+                                               skip_empty_microbatches=e.name == "odc")
+                    result = self.update(arrays, f"step {step + 1}, update {i + 1} of {run_.updates_per_step}")
                 if result.applied:
                     updates.append({"loss": result.loss, "grad_norm": result.grad_norm,
                                     **summarize_metrics(result.metrics, self.objective)})
@@ -179,7 +172,7 @@ class RLRun(Trainer):
         record = rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
                                  success_reward=self.config.task.success_reward)
         # every update of the step skipped (non-finite): no loss to report
-        record.update(update_metrics(updates, unstable_kl=t.unstable_kl) if updates else
+        record.update(update_metrics(updates, unstable_kl=run_.unstable_kl) if updates else
                       {"loss": float("nan"), "grad_norm": float("nan")})
         record.update({self.skipped_key: self.skipped, "learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,

@@ -1,9 +1,9 @@
 """The SFT step: data -> planner -> packed minibatch -> one engine update -> its metrics record; the loop around
 it (checkpoints, metrics, timelines, the end of a run) is `train.core.trainer.Trainer`'s.
 
-`run_sft(config)` is the whole job. It resumes from the latest checkpoint in `trainer.out_dir` when there is one:
+`run_sft(config)` is the whole job. It resumes from the latest checkpoint in `run.out_dir` when there is one:
 the engine state, the step and the data position are restored, and minibatch k is a pure function of
-(seed, k), so with `trainer.deterministic` a stopped and resumed run reproduces an uninterrupted one bit for bit.
+(seed, k), so with `engine.deterministic` a stopped and resumed run reproduces an uninterrupted one bit for bit.
 A checkpoint whose model or data differ from the config is refused rather than overwritten.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEng
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 
-from ..core import config as config_lib
 from ..core.config import EMBEDDED, SFTConfig, parse_length_buckets
 from ..core.metrics import step_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
@@ -47,11 +46,11 @@ def mesh_devices(platform: str, count: int) -> list:
     try:
         devices = jax.devices(platform)
     except RuntimeError as e:
-        raise RuntimeError(f"trainer.platform={platform!r} has no devices here: {e}") from None
+        raise RuntimeError(f"engine.platform={platform!r} has no devices here: {e}") from None
     if len(devices) < count:
         hint = (f" On a CPU host, set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX is "
                 "imported (the jodc-train CLI does this).") if platform == "cpu" else ""
-        raise RuntimeError(f"trainer.devices={count} but only {len(devices)} {platform} device(s) exist.{hint}")
+        raise RuntimeError(f"engine.devices={count} but only {len(devices)} {platform} device(s) exist.{hint}")
     return devices[:count]
 
 
@@ -66,31 +65,31 @@ def load_dataset(config: SFTConfig, tokenizer) -> tuple[list[Example], LoadRepor
 
 
 def make_engine(config: SFTConfig, model, groups):
-    """The engine of `trainer.engine` on a 1-D mesh of `trainer.devices` devices."""
-    t = config.trainer
+    """The engine of `engine.name` on a 1-D mesh of `engine.devices` devices."""
+    e = config.engine
     optimizer = optimizer_config(config)
-    dtype = jnp.dtype(t.compute_dtype)
-    if t.engine == "reference":
-        return ReferenceEngine(model, groups, optimizer=optimizer, compute_dtype=dtype, num_devices=t.devices,
-                               device=mesh_devices(t.platform, 1)[0])
-    mesh = jax.sharding.Mesh(np.array(mesh_devices(t.platform, t.devices)), ("d",))
-    buckets = parse_length_buckets(t.length_buckets) if t.length_buckets else None
-    if t.engine == "odc":
-        timeout = float("inf") if t.barrier_timeout_s is None else t.barrier_timeout_s
-        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=t.deterministic,
+    dtype = jnp.dtype(e.compute_dtype)
+    if e.name == "reference":
+        return ReferenceEngine(model, groups, optimizer=optimizer, compute_dtype=dtype, num_devices=e.devices,
+                               device=mesh_devices(e.platform, 1)[0])
+    mesh = jax.sharding.Mesh(np.array(mesh_devices(e.platform, e.devices)), ("d",))
+    buckets = parse_length_buckets(e.length_buckets) if e.length_buckets else None
+    if e.name == "odc":
+        timeout = float("inf") if e.barrier_timeout_s is None else e.barrier_timeout_s
+        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=e.deterministic,
                          barrier_timeout_s=timeout, length_buckets=buckets)
-    if t.engine == "xla_spmd":
+    if e.name == "xla_spmd":
         return SPMDEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
     return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
 
 
 def make_planner(config: SFTConfig):
-    """The planner of `trainer.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
+    """The planner of `engine.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
     microbatches cost at their padded lengths)."""
-    t = config.trainer
-    planner = get_planner(t.planner_name)
-    if planner is lb_mini and t.length_buckets:
-        return functools.partial(lb_mini, length_buckets=parse_length_buckets(t.length_buckets))
+    e = config.engine
+    planner = get_planner(e.planner_name)
+    if planner is lb_mini and e.length_buckets:
+        return functools.partial(lb_mini, length_buckets=parse_length_buckets(e.length_buckets))
     return planner
 
 
@@ -98,7 +97,6 @@ class SFTRun(Trainer):
     """One invocation of an SFT run (see `run_sft`): the data, model and engine, and the step; the loop, resume and
     outputs are the `Trainer`'s."""
 
-    config_io = config_lib
     written_for = "another model, data or data order"
 
     def load_data(self) -> dict:
@@ -109,13 +107,13 @@ class SFTRun(Trainer):
         return fingerprint_examples(self.examples)
 
     def build(self) -> None:
-        config, t = self.config, self.config.trainer
+        config, seed = self.config, self.config.run.seed
         self.model_config, groups = build_decoder(config.model, self.tokenizer, max_length=config.data.max_length,
-                                                  compute_dtype=t.compute_dtype, seed=t.seed)
-        self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed)
-        self.sampler = MinibatchSampler(len(self.examples), t.sequences_per_minibatch, seed=t.seed)
+                                                  compute_dtype=config.engine.compute_dtype, seed=seed)
+        self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed)
+        self.sampler = MinibatchSampler(len(self.examples), config.data.sequences_per_minibatch, seed=seed)
         self.planner = self.timers.timed("plan", make_planner(config))  # its wall time is the plan_ms metric
-        self.cost_model = cost_model(t.cost_model, self.model_config)
+        self.cost_model = cost_model(config.engine.cost_model, self.model_config)
         self.lr_schedule = learning_rate_schedule(optimizer_config(config))
         self.engine = make_engine(config, self.model, groups)
 
@@ -131,9 +129,9 @@ class SFTRun(Trainer):
     def minibatch(self, step: int):
         """(plan, arrays, examples) of 0-based step `step`."""
         examples = [self.examples[i] for i in self.sampler.minibatch(step)]
-        plan = self.planner([e.length for e in examples], self.config.trainer.devices, self.config.token_cap,
+        plan = self.planner([e.length for e in examples], self.config.engine.devices, self.config.token_cap,
                             cost_model=self.cost_model)
-        arrays = minibatch_arrays(plan, examples, skip_empty_microbatches=self.config.trainer.engine == "odc")
+        arrays = minibatch_arrays(plan, examples, skip_empty_microbatches=self.config.engine.name == "odc")
         return plan, arrays, examples
 
     def train_step(self, step: int) -> dict[str, Any]:
