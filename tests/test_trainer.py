@@ -133,30 +133,37 @@ def test_resume_continues_where_the_checkpoint_is(tmp_path):
         run(Run, config(tmp_path / "a", "--no-resume"), log=quiet)
 
 
+class CtrlC(Run):
+    """Ctrl-C while the progress bar moves past step `between` (the step is done), or inside step `inside`."""
+
+    between = inside = None
+
+    class logger_class(metrics.MetricsLogger):
+        advanced = 0
+
+        def advance(self, steps=1):
+            super().advance(steps)
+            self.advanced += steps
+            if self.advanced == CtrlC.between:
+                raise KeyboardInterrupt
+
+    def train_step(self, step):
+        if step + 1 == CtrlC.inside:
+            raise KeyboardInterrupt
+        return super().train_step(step)
+
+
 def test_ctrl_c_between_steps_saves_and_inside_a_step_does_not(tmp_path, monkeypatch):
-    calls = []
-
-    def interrupt_after_third(self, steps=1):
-        calls.append(steps)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(metrics.MetricsLogger, "advance", interrupt_after_third)
+    monkeypatch.setattr(CtrlC, "between", 3)
     with pytest.raises(KeyboardInterrupt):
-        run(Run, config(tmp_path, "--save_every", "0"), log=quiet)
+        run(CtrlC, config(tmp_path, "--save_every", "0"), log=quiet)
     assert sorted(saved_w(tmp_path)) == [3]
-    monkeypatch.undo()
-    real = Run.train_step
-
-    def interrupt_inside_step_5(self, step):
-        if step == 4:
-            raise KeyboardInterrupt
-        return real(self, step)
-
-    monkeypatch.setattr(Run, "train_step", interrupt_inside_step_5)
+    monkeypatch.setattr(CtrlC, "between", None)
+    monkeypatch.setattr(CtrlC, "inside", 5)
     with pytest.raises(KeyboardInterrupt):
-        run(Run, config(tmp_path, "--save_every", "0"), log=quiet)
+        run(CtrlC, config(tmp_path, "--save_every", "0"), log=quiet)
     assert sorted(saved_w(tmp_path)) == [3]  # step 4 finished but was not saved: the interrupt came inside 5
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4]
 
 
 def test_a_non_finite_update_stops_the_run_without_saving_it(tmp_path):
