@@ -5,7 +5,8 @@ import pytest
 from jodc.train.rl import config as C
 from jodc.train.core import config as core
 from jodc.train.core.config import ConfigError
-from jodc.train.rl.cli import add_rl_parser, main
+from jodc.train.cli import _parser
+from jodc.train.rl.cli import main
 
 
 def test_defaults_are_valid_and_dppo_is_the_default_loss():
@@ -83,12 +84,8 @@ def test_cli_prints_the_resolved_config_and_reports_config_errors(capsys):
     assert "config error: rollout.group_size must be >= 2" in capsys.readouterr().err
 
 
-def test_the_rl_subcommand_registers_on_a_parent_parser():
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="jodc-train")
-    add_rl_parser(parser.add_subparsers(dest="command", required=True))
-    args, overrides = parser.parse_known_args(["rl", "--config", "c.yaml", "--steps", "3"])
+def test_the_rl_subcommand_of_jodc_train():
+    args, overrides = _parser().parse_known_args(["rl", "--config", "c.yaml", "--steps", "3"])
     assert (args.command, args.config, args.print_config, overrides) == ("rl", "c.yaml", False, ["--steps", "3"])
     assert "loss.name" in core.all_keys(C.RLConfig) and "warmstart.sft_steps" in core.all_keys(C.RLConfig)
 

@@ -1,8 +1,8 @@
 """`jodc-train`: the command line of the trainers.
 
     jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --run.steps 50 ...]
-    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl/cli.py)
-    python -m jodc.train sft ...
+    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]
+    python -m jodc.train sft ...        (python -m jodc.train.rl.cli ...: the same as jodc-train rl ...)
     mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/core/distributed.py)
 
 The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
@@ -19,8 +19,8 @@ import traceback
 from typing import Sequence
 
 from .core import distributed
-from .core.config import ConfigError, all_keys, dump, load_config
-from .rl.cli import add_rl_parser, run_rl_command
+from .core.config import ConfigError, SftConfig, all_keys, dump, load_config, sections
+from .rl.config import RLConfig, load_rl_config
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -36,18 +36,38 @@ def set_host_device_count(count: int, environ=os.environ) -> None:
     environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
 
 
+def _sft_trainer():
+    from .sft.loop import run_sft
+
+    return run_sft
+
+
+def _rl_trainer():
+    from .rl.loop import run_rl
+
+    return run_rl
+
+
+# name: (config class, load, trainer, label of its messages, runs across processes, help, description)
+COMMANDS = {
+    "sft": (SftConfig, load_config, _sft_trainer, "jodc-train", True, "supervised fine-tuning",
+            "Supervised fine-tuning with the ODC, collective, XLA-SPMD or reference engine."),
+    "rl": (RLConfig, load_rl_config, _rl_trainer, "jodc-train rl", False, "RL post-training (DPPO by default)",
+           "RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference engine, on a "
+           "verifiable task or your own reward function."),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jodc-train", description="jodc trainers (SFT and RL).", allow_abbrev=False,
-        epilog="Overrides: --section.field value, --section.field=value, or a short alias when the field name is "
-               "unique, or a section for its name (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys()))
+    parser = argparse.ArgumentParser(prog="jodc-train", description="jodc trainers (SFT and RL).", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    sft = commands.add_parser("sft", help="supervised fine-tuning", allow_abbrev=False,
-                              description="Supervised fine-tuning with the ODC, collective or reference engine.")
-    sft.add_argument("--config", help="YAML file with sections model, data, optimizer, engine, run, checkpoint, "
-                                        "logging")
-    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    add_rl_parser(commands)
+    for name, (cls, *_, summary, description) in COMMANDS.items():
+        command = commands.add_parser(
+            name, help=summary, description=description, allow_abbrev=False,
+            epilog="Overrides: --section.field value, --section.field=value, the field name alone when it is unique, "
+                   "or a section for its name (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys(cls)))
+        command.add_argument("--config", help="YAML file with sections " + ", ".join(sections(cls)))
+        command.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return parser
 
 
@@ -89,19 +109,11 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
     return 0
 
 
-def _sft_trainer():
-    from .sft.loop import run_sft
-
-    return run_sft
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     args, overrides = _parser().parse_known_args(argv)
-    if args.command == "rl":
-        return run_rl_command(args, overrides)
-    return run_command(args, overrides, label="jodc-train", load=load_config, trainer=_sft_trainer,
-                       multiprocess=True)
+    _, load, trainer, label, multiprocess, *_ = COMMANDS[args.command]
+    return run_command(args, overrides, label=label, load=load, trainer=trainer, multiprocess=multiprocess)
 
 
 if __name__ == "__main__":

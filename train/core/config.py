@@ -382,7 +382,7 @@ def migrate(raw: dict, cls=SftConfig, *, log=None) -> dict:
 
 def check_keys(raw: Any, cls, source: str) -> None:
     """ConfigError naming the first unknown section or key of nested `raw` (with close matches)."""
-    known = sections(cls)
+    known, keys = sections(cls), all_keys(cls)
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections ({', '.join(known)}), got "
                           f"{type(raw).__name__}")
@@ -391,17 +391,13 @@ def check_keys(raw: Any, cls, source: str) -> None:
         raise ConfigError(f"{source}: unknown section(s) {', '.join(map(repr, unknown))}; sections are "
                           f"{', '.join(known)}")
     for name, values in raw.items():
-        if values is None:
-            continue
-        if not isinstance(values, dict):
+        if values is not None and not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{name}' must be a mapping, got {type(values).__name__}")
-        fields = [f.name for f in dataclasses.fields(known[name])]
-        for key in values:
-            if key not in fields:
-                close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.6)
-                hint = f" (did you mean {' or '.join(f'{name}.{c}' for c in close)}?)" if close else ""
-                raise ConfigError(f"{source}: unknown key '{name}.{key}'{hint}; section '{name}' has "
-                                  f"{', '.join(fields)}")
+        for key in [f"{name}.{k}" for k in values or {} if f"{name}.{k}" not in keys]:
+            close = difflib.get_close_matches(key, [k for k in keys if k.startswith(f"{name}.")], n=3, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise ConfigError(f"{source}: unknown key '{key}'{hint}; section '{name}' has "
+                              f"{', '.join(k.split('.', 1)[1] for k in keys if k.startswith(f'{name}.'))}")
 
 
 def config_from_dict(raw: dict | None, cls=SftConfig, *, source: str = "config", log=None):

@@ -1,31 +1,16 @@
-"""The RL job: the shared sections of `train/core/config.py` (model, optimizer, engine, run, checkpoint, logging)
-plus `task`, `rollout`, `loss` and `warmstart`, loaded from YAML plus command-line overrides like the SFT config
-(`--steps 20`, `--group_size 4`, `--loss ppo`; `name` is in engine, task and loss, so write `--loss.name ppo`).
+"""The RL job: the shared sections of `train/core/config.py` with RL's defaults, plus `task`, `rollout`, `loss`
+and `warmstart`; read like the SFT config (`--steps 20`, `--group_size 4`, `--loss ppo`). Imports no JAX.
 
 Loss hyper-parameters left at null take the loss's own (published) default; only the ones set are passed, and
 one the chosen loss does not take is an error at start-up. `dual_clip: 0` and `ratio_cap: 0` switch those off.
-
-This module imports no JAX (the CLI validates the config before JAX is loaded).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Literal, Sequence
 
-from ..core.config import (
-    CheckpointConfig,
-    ConfigError,
-    EngineConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimizerConfig,
-    RunConfig,
-    Schedule,
-    Section,
-    TrainingConfig,
-    config_class,
-    load,
-)
+from ..core.config import (CheckpointConfig, ConfigError, EngineConfig, OptimizerConfig, RunConfig, Schedule, Section,
+                           TrainingConfig, config_class, load)
 from .tasks import TASK_NAMES
 
 TaskName = Literal[TASK_NAMES]
