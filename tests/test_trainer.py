@@ -1,6 +1,7 @@
 """The Trainer core on a fake engine and a fake step (no model, no JAX program): checkpoint cadence, resume,
 Ctrl-C between and inside steps, non-finite updates (stop or skip and count), evaluation cadence, timelines only
 from engines that declare them, step timers and the summary."""
+import json
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ from jodc.train.core import metrics
 from jodc.train.core.checkpoint import CheckpointStore
 from jodc.train.core.config import load_config
 from jodc.train.core.metrics import read_metrics
+from jodc.train.core.timeline import events_from_plan
 from jodc.train.core.timers import Timers, step_times, timing_lines, timing_summary
 from jodc.train.core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from jodc.train.rl.config import load_rl_config
@@ -206,6 +208,7 @@ def test_evaluation_before_due_steps_and_at_the_end(tmp_path):
 @pytest.mark.parametrize("supports", [False, True])
 def test_timelines_are_asked_only_of_engines_that_declare_them(tmp_path, supports):
     trainer = Run(config(tmp_path, "--timeline_every", "2"), supports_timeline=supports, log=quiet)
+    trainer.engine.lockstep = True  # an estimate waits for the slowest device after every microbatch
     try:
         trainer.train()
         asked = trainer.engine.timelines
@@ -214,6 +217,10 @@ def test_timelines_are_asked_only_of_engines_that_declare_them(tmp_path, support
     assert asked == [False, supports, False, supports, supports]  # due at 2, 4 and the last step
     assert trainer.timeline["step"] == 5 and os.path.exists(trainer.timeline["path"])
     assert trainer.timeline["source"] == ("engine" if supports else "planner-cost estimate")
+    events = json.load(open(trainer.timeline["path"][:-4] + ".json"))
+    plan = get_planner("lb_micro")([10, 5, 3], 2, 64)
+    assert events == (Engine(True).step(0.0, record_timeline=True).timeline if supports
+                      else events_from_plan(plan, 0.01, lockstep=True))
 
 
 def test_a_failing_build_closes_what_was_opened(tmp_path):

@@ -212,7 +212,8 @@ class Trainer:
     def _plot_timeline(self, done: int, plan, result) -> None:
         events, source = result.timeline, "engine"
         if not events:
-            events = events_from_plan(plan, result.seconds, lockstep=self.engine.name == "collective")
+            lockstep = getattr(self.engine, "lockstep", self.engine.name in ("collective", "xla_spmd"))
+            events = events_from_plan(plan, result.seconds, lockstep=lockstep)
             source = "planner-cost estimate"
         directory = os.path.join(self.out_dir, TIMELINE_DIR)
         os.makedirs(directory, exist_ok=True)
