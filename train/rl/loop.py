@@ -1,15 +1,15 @@
-"""The RL loop (GRPO-style, DPPO by default): prompts -> rollout with the current policy -> rewards -> group
-advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) -> metrics / checkpoints.
+"""The RL step (GRPO-style, DPPO by default): prompts -> rollout with the current policy -> rewards -> group
+advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) -> the step's metrics record.
 
-`run_rl(config)` is the whole job; `RLRun` supplies the data, model and step to the `Trainer` core, which owns
-the loop, checkpoints, metrics, evaluation cadence and the summary. One *step* is one rollout and its `run.updates_per_step` optimizer updates.
-The prompts, the sampling key and the minibatch split of step k are pure functions of (seed, k), and rollouts
-are sampled from the engine's parameters, so a run resumed from a checkpoint continues exactly (bit for bit with
-`engine.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
-function that fails, or a non-finite update (which the engine never applies), stops the run before anything of that
-step is saved, so the latest checkpoint stays the last consistent state; with `run.skip_nonfinite_steps` a
-non-finite update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes the model on
-the task's solutions with the SFT trainer (`rl_warmstart`) and starts RL from that policy; with
+`run_rl(config)` is the whole job; `RLRun` supplies the data, model, evaluation and step to the `Trainer` core,
+which owns the loop, checkpoints, metrics, the evaluation cadence and the summary. One *step* is one rollout and
+its `run.updates_per_step` optimizer updates. The prompts, the sampling key and the minibatch split of step k are
+pure functions of (seed, k), and rollouts are sampled from the engine's parameters, so a run resumed from a
+checkpoint continues exactly (bit for bit with `engine.deterministic` on ODC). A step is applied as a whole or not
+at all as far as checkpoints go: a reward function that fails, or a non-finite update (which the engine never
+applies), stops the run before anything of that step is saved; with `run.skip_nonfinite_steps` a non-finite
+update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes
+the model on the task's solutions with the SFT trainer (`warmstart.py`) and starts RL from that policy; with
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
 """
 from __future__ import annotations
