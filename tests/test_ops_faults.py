@@ -368,20 +368,20 @@ def test_trainer_configs_set_the_barrier_timeout():
     from jodc.train.rl.loop import engine_settings
     from jodc.train.sft.loop import make_engine
 
-    assert load_config().trainer.barrier_timeout_s == 300.0
+    assert load_config().engine.barrier_timeout_s == 300.0
     model, groups = fsdp_toy.make_model(num_layers=1)
-    for overrides, expected in ((["--barrier_timeout_s", "7.5"], 7.5), (["--trainer.barrier_timeout_s", "null"],
+    for overrides, expected in ((["--barrier_timeout_s", "7.5"], 7.5), (["--engine.barrier_timeout_s", "null"],
                                                                          math.inf)):
         engine = make_engine(load_config(None, overrides), model, groups)
         try:
             assert engine.heap.barrier_timeout_s == expected
         finally:
             engine.close()
-    refused = r"trainer.barrier_timeout_s must be (> 0|a finite number)"  # nan/inf: the finite check comes first
+    refused = r"engine.barrier_timeout_s must be (> 0|a finite number)"  # nan/inf: the finite check comes first
     for bad in ("0", "-3", "nan", "inf"):
         with pytest.raises(ConfigError, match=refused):
             load_config(None, ["--barrier_timeout_s", bad])
         with pytest.raises(ConfigError, match=refused):
             rl_config.load_rl_config(None, ["--barrier_timeout_s", bad])
     rl = rl_config.load_rl_config(None, ["--barrier_timeout_s", "42"])
-    assert engine_settings(rl).trainer.barrier_timeout_s == 42.0
+    assert engine_settings(rl).engine.barrier_timeout_s == 42.0

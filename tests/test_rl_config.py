@@ -3,32 +3,34 @@ default, 0 = off), resume compatibility, and the `rl` command line up to the poi
 import pytest
 
 from jodc.train.rl import config as C
+from jodc.train.core import config as core
 from jodc.train.core.config import ConfigError
-from jodc.train.rl.cli import add_rl_parser, main
+from jodc.train.cli import _parser
+from jodc.train.rl.cli import main
 
 
 def test_defaults_are_valid_and_dppo_is_the_default_loss():
     cfg = C.load_rl_config()
     assert cfg.loss.name == "dppo" and cfg.loss.options() == {} and not cfg.loss.uses_topk
-    assert cfg.trainer.engine == "odc" and cfg.trainer.planner_name == "lb_mini"
-    assert cfg.total_steps == cfg.trainer.steps * cfg.trainer.updates_per_step
+    assert cfg.engine.name == "odc" and cfg.engine.planner_name == "lb_mini"
+    assert cfg.total_steps == cfg.run.steps * cfg.run.updates_per_step
     assert cfg.rollout.rollout_size == cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert cfg.optimizer.schedule == "constant"  # RL's optimizer defaults, not SFT's
 
 
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "rl.yaml"
-    path.write_text("loss:\n  name: ppo\n  clip_high: 0.28\ntrainer:\n  steps: 9\nrollout:\n  group_size: 4\n")
+    path.write_text("loss:\n  name: ppo\n  clip_high: 0.28\nrun:\n  steps: 9\nrollout:\n  group_size: 4\n")
     cfg = C.load_rl_config(str(path), ["--steps=5", "--loss.dual_clip", "0", "--group-size", "6", "--no-progress",
                                        "--deterministic", "--task.name", "countdown", "--learning_rate", "3e-5"])
-    assert (cfg.loss.name, cfg.trainer.steps, cfg.rollout.group_size) == ("ppo", 5, 6)
+    assert (cfg.loss.name, cfg.run.steps, cfg.rollout.group_size) == ("ppo", 5, 6)
     assert cfg.loss.options() == {"clip_high": 0.28, "dual_clip": None}  # 0 switches dual clip off
-    assert cfg.trainer.progress is False and cfg.trainer.deterministic is True
+    assert cfg.logging.progress is False and cfg.engine.deterministic is True
     assert cfg.task.name == "countdown" and cfg.task.task_options() == {"min_numbers": 2, "max_numbers": 4,
                                                                         "max_number": 25}
     assert cfg.optimizer.learning_rate == 3e-5
-    assert C.config_from_dict(C.to_dict(cfg)) == cfg
-    C.save_yaml(cfg, str(tmp_path / "saved.yaml"))
+    assert core.config_from_dict(core.to_dict(cfg), C.RLConfig) == cfg
+    core.save_yaml(cfg, str(tmp_path / "saved.yaml"))
     assert C.load_rl_config(str(tmp_path / "saved.yaml")) == cfg
 
 
@@ -39,11 +41,11 @@ def test_topk_is_needed_by_the_topk_approximation_only():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--name", "ppo"], "'name' is ambiguous: use one of task.name, loss.name"),
+    (["--name", "ppo"], "'name' is ambiguous: use one of engine.name, task.name, loss.name"),
     (["--loss.nmae", "ppo"], "unknown config key 'loss.nmae' .*did you mean loss.name"),
     (["--group_size", "1"], "rollout.group_size must be >= 2"),
     (["--temperature", "0"], "rollout.temperature must be > 0"),
-    (["--updates_per_step", "1000"], "trainer.updates_per_step=1000 exceeds the rollout's 128 responses"),
+    (["--updates_per_step", "1000"], "run.updates_per_step=1000 exceeds the rollout's 128 responses"),
     (["--task.name", "jsonl"], "task.name=jsonl needs task.path"),
     (["--min_terms", "4"], "task.min_terms=4 exceeds task.max_terms=3"),
     (["--engine", "collective", "--deterministic"], "deterministic=true needs engine odc or reference"),
@@ -68,10 +70,10 @@ def test_unknown_sections_and_keys_in_yaml(tmp_path):
 
 
 def test_resume_mismatches_name_what_changed():
-    saved = C.to_dict(C.load_rl_config())
-    assert C.resume_mismatches(saved, C.load_rl_config(None, ["--steps", "99", "--loss.name", "ppo"])) == []
-    changed = C.resume_mismatches(saved, C.load_rl_config(None, ["--max_digits", "3", "--seed", "1"]))
-    assert changed == ["task.max_digits: 2 -> 3", "trainer.seed: 0 -> 1"]
+    saved = core.to_dict(C.load_rl_config())
+    assert core.resume_mismatches(saved, C.load_rl_config(None, ["--steps", "99", "--loss.name", "ppo"])) == []
+    changed = core.resume_mismatches(saved, C.load_rl_config(None, ["--max_digits", "3", "--seed", "1"]))
+    assert changed == ["task.max_digits: 2 -> 3", "run.seed: 0 -> 1"]
 
 
 def test_cli_prints_the_resolved_config_and_reports_config_errors(capsys):
@@ -82,11 +84,31 @@ def test_cli_prints_the_resolved_config_and_reports_config_errors(capsys):
     assert "config error: rollout.group_size must be >= 2" in capsys.readouterr().err
 
 
-def test_the_rl_subcommand_registers_on_a_parent_parser():
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="jodc-train")
-    add_rl_parser(parser.add_subparsers(dest="command", required=True))
-    args, overrides = parser.parse_known_args(["rl", "--config", "c.yaml", "--steps", "3"])
+def test_the_rl_subcommand_of_jodc_train():
+    args, overrides = _parser().parse_known_args(["rl", "--config", "c.yaml", "--steps", "3"])
     assert (args.command, args.config, args.print_config, overrides) == ("rl", "c.yaml", False, ["--steps", "3"])
-    assert "loss.name" in C.all_keys() and "warmstart.sft_steps" in C.all_keys()
+    assert "loss.name" in core.all_keys(C.RLConfig) and "warmstart.sft_steps" in core.all_keys(C.RLConfig)
+
+
+def test_rl_configs_in_the_old_trainer_layout_load(tmp_path, capsys):
+    path = tmp_path / "old.yaml"
+    path.write_text("trainer:\n  engine: collective\n  steps: 9\n  updates_per_step: 2\n  eval_every: 3\n"
+                    "  keep_checkpoints: 1\n  token_cap: 128\n")
+    cfg = C.load_rl_config(str(path))
+    assert (cfg.engine.name, cfg.run.steps, cfg.run.updates_per_step, cfg.run.eval_every,
+            cfg.checkpoint.keep_checkpoints, cfg.engine.token_cap, cfg.engine.devices) == \
+        ("collective", 9, 2, 3, 1, 128, 2)  # RL's defaults (2 devices) for what the file does not set
+    assert "trainer.updates_per_step -> run.updates_per_step" in capsys.readouterr().err
+    saved = core.to_dict(C.load_rl_config())
+    old = {k: v for k, v in saved.items() if k not in ("engine", "run", "checkpoint", "logging")}
+    old["trainer"] = {**saved["run"], **saved["checkpoint"], **saved["logging"], "engine": "odc",
+                      **{k: v for k, v in saved["engine"].items() if k != "name"}}
+    assert core.resume_mismatches(old, C.load_rl_config(None, ["--updates_per_step", "2"])) == \
+        ["run.updates_per_step: 4 -> 2"]
+
+
+def test_what_the_rl_trainer_does_not_support_is_refused():
+    with pytest.raises(ConfigError, match="does not support engine.name=xla_spmd"):
+        C.load_rl_config(None, ["--engine", "xla_spmd"])
+    with pytest.raises(ConfigError, match="does not support .*logging.timeline_every"):
+        C.load_rl_config(None, ["--timeline_every", "5"])

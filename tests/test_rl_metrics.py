@@ -48,9 +48,9 @@ def test_warmstart_sft_job_and_refusal_of_a_foreign_warm_start(tmp_path):
     config = load_rl_config(None, ["--sft_steps", "7", "--sft_learning_rate", "2e-3", "--devices", "2",
                                    "--out_dir", str(tmp_path), "--token_cap", "64"])
     sft = warmstart_sft_config(config, str(tmp_path / WARMSTART_DIR))
-    assert (sft.trainer.steps, sft.optimizer.learning_rate, sft.trainer.devices) == (7, 2e-3, 2)
+    assert (sft.run.steps, sft.optimizer.learning_rate, sft.engine.devices) == (7, 2e-3, 2)
     assert sft.data.path == str(tmp_path / WARMSTART_DIR / "data.jsonl") and sft.data.max_length == 64
-    assert sft.model == config.model and sft.trainer.out_dir == str(tmp_path / WARMSTART_DIR)
+    assert sft.model == config.model and sft.run.out_dir == str(tmp_path / WARMSTART_DIR)
     os.makedirs(tmp_path / WARMSTART_DIR)
     with open(tmp_path / WARMSTART_DIR / IDENTITY_FILE, "w") as f:
         json.dump({"model": {}, "task": {}, "warmstart": {}, "seed": 0, "token_cap": 64}, f)

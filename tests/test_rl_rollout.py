@@ -93,7 +93,7 @@ def test_minibatches_partition_the_rollout_and_pack_with_global_normalizers(roll
     packed = arrays.extras["behaviour_logprobs"][arrays.loss_mask > 0]
     assert sorted(packed.tolist()) == sorted(np.concatenate(rollout.logprobs).tolist())
     assert minibatch_normalizer(seqs.loss_masks, "seq-mean-token-mean") == len(rollout)
-    with pytest.raises(ValueError, match="exceeds trainer.token_cap=8"):
+    with pytest.raises(ValueError, match="exceeds engine.token_cap=8"):
         pack_minibatch(seqs, indices, planner=get_planner("lb_mini"), num_devices=2, token_cap=8,
                        cost_model=LinearCost(), aggregation="token-mean")
 

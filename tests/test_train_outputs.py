@@ -13,7 +13,7 @@ from jodc.balance import get_planner
 from jodc.train.core import metrics as M
 from jodc.train.core import timeline as TL
 from jodc.train.core.checkpoint import CheckpointStore, export_hf
-from jodc.train.core.run_common import TimedPlanner, timing_lines, timing_summary
+from jodc.train.core.timers import Timers
 
 # -- timeline ------------------------------------------------------------------------------------------------------
 
@@ -82,24 +82,17 @@ def test_step_metrics_rates():
     assert r["tokens_per_s"] == 50.0 and r["samples_per_s"] == 2.0 and r["microbatches"] == [1, 2]
 
 
-def test_timed_planner_returns_the_plan_and_counts_only_planning_time():
-    planner = TimedPlanner(get_planner("lb_mini"))
+def test_a_timed_planner_returns_the_plan_and_counts_only_planning_time():
+    timers = Timers()
+    planner = timers.timed("plan", get_planner("lb_mini"))
     lengths = [5, 9, 3, 7, 2, 8]
     assert planner(lengths, 2, 64).devices == get_planner("lb_mini")(lengths, 2, 64).devices
     planner(lengths, 2, 64)
-    first = planner.take_ms()
-    assert np.isfinite(first) and first > 0.0 and planner.take_ms() == 0.0  # reset by take_ms
+    first = timers.take()["plan"]
+    assert np.isfinite(first) and first > 0.0 and timers["plan"] == 0.0  # reset by take
     with pytest.raises(ValueError):  # a failing plan still counts, and the error passes through
         planner([100], 2, 64)
-    assert planner.take_ms() > 0.0
-
-
-def test_timing_summary_and_its_line():
-    summary = timing_summary([1.0, 3.0], [0.5, 0.7])
-    assert summary == {"plan_ms_mean": 2.0, "plan_ms_max": 3.0, "step_seconds_mean": pytest.approx(0.6)}
-    assert timing_lines(summary) == ["planning:   2.00 ms mean, 3.00 ms max per step (mean step 600.0 ms)"]
-    assert timing_summary([], []) == {"plan_ms_mean": None, "plan_ms_max": None, "step_seconds_mean": None}
-    assert timing_lines(timing_summary([], [])) == []
+    assert timers.take()["plan"] > 0.0
 
 
 def test_logger_writes_jsonl_and_tensorboard_and_truncates_on_resume(tmp_path):

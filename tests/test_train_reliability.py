@@ -164,8 +164,7 @@ def test_rl_skips_and_counts_a_non_finite_update_and_resumes_after_it(tmp_path, 
 
 def test_non_finite_parameters_are_never_written_to_a_checkpoint(tmp_path):
     """The last line of defence: whatever reaches a save with a NaN parameter is refused, nothing is written."""
-    from jodc.train.core.checkpoint import CheckpointStore
-    from jodc.train.core.run_common import TrainingRun
+    from jodc.train.core.trainer import Trainer
 
     class Engine:
         def state_dict(self):
@@ -175,17 +174,18 @@ def test_non_finite_parameters_are_never_written_to_a_checkpoint(tmp_path):
         def close(self):
             pass
 
-    class Run(TrainingRun):
-        def _trainer_state(self, done):
-            return {}
+    class Run(Trainer):
+        def load_data(self):
+            return None
 
-    run = Run()
-    run.config, run.engine = load_config(None, sft_overrides(tmp_path)), Engine()
-    run.store = CheckpointStore(str(tmp_path / "checkpoints"), keep=2)
+        def build(self):
+            self.engine = Engine()
+
+    run = Run(load_config(None, sft_overrides(tmp_path)), log=quiet)
     try:
         with pytest.raises(FloatingPointError, match=r"step 1: parameter groups \['embed'\] hold NaN or inf "
                            r"values; refusing to save them \(latest checkpoint: step None\)"):
-            run._save(1)
+            run.save(1)
         assert run.store.steps() == []
     finally:
         run.close()
@@ -205,7 +205,7 @@ def test_non_finite_float_settings_are_refused_naming_the_field(tmp_path, flag, 
 def test_non_finite_rl_settings_are_refused_naming_the_field(tmp_path):
     for flag in ("--temperature", "--warmstart.sft_learning_rate", "--kl_coef", "--unstable_kl", "--clip_high"):
         key = {"--temperature": "rollout.temperature", "--kl_coef": "loss.kl_coef", "--unstable_kl":
-               "trainer.unstable_kl", "--clip_high": "loss.clip_high"}.get(flag, flag[2:])
+               "run.unstable_kl", "--clip_high": "loss.clip_high"}.get(flag, flag[2:])
         with pytest.raises(ConfigError, match=rf"{key} must be a finite number"):
             load_rl_config(None, rl_overrides(tmp_path, flag, "nan"))
 
@@ -213,12 +213,11 @@ def test_non_finite_rl_settings_are_refused_naming_the_field(tmp_path):
 def test_a_config_built_in_code_is_checked_too():
     import dataclasses
 
-    from jodc.train.core.config import SFTConfig, validate
+    from jodc.train.core.config import SFTConfig
 
     config = SFTConfig()
-    config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, learning_rate=float("nan")))
-    with pytest.raises(ConfigError, match="optimizer.learning_rate must be a finite number"):
-        validate(config)
+    with pytest.raises(ConfigError, match="optimizer.learning_rate must be a finite number"):  # checked when built
+        dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, learning_rate=float("nan")))
 
 
 # -- the last line of a failed run ------------------------------------------------------------------------------
@@ -259,7 +258,7 @@ def test_resuming_on_changed_data_is_refused_unless_accepted(tmp_path):
     more = [*args, "--steps", "3"]
     with pytest.raises(RuntimeError, match=r"the data differ from those checkpoint .*/2 was trained on \(24 "
                        r"examples, sha256 [0-9a-f]{16}\.\.\. then; 24 examples, sha256 [0-9a-f]{16}\.\.\. now\): "
-                       r"resuming would silently continue on other data.*trainer.accept_changed_data=true"):
+                       r"resuming would silently continue on other data.*checkpoint.accept_changed_data=true"):
         run_sft(load_config(None, more), log=quiet)
     lines = []
     summary = run_sft(load_config(None, [*more, "--accept_changed_data"]), log=lines.append)
@@ -291,7 +290,7 @@ def test_raising_steps_on_resume_keeps_the_original_learning_rate_schedule(tmp_p
     run_sft(load_config(None, args), stop_at_step=2, log=quiet)
     lines = []
     run_sft(load_config(None, [*args, "--steps", "6"]), log=lines.append)
-    assert any("keeps the original run's length of 4 optimizer updates (the new trainer.steps would make it 6)"
+    assert any("keeps the original run's length of 4 optimizer updates (the new run.steps would make it 6)"
                in line for line in lines), lines
     cosine = learning_rate_schedule(OptimizerConfig(learning_rate=1e-2, schedule="cosine", total_steps=4))
     logged = [r["learning_rate"] for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))]

@@ -1,6 +1,7 @@
 """The SFT trainer end to end on the tiny preset: the loss drops, checkpoints keep the latest N, a stopped and
 resumed deterministic ODC run equals an uninterrupted one bit for bit, the engines agree, the HF export loads
 back, checkpoints of another run are refused, and the CLI runs in a fresh process (where it sets XLA_FLAGS)."""
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from jodc.train import load_config
 
@@ -52,6 +54,30 @@ def engine_state_template(config):
                                            compute_dtype="float32", seed=0)
     model, groups = decoder_staged_model(decoder_config, groups)
     return ReferenceEngine(model, groups, optimizer=optimizer_config(config)).state_dict()
+
+
+def write_old_config_layout(out_dir):
+    """Rewrites the configs a run saved (in its checkpoints and config.yaml) to the layout of the code before the
+    split: engine, run, checkpoint and logging fields in one `trainer` section, `trainer.engine` the engine name."""
+    def old(new):
+        trainer = {"engine": new["engine"]["name"], "sequences_per_minibatch": new["data"]["sequences_per_minibatch"]}
+        for section in ("engine", "run", "checkpoint", "logging"):
+            trainer.update({k: v for k, v in new[section].items() if k != "name"})
+        data = {k: v for k, v in new["data"].items() if k != "sequences_per_minibatch"}
+        return {"model": new["model"], "data": data, "optimizer": new["optimizer"], "trainer": trainer}
+
+    steps = [d for d in os.listdir(os.path.join(out_dir, CHECKPOINT_DIR)) if d.isdigit()]
+    assert steps
+    for step in steps:
+        path = os.path.join(out_dir, CHECKPOINT_DIR, step, "trainer", "metadata")
+        with open(path) as f:
+            state = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**state, "config": old(state["config"])}, f)
+    with open(os.path.join(out_dir, "config.yaml")) as f:
+        saved = yaml.safe_load(f)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(old(saved), f, sort_keys=False)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +128,7 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(straight, tmp_path
     config = load_config(None, overrides(tmp_path))
     first = run_sft(config, stop_at_step=4, log=quiet)   # "preempted" after step 4 (checkpoints 3 and 4)
     assert first["steps_done"] == 4 and first["hf_export"] is None
+    write_old_config_layout(str(tmp_path))  # as the code before the engine/run/checkpoint/logging split saved it
     second = run_sft(config, log=quiet)
     assert second["start_step"] == 4 and second["steps_done"] == STEPS
     straight_losses = [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
@@ -124,6 +151,23 @@ def test_engines_agree_on_the_same_minibatches(straight, tmp_path):
         np.testing.assert_allclose([loss for _, loss in summary["losses"]], want, rtol=2e-5, err_msg=engine)
 
 
+def test_xla_spmd_draws_its_timelines_from_the_plan(straight, tmp_path):
+    """The XLA-SPMD engine cannot record timelines (one program for all devices, `supports_timeline` false): a
+    run asking for one every step gets the planner-cost estimate instead of a crash at the first due step."""
+    out, _ = straight
+    config = load_config(None, overrides(tmp_path, "--engine", "xla_spmd", "--steps", "2", "--timeline_every", "1",
+                                         "--no-deterministic", "--no-export_hf"))
+    summary = run_sft(config, log=quiet)
+    records = read_metrics(summary["metrics"])
+    assert [r["step"] for r in records if "bubble_rate" in r] == [1, 2]
+    assert summary["timeline"].endswith("step_000002.png") and os.path.exists(summary["timeline"])
+    events = json.load(open(summary["timeline"][:-4] + ".json"))  # estimated: whole microbatches, no stages
+    assert events and all(e["label"].startswith(("mb", "wait mb", "barrier", "idle")) for e in events)
+    assert not any("fwd" in e["label"] or "bwd" in e["label"] for e in events)
+    want = [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))][:2]
+    np.testing.assert_allclose([r["loss"] for r in records], want, rtol=2e-5)
+
+
 def test_hf_export_loads_back_with_the_trained_parameters(straight):
     from jodc.models import load_pretrained, load_tokenizer
 
@@ -142,12 +186,12 @@ def test_another_runs_checkpoints_are_refused(straight):
     out, _ = straight
     with pytest.raises(RuntimeError, match="another model, data or data order.*model.preset: 'tiny' -> 'small'"):
         run_sft(load_config(None, overrides(out, "--preset", "small")), log=quiet)
-    with pytest.raises(RuntimeError, match="already holds checkpoints .* trainer.resume is false"):
+    with pytest.raises(RuntimeError, match="already holds checkpoints .* checkpoint.resume is false"):
         run_sft(load_config(None, overrides(out, "--no-resume")), log=quiet)
 
 
 def test_too_few_devices_is_a_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="trainer.devices=16 but only 8 cpu device.*xla_force_host_platform"):
+    with pytest.raises(RuntimeError, match="engine.devices=16 but only 8 cpu device.*xla_force_host_platform"):
         run_sft(load_config(None, overrides(tmp_path, "--devices", "16")), log=quiet)
 
 
@@ -164,7 +208,7 @@ def test_cli_end_to_end_in_a_fresh_process(tmp_path):
     assert f"HF export:  {tmp_path / 'run' / 'hf'}" in proc.stdout
     assert len(read_metrics(str(tmp_path / "run" / "metrics.jsonl"))) == 2
     bad = subprocess.run(cmd[:4] + ["--engine", "mpi"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert bad.returncode == 2 and "trainer.engine must be one of" in bad.stderr
+    assert bad.returncode == 2 and "engine.name must be one of" in bad.stderr
 
 
 def test_training_starts_from_a_hf_checkpoint_and_its_tokenizer(straight, tmp_path):
@@ -197,14 +241,14 @@ def test_ctrl_c_between_steps_saves_and_during_a_step_does_not(tmp_path, monkeyp
     store.close()
     monkeypatch.undo()
 
-    real_step = sft.SFTRun._step
+    real_step = sft.SFTRun.train_step
 
-    def interrupt_inside_the_third_step(self, step, last, logger):
+    def interrupt_inside_the_third_step(self, step):
         if step == 5:  # steps 4 and 5 ran in this invocation; the interrupt hits inside step 6
             raise KeyboardInterrupt
-        return real_step(self, step, last, logger)
+        return real_step(self, step)
 
-    monkeypatch.setattr(sft.SFTRun, "_step", interrupt_inside_the_third_step)
+    monkeypatch.setattr(sft.SFTRun, "train_step", interrupt_inside_the_third_step)
     with pytest.raises(KeyboardInterrupt):
         run_sft(config, log=quiet)
     store = CheckpointStore(os.path.join(tmp_path, CHECKPOINT_DIR), keep=2)

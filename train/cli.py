@@ -1,8 +1,8 @@
 """`jodc-train`: the command line of the trainers.
 
-    jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --trainer.steps 50 ...]
-    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]        (see train/rl/cli.py)
-    python -m jodc.train sft ...
+    jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --run.steps 50 ...]
+    jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]
+    python -m jodc.train sft ...        (python -m jodc.train.rl.cli ...: the same as jodc-train rl ...)
     mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/core/distributed.py)
 
 The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
@@ -19,9 +19,8 @@ import traceback
 from typing import Sequence
 
 from .core import distributed
-from .core.config import ConfigError, all_keys, load_config
-from .core.config import to_dict as config_to_dict
-from .rl.cli import add_rl_parser, run_rl_command
+from .core.config import ConfigError, SftConfig, all_keys, dump, load_config, sections
+from .rl.config import RLConfig, load_rl_config
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -37,21 +36,42 @@ def set_host_device_count(count: int, environ=os.environ) -> None:
     environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
 
 
+def _sft_trainer():
+    from .sft.loop import run_sft
+
+    return run_sft
+
+
+def _rl_trainer():
+    from .rl.loop import run_rl
+
+    return run_rl
+
+
+# name: (config class, load, trainer, label of its messages, runs across processes, help, description)
+COMMANDS = {
+    "sft": (SftConfig, load_config, _sft_trainer, "jodc-train", True, "supervised fine-tuning",
+            "Supervised fine-tuning with the ODC, collective, XLA-SPMD or reference engine."),
+    "rl": (RLConfig, load_rl_config, _rl_trainer, "jodc-train rl", False, "RL post-training (DPPO by default)",
+           "RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference engine, on a "
+           "verifiable task or your own reward function."),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jodc-train", description="jodc trainers (SFT and RL).", allow_abbrev=False,
-        epilog="Overrides: --section.field value, --section.field=value, or a short alias when the field name is "
-               "unique (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys()))
+    parser = argparse.ArgumentParser(prog="jodc-train", description="jodc trainers (SFT and RL).", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    sft = commands.add_parser("sft", help="supervised fine-tuning", allow_abbrev=False,
-                              description="Supervised fine-tuning with the ODC, collective or reference engine.")
-    sft.add_argument("--config", help="YAML file with sections model, data, optimizer, trainer")
-    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    add_rl_parser(commands)
+    for name, (cls, *_, summary, description) in COMMANDS.items():
+        command = commands.add_parser(
+            name, help=summary, description=description, allow_abbrev=False,
+            epilog="Overrides: --section.field value, --section.field=value, the field name alone when it is unique, "
+                   "or a section for its name (--engine odc --devices 4 --steps 50). Keys: " + ", ".join(all_keys(cls)))
+        command.add_argument("--config", help="YAML file with sections " + ", ".join(sections(cls)))
+        command.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return parser
 
 
-def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, to_dict, trainer,
+def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, trainer,
                 multiprocess: bool = False) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
     then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
@@ -60,21 +80,19 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
     try:
         config = load(args.config, overrides)
         if args.print_config:
-            import yaml
-
-            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+            print(dump(config), end="")
             return 0
         processes = distributed.launched_processes()
-        local = config.trainer.devices
+        local = config.engine.devices
         if processes > 1:  # mpirun -np N: each process drives its share of the devices
             if not multiprocess:
                 raise ConfigError(f"{label} does not run across processes yet (launched as {processes}); run it "
                                   "as one process")
             try:
-                local = distributed.local_device_count(config.trainer.devices, processes)
+                local = distributed.local_device_count(config.engine.devices, processes)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        if config.trainer.platform == "cpu" and local > 1:
+        if config.engine.platform == "cpu" and local > 1:
             set_host_device_count(local)
         run = trainer()
         if processes > 1:
@@ -91,19 +109,11 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
     return 0
 
 
-def _sft_trainer():
-    from .sft.loop import run_sft
-
-    return run_sft
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     args, overrides = _parser().parse_known_args(argv)
-    if args.command == "rl":
-        return run_rl_command(args, overrides)
-    return run_command(args, overrides, label="jodc-train", load=load_config, to_dict=config_to_dict,
-                       trainer=_sft_trainer, multiprocess=True)
+    _, load, trainer, label, multiprocess, *_ = COMMANDS[args.command]
+    return run_command(args, overrides, label=label, load=load, trainer=trainer, multiprocess=multiprocess)
 
 
 if __name__ == "__main__":

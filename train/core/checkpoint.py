@@ -90,11 +90,11 @@ class CheckpointStore:
             return None
         if not resume:
             raise RuntimeError(f"{self.directory} already holds checkpoints (steps {self.steps()}) and "
-                               "trainer.resume is false: choose another trainer.out_dir, or resume")
+                               "checkpoint.resume is false: choose another run.out_dir, or resume")
         reasons = mismatches(self.read_trainer_state(latest).get("config", {}))
         if reasons:
             raise RuntimeError(f"the checkpoint at {self.step_dir(latest)} was written for {written_for} "
-                               f"({'; '.join(reasons)}); use another trainer.out_dir for a new run")
+                               f"({'; '.join(reasons)}); use another run.out_dir for a new run")
         return latest
 
     def restore(self, step: int, engine_template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

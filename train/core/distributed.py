@@ -1,6 +1,6 @@
 """Multi-process runs of the trainers: `mpirun -np N jodc-train sft ...`.
 
-Under an MPI launcher each process drives trainer.devices / N devices; `initialize` starts `jax.distributed`
+Under an MPI launcher each process drives engine.devices / N devices; `initialize` starts `jax.distributed`
 through mpi4py (plain auto-detection fails under Open MPI 5), so the mesh holds every process's devices and the ODC
 engine's heap uses the MPI transport. Every process computes the same data order and plans; only process 0
 prints and writes metrics, timelines, the config and the HF export; checkpoints are written through orbax, which
@@ -26,7 +26,7 @@ def launched_processes(environ=os.environ) -> int:
 def local_device_count(total_devices: int, processes: int) -> int:
     """Devices each process drives; the total must split evenly."""
     if total_devices % processes:
-        raise ValueError(f"trainer.devices={total_devices} does not split over {processes} processes")
+        raise ValueError(f"engine.devices={total_devices} does not split over {processes} processes")
     return total_devices // processes
 
 

@@ -105,8 +105,8 @@ def pack_minibatch(sequences: TrainingSequences, indices: np.ndarray, *, planner
     """(plan, engine arrays) of the sequences at `indices`. ValueError when a sequence exceeds `token_cap`."""
     lengths = [sequences.lengths[i] for i in indices]
     if max(lengths) > token_cap:
-        raise ValueError(f"a prompt + response of {max(lengths)} tokens exceeds trainer.token_cap={token_cap}; "
-                         "raise trainer.token_cap or lower rollout.max_new_tokens")
+        raise ValueError(f"a prompt + response of {max(lengths)} tokens exceeds engine.token_cap={token_cap}; "
+                         "raise engine.token_cap or lower rollout.max_new_tokens")
     plan = planner(lengths, num_devices, token_cap, cost_model=cost_model)
     if skip_empty_microbatches:
         plan = without_empty_microbatches(plan)

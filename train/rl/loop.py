@@ -1,36 +1,32 @@
-"""The RL loop (GRPO-style, DPPO by default): prompts -> rollout with the current policy -> rewards -> group
-advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) -> metrics / checkpoints.
+"""The RL step (GRPO-style, DPPO by default): prompts -> rollout with the current policy -> rewards -> group
+advantages -> several minibatch updates with the engine (LB-Mini plans for ODC) -> the step's metrics record.
 
-`run_rl(config)` is the whole job. One *step* is one rollout and its `trainer.updates_per_step` optimizer updates.
-The prompts, the sampling key and the minibatch split of step k are pure functions of (seed, k), and rollouts
-are sampled from the engine's parameters, so a run resumed from a checkpoint continues exactly (bit for bit with
-`trainer.deterministic` on ODC). A step is applied as a whole or not at all as far as checkpoints go: a reward
-function that fails, or a non-finite update (which the engine never applies), stops the run before anything of that
-step is saved, so the latest checkpoint stays the last consistent state; with `trainer.skip_nonfinite_steps` a
-non-finite update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes the model on
-the task's solutions with the SFT trainer (`rl_warmstart`) and starts RL from that policy; with
+`run_rl(config)` is the whole job; `RLRun` supplies the data, model, evaluation and step to the `Trainer` core,
+which owns the loop, checkpoints, metrics, the evaluation cadence and the summary. One *step* is one rollout and
+its `run.updates_per_step` optimizer updates. The prompts, the sampling key and the minibatch split of step k are
+pure functions of (seed, k), and rollouts are sampled from the engine's parameters, so a run resumed from a
+checkpoint continues exactly (bit for bit with `engine.deterministic` on ODC). A step is applied as a whole or not
+at all as far as checkpoints go: a reward function that fails, or a non-finite update (which the engine never
+applies), stops the run before anything of that step is saved; with `run.skip_nonfinite_steps` a non-finite
+update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes
+the model on the task's solutions with the SFT trainer (`warmstart.py`) and starts RL from that policy; with
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from jodc.balance import get_planner
-from jodc.fsdp import NonFiniteStepError
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 
-from ..core import config as sft_config
-from . import config as rl_config
-from ..core.checkpoint import CheckpointStore, export_hf
-from ..core.config import ConfigError
-from ..core.metrics import TENSORBOARD_DIR, read_metrics
+from ..core.config import ConfigError, DataConfig, RunConfig, SftConfig
+from ..core.metrics import read_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
 from .batch import pack_minibatch, split_minibatches, training_sequences
 from .config import RLConfig
@@ -41,123 +37,91 @@ from .rewards import RewardFunction, load_reward_function, score
 from .rollout import sample_rollout, sampling_params
 from .tasks import eval_problems, fingerprint_task, make_task, step_problems, training_pool
 from .warmstart import run_warmstart
-from ..core.run_common import (TimedPlanner, TrainingRun, check_data_fingerprint, output_lines, pin_schedule_length,
-                         timing_lines, timing_summary)
-from ..sft.loop import make_engine, nonfinite_message, optimizer_config
 from ..core.tokenizer import load_tokenizer
+from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
+from ..sft.loop import make_engine, optimizer_config
 
-CHECKPOINT_DIR, HF_DIR, CONFIG_FILE = "checkpoints", "hf", "config.yaml"
+__all__ = ["CHECKPOINT_DIR", "RLRun", "engine_settings", "format_summary", "run_rl"]
 EVAL_SAMPLES = 4  # sampled responses per evaluation problem
 
 
-def engine_settings(config: RLConfig) -> sft_config.SFTConfig:
-    """The RL run's engine and optimizer settings as an SFT config, so the engine is built exactly as the SFT
+def engine_settings(config: RLConfig) -> SftConfig:
+    """The RL run's engine and optimizer sections as an SFT config, so the engine is built exactly as the SFT
     trainer builds it (`sft.make_engine`); the learning-rate schedule spans the run's optimizer updates."""
-    t = config.trainer
-    optimizer = dict(dataclasses.asdict(config.optimizer), total_steps=config.total_steps)
-    trainer = {"engine": t.engine, "devices": t.devices, "platform": t.platform, "compute_dtype": t.compute_dtype,
-               "deterministic": t.deterministic, "barrier_timeout_s": t.barrier_timeout_s, "token_cap": t.token_cap,
-               "seed": t.seed}
-    return sft_config.config_from_dict({"optimizer": optimizer, "trainer": trainer,
-                                        "data": {"max_length": t.token_cap}}, source="the RL engine settings")
+    return SftConfig(optimizer=dataclasses.replace(config.optimizer, total_steps=config.total_steps),
+                     engine=config.engine, data=DataConfig(max_length=config.engine.token_cap),
+                     run=RunConfig(seed=config.run.seed))
 
 
-class RLRun(TrainingRun):
-    """One invocation of an RL run (see `run_rl`); its parts are built in `__init__`, `train` runs it."""
+class RLRun(Trainer):
+    """One invocation of an RL run (see `run_rl`): the task, rewards, policy and engine, the evaluation and the
+    step; the loop, resume and outputs are the `Trainer`'s."""
+
+    skipped_key = "skipped_updates"  # optimizer updates not applied for a non-finite value
+    logger_class = RLMetricsLogger
 
     def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
                  log: Callable[[str], None] = print):
-        self.config, self.log = config, log
-        t, r = config.trainer, config.rollout
-        self.out_dir = os.path.abspath(t.out_dir)
-        os.makedirs(self.out_dir, exist_ok=True)
-        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=t.keep_checkpoints)
-        self.engine = None
-        self.skipped_updates = 0  # optimizer updates not applied for a non-finite value
-        self.step_times: list[tuple[float, float]] = []  # (plan_ms, step_seconds) of the steps run here
-        try:
-            resume_from = self._resumable_step()  # refuse a foreign checkpoint before building anything
-            if resume_from is not None:
-                self.config = config = pin_schedule_length(config, self.store.read_trainer_state(resume_from), log)
-            self.objective = build_objective(config.loss, r)
-            self.advantages = build_advantages(config.loss)
-            self.task = make_task(config.task.name, **config.task.task_options())
-            self.data_fingerprint = fingerprint_task(self.task)
-            if resume_from is not None:
-                check_data_fingerprint(self.store.read_trainer_state(resume_from).get("data_fingerprint"),
-                                       self.data_fingerprint, accept=t.accept_changed_data,
-                                       where=self.store.step_dir(resume_from), log=log)
-            self.pool = training_pool(self.task, t.seed, config.task.pool_size) if config.task.pool_size else None
-            self.eval_set = eval_problems(self.task, t.seed, config.task.eval_problems, exclude=self.pool or ())
-            if len(self.eval_set) < config.task.eval_problems:
-                log(f"evaluating on the {len(self.eval_set)} distinct problems outside the training pool "
-                    f"(task.eval_problems={config.task.eval_problems})")
-            if reward_fn is not None:
-                self.reward_fn = reward_fn
-            elif config.task.reward_fn:
-                self.reward_fn = load_reward_function(config.task.reward_fn)
-            elif config.task.name == "jsonl":
-                raise ConfigError("task.name=jsonl has no built-in reward: set task.reward_fn ('module:function' "
-                                  "or 'file.py:function'), or pass reward_fn= to run_rl")
-            else:
-                self.reward_fn = self.task.reward
-            model_section = config.model
-            if config.warmstart.sft_steps:
-                model_section = dataclasses.replace(model_section,
-                                                    hf_path=run_warmstart(config, self.task, log=log))
-            self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
-            self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=t.token_cap,
-                                                      compute_dtype=t.compute_dtype, seed=t.seed)
-            self.model, groups = decoder_staged_model(self.model_config, groups, seed=t.seed,
-                                                      head_loss=self.objective.head_loss,
-                                                      metric_names=self.objective.metric_names)
-            self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
-                                              bucket=r.prompt_bucket) if config.loss.kl_coef else None)
-            self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,
-                                            temperature=r.temperature,
-                                            top_k=r.top_k if self.objective.uses_topk else 0,
-                                            prompt_bucket=r.prompt_bucket)
-            self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
-            self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
-            self.planner = TimedPlanner(get_planner(t.planner_name))  # its wall time is the plan_ms metric
-            self.cost_model = cost_model(t.cost_model, self.model_config)
-            settings = engine_settings(config)
-            self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
-            self.engine = make_engine(settings, self.model, groups)
-            self.start_step = self._restore(resume_from) if resume_from is not None else 0
-        except BaseException:
-            self.close()
-            raise
-        rl_config.save_yaml(config, os.path.join(self.out_dir, CONFIG_FILE))
-        self.last_saved_step = self.start_step if self.start_step else None
+        self.reward_fn = reward_fn
+        super().__init__(config, log=log)
 
-    # -- resume ----------------------------------------------------------------------------------------------------
-    def _resumable_step(self) -> int | None:
-        """The latest checkpoint's step when this run may resume from it (None without checkpoints)."""
-        return self.store.resumable_step(self.config.trainer.resume,
-                                         lambda saved: rl_config.resume_mismatches(saved, self.config))
+    def load_data(self) -> dict | None:
+        config = self.config
+        self.objective = build_objective(config.loss, config.rollout)
+        self.advantages = build_advantages(config.loss)
+        self.task = make_task(config.task.name, **config.task.task_options())
+        return fingerprint_task(self.task)
 
-    def _restore(self, step: int) -> int:
-        engine_state, trainer_state = self.store.restore(step, self.engine.state_dict())
-        self.skipped_updates = int(trainer_state.get("skipped_updates", 0))
-        expected_updates = step * self.config.trainer.updates_per_step - self.skipped_updates
-        if trainer_state.get("optimizer_updates") != expected_updates:
+    def build(self) -> None:
+        config, e, seed, r = self.config, self.config.engine, self.config.run.seed, self.config.rollout
+        self.pool = training_pool(self.task, seed, config.task.pool_size) if config.task.pool_size else None
+        self.eval_set = eval_problems(self.task, seed, config.task.eval_problems, exclude=self.pool or ())
+        if len(self.eval_set) < config.task.eval_problems:
+            self.log(f"evaluating on the {len(self.eval_set)} distinct problems outside the training pool "
+                     f"(task.eval_problems={config.task.eval_problems})")
+        if self.reward_fn is None and config.task.reward_fn:
+            self.reward_fn = load_reward_function(config.task.reward_fn)
+        elif self.reward_fn is None and config.task.name == "jsonl":
+            raise ConfigError("task.name=jsonl has no built-in reward: set task.reward_fn ('module:function' "
+                              "or 'file.py:function'), or pass reward_fn= to run_rl")
+        elif self.reward_fn is None:
+            self.reward_fn = self.task.reward
+        model_section = config.model
+        if config.warmstart.sft_steps:
+            model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))
+        self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
+        self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=e.token_cap,
+                                                  compute_dtype=e.compute_dtype, seed=seed)
+        self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed,
+                                                  head_loss=self.objective.head_loss,
+                                                  metric_names=self.objective.metric_names)
+        self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
+                                          bucket=r.prompt_bucket) if config.loss.kl_coef else None)
+        self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,
+                                        temperature=r.temperature, top_k=r.top_k if self.objective.uses_topk else 0,
+                                        prompt_bucket=r.prompt_bucket)
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
+        self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
+        self.planner = self.timers.timed("plan", get_planner(e.planner_name))  # its wall time is plan_ms
+        self.cost_model = cost_model(e.cost_model, self.model_config)
+        settings = engine_settings(config)
+        self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
+        self.engine = make_engine(settings, self.model, groups)
+
+    def restored(self, step: int, state: dict[str, Any]) -> int:
+        expected_updates = step * self.config.run.updates_per_step - self.skipped
+        if state.get("optimizer_updates") != expected_updates:
             raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
-                               f"{trainer_state.get('optimizer_updates')} optimizer updates, expected "
-                               f"{expected_updates}")
-        engine_state["step"] = expected_updates
-        self.engine.load_state_dict(engine_state)
-        self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
-        return step
+                               f"{state.get('optimizer_updates')} optimizer updates, expected {expected_updates}")
+        return expected_updates
 
-    def _trainer_state(self, done: int) -> dict[str, Any]:
-        return {"config": rl_config.to_dict(self.config), "optimizer_updates": self.engine.steps_done,
-                "skipped_updates": self.skipped_updates, "data_fingerprint": self.data_fingerprint}
+    def checkpoint_state(self, done: int) -> dict[str, Any]:
+        return {"optimizer_updates": self.engine.steps_done}
 
-    # -- pieces of a step ------------------------------------------------------------------------------------------
+    # -- the step ----------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:
         """The sampling key of 0-based step `step`."""
-        return jax.random.fold_in(jax.random.PRNGKey(self.config.trainer.seed), step)
+        return jax.random.fold_in(jax.random.PRNGKey(self.config.run.seed), step)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The current policy on the fixed held-out evaluation set: `eval_accuracy` (greedy decoding) and
@@ -169,158 +133,84 @@ class RLRun(TrainingRun):
         for key, group_size, sampling in (("eval_accuracy", 1, self.greedy),
                                           ("eval_sampled_reward", EVAL_SAMPLES, self.eval_sampling)):
             rollout = sample_rollout(self.model_config, params, self.tokenizer, prompts, group_size=group_size,
-                                     sampling=sampling, key=jax.random.PRNGKey(self.config.trainer.seed))
+                                     sampling=sampling, key=jax.random.PRNGKey(self.config.run.seed))
             rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step)
             out[key] = float(np.mean(rewards >= self.config.task.success_reward) if group_size == 1
                              else np.mean(rewards))
         return out
 
-    def _step(self, step: int) -> dict[str, Any]:
-        """Runs 0-based step `step`; returns its metrics record."""
-        t, r = self.config.trainer, self.config.rollout
-        started = time.perf_counter()
-        record: dict[str, Any] = {"step": step + 1}
-        if t.eval_every and step % t.eval_every == 0:
-            eval_started = time.perf_counter()
-            record.update(self.evaluate(step + 1))
-            record["eval_seconds"] = time.perf_counter() - eval_started
-        problems = step_problems(self.task, t.seed, step, r.prompts_per_step, pool=self.pool)
-        rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer, [p.prompt for p in problems],
-                                 group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step))
-        reward_started = time.perf_counter()
-        rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
-        reward_seconds = time.perf_counter() - reward_started
-        advantages = self.advantages(rewards, r.group_size, rollout.response_lengths)
-        ref_started = time.perf_counter()
-        ref_logprobs = self.reference.response_logprobs(rollout) if self.reference else None
-        reference_seconds = time.perf_counter() - ref_started
-        sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
-                                       ref_logprobs=ref_logprobs)
-        updates, train_seconds, tokens, microbatches = [], 0.0, 0, []
-        learning_rate = float(self.lr_schedule(self.engine.steps_done))
-        self.planner.take_ms()
-        for indices in split_minibatches(len(sequences), t.updates_per_step, seed=t.seed, step=step):
-            update_started = time.perf_counter()
-            _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=t.devices,
-                                       token_cap=t.token_cap, cost_model=self.cost_model,
-                                       aggregation=self.objective.aggregation,
-                                       skip_empty_microbatches=t.engine == "odc")
-            try:
-                result = self.engine.step(arrays)
-            except NonFiniteStepError as e:  # not applied: the engine kept its previous state
-                result = e.result
-                self.skipped_updates += 1
-                what = f"step {step + 1}, update {len(updates) + 1} of {t.updates_per_step}"
-                if not t.skip_nonfinite_steps:
-                    raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(),
-                                                               skip=False)) from None
-                self.log(nonfinite_message(what, result, None, skip=True))
-                train_seconds += time.perf_counter() - update_started
-                continue
-            train_seconds += time.perf_counter() - update_started
-            updates.append({"loss": result.loss, "grad_norm": result.grad_norm,
-                            **summarize_metrics(result.metrics, self.objective)})
-            tokens += arrays.num_tokens
-            microbatches.append(result.microbatches)
-        seconds = time.perf_counter() - started
-        plan_ms = self.planner.take_ms()  # every update's plan: part of train_seconds
-        self.step_times.append((plan_ms, seconds))
-        record.update(rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
-                                      success_reward=self.config.task.success_reward))
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Runs 0-based step `step`: rollout, rewards, advantages, then `updates_per_step` optimizer updates;
+        returns its record (the timers add step/reward/reference/train seconds and plan_ms)."""
+        e, run_, r, timers = self.config.engine, self.config.run, self.config.rollout, self.timers
+        with timers("step"):
+            problems = step_problems(self.task, run_.seed, step, r.prompts_per_step, pool=self.pool)
+            rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer,
+                                     [p.prompt for p in problems], group_size=r.group_size, sampling=self.sampling,
+                                     key=self.rollout_key(step))
+            with timers("reward"):
+                rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
+            advantages = self.advantages(rewards, r.group_size, rollout.response_lengths)
+            with timers("reference"):
+                ref_logprobs = self.reference.response_logprobs(rollout) if self.reference else None
+            sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
+                                           ref_logprobs=ref_logprobs)
+            updates, tokens, microbatches = [], 0, []
+            learning_rate = float(self.lr_schedule(self.engine.steps_done))
+            minibatches = split_minibatches(len(sequences), run_.updates_per_step, seed=run_.seed, step=step)
+            for i, indices in enumerate(minibatches):
+                with timers("train"):  # planning (plan_ms) is part of it
+                    _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=e.devices,
+                                               token_cap=e.token_cap, cost_model=self.cost_model,
+                                               aggregation=self.objective.aggregation,
+                                               skip_empty_microbatches=e.name == "odc")
+                    result = self.update(arrays, f"step {step + 1}, update {i + 1} of {run_.updates_per_step}")
+                if result.applied:
+                    updates.append({"loss": result.loss, "grad_norm": result.grad_norm,
+                                    **summarize_metrics(result.metrics, self.objective)})
+                    tokens += arrays.num_tokens
+                    microbatches.append(result.microbatches)
+        seconds, train_seconds = timers["step"], timers["train"]
+        record = rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
+                                 success_reward=self.config.task.success_reward)
         # every update of the step skipped (non-finite): no loss to report
-        record.update(update_metrics(updates, unstable_kl=t.unstable_kl) if updates else
+        record.update(update_metrics(updates, unstable_kl=run_.unstable_kl) if updates else
                       {"loss": float("nan"), "grad_norm": float("nan")})
-        record["skipped_updates"] = self.skipped_updates
-        record.update({"learning_rate": learning_rate, "tokens": tokens,
+        record.update({self.skipped_key: self.skipped, "learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                        "microbatches": microbatches, "rollout_seconds": rollout.seconds,
-                       "reward_seconds": reward_seconds, "reference_seconds": reference_seconds,
-                       "train_seconds": train_seconds, "plan_ms": plan_ms, "step_seconds": seconds,
                        "rollout_fraction": rollout.seconds / seconds, "train_fraction": train_seconds / seconds})
         return record
 
-    # -- the loop --------------------------------------------------------------------------------------------------
-    def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
-        """Runs steps start_step+1 .. trainer.steps (or stop_at_step), then finishes the run.
-
-        Ctrl-C between steps saves a checkpoint of the last finished step before stopping; an error inside a step
-        (a failing reward function, a non-finite loss) saves nothing, so the latest checkpoint stays consistent.
-        """
-        t = self.config.trainer
-        last = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
-        started = time.perf_counter()
-        logger = RLMetricsLogger(self.out_dir, total_steps=t.steps, start_step=self.start_step, progress=t.progress)
-        done, consistent = self.start_step, True
-        try:
-            for step in range(self.start_step, last):
-                consistent = False
-                record = self._step(step)
-                done, consistent = step + 1, True
-                if done % t.log_every == 0 or done == last:
-                    logger.log(record)
-                logger.advance()
-                if t.save_every and done % t.save_every == 0:
-                    consistent = False
-                    self._save(done)
-                    consistent = True
-            consistent = False
-            self._save(done)
-        except KeyboardInterrupt:
-            if consistent and done > (self.last_saved_step or 0):
-                self._save(done)
-            latest = self.store.latest_step()
-            logger.write(f"interrupted; the latest checkpoint is {self.store.step_dir(latest)}"
-                         if latest is not None else "interrupted before any checkpoint")
-            raise
-        finally:
-            logger.close()
-        return self._finish(done, time.perf_counter() - started, logger.path)
-
-    def _finish(self, done: int, seconds: float, metrics_path: str) -> dict[str, Any]:
-        t = self.config.trainer
-        records = read_metrics(metrics_path)
-        final_eval = self.evaluate(done) if t.eval_every and done > self.start_step else None
+    # -- the end of a run --------------------------------------------------------------------------------------
+    def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:
+        """Rewards over the whole run (this invocation's part for first/last), the final evaluation, the curves."""
+        records = read_metrics(self.logger.path)
         curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE), final_eval=final_eval,
                              title=f"{self.config.loss.name} on {self.config.task.name}") if records else None
-        hf_path = None
-        if t.export_hf and done == t.steps and done > self.start_step:
-            hf_path = export_hf(self.model_config, self.engine.params(), self.tokenizer,
-                                os.path.join(self.out_dir, HF_DIR))
         ran = [r for r in records if r["step"] > self.start_step]
-        summary = {
-            "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done, "seconds": seconds,
-            "rewards": [(r["step"], r["reward_mean"]) for r in records],
-            "first_reward": ran[0]["reward_mean"] if ran else None,
-            "last_reward": ran[-1]["reward_mean"] if ran else None,
-            "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
-            "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
-            "unstable_steps": sum(1 for r in records if r.get("unstable")),
-            "checkpoint": self.store.step_dir(done) if done in self.store.steps() else None,
-            "metrics": metrics_path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
-            "curves": curves, "hf_export": hf_path,
-            **timing_summary([p for p, _ in self.step_times], [s for _, s in self.step_times]),
-        }
-        self.log(format_summary(summary))
-        return summary
+        return {"rewards": [(r["step"], r["reward_mean"]) for r in records],
+                "first_reward": ran[0]["reward_mean"] if ran else None,
+                "last_reward": ran[-1]["reward_mean"] if ran else None,
+                "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
+                "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
+                "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves}
 
+    def format_summary(self, summary: dict[str, Any]) -> str:
+        return format_summary(summary)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The lines printed at the end of a run: what was done and where everything is."""
-    lines = []
     ran = summary["steps_done"] - summary["start_step"]
-    if ran:
-        lines.append(f"done: {ran} RL steps (now at step {summary['steps_done']}) in {summary['seconds']:.1f} s, "
-                     f"mean reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, "
-                     f"{summary['unstable_steps']} unstable step(s)")
-    else:
-        lines.append(f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
-                     "(raise trainer.steps to go on, or choose another trainer.out_dir for a new run)")
-    if summary["final_eval_accuracy"] is not None:
-        lines.append(f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
-                     f"sampled reward {summary['final_eval_sampled_reward']:.3f}")
+    done = (f"done: {ran} RL steps (now at step {summary['steps_done']}) in {summary['seconds']:.1f} s, mean reward "
+            f"{summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, {summary['unstable_steps']} unstable "
+            "step(s)" if ran else None)
+    evaluation = ([f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
+                   f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
+                  if summary["final_eval_accuracy"] is not None else [])
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return "\n".join(lines + timing_lines(summary) + output_lines(summary, curves))
+    return summary_text(summary, done, evaluation, curves)
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,
@@ -330,8 +220,4 @@ def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at
     reward_fn: a `reward(prompt, response) -> float` to use instead of the task's own / `task.reward_fn`.
     stop_at_step: stop after that global step and checkpoint it, as a preempted job would.
     """
-    run = RLRun(config, reward_fn=reward_fn, log=log)
-    try:
-        return run.train(stop_at_step=stop_at_step)
-    finally:
-        run.close()
+    return run(RLRun, config, stop_at_step=stop_at_step, reward_fn=reward_fn, log=log)

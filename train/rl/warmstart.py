@@ -15,7 +15,8 @@ import json
 import os
 from typing import Callable
 
-from ..core import config as sft_config
+from ..core.config import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig, OptimizerConfig, RunConfig,
+                           SftConfig)
 from .config import RLConfig
 from .tasks import Task, warmstart_records
 
@@ -25,26 +26,25 @@ WARMSTART_DIR, IDENTITY_FILE, DATA_FILE, HF_DIR = "warmstart", "identity.json", 
 def warmstart_identity(config: RLConfig) -> dict:
     """What decides the warm-started weights (compared when a finished warm start is reused)."""
     return {"model": dataclasses.asdict(config.model), "task": {"name": config.task.name, **config.task.task_options()},
-            "warmstart": dataclasses.asdict(config.warmstart), "seed": config.trainer.seed,
-            "token_cap": config.trainer.token_cap}
+            "warmstart": dataclasses.asdict(config.warmstart), "seed": config.run.seed,
+            "token_cap": config.engine.token_cap}
 
 
-def warmstart_sft_config(config: RLConfig, directory: str) -> sft_config.SFTConfig:
+def warmstart_sft_config(config: RLConfig, directory: str) -> SftConfig:
     """The SFT job of the warm start: the RL run's model, engine and devices on the task's solutions."""
-    t, w = config.trainer, config.warmstart
-    raw = {
-        "model": dataclasses.asdict(config.model),
-        "data": {"path": os.path.join(directory, DATA_FILE), "max_length": t.token_cap, "overlong": "drop"},
-        "optimizer": {"learning_rate": w.sft_learning_rate, "schedule": "cosine",
-                      "warmup_steps": min(10, w.sft_steps // 10)},
-        "trainer": {"engine": t.engine, "devices": t.devices, "platform": t.platform, "cost_model": t.cost_model,
-                    "sequences_per_minibatch": w.sft_sequences_per_minibatch, "steps": w.sft_steps,
-                    "seed": t.seed, "compute_dtype": t.compute_dtype, "deterministic": t.deterministic,
-                    "barrier_timeout_s": t.barrier_timeout_s,
-                    "out_dir": directory, "save_every": 0, "keep_checkpoints": 1, "timeline_every": 0,
-                    "export_hf": True, "progress": t.progress},
-    }
-    return sft_config.config_from_dict(raw, source="the RL warm start")
+    e, w = config.engine, config.warmstart
+    return SftConfig(
+        model=config.model,
+        data=DataConfig(path=os.path.join(directory, DATA_FILE), max_length=e.token_cap, overlong="drop",
+                        sequences_per_minibatch=w.sft_sequences_per_minibatch),
+        optimizer=OptimizerConfig(learning_rate=w.sft_learning_rate, schedule="cosine",
+                                  warmup_steps=min(10, w.sft_steps // 10)),
+        engine=EngineConfig(name=e.name, devices=e.devices, platform=e.platform, cost_model=e.cost_model,
+                            compute_dtype=e.compute_dtype, deterministic=e.deterministic,
+                            barrier_timeout_s=e.barrier_timeout_s),
+        run=RunConfig(steps=w.sft_steps, seed=config.run.seed, out_dir=directory),
+        checkpoint=CheckpointConfig(save_every=0, keep_checkpoints=1, export_hf=True),
+        logging=LoggingConfig(timeline_every=0, progress=config.logging.progress))
 
 
 def run_warmstart(config: RLConfig, task: Task, *, log: Callable[[str], None] = print) -> str:
@@ -53,7 +53,7 @@ def run_warmstart(config: RLConfig, task: Task, *, log: Callable[[str], None] = 
 
     if config.warmstart.sft_steps < 1:
         raise ValueError("run_warmstart: warmstart.sft_steps is 0 (no warm start configured)")
-    directory = os.path.join(os.path.abspath(config.trainer.out_dir), WARMSTART_DIR)
+    directory = os.path.join(os.path.abspath(config.run.out_dir), WARMSTART_DIR)
     hf_dir = os.path.join(directory, HF_DIR)
     identity_path = os.path.join(directory, IDENTITY_FILE)
     identity = warmstart_identity(config)
@@ -63,14 +63,14 @@ def run_warmstart(config: RLConfig, task: Task, *, log: Callable[[str], None] = 
         if saved != identity:
             changed = sorted(k for k in identity if saved.get(k) != identity[k])
             raise RuntimeError(f"{directory} holds a warm start made for another {', '.join(changed)}; use another "
-                               "trainer.out_dir for a new run")
+                               "run.out_dir for a new run")
         if os.path.exists(os.path.join(hf_dir, "config.json")):
             log(f"warm start: reusing {hf_dir}")
             return hf_dir
     os.makedirs(directory, exist_ok=True)
     with open(identity_path, "w") as f:
         json.dump(identity, f, indent=1)
-    records = warmstart_records(task, config.trainer.seed, config.warmstart.sft_examples)
+    records = warmstart_records(task, config.run.seed, config.warmstart.sft_examples)
     data_path = os.path.join(directory, DATA_FILE)
     with open(data_path + ".tmp", "w") as f:
         for record in records:

@@ -1,0 +1,289 @@
+"""The training loop of both trainers (levanter's shape: one core owns the loop, SFT and RL supply the step).
+
+`Trainer` owns everything around a step: resuming (a foreign checkpoint is refused before anything is built, the
+learning-rate schedule keeps the original run's length, changed data are refused, the engine is restored), the step
+loop with its Ctrl-C semantics, the checkpoint cadence, the metrics logger, non-finite updates (stop, or skip and
+count), step timers, per-device timelines, evaluation, the HF export and the end-of-run summary. A subclass
+supplies the hooks:
+
+* `load_data()` -> the data fingerprint (checked against the checkpoint before the model is built);
+* `build()`: tokenizer, model, planner, engine (`self.engine`, `self.model_config`, `self.tokenizer`);
+* `train_step(step)` -> the step's metrics record (it calls `self.update(...)` for each optimizer update);
+* `checkpoint_state(done)` and `restored(step, state)` -> the engine's applied-update count;
+* `evaluate(step)` (runs when the config has `eval_every`), `summary_fields(...)`, `format_summary(summary)`.
+
+Under mpirun only process 0 prints and writes outputs; every process runs the same steps and checkpoints.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jodc.fsdp import NonFiniteStepError
+
+from .checkpoint import CheckpointStore, export_hf
+from .config import resume_mismatches, save_yaml, to_dict
+from .metrics import TENSORBOARD_DIR, MetricsLogger
+from .run_common import check_data_fingerprint, pin_schedule_length
+from .timeline import events_from_plan, plot_timeline, save_events
+from .timers import Timers, step_times, timing_lines, timing_summary
+
+CHECKPOINT_DIR, HF_DIR, TIMELINE_DIR, CONFIG_FILE = "checkpoints", "hf", "timeline", "config.yaml"
+
+
+class Trainer:
+    """One invocation of a training run: `__init__` resumes or starts it, `train` runs its steps and finishes it,
+    `close` releases the engine and the checkpoint manager (also when `__init__` fails)."""
+
+    skipped_key = "skipped_steps"  # the count of non-finite updates not applied, in checkpoints and records
+    written_for = "another run"    # what a refused checkpoint was written for, in the error
+    logger_class = MetricsLogger
+
+    def __init__(self, config, *, log: Callable[[str], None] = print):
+        self.config = config
+        self.primary = jax.process_index() == 0
+        self.log = log if self.primary else (lambda *_: None)
+        ckpt = config.checkpoint
+        self.out_dir = os.path.abspath(config.run.out_dir)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.store = CheckpointStore(os.path.join(self.out_dir, CHECKPOINT_DIR), keep=ckpt.keep_checkpoints)
+        self.engine = self.logger = self.timeline = None
+        self.skipped = 0
+        self.records: list[dict[str, Any]] = []  # every step this invocation ran, logged or not
+        self.timers = Timers()
+        try:
+            resume_from = self.store.resumable_step(
+                ckpt.resume, lambda saved: resume_mismatches(saved, self.config),
+                written_for=self.written_for)
+            saved = self.store.read_trainer_state(resume_from) if resume_from is not None else None
+            if saved is not None:
+                self.config = pin_schedule_length(self.config, saved, self.log)
+            self.data_fingerprint = self.load_data()
+            if saved is not None:
+                check_data_fingerprint(saved.get("data_fingerprint"), self.data_fingerprint,
+                                       accept=ckpt.accept_changed_data, where=self.store.step_dir(resume_from),
+                                       log=self.log)
+            self.build()
+            self.start_step = self._restore(resume_from) if resume_from is not None else 0
+        except BaseException:
+            self.close()
+            raise
+        if self.primary:
+            save_yaml(self.config, os.path.join(self.out_dir, CONFIG_FILE))
+        self.last_saved_step = self.start_step or None
+
+    # -- hooks with defaults (load_data, build, train_step and evaluate have none: see the module docstring) --------
+    def checkpoint_state(self, done: int) -> dict[str, Any]:
+        return {}
+
+    def restored(self, step: int, state: dict[str, Any]) -> int:
+        """Checks checkpoint `step`'s trainer state; returns the optimizer updates the engine had applied."""
+        return step - self.skipped
+
+    def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:
+        return {}
+
+    def format_summary(self, summary: dict[str, Any]) -> str:
+        return summary_text(summary, None)
+
+    # -- resume and checkpoints ------------------------------------------------------------------------------------
+    def _restore(self, step: int) -> int:
+        """Loads checkpoint `step` into the engine; returns the number of steps already done."""
+        engine_state, state = self.store.restore(step, self.engine.state_dict())
+        self.skipped = int(state.get(self.skipped_key, 0))
+        engine_state["step"] = self.restored(step, state)  # the engine counts applied updates
+        self.engine.load_state_dict(engine_state)
+        self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
+        return step
+
+    def save(self, done: int) -> None:
+        """Checkpoints step `done` (once: a step saved on schedule is not saved again at the end); parameters that
+        are not all finite are never saved."""
+        if self.last_saved_step == done:
+            return
+        e = self.config.engine
+        state = {**self.checkpoint_state(done), "config": to_dict(self.config), self.skipped_key: self.skipped,
+                 "data_fingerprint": self.data_fingerprint, "engine": e.name, "devices": e.devices,
+                 "schedule_steps": self.config.total_steps}
+        engine_state = self.engine.state_dict()
+        bad = sorted(g for g, v in engine_state["params"].items() if not np.isfinite(v).all())
+        if bad:  # the engines never apply a non-finite step; this is the last line of defence for checkpoints
+            raise FloatingPointError(f"step {done}: parameter groups {bad} hold NaN or inf values; refusing to save "
+                                     f"them (latest checkpoint: step {self.store.latest_step()})")
+        self.store.save(done, engine_state, state)
+        self.last_saved_step = done
+
+    def close(self) -> None:
+        """Releases the engine's native resources and the checkpoint manager."""
+        try:
+            if self.engine is not None:
+                engine, self.engine = self.engine, None
+                engine.close()
+        finally:
+            self.store.close()  # also when the engine fails to close: no orbax thread outlives the run
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
+        """Runs steps start_step+1 .. run.steps (or stop_at_step), then finishes the run.
+
+        Ctrl-C between steps saves a checkpoint of the last finished step before stopping; during a step or a
+        save the engine state is not known to be consistent, so the latest earlier checkpoint stays the one. An
+        error inside a step (a failing reward function, a non-finite update) saves nothing of that step.
+        """
+        steps, ckpt, logs = self.config.run.steps, self.config.checkpoint, self.config.logging
+        last = steps if stop_at_step is None else min(steps, stop_at_step)
+        started = time.perf_counter()
+        self.logger = logger = (self.logger_class(self.out_dir, total_steps=steps, start_step=self.start_step,
+                                                  progress=logs.progress) if self.primary else _SilentLogger())
+        done, consistent = self.start_step, True
+        try:
+            for step in range(self.start_step, last):
+                consistent = False
+                record = self._run_step(step)
+                done, consistent = step + 1, True
+                if done % logs.log_every == 0 or done == last:
+                    logger.log(record)
+                logger.advance()
+                if ckpt.save_every and done % ckpt.save_every == 0:
+                    consistent = False
+                    self.save(done)
+                    consistent = True
+            consistent = False
+            self.save(done)
+        except KeyboardInterrupt:
+            if consistent and done > (self.last_saved_step or 0):
+                self.save(done)
+            latest = self.store.latest_step()
+            logger.write(f"interrupted; the latest checkpoint is {self.store.step_dir(latest)}"
+                         if latest is not None else "interrupted before any checkpoint")
+            raise
+        finally:
+            logger.close()
+        return self._finish(done, time.perf_counter() - started)
+
+    def _run_step(self, step: int) -> dict[str, Any]:
+        """Step `step` (0-based): the evaluation due before it, the subclass's step, and the step's timers."""
+        self.timers.take()
+        record: dict[str, Any] = {"step": step + 1}
+        if self._eval_every() and step % self._eval_every() == 0:
+            with self.timers("eval"):
+                record.update(self.evaluate(step + 1))
+        record.update(self.train_step(step))
+        times = step_times(self.timers.take())
+        record.update({k: v for k, v in times.items() if k not in record})  # what the step set itself wins
+        self.records.append(record)
+        return record
+
+    def _eval_every(self) -> int:
+        return getattr(self.config.run, "eval_every", 0)
+
+    # -- one optimizer update --------------------------------------------------------------------------------------
+    def update(self, arrays, what: str, *, timeline: tuple[int, Any] | None = None):
+        """One optimizer update with the run's non-finite policy: a non-finite update is never applied, and it
+        stops the run (FloatingPointError; nothing of the step is saved) or, with run.skip_nonfinite_steps,
+        is counted and skipped (`result.applied` is False). `what` names the update in messages.
+
+        timeline: (step, plan) to record and plot this update's per-device timeline: measured by the engine where
+        it can (`engine.supports_timeline`, one process), else estimated from the plan's costs."""
+        record = (timeline is not None and jax.process_count() == 1  # every process must run the same program
+                  and getattr(self.engine, "supports_timeline", self.engine.name in ("odc", "collective")))
+        try:
+            result = self.engine.step(arrays, **({"record_timeline": True} if record else {}))
+        except NonFiniteStepError as e:  # the engine kept its previous state: nothing non-finite was applied
+            result = e.result
+            if not self.config.run.skip_nonfinite_steps:
+                raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(),
+                                                           skip=False)) from None
+            self.skipped += 1
+            self.logger.write(nonfinite_message(what, result, None, skip=True))
+        if timeline is not None:
+            self._plot_timeline(*timeline, result)
+        return result
+
+    def timeline_due(self, done: int) -> bool:
+        """Whether step `done` draws a timeline (logging.timeline_every; the same steps whether resumed or not)."""
+        every = getattr(self.config.logging, "timeline_every", 0)
+        return self.primary and every > 0 and (done % every == 0 or done == self.config.run.steps)
+
+    def _plot_timeline(self, done: int, plan, result) -> None:
+        events, source = result.timeline, "engine"
+        if not events:
+            lockstep = getattr(self.engine, "lockstep", self.engine.name in ("collective", "xla_spmd"))
+            events = events_from_plan(plan, result.seconds, lockstep=lockstep)
+            source = "planner-cost estimate"
+        directory = os.path.join(self.out_dir, TIMELINE_DIR)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"step_{done:06d}.png")
+        e = self.config.engine
+        rate = plot_timeline(events, path, num_devices=e.devices,
+                             title=f"{e.name} / {e.planner_name}, step {done} ({source})")
+        save_events(events, path[:-4] + ".json")
+        self.timeline = {"path": path, "bubble_rate": rate, "step": done, "source": source}
+
+    # -- the end of a run ------------------------------------------------------------------------------------------
+    def _finish(self, done: int, seconds: float) -> dict[str, Any]:
+        """Final evaluation, HF export, summary (printed and returned)."""
+        final_eval = self.evaluate(done) if self._eval_every() and done > self.start_step else None
+        hf_path = None
+        if self.config.checkpoint.export_hf and done == self.config.run.steps:
+            params = self.engine.params()  # every process: it gathers from all of them
+            if self.primary:
+                hf_path = export_hf(self.model_config, params, self.tokenizer, os.path.join(self.out_dir, HF_DIR))
+        summary = {
+            "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done, "seconds": seconds,
+            "checkpoint": self.store.step_dir(done) if done in self.store.steps() else None,
+            "metrics": self.logger.path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
+            "hf_export": hf_path, **timing_summary(self.records), **self.summary_fields(done, final_eval),
+        }
+        self.log(self.format_summary(summary))
+        return summary
+
+
+def run(trainer_class, config, *, stop_at_step: int | None = None, **kwargs) -> dict[str, Any]:
+    """Builds a `trainer_class` run of `config`, trains it and closes it; returns the summary."""
+    trainer = trainer_class(config, **kwargs)
+    try:
+        return trainer.train(stop_at_step=stop_at_step)
+    finally:
+        trainer.close()
+
+
+class _SilentLogger:
+    """The metrics logger of processes other than 0 in a multi-process run: they write nothing."""
+
+    path = None
+
+    def __getattr__(self, name: str):  # log, advance, write, close: do nothing
+        return lambda *args, **kwargs: None
+
+
+def nonfinite_message(what: str, result, latest_checkpoint: int | None, *, skip: bool) -> str:
+    """The line of an update that was not applied (non-finite loss, grad norm or update)."""
+    cause = "loss" if not np.isfinite(result.loss) else "gradients or updated parameters"
+    head = (f"{what}: non-finite {cause} (loss {result.loss}, global grad norm {result.grad_norm}); the update was "
+            "not applied")
+    if skip:
+        return f"{head}; skipped (run.skip_nonfinite_steps)"
+    latest = f"step {latest_checkpoint}" if latest_checkpoint is not None else "none yet"
+    return (f"{head}; stopping without saving (latest checkpoint: {latest}, which holds only finite parameters). "
+            "Lower the learning rate or check the data; run.skip_nonfinite_steps=true skips such steps instead")
+
+
+def summary_text(summary: dict[str, Any], done_line: str | None, extra=(), outputs=()) -> str:
+    """The lines printed at the end of a run: `done_line` (what the steps achieved; None: only how many), `extra`,
+    the planning time, then where everything is: checkpoint, metrics, the run's own `outputs`, HF export."""
+    if done_line is None:
+        done_line = (f"done: {summary['steps_done'] - summary['start_step']} steps (now at step "
+                     f"{summary['steps_done']}) in {summary['seconds']:.1f} s")
+    if summary["steps_done"] == summary["start_step"]:
+        done_line = (f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
+                     "(raise run.steps to go on, or choose another run.out_dir for a new run)")
+    lines = [done_line, *extra, *timing_lines(summary), f"checkpoint: {summary['checkpoint']}",
+             f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})", *outputs]
+    if summary["hf_export"]:
+        lines.append(f"HF export:  {summary['hf_export']}")
+    return "\n".join(lines)
