@@ -58,9 +58,11 @@ OPS_CASES = ["transport_is_mpi", "gather_is_exact", "gather_bf16_master_keeps_sh
 
 
 @needs_mpi
-@pytest.mark.parametrize("nprocs,local", [(2, 1), (2, 2), (3, 1)])
+@pytest.mark.parametrize("nprocs,local", [(2, "1"), (2, "2"), (3, "2,1,1")])
 def test_ops_across_processes(nprocs, local):
-    rc, out, _ = run_mpi(nprocs, "ops_cases.py", str(local), *OPS_CASES)
+    """The op cases on 2 x 1, 2 x 2 and 3 processes holding 2, 1 and 1 devices (uneven hosts: device g's process is
+    no longer g // L). Gather and publish run on both paths: shared-memory windows (one node) and MPI_Get."""
+    rc, out, _ = run_mpi(nprocs, "ops_cases.py", local, *OPS_CASES)
     check_cases(out, rc, OPS_CASES)
 
 

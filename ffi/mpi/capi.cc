@@ -194,4 +194,14 @@ JODC_MPI_EXPORT int jodc_mpi_bucket_zero_accumulator(int64_t heap_id, int64_t bu
   return MpiOk(rc, "zero_accumulator", "MPI_Accumulate", &e) ? 0 : Fail(e, err, err_cap);
 }
 
+// 1 when the heap's bucket windows are shared memory (every process on one node: gather copies peers' shards
+// directly), 0 when they go through MPI_Get (several nodes, or JODC_MPI_SHARED_MEMORY=0).
+JODC_MPI_EXPORT int jodc_mpi_heap_shared_memory(int64_t heap_id, int32_t* out, char* err, int64_t err_cap) {
+  std::string e;
+  auto h = FindHeap(heap_id, &e);
+  if (!h) return Fail(e, err, err_cap);
+  *out = h->shared_memory ? 1 : 0;
+  return 0;
+}
+
 }  // extern "C"

@@ -1,6 +1,7 @@
 #include "mpi/heap.h"
 
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <unordered_map>
@@ -21,14 +22,19 @@ std::unordered_map<int64_t, std::shared_ptr<Heap>>& Registry() {
 constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are int: transfers go in 1 GiB pieces
 
 // Allocates a window of `bytes` on every process of h.comm (collective), zeroed, passive-target epoch opened.
-bool AllocateWindow(Heap& h, int64_t bytes, const char* what, MPI_Win* win, char** base, std::string* err) {
+// shared: MPI_Win_allocate_shared (every process of h.comm on one node; each part allocated separately, near its
+// process), else MPI_Win_allocate.
+bool AllocateWindow(Heap& h, int64_t bytes, const char* what, bool shared, MPI_Win* win, char** base,
+                    std::string* err) {
   void* ptr = nullptr;
   MPI_Info info;
   MPI_Info_create(&info);
   MPI_Info_set(info, "same_disp_unit", "true");
-  int rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, info, h.comm, &ptr, win);
+  if (shared) MPI_Info_set(info, "alloc_shared_noncontig", "true");
+  int rc = shared ? MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, h.comm, &ptr, win)
+                  : MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, info, h.comm, &ptr, win);
   MPI_Info_free(&info);
-  if (!MpiOk(rc, what, "MPI_Win_allocate", err)) return false;
+  if (!MpiOk(rc, what, shared ? "MPI_Win_allocate_shared" : "MPI_Win_allocate", err)) return false;
   MPI_Win_set_errhandler(*win, MPI_ERRORS_RETURN);
   if (bytes > 0) std::memset(ptr, 0, bytes);
   *base = static_cast<char*>(ptr);
@@ -295,11 +301,29 @@ int64_t CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministic, double
       return -1;
     }
   }
+  // Shared-memory bucket windows when every process is on this node, and all processes agree (the environment
+  // switch is per process; the allocation call must be the same everywhere).
+  {
+    MPI_Comm node = MPI_COMM_NULL;
+    int node_size = 0;
+    if (MPI_Comm_split_type(h->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+      MPI_Comm_size(node, &node_size);
+      MPI_Comm_free(&node);
+    }
+    const char* env = std::getenv("JODC_MPI_SHARED_MEMORY");
+    const bool refused = env != nullptr && std::string(env) == "0";
+    int mine = (node_size == size && !refused) ? 1 : 0, all = 0;
+    if (!MpiOk(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, h->comm), "MPI heap", "MPI_Allreduce", err)) {
+      MPI_Comm_free(&h->comm);
+      return -1;
+    }
+    h->shared_memory = all == 1;
+  }
   h->arrivals.assign(world, 0);
   h->seen.assign(h->ctl_words(), 0);
   char* base = nullptr;
   const int64_t ctl_bytes = h->ctl_words() * 8 + int64_t{h->nprocs} * kAbortMessageBytes;
-  if (!AllocateWindow(*h, ctl_bytes, "MPI heap", &h->ctl, &base, err)) {
+  if (!AllocateWindow(*h, ctl_bytes, "MPI heap", /*shared=*/false, &h->ctl, &base, err)) {
     MPI_Comm_free(&h->comm);
     return -1;
   }
@@ -407,9 +431,23 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
     *err = "bucket of " + std::to_string(numel) + " elements is too large: its window size overflows int64";
     return -1;
   }
-  if (!AllocateWindow(*h, my_bytes, "register", &b->win, &b->base, err)) {
+  if (!AllocateWindow(*h, my_bytes, "register", h->shared_memory, &b->win, &b->base, err)) {
     Poison(*h, *err);
     return -1;
+  }
+  if (h->shared_memory) {
+    b->peer_base.assign(h->nprocs, nullptr);
+    for (int32_t r = 0; r < h->nprocs; ++r) {
+      MPI_Aint size = 0;
+      int disp_unit = 0;
+      void* ptr = nullptr;
+      if (!MpiOk(MPI_Win_shared_query(b->win, r, &size, &disp_unit, &ptr), "register", "MPI_Win_shared_query",
+                 err)) {
+        Poison(*h, *err);  // the window stays allocated: freeing it is collective and the peers may not be here
+        return -1;
+      }
+      b->peer_base[r] = size > 0 ? static_cast<char*>(ptr) : nullptr;
+    }
   }
   b->local_bytes = my_bytes;
   g_live_bytes += my_bytes;
