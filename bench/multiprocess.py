@@ -106,6 +106,10 @@ def worker(args) -> None:
                 tok = ops.new_token()
                 acc = x[0, :1]
                 for _ in range(k):
+                    # each gather waits for the previous one's consumer, as each all_gather below waits for its
+                    # input: one output buffer is live at a time in both programs (without this XLA may keep all k
+                    # outputs live, allocate k x the bucket afresh per call and page-fault through it)
+                    tok = ops.after(tok, acc)
                     full, tok = ops.gather(b, tok)
                     acc = acc + full[:1]
                 return acc[None]
