@@ -26,6 +26,9 @@ processes agree on what the plans depend on (the fitted cost model and ODC's mea
 process 0's), and a step's wall is the slowest process's. `mp_odc_speedup_*` is ODC's samples/s over the faster
 lock-step engine's. --quick: 2 minibatches of a 2-layer model (bench/e2e.py --quick); --skip-ops / --skip-e2e run
 one half only.
+
+Progress (each op's ratio; each end-to-end phase with wall and process 0's CPU time) goes to stderr as the workers
+report it. Every mpirun is bounded by --timeout; on expiry it and all its workers are killed (the whole session).
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--mib", type=float, nargs="+", default=[4.0, 16.0], help="bucket sizes in MiB (fp32)")
     p.add_argument("--ops", type=int, default=4, help="ops per jitted program")
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds per mpirun; on expiry mpirun and all its workers are killed")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds at their defaults")
     p.add_argument("--quick", action="store_true", help="end to end: bench/e2e.py --quick (2 minibatches, 2 layers)")
