@@ -44,6 +44,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT_PREFIX = "MPBENCH "
 PROGRESS_PREFIX = "# progress: "
+E2E_TABLE_HEADING = "# end to end across "
 
 
 def parse_args(argv=None):
@@ -213,7 +214,7 @@ def e2e_worker(args) -> None:
     contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective", "xla_spmd")]
     r = e2e.run(e2e_args, MPISync(), contenders)
     if comm.Get_rank() == 0:
-        print(f"# end to end across {jax.process_count()} processes x {jax.local_device_count()} device", flush=True)
+        print(f"{E2E_TABLE_HEADING}{jax.process_count()} processes x {jax.local_device_count()} device", flush=True)
         e2e.print_table(r)
         print(RESULT_PREFIX + json.dumps(r), flush=True)
 
@@ -278,8 +279,9 @@ def run_nprocs(nprocs: int, args, e2e: bool = False):
     timed_out = expired.is_set()
     for line in lines:
         if line.startswith(RESULT_PREFIX):
-            if e2e:  # the worker's own table
-                sys.stderr.write("".join(x + "\n" for x in lines
+            if e2e:  # the worker's own table (from its heading on: MPI's and gloo's chatter before it is dropped)
+                table = [i for i, x in enumerate(lines) if x.startswith(E2E_TABLE_HEADING)]
+                sys.stderr.write("".join(x + "\n" for x in lines[table[0] if table else 0:]
                                          if not x.startswith((RESULT_PREFIX, PROGRESS_PREFIX))))
             return json.loads(line[len(RESULT_PREFIX):])
     why = f"did not finish within --timeout {args.timeout:g} s" if timed_out else f"failed (exit {proc.returncode})"
