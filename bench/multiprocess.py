@@ -26,18 +26,25 @@ processes agree on what the plans depend on (the fitted cost model and ODC's mea
 process 0's), and a step's wall is the slowest process's. `mp_odc_speedup_*` is ODC's samples/s over the faster
 lock-step engine's. --quick: 2 minibatches of a 2-layer model (bench/e2e.py --quick); --skip-ops / --skip-e2e run
 one half only.
+
+Progress (each op's ratio; each end-to-end phase with wall and process 0's CPU time) goes to stderr as the workers
+report it. Every mpirun is bounded by --timeout; on expiry it and all its workers are killed (the whole session).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT_PREFIX = "MPBENCH "
+PROGRESS_PREFIX = "# progress: "
+E2E_TABLE_HEADING = "# end to end across "
 
 
 def parse_args(argv=None):
@@ -46,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--mib", type=float, nargs="+", default=[4.0, 16.0], help="bucket sizes in MiB (fp32)")
     p.add_argument("--ops", type=int, default=4, help="ops per jitted program")
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--timeout", type=float, default=900, help="seconds per mpirun")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds per mpirun; on expiry mpirun and all its workers are killed")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds at their defaults")
     p.add_argument("--quick", action="store_true", help="end to end: bench/e2e.py --quick (2 minibatches, 2 layers)")
@@ -90,7 +98,7 @@ def worker(args) -> None:
         jax.block_until_ready(fn(arg))
         return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
-    rows = []
+    rows, t_start = [], time.monotonic()
     for mib in args.mib:
         numel = int(mib * 2**20) // 4
         with ops.SymmetricHeap(mesh) as heap:
@@ -106,6 +114,10 @@ def worker(args) -> None:
                 tok = ops.new_token()
                 acc = x[0, :1]
                 for _ in range(k):
+                    # each gather waits for the previous one's consumer, as each all_gather below waits for its
+                    # input: one output buffer is live at a time in both programs (without this XLA may keep all k
+                    # outputs live, allocate k x the bucket afresh per call and page-fault through it)
+                    tok = ops.after(tok, acc)
                     full, tok = ops.gather(b, tok)
                     acc = acc + full[:1]
                 return acc[None]
@@ -150,6 +162,9 @@ def worker(args) -> None:
                 b.zero_accumulators()
                 rows.append({"nprocs": world, "op": op, "mib": mib, "odc_ms": float(np.median(t_odc)) * 1e3 / k,
                              "xla_ms": float(np.median(t_xla)) * 1e3 / k, "ratio": float(np.median(ratios))})
+                if rank == 0:
+                    print(f"{PROGRESS_PREFIX}{op} {mib:g} MiB: XLA / ODC {rows[-1]['ratio']:.2f} "
+                          f"({time.monotonic() - t_start:.0f} s)", flush=True)
     if rank == 0:
         print(RESULT_PREFIX + json.dumps(rows), flush=True)
 
@@ -170,26 +185,59 @@ def e2e_worker(args) -> None:
 
     comm = MPI.COMM_WORLD
 
+    t_start, cpu_start = time.monotonic(), time.process_time()
+
+    def progress(what: str) -> None:
+        """One progress line (process 0) that the driver echoes live: wall and this process's CPU time so far."""
+        if comm.Get_rank() == 0:
+            print(f"{PROGRESS_PREFIX}{what}: {time.monotonic() - t_start:.0f} s wall, "
+                  f"{time.process_time() - cpu_start:.0f} s CPU (process 0)", flush=True)
+
     class MPISync(e2e.LocalSync):
+        def __init__(self):
+            self.agreed = 0
+
         def agree(self, value):
+            self.agreed += 1
+            progress(("calibrated the cost model", "measured ODC's microbatch overhead")[min(self.agreed, 2) - 1])
             return comm.bcast(value, root=0)
 
         def slowest(self, seconds):
             local = np.asarray(seconds, np.float64)
             out = np.empty_like(local)
             comm.Allreduce(local, out, op=MPI.MAX)
+            if len(out) > 1:  # a contender's timed pass (the overhead probe's 7 repeats count too)
+                progress(f"timed {len(out)} steps ({1e3 * float(np.median(out)):.0f} ms median)")
             return out
 
     e2e_args = e2e.parse_args(["--devices", str(jax.device_count())] + (["--quick"] if args.quick else []))
     contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective", "xla_spmd")]
     r = e2e.run(e2e_args, MPISync(), contenders)
     if comm.Get_rank() == 0:
-        print(f"# end to end across {jax.process_count()} processes x {jax.local_device_count()} device", flush=True)
+        print(f"{E2E_TABLE_HEADING}{jax.process_count()} processes x {jax.local_device_count()} device", flush=True)
         e2e.print_table(r)
         print(RESULT_PREFIX + json.dumps(r), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------- driver side
+def kill_session(sid: int) -> None:
+    """SIGKILLs every process of session `sid` (mpirun started with start_new_session=True, and its workers: mpirun
+    puts each worker in a process group of its own, so killing mpirun's group alone would leave them running)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after the command: state, ppid, pgrp, session
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run_nprocs(nprocs: int, args, e2e: bool = False):
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -202,13 +250,43 @@ def run_nprocs(nprocs: int, args, e2e: bool = False):
         cmd += ["--worker-e2e"] + (["--quick"] if args.quick else [])
     else:
         cmd += ["--worker", "--ops", str(args.ops), "--rounds", str(args.rounds), "--mib", *[str(m) for m in args.mib]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    for line in proc.stdout.splitlines():
+    # Output is read as it comes: progress lines are echoed at once; on timeout the whole process group (mpirun and
+    # its workers, started in a session of their own) is killed and the error shows the output so far.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
+        kill_session(proc.pid)
+
+    timer = threading.Timer(args.timeout, expire)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.startswith(PROGRESS_PREFIX):
+                print(f"# mpirun -np {nprocs}{' (end to end)' if e2e else ''}: {line[len(PROGRESS_PREFIX):]}",
+                      file=sys.stderr, flush=True)
+        proc.wait()
+    except BaseException:  # Ctrl-C included: leave no workers behind
+        kill_session(proc.pid)
+        raise
+    finally:
+        timer.cancel()
+    timed_out = expired.is_set()
+    for line in lines:
         if line.startswith(RESULT_PREFIX):
-            if e2e:  # the worker's own table
-                sys.stderr.write("".join(x + "\n" for x in proc.stdout.splitlines() if not x.startswith(RESULT_PREFIX)))
+            if e2e:  # the worker's own table (from its heading on: MPI's and gloo's chatter before it is dropped)
+                table = [i for i, x in enumerate(lines) if x.startswith(E2E_TABLE_HEADING)]
+                sys.stderr.write("".join(x + "\n" for x in lines[table[0] if table else 0:]
+                                         if not x.startswith((RESULT_PREFIX, PROGRESS_PREFIX))))
             return json.loads(line[len(RESULT_PREFIX):])
-    raise RuntimeError(f"mpirun -np {nprocs} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    why = f"did not finish within --timeout {args.timeout:g} s" if timed_out else f"failed (exit {proc.returncode})"
+    tail = "\n".join(lines)[-4000:]
+    raise RuntimeError(f"mpirun -np {nprocs} {why}:\n{tail}")
 
 
 def main(args) -> dict:

@@ -28,20 +28,47 @@ def mpi_env() -> dict:
     return env
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILLs every process of session `sid`: an mpirun started with start_new_session=True and its workers (mpirun
+    gives each worker a process group of its own, so killing mpirun's group alone would leave them running)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after the command: state, ppid, pgrp, session
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_session(cmd: list[str], timeout: float, env: dict, **kw) -> tuple[int, str]:
+    """Runs `cmd` in a session of its own; on timeout kills the whole session and fails the test with the output so
+    far. Returns (exit status, stdout + stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException as e:  # the timeout, or Ctrl-C: leave no workers behind
+        kill_session(proc.pid)
+        out, _ = proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out[-6000:]}")
+        raise
+    return proc.returncode, out
+
+
 def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 240, mpirun_args=()) -> tuple[int, str, float]:
     """Runs `mpirun -np nprocs python -m mpi4py script args`; returns (exit status, output, seconds)."""
     cmd = [MPIRUN, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", *mpirun_args,
            sys.executable, "-m", "mpi4py", os.path.join(WORKERS, script), *args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out[-6000:]}")
-    return proc.returncode, out, time.monotonic() - t0
+    rc, out = run_session(cmd, timeout, mpi_env())
+    return rc, out, time.monotonic() - t0
 
 
 def check_cases(out: str, rc: int, script_cases: list[str]):
@@ -58,10 +85,48 @@ OPS_CASES = ["transport_is_mpi", "gather_is_exact", "gather_bf16_master_keeps_sh
 
 
 @needs_mpi
-@pytest.mark.parametrize("nprocs,local", [(2, 1), (2, 2), (3, 1)])
+@pytest.mark.parametrize("nprocs,local", [(2, "1"), (2, "2"), (3, "2,1,1")])
 def test_ops_across_processes(nprocs, local):
-    rc, out, _ = run_mpi(nprocs, "ops_cases.py", str(local), *OPS_CASES)
+    """The op cases on 2 x 1, 2 x 2 and 3 processes holding 2, 1 and 1 devices (uneven hosts: device g's process is
+    no longer g // L). Gather and publish run on both paths: shared-memory windows (one node) and MPI_Get."""
+    rc, out, _ = run_mpi(nprocs, "ops_cases.py", local, *OPS_CASES)
     check_cases(out, rc, OPS_CASES)
+
+
+def _session_processes(sid: int) -> list[int]:
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
+                    out.append(int(entry))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+@needs_mpi
+def test_timeout_kills_mpirun_and_its_workers():
+    """mpirun puts every worker in a process group of its own: killing mpirun's group (what run_mpi did) left the
+    workers running after a timeout. kill_session ends all of them."""
+    cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-c",
+           "import time; time.sleep(120)"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=mpi_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_session_processes(proc.pid)) < 3 and time.monotonic() < deadline:  # mpirun + 2 workers
+            time.sleep(0.2)
+        assert len(_session_processes(proc.pid)) >= 3, "the workers never started"
+        workers = [p for p in _session_processes(proc.pid) if p != proc.pid]
+        assert all(os.getpgid(p) != proc.pid for p in workers)  # why killpg(mpirun) is not enough
+    finally:
+        kill_session(proc.pid)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILLed children are reaped by init
+    assert not _session_processes(proc.pid)
 
 
 @needs_mpi
@@ -191,10 +256,10 @@ def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
     for steps in (2, 4):
         cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
                "jodc.train", *_sft_args(mp_dir, steps)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420, start_new_session=True)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-        assert proc.stdout.count("done: ") == 1, proc.stdout[-3000:]  # one process prints
-    assert "resumed from" in proc.stdout and "(step 2)" in proc.stdout, proc.stdout[-3000:]
+        rc, out = run_session(cmd, 420, env)
+        assert rc == 0, out[-6000:]
+        assert out.count("done: ") == 1, out[-3000:]  # one process prints
+    assert "resumed from" in out and "(step 2)" in out, out[-3000:]
     single_dir = tmp_path / "single"
     proc = subprocess.run([sys.executable, "-m", "jodc.train", *_sft_args(single_dir, 4)], capture_output=True,
                           text=True, env=env, timeout=420)

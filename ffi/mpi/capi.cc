@@ -178,4 +178,13 @@ JODC_MPI_EXPORT int jodc_mpi_bucket_zero_accumulator(int64_t heap_id, int64_t bu
   return Report(MpiCheck(rc, "zero_accumulator", "MPI_Accumulate"), err, err_cap);
 }
 
+// 1 when the heap's bucket windows are shared memory (every process on one node: gather copies peers' shards
+// directly), 0 when they go through MPI_Get (several nodes, or JODC_MPI_SHARED_MEMORY=0).
+JODC_MPI_EXPORT int jodc_mpi_heap_shared_memory(int64_t heap_id, int32_t* out, char* err, int64_t err_cap) {
+  return WithHeap(FindHeap(heap_id), err, err_cap, [&](Heap& h) {
+    *out = h.shared_memory ? 1 : 0;
+    return Error::Success();
+  });
+}
+
 }  // extern "C"

@@ -1,7 +1,10 @@
-// gather (MPI): device d assembles the full bucket in its compute dtype: shards of its own process are copied from
-// the window's local memory, every remote owner's shard is pulled with MPI_Rget (all in flight at once).
+// gather (MPI): device d assembles the full bucket in its compute dtype. Every shard mapped into this process (its
+// own process's, and on a shared-memory heap every peer's) is copied directly, with streaming stores for large
+// buckets (mpi/copy.h); on a heap spanning nodes, each remote owner's shard is pulled with MPI_Rget (all in flight
+// at once, issued before the direct copies so they overlap).
 #include <vector>
 
+#include "mpi/copy.h"
 #include "mpi/handler_util.h"
 #include "mpi/handlers.h"
 
@@ -17,6 +20,12 @@ Error GatherBody(const OpTarget& t, int32_t device, ffi::AnyBuffer& out_buf, int
   char* dst = static_cast<char*>(out_buf.untyped_data());
   const int32_t world = b.layout.world;
   const int64_t master_bytes = DtypeBytes(b.master);
+  const bool stream = b.layout.numel * DtypeBytes(out_t) >= kStreamingCopyBytes;
+  // Peers' publishes (stores, then MPI_Win_sync, then their barrier arrival) are visible to our loads after this.
+  if (h.shared_memory) {
+    int rc = MPI_Win_sync(b.win);
+    if (rc != MPI_SUCCESS) return MpiFailure(h, "gather", "MPI_Win_sync", rc);
+  }
   std::vector<MPI_Request> reqs;
   // Remote shards whose dtype differs from the output land in a staging buffer and are converted afterwards.
   struct Staged {
@@ -24,17 +33,17 @@ Error GatherBody(const OpTarget& t, int32_t device, ffi::AnyBuffer& out_buf, int
     std::vector<char> data;
   };
   std::vector<Staged> staged;
+  std::vector<int32_t> mapped;  // owners copied directly, after the MPI_Rgets are in flight
   for (int32_t k = 0; k < world; ++k) {
     const int32_t owner = (device + k) % world;  // ring order: concurrent gathers start at different owners
     const int64_t n = b.layout.valid(owner);
     if (n <= 0) continue;
-    const int32_t r = h.dev_rank[owner], slot = h.dev_slot[owner];
-    char* to = dst + b.layout.begin(owner) * DtypeBytes(out_t);
-    if (r == h.rank) {
-      CopyConvert(to, out_t, b.base + b.shard_disp(slot), b.master, n);
+    if (MappedShard(h, b, owner) != nullptr) {
+      mapped.push_back(owner);
       continue;
     }
-    char* land = to;
+    const int32_t r = h.dev_rank[owner], slot = h.dev_slot[owner];
+    char* land = dst + b.layout.begin(owner) * DtypeBytes(out_t);
     if (out_t != b.master) {
       staged.push_back({owner, std::vector<char>(n * master_bytes)});
       land = staged.back().data.data();
@@ -51,6 +60,10 @@ Error GatherBody(const OpTarget& t, int32_t device, ffi::AnyBuffer& out_buf, int
       }
       reqs.push_back(req);
     }
+  }
+  for (const int32_t owner : mapped) {
+    CopyShard(dst + b.layout.begin(owner) * DtypeBytes(out_t), out_t, MappedShard(h, b, owner), b.master,
+              b.layout.valid(owner), stream);
   }
   if (!reqs.empty()) {
     int rc = MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);

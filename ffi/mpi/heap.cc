@@ -1,6 +1,7 @@
 #include "mpi/heap.h"
 
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -20,14 +21,18 @@ HeapRegistry<Heap>& Heaps() {
 constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are int: transfers go in 1 GiB pieces
 
 // Allocates a window of `bytes` on every process of h.comm (collective), zeroed, passive-target epoch opened.
-Error AllocateWindow(Heap& h, int64_t bytes, const char* what, MPI_Win* win, char** base) {
+// shared: MPI_Win_allocate_shared (every process of h.comm on one node; each part allocated separately, near its
+// process), else MPI_Win_allocate.
+Error AllocateWindow(Heap& h, int64_t bytes, const char* what, bool shared, MPI_Win* win, char** base) {
   void* ptr = nullptr;
   MPI_Info info;
   MPI_Info_create(&info);
   MPI_Info_set(info, "same_disp_unit", "true");
-  int rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, info, h.comm, &ptr, win);
+  if (shared) MPI_Info_set(info, "alloc_shared_noncontig", "true");
+  int rc = shared ? MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, h.comm, &ptr, win)
+                  : MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, info, h.comm, &ptr, win);
   MPI_Info_free(&info);
-  if (Error e = MpiCheck(rc, what, "MPI_Win_allocate"); e.failure()) return e;
+  if (Error e = MpiCheck(rc, what, shared ? "MPI_Win_allocate_shared" : "MPI_Win_allocate"); e.failure()) return e;
   MPI_Win_set_errhandler(*win, MPI_ERRORS_RETURN);
   if (bytes > 0) std::memset(ptr, 0, bytes);
   *base = static_cast<char*>(ptr);
@@ -276,11 +281,30 @@ ErrorOr<int64_t> CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministi
                                   " holds " + std::to_string(h->rank_devices[dev_rank[d]]) + " devices"));
     }
   }
+  // Shared-memory bucket windows when every process is on this node, and all processes agree (the environment
+  // switch is per process; the allocation call must be the same everywhere).
+  {
+    MPI_Comm node = MPI_COMM_NULL;
+    int node_size = 0;
+    if (MPI_Comm_split_type(h->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+      MPI_Comm_size(node, &node_size);
+      MPI_Comm_free(&node);
+    }
+    const char* env = std::getenv("JODC_MPI_SHARED_MEMORY");
+    const bool refused = env != nullptr && std::string(env) == "0";
+    int mine = (node_size == size && !refused) ? 1 : 0, all = 0;
+    if (Error e = MpiCheck(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, h->comm), "MPI heap", "MPI_Allreduce");
+        e.failure()) {
+      MPI_Comm_free(&h->comm);
+      return Fail(e);
+    }
+    h->shared_memory = all == 1;
+  }
   h->arrivals.assign(world, 0);
   h->seen.assign(h->ctl_words(), 0);
   char* base = nullptr;
   const int64_t ctl_bytes = h->ctl_words() * 8 + int64_t{h->nprocs} * kAbortMessageBytes;
-  if (Error e = AllocateWindow(*h, ctl_bytes, "MPI heap", &h->ctl, &base); e.failure()) {
+  if (Error e = AllocateWindow(*h, ctl_bytes, "MPI heap", /*shared=*/false, &h->ctl, &base); e.failure()) {
     MPI_Comm_free(&h->comm);
     return Fail(e);
   }
@@ -366,9 +390,24 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
     return Fail(InvalidArgument("bucket of " + std::to_string(numel) +
                                 " elements is too large: its window size overflows int64"));
   }
-  if (Error e = AllocateWindow(*h, my_bytes, "register", &b->win, &b->base); e.failure()) {
+  if (Error e = AllocateWindow(*h, my_bytes, "register", h->shared_memory, &b->win, &b->base); e.failure()) {
     Poison(*h, e.message());
     return Fail(e);
+  }
+  if (h->shared_memory) {
+    b->peer_base.assign(h->nprocs, nullptr);
+    for (int32_t r = 0; r < h->nprocs; ++r) {
+      MPI_Aint size = 0;
+      int disp_unit = 0;
+      void* ptr = nullptr;
+      if (Error e = MpiCheck(MPI_Win_shared_query(b->win, r, &size, &disp_unit, &ptr), "register",
+                             "MPI_Win_shared_query");
+          e.failure()) {
+        Poison(*h, e.message());  // the window stays allocated: freeing it is collective and the peers may not be here
+        return Fail(e);
+      }
+      b->peer_base[r] = size > 0 ? static_cast<char*>(ptr) : nullptr;
+    }
   }
   b->local_bytes = my_bytes;
   g_live_bytes += my_bytes;

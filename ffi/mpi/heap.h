@@ -7,6 +7,12 @@
 // (each device publishes its own arrivals to all processes) and a "freeing" flag per process, so barriers, aborts
 // and collective frees can be waited for with a timeout (MPI_Barrier cannot time out).
 //
+// When every process of the heap shares one node's memory, the bucket windows are allocated with
+// MPI_Win_allocate_shared instead, and every process maps its peers' parts (MPI_Win_shared_query): gather then
+// reads a peer's shard with a plain (streaming) copy instead of an MPI_Get. The window stays a regular RMA window,
+// so everything else (accumulates, atomic reads, host access) goes through MPI as before. Heaps spanning nodes keep
+// MPI_Win_allocate; JODC_MPI_SHARED_MEMORY=0 in the environment forces that path on one node too.
+//
 // Built into its own shared library (jodc/_ffi_mpi.so, linked against libmpi) and loaded by jodc/ops/_mpi.py only
 // when a heap spans processes: the CPU extension never depends on MPI.
 #ifndef JODC_FFI_MPI_HEAP_H_
@@ -44,6 +50,7 @@ struct Bucket {
   int64_t local_bytes = 0;     // size of that part
   std::vector<int64_t> acc_offset;      // per rank: byte offset of its accumulators in its window part
   std::vector<int64_t> landing_offset;  // per rank: byte offset of its landing slots (deterministic mode)
+  std::vector<char*> peer_base;         // per rank: its window part mapped here (shared-memory heaps), else empty
 
   int64_t shard_bytes() const { return layout.shard_numel * DtypeBytes(master); }
   int64_t acc_bytes() const { return layout.shard_numel * static_cast<int64_t>(sizeof(float)); }
@@ -65,6 +72,7 @@ struct Heap {
   int32_t rank = 0, nprocs = 0;
   std::vector<int32_t> dev_rank, dev_slot;  // per global device: owning process, local slot there
   std::vector<int32_t> rank_devices;        // per process: how many devices of the heap it holds
+  bool shared_memory = false;               // all processes on one node: bucket windows are shared memory
 
   // Control window: int64 words [abort][arrivals: world][freeing: nprocs], then nprocs abort messages.
   MPI_Win ctl = MPI_WIN_NULL;
@@ -127,6 +135,14 @@ Error PublishControlWord(Heap& h, int64_t disp, int64_t value);
 // 3: MPI error (*err set).
 template <typename Done>
 int WaitControl(Heap& h, std::unique_lock<std::mutex>& lock, double timeout_s, Done done, Error* err);
+
+// The master shard of `device` mapped into this process (any device of a shared-memory heap, this process's own
+// devices otherwise), or nullptr when it is only reachable through MPI.
+inline const char* MappedShard(const Heap& h, const Bucket& b, int32_t device) {
+  const int32_t r = h.dev_rank[device];
+  const char* base = r == h.rank ? b.base : (b.peer_base.empty() ? nullptr : b.peer_base[r]);
+  return base == nullptr ? nullptr : base + b.shard_disp(h.dev_slot[device]);
+}
 
 // MPI error code -> text.
 std::string MpiErrorString(int code);

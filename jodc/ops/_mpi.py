@@ -34,6 +34,7 @@ _SIGNATURES = {
     "jodc_mpi_heap_create": (c_i32, (c_i64, c_i32, c_i32, c_dbl, P(c_i32), P(c_i32), c_i32, P(c_i64)), True),
     "jodc_mpi_heap_abort": (c_i32, (c_i64, c_str), True),
     "jodc_mpi_bucket_shard_numel": (c_i32, (c_i64, c_i64, P(c_i64)), True),
+    "jodc_mpi_heap_shared_memory": (c_i32, (c_i64, P(c_i32)), True),
 }
 
 
@@ -76,6 +77,14 @@ class MpiLibrary(_clib.CLibrary):
     def heap_abort(self, heap_id: int, message: str) -> None:
         """Fails the heap here and in every peer process (their barriers fail at once with `message`)."""
         self._call("jodc_mpi_heap_abort", int(heap_id), message.encode())
+
+    def heap_shared_memory(self, heap_id: int) -> bool:
+        """True when the heap's bucket windows are shared memory (all its processes on one node): gather then copies
+        peers' shards directly instead of MPI_Get-ting them. ``JODC_MPI_SHARED_MEMORY=0`` at heap creation turns it
+        off (every process must agree; they do, the choice is reduced over the communicator)."""
+        out = ctypes.c_int32()
+        self._call("jodc_mpi_heap_shared_memory", int(heap_id), ctypes.byref(out))
+        return bool(out.value)
 
     # -- buckets ------------------------------------------------------------------------------------------------
     def bucket_register(self, heap_id: int, numel: int, dtype: str) -> int:

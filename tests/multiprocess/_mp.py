@@ -9,10 +9,23 @@ import sys
 import traceback
 
 
-def init(local_devices: int):
-    """Forces `local_devices` CPU devices in this process, then jax.distributed over MPI; returns (jax, comm)."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+def local_counts(spec, nprocs: int) -> list[int]:
+    """Devices per process from a spec: "2" (every process 2) or "2,1,1" (one count per process, uneven)."""
+    counts = [int(x) for x in str(spec).split(",")]
+    if len(counts) == 1:
+        counts = counts * nprocs
+    if len(counts) != nprocs or min(counts) < 1:
+        raise ValueError(f"device spec {spec!r} does not fit {nprocs} processes")
+    return counts
+
+
+def init(local_devices):
+    """Forces this process's CPU device count (an int, or a spec for `local_counts`), then jax.distributed over MPI;
+    returns (jax, comm)."""
     from mpi4py import MPI  # initialises MPI (MPI_THREAD_MULTIPLE)
+
+    local_devices = local_counts(local_devices, MPI.COMM_WORLD.Get_size())[MPI.COMM_WORLD.Get_rank()]
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
     import jax
 
     jax.config.update("jax_enable_x64", False)

@@ -1,6 +1,8 @@
 """ODC ops across processes (MPI transport), mirroring tests/test_ops.py. Usage, under mpirun:
 
     python ops_cases.py LOCAL_DEVICES [case ...]     (no case: all of them)
+
+LOCAL_DEVICES: devices per process, "2" for every process or "2,1,1" for one count each (uneven hosts).
 """
 import os
 import sys
@@ -9,8 +11,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _mp  # noqa: E402
 
-L = int(sys.argv[1])
-jax, comm = _mp.init(L)
+SPEC = sys.argv[1]
+jax, comm = _mp.init(SPEC)
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
@@ -19,6 +21,8 @@ from jax import lax  # noqa: E402
 from jodc import ops  # noqa: E402
 
 RANK, NPROCS = comm.Get_rank(), comm.Get_size()
+COUNTS = _mp.local_counts(SPEC, NPROCS)  # devices per process
+FIRST = [sum(COUNTS[:r]) for r in range(NPROCS)]  # global index of each process's first device (process-major)
 mesh = _mp.global_mesh(jax)
 WORLD = mesh.shape["d"]
 
@@ -37,31 +41,45 @@ def expect_raises(fn, *fragments):
 def case_transport_is_mpi():
     with ops.SymmetricHeap(mesh) as heap:
         assert heap.transport == "mpi", heap.transport
-        assert heap.world == WORLD == NPROCS * L
+        assert heap.world == WORLD == sum(COUNTS)
         assert "transport=mpi" in repr(heap)
 
 
+def heap_over_mpi_windows(**kw):
+    """A heap whose bucket windows are not shared memory (JODC_MPI_SHARED_MEMORY=0 at creation): every remote shard
+    goes through MPI_Get, as on a heap spanning nodes."""
+    os.environ["JODC_MPI_SHARED_MEMORY"] = "0"
+    try:
+        return ops.SymmetricHeap(mesh, **kw)
+    finally:
+        del os.environ["JODC_MPI_SHARED_MEMORY"]
+
+
 def case_gather_is_exact():
-    for numel in (1, 17, 1000, 4096 + 3):
-        values = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
-        with ops.SymmetricHeap(mesh) as heap:
-            b = heap.register(numel)
-            if RANK == 0:
-                b.set_full(values)  # one process writes every shard (remote ones with MPI_Put)
-            comm.Barrier()
-            np.testing.assert_array_equal(b.full(), values)  # every process reads them all back
+    # 2**20 + 5 elements: a 4 MiB output, copied with streaming stores (ffi/mpi/copy.h), with a ragged last shard
+    for shared in (True, False):
+        for numel in (1, 17, 1000, 4096 + 3, 2**20 + 5):
+            values = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
+            with (ops.SymmetricHeap(mesh) if shared else heap_over_mpi_windows()) as heap:
+                # one node: shared-memory windows by default (peers' shards copied directly), MPI_Get when refused
+                assert heap._lib.heap_shared_memory(heap.id) == shared
+                b = heap.register(numel)
+                if RANK == 0:
+                    b.set_full(values)  # one process writes every shard (remote ones with MPI_Put)
+                comm.Barrier()
+                np.testing.assert_array_equal(b.full(), values)  # every process reads them all back
 
-            def fn():
-                full, tok = ops.gather(b, ops.new_token())
-                full_bf16, tok = ops.gather(b, tok, dtype=jnp.bfloat16)
-                return full, full_bf16, tok
+                def fn():
+                    full, tok = ops.gather(b, ops.new_token())
+                    full_bf16, tok = ops.gather(b, tok, dtype=jnp.bfloat16)
+                    return full, full_bf16, tok
 
-            full, full_bf16, tok = _mp.spmd(jax, mesh, fn)
-        assert sorted(full) == [RANK * L + i for i in range(L)]
-        for d in full:
-            np.testing.assert_array_equal(full[d], values)
-            np.testing.assert_array_equal(full_bf16[d], values.astype(ml_dtypes.bfloat16))
-            assert tok[d] == 2
+                full, full_bf16, tok = _mp.spmd(jax, mesh, fn)
+            assert sorted(full) == [FIRST[RANK] + i for i in range(COUNTS[RANK])]
+            for d in full:
+                np.testing.assert_array_equal(full[d], values)
+                np.testing.assert_array_equal(full_bf16[d], values.astype(ml_dtypes.bfloat16))
+                assert tok[d] == 2
 
 
 def case_gather_bf16_master_keeps_shape():
@@ -113,8 +131,13 @@ def case_scatter_accumulate_matches_numpy_sum():
 
 
 def case_publish_then_gather_sees_new_shards():
+    for shared in (True, False):
+        publish_then_gather(shared)
+
+
+def publish_then_gather(shared):
     numel = 1000
-    with ops.SymmetricHeap(mesh) as heap:
+    with (ops.SymmetricHeap(mesh) if shared else heap_over_mpi_windows()) as heap:
         b = heap.register(numel)
         new = np.stack([np.full(b.shard_numel, d + 1, np.float32) for d in range(WORLD)])
 
@@ -202,13 +225,13 @@ def case_barrier_timeout_names_missing_process():
     last = NPROCS - 1
 
     def fn(dev):
-        skip = dev.astype(jnp.int32) // L == last  # the last process's devices never arrive
+        skip = dev.astype(jnp.int32) >= FIRST[last]  # the last process's devices never arrive
         return lax.cond(skip, lambda t: t, lambda t: ops.barrier(heap, t), ops.new_token())
 
     devs = np.arange(WORLD, dtype=np.float32)
     if RANK != last:
         t0 = time.monotonic()
-        missing = ", ".join(str(last * L + i) for i in range(L))
+        missing = ", ".join(str(FIRST[last] + i) for i in range(COUNTS[last]))
         text = expect_raises(lambda: _mp.spmd(jax, mesh, fn, devs), "timed out after 1 s",
                              f"device(s) [{missing}] never arrived", f"held by process(es) [{last}]")
         assert time.monotonic() - t0 < 1.0 + 10, time.monotonic() - t0
@@ -273,7 +296,7 @@ def case_native_handlers_return_errors():
                       "gradient has 65 elements")
         expect_raises(lambda: raw("jodc_mpi_barrier", (tok_t,), jnp.int32(0), dev=WORLD + 3, heap=np.int64(heap.id)),
                       f"device index {WORLD + 3} outside [0, {WORLD})")
-        other = ((RANK + 1) % NPROCS) * L  # a device of the next process
+        other = FIRST[(RANK + 1) % NPROCS]  # a device of the next process
         expect_raises(lambda: raw("jodc_mpi_gather", (full_t, tok_t), jnp.int32(0), dev=other, **ids),
                       f"device {other} belongs to process {(RANK + 1) % NPROCS}", f"this is process {RANK}")
         expect_raises(lambda: raw("jodc_mpi_publish", (tok_t,), jnp.zeros(b.shard_numel, jnp.bfloat16),
