@@ -78,7 +78,7 @@ ffi::Error ReadAccImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
   ReadAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
                                                                 token.typed_data(), token_out->typed_data(), dst,
                                                                 Aligned16(dst));
-  return LaunchResult("read_accumulator");
+  return Launched("read_accumulator", stream, t);
 }
 
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.
@@ -98,7 +98,7 @@ ffi::Error ZeroAccImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
   const dim3 grid(BlocksFor((view.layout.shard_numel + 3) / 4, t.gpu, static_cast<int32_t>(regions)), regions);
   ZeroAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
                                                                 token.typed_data(), token_out->typed_data());
-  return LaunchResult("zero_accumulator");
+  return Launched("zero_accumulator", stream, t);
 }
 
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.

@@ -57,7 +57,7 @@ ffi::Error GatherImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Bu
   } else {
     LaunchGather<Bf16Bits, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
   }
-  return LaunchResult("gather");
+  return Launched("gather", stream, t);
 }
 
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.

@@ -47,6 +47,29 @@ inline bool CheckHealthy(const char* op, Heap& heap, std::string* err) {
   return false;
 }
 
+// Makes the stream's GPU the calling thread's current device (every handler, the token ops included, launches only
+// after this: a launch on another device's stream fails or, worse, runs against the wrong context) and returns it.
+inline ffi::Error SelectStreamDevice(const char* op, cudaStream_t stream, int32_t* gpu_out) {
+  int gpu = -1;
+#if CUDART_VERSION >= 12080
+  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
+    cudaGetLastError();
+    gpu = -1;
+  }
+#endif
+  if (gpu < 0 && cudaGetDevice(&gpu) != cudaSuccess) {  // XLA makes the stream's context current before calling us
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot tell which GPU the stream belongs to");
+  }
+  const cudaError_t e = cudaSetDevice(gpu);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("selecting the stream's GPU", e));
+  }
+  *gpu_out = gpu;
+  return ffi::Error::Success();
+}
+
 // The common preamble of every handler: the device and token operands are int32 scalars (their values stay on the
 // GPU: kernels read them, the host never does), the heap exists and is healthy, the bucket exists (bucket_id >= 0),
 // and the stream's GPU is the calling thread's current device so that launches go to it.
@@ -66,24 +89,7 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
     out->bucket = FindBucket(out->heap, bucket_id, &why);
     if (!out->bucket) return InvalidArgument(std::string("jodc ") + op + ": " + why);
   }
-  int gpu = -1;
-#if CUDART_VERSION >= 12080
-  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
-    cudaGetLastError();
-    gpu = -1;
-  }
-#endif
-  if (gpu < 0 && cudaGetDevice(&gpu) != cudaSuccess) {  // XLA makes the stream's context current before calling us
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot tell which GPU the stream belongs to");
-  }
-  const cudaError_t e = cudaSetDevice(gpu);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("selecting the stream's GPU", e));
-  }
-  out->gpu = gpu;
-  return ffi::Error::Success();
+  return SelectStreamDevice(op, stream, &out->gpu);
 }
 
 // Returns `e`, first aborting the heap when `e` is a failure: every handler's errors go through this, so that peers
@@ -99,6 +105,15 @@ inline ffi::Error LaunchResult(const char* op) {
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("launching the kernel", e));
+}
+
+// After a heap op's launch: the launch error, if any; else records the launch with the heap, so freeing the heap or a
+// bucket waits for exactly this heap's queued work.
+inline ffi::Error Launched(const char* op, cudaStream_t stream, const OpTarget& t) {
+  if (ffi::Error e = LaunchResult(op); e.failure()) return e;
+  std::string why;
+  if (!t.heap->NoteLaunch(stream, t.gpu, &why)) return ffi::Error::Internal(std::string("jodc ") + op + ": " + why);
+  return ffi::Error::Success();
 }
 
 // Streaming multiprocessors of `gpu`, cached (queried once per GPU).

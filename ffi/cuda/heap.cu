@@ -2,6 +2,8 @@
 // buckets (per-GPU allocations), and poisoning. Host code only; the kernels live in one file per op.
 #include "cuda/heap.cuh"
 
+#include <cuda.h>  // driver types only: the few driver calls are resolved at run time, nothing links libcuda
+
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -69,19 +71,6 @@ bool EnablePeerAccess(const std::vector<int32_t>& gpus, bool* native_atomics, st
   return true;
 }
 
-// Waits for all work queued on the heap's GPUs (XLA's streams included), so memory can be released safely even if a
-// kernel on one GPU still reads another GPU's shard. Errors are ignored: this runs on teardown paths.
-void SynchronizeGpus(const std::vector<int32_t>& placement) {
-  std::vector<int32_t> gpus(placement);
-  std::sort(gpus.begin(), gpus.end());
-  gpus.erase(std::unique(gpus.begin(), gpus.end()), gpus.end());
-  for (int32_t g : gpus) {
-    ScopedDevice on(g);
-    if (on.ok()) cudaDeviceSynchronize();
-    cudaGetLastError();
-  }
-}
-
 bool VisibleDeviceCount(int* count, std::string* err) {
   cudaError_t e = cudaGetDeviceCount(count);
   if (e != cudaSuccess) {
@@ -114,8 +103,81 @@ std::string CudaMessage(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 
+namespace {
+
+// Driver entry points resolved once through the runtime (the static runtime loads libcuda itself when a GPU is used).
+// Each is requested with the ABI version named in Driver() (the signatures below are those versions').
+struct DriverCalls {
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
+  CUresult (*primary_ctx_state)(CUdevice, unsigned int*, int*) = nullptr;
+  bool ok() const { return ctx_get_current != nullptr && ctx_set_current != nullptr && ctx_get_device != nullptr; }
+};
+
+template <typename Fn>
+void Resolve(const char* symbol, int version, Fn* out) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &found);
+#else
+  (void)version;
+  cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault, &found);
+#endif
+  if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    fn = nullptr;
+  }
+  *out = reinterpret_cast<Fn>(fn);
+}
+
+const DriverCalls& Driver() {
+  static const DriverCalls calls = [] {
+    DriverCalls c;
+    Resolve("cuCtxGetCurrent", 4000, &c.ctx_get_current);
+    Resolve("cuCtxSetCurrent", 4000, &c.ctx_set_current);
+    Resolve("cuCtxGetDevice", 2000, &c.ctx_get_device);
+    Resolve("cuDevicePrimaryCtxGetState", 7000, &c.primary_ctx_state);
+    return c;
+  }();
+  return calls;
+}
+
+}  // namespace
+
+bool CurrentContextDevice(int32_t* device) {
+  const DriverCalls& d = Driver();
+  if (!d.ok()) return false;
+  CUcontext ctx = nullptr;
+  if (d.ctx_get_current(&ctx) != CUDA_SUCCESS) return false;
+  if (ctx == nullptr) {
+    *device = -1;
+    return true;
+  }
+  CUdevice dev = 0;
+  if (d.ctx_get_device(&dev) != CUDA_SUCCESS) return false;
+  *device = static_cast<int32_t>(dev);
+  return true;
+}
+
+bool PrimaryContextActive(int32_t gpu, bool* active) {
+  const DriverCalls& d = Driver();
+  if (d.primary_ctx_state == nullptr) return false;
+  unsigned flags = 0;
+  int state = 0;
+  if (d.primary_ctx_state(static_cast<CUdevice>(gpu), &flags, &state) != CUDA_SUCCESS) return false;
+  *active = state != 0;
+  return true;
+}
+
 ScopedDevice::ScopedDevice(int32_t gpu) {
-  if (cudaGetDevice(&previous_) != cudaSuccess) {
+  const DriverCalls& d = Driver();
+  CUcontext ctx = nullptr;
+  if (d.ok() && d.ctx_get_current(&ctx) == CUDA_SUCCESS) {
+    previous_context_ = ctx;  // may be null: nothing was current, and nothing will be afterwards
+    restore_context_ = true;
+  } else if (cudaGetDevice(&previous_) != cudaSuccess) {
     cudaGetLastError();
     previous_ = -1;
   }
@@ -124,7 +186,29 @@ ScopedDevice::ScopedDevice(int32_t gpu) {
 }
 
 ScopedDevice::~ScopedDevice() {
-  if (previous_ >= 0) cudaSetDevice(previous_);
+  if (restore_context_) {
+    Driver().ctx_set_current(static_cast<CUcontext>(previous_context_));
+  } else if (previous_ >= 0) {
+    cudaSetDevice(previous_);
+  }
+}
+
+cudaStream_t HostStream(int32_t gpu, std::string* err) {
+  static std::mutex mu;
+  static std::map<int32_t, cudaStream_t>* streams = new std::map<int32_t, cudaStream_t>();  // kept until exit
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams->find(gpu);
+  if (it != streams->end()) return it->second;
+  ScopedDevice on(gpu);
+  cudaStream_t s = nullptr;
+  cudaError_t e = on.ok() ? cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) : on.status();
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *err = CudaMessage(("creating jodc's copy stream on GPU " + std::to_string(gpu)).c_str(), e);
+    return nullptr;
+  }
+  (*streams)[gpu] = s;
+  return s;
 }
 
 DeviceBuffer::~DeviceBuffer() {
@@ -145,10 +229,13 @@ bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err, bool* 
     *err = CudaMessage(("selecting GPU " + std::to_string(gpu)).c_str(), on.status());
     return false;
   }
+  cudaStream_t stream = HostStream(gpu, err);
+  if (stream == nullptr) return false;
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes));
-  if (e == cudaSuccess) e = cudaMemset(p, 0, static_cast<size_t>(bytes));
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);  // zeros land before any XLA stream reads
+  // On jodc's own non-blocking stream: the legacy default stream would queue behind unrelated kernels.
+  if (e == cudaSuccess) e = cudaMemsetAsync(p, 0, static_cast<size_t>(bytes), stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);  // zeros land before any XLA stream reads
   if (e != cudaSuccess) {
     cudaGetLastError();
     if (p != nullptr) cudaFree(p);
@@ -165,11 +252,66 @@ bool DeviceBuffer::Allocate(int32_t gpu, int64_t bytes, std::string* err, bool* 
 
 int64_t LiveHeapBytes() { return g_live_bytes.load(); }
 
-Heap::~Heap() {
-  if (control != nullptr) {
-    cudaFreeHost(control);
+BarrierReport* Heap::AcquireReport() {
+  for (int32_t i = 0; i < world; ++i) {
+    if (!report_busy_[i].exchange(true, std::memory_order_acquire)) return reports + i;
+  }
+  return nullptr;
+}
+
+void Heap::ReleaseReport(BarrierReport* report) {
+  report_busy_[report - reports].store(false, std::memory_order_release);
+}
+
+bool Heap::NoteLaunch(cudaStream_t stream, int32_t gpu, std::string* err) {
+  std::lock_guard<std::mutex> lock(launches_mu_);
+  StreamEvent* slot = nullptr;
+  for (StreamEvent& s : launches_) {
+    if (s.stream == stream && s.gpu == gpu) slot = &s;
+  }
+  if (slot == nullptr) {
+    cudaEvent_t event = nullptr;
+    // The calling handler already made `gpu` current: the event belongs to the stream's context.
+    cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      *err = CudaMessage("creating the heap's completion event", e);
+      return false;
+    }
+    launches_.push_back({stream, gpu, event});
+    slot = &launches_.back();
+  }
+  const cudaError_t e = cudaEventRecord(slot->event, stream);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *err = CudaMessage("recording the heap's completion event", e);
+    return false;
+  }
+  return true;
+}
+
+void Heap::WaitForLaunches() {
+  std::vector<StreamEvent> pending;
+  {
+    std::lock_guard<std::mutex> lock(launches_mu_);
+    pending = launches_;  // events stay owned by the heap; waiting happens outside the lock
+  }
+  for (const StreamEvent& s : pending) {
+    ScopedDevice on(s.gpu);
+    if (on.ok()) cudaEventSynchronize(s.event);
     cudaGetLastError();
   }
+}
+
+Heap::~Heap() {
+  WaitForLaunches();  // nothing queued may still use the control block or the reports
+  for (const StreamEvent& s : launches_) {
+    ScopedDevice on(s.gpu);
+    cudaEventDestroy(s.event);
+  }
+  if (control != nullptr) cudaFreeHost(control);
+  if (reports != nullptr) cudaFreeHost(reports);
+  cudaGetLastError();  // at interpreter exit the runtime may already be unloading; nothing to report then
 }
 
 const std::string& PoisonLocked(Heap& heap, const std::string& message) {
@@ -203,7 +345,8 @@ bool CheckBarrierTimeout(double seconds, std::string* err) {
   return true;
 }
 
-int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err) {
+int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, const std::vector<int32_t>& placement,
+                   std::string* err) {
   if (world < 1 || world > kMaxWorld) {
     *err = "heap world size must be in [1, " + std::to_string(kMaxWorld) + "] on CUDA, got " + std::to_string(world);
     return -1;
@@ -215,58 +358,50 @@ int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, 
   heap->world = world;
   heap->deterministic = deterministic;
   heap->barrier_timeout_s = barrier_timeout_s;
-  // Default placement: position p on visible GPU p (wrapping when the world exceeds the GPU count, which only a test
-  // driving the handlers by hand can do). SetPlacement overrides it before the first bucket is registered.
-  heap->placement.resize(world);
-  for (int32_t p = 0; p < world; ++p) heap->placement[p] = p % count;
+  if (placement.empty()) {
+    // Position p on visible GPU p, wrapping when the world exceeds the GPU count: only tests driving the handlers
+    // by hand (several positions simulated on one GPU) create heaps without a placement.
+    heap->placement.resize(world);
+    for (int32_t p = 0; p < world; ++p) heap->placement[p] = p % count;
+  } else {
+    if (static_cast<int32_t>(placement.size()) != world) {
+      *err = "placement lists " + std::to_string(placement.size()) + " GPUs for a heap of " + std::to_string(world) +
+             " devices";
+      return -1;
+    }
+    for (int32_t g : placement) {
+      if (g < 0 || g >= count) {
+        *err = "placement names GPU " + std::to_string(g) + ", but only " + std::to_string(count) + " are visible";
+        return -1;
+      }
+    }
+    heap->placement = placement;
+  }
   bool native_atomics = true;
   if (!EnablePeerAccess(heap->placement, &native_atomics, err)) return -1;
   heap->landing_slots = deterministic || !native_atomics;
   {
     ScopedDevice on(heap->placement[0]);
     void* control = nullptr;
-    cudaError_t e = on.ok() ? cudaHostAlloc(&control, sizeof(HeapControl), cudaHostAllocMapped | cudaHostAllocPortable)
-                            : on.status();
+    void* reports = nullptr;
+    const unsigned flags = cudaHostAllocMapped | cudaHostAllocPortable;
+    cudaError_t e = on.ok() ? cudaHostAlloc(&control, sizeof(HeapControl), flags) : on.status();
+    if (e == cudaSuccess) e = cudaHostAlloc(&reports, sizeof(BarrierReport) * world, flags);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      *err = CudaMessage("allocating the heap's pinned control block", e);
+      if (control != nullptr) cudaFreeHost(control);
+      *err = CudaMessage("allocating the heap's pinned control block and barrier reports", e);
       return -1;
     }
     std::memset(control, 0, sizeof(HeapControl));
+    std::memset(reports, 0, sizeof(BarrierReport) * world);
     heap->control = static_cast<HeapControl*>(control);
+    heap->reports = static_cast<BarrierReport*>(reports);
   }
   heap->id = g_next_heap_id++;
   std::lock_guard<std::mutex> lock(g_registry_mu);
   Registry()[heap->id] = heap;
   return heap->id;
-}
-
-bool SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus, std::string* err) {
-  auto heap = FindHeap(heap_id, err);
-  if (!heap) return false;
-  if (static_cast<int32_t>(gpus.size()) != heap->world) {
-    *err = "placement lists " + std::to_string(gpus.size()) + " GPUs, heap " + std::to_string(heap_id) + " has " +
-           std::to_string(heap->world) + " devices";
-    return false;
-  }
-  int count = 0;
-  if (!VisibleDeviceCount(&count, err)) return false;
-  for (int32_t g : gpus) {
-    if (g < 0 || g >= count) {
-      *err = "placement names GPU " + std::to_string(g) + ", but only " + std::to_string(count) + " are visible";
-      return false;
-    }
-  }
-  std::lock_guard<std::mutex> lock(heap->mu);
-  if (!heap->buckets.empty()) {
-    *err = "heap " + std::to_string(heap_id) + " already holds buckets: set its placement before registering any";
-    return false;
-  }
-  bool native_atomics = true;
-  if (!EnablePeerAccess(gpus, &native_atomics, err)) return false;
-  heap->placement = gpus;
-  heap->landing_slots = heap->deterministic || !native_atomics;
-  return true;
 }
 
 bool FreeHeap(int64_t heap_id, std::string* err) {
@@ -288,9 +423,10 @@ bool FreeHeap(int64_t heap_id, std::string* err) {
     PoisonLocked(*heap, "heap " + std::to_string(heap_id) + " was freed");
     buckets.swap(heap->buckets);
   }
-  // Queued kernels of every GPU may still read these buckets (peers' too) or the control block, which goes with
-  // the last reference: let them finish (waiting barrier kernels see `abort` and return at once).
-  SynchronizeGpus(heap->placement);
+  // This heap's queued kernels may still read these buckets (peers' too) or the control block, which goes with the
+  // last reference: let them finish (waiting barrier kernels see `abort` and return at once). Only this heap's own
+  // launches are waited for, never unrelated work on the same GPUs.
+  heap->WaitForLaunches();
   buckets.clear();
   return true;
 }
@@ -327,11 +463,15 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   const int32_t world = heap->world;
   const std::string what = "a bucket of " + std::to_string(numel) + " " + DtypeName(master) + " elements over " +
                            std::to_string(world) + " devices in heap " + std::to_string(heap_id);
-  std::lock_guard<std::mutex> lock(heap->mu);  // placement must not change while we allocate
-  if (!heap->poisoned.empty()) {
-    *err = heap->poisoned;
-    return -1;
+  {
+    std::lock_guard<std::mutex> lock(heap->mu);
+    if (!heap->poisoned.empty()) {
+      *err = heap->poisoned;
+      return -1;
+    }
   }
+  // Placement and mode are immutable: nothing below needs heap->mu, so handlers of this heap (which take it briefly)
+  // never wait for these allocations.
   auto b = std::make_shared<Bucket>();
   BucketView& v = b->view;
   v.layout = MakeLayout(numel, world, DtypeBytes(master));
@@ -385,6 +525,11 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
     v.accumulator[p] = static_cast<float*>(b->accumulators[p].data());
     v.landing[p] = v.landing_slots ? static_cast<float*>(b->landing[p].data()) : nullptr;
   }
+  std::lock_guard<std::mutex> lock(heap->mu);
+  if (!heap->poisoned.empty()) {  // poisoned or freed while we allocated: no kernel ever saw `b`
+    *err = heap->poisoned;
+    return -1;
+  }
   b->id = g_next_bucket_id++;
   heap->buckets[b->id] = b;
   return b->id;
@@ -404,9 +549,9 @@ bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err) {
     bucket = it->second;
     heap->buckets.erase(it);
   }
-  // Kernels queued on any GPU of the heap may still read or write this bucket: let them finish first. The memory
+  // This heap's kernels queued on any GPU may still read or write this bucket: let them finish first. The memory
   // goes with the last reference (a handler running right now may still hold one).
-  SynchronizeGpus(heap->placement);
+  heap->WaitForLaunches();
   return true;
 }
 

@@ -41,6 +41,16 @@ enum class OpCode : int32_t {
 };
 const char* OpName(int32_t op);
 
+// What one barrier kernel tells its handler: outcome, generation and the devices still missing. A heap owns one per
+// position in pinned, mapped memory (allocated with the heap, freed with it); a barrier handler borrows a free one for
+// the duration of its call (see Heap::AcquireReport).
+struct BarrierReport {
+  int32_t device;
+  int32_t outcome;
+  uint64_t generation;
+  uint64_t missing;  // bit p: device p had not arrived when this device stopped waiting
+};
+
 // Per-heap state shared by the host and every GPU of the heap: pinned host memory mapped into all contexts
 // (cudaHostAllocMapped | cudaHostAllocPortable; with unified addressing the host pointer is the device pointer).
 // Living on the host makes barrier generations and device-side faults readable without any device transfer.
@@ -107,44 +117,91 @@ struct Bucket {
 };
 
 struct Heap {
+  // Immutable after CreateHeap: read without locks by every handler.
   int64_t id = 0;
   int32_t world = 0;
   bool deterministic = false;
   // True when pushes go to per-source landing slots: deterministic mode, or some pair of GPUs lacks native peer
   // atomics (PCIe) so atomicAdd into a peer's memory is not available.
   bool landing_slots = false;
-  std::atomic<double> barrier_timeout_s{300.0};
   std::vector<int32_t> placement;  // placement[p]: the CUDA device ordinal holding position p's memory
   HeapControl* control = nullptr;  // pinned, mapped into every context
+  BarrierReport* reports = nullptr;  // pinned, mapped: `world` reports, borrowed by barrier handlers
 
-  std::mutex mu;  // guards buckets, placement changes and poisoned
+  std::atomic<double> barrier_timeout_s{300.0};
+
+  // Guards buckets and poisoned. Held only for map lookups and updates: never across a CUDA call that may wait for
+  // a GPU (allocations, copies, synchronisation), so handlers of this heap never queue behind one.
+  std::mutex mu;
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
   std::string poisoned;  // non-empty once a barrier timed out or a kernel faulted: every later op fails with it
 
+  // Borrows a free barrier report (nullptr when all `world` are in use: more barriers of this heap in flight at once
+  // than it has devices, which a correct program never does); ReleaseReport returns it.
+  BarrierReport* AcquireReport();
+  void ReleaseReport(BarrierReport* report);
+
+  // Records that a handler queued work for this heap on `stream` (of GPU `gpu`): an event per stream, re-recorded
+  // after each launch. Freeing waits for these events only, i.e. for this heap's own work, never for unrelated
+  // kernels (another heap's barrier spinning on the same GPU). Returns false with a message on a CUDA error.
+  bool NoteLaunch(cudaStream_t stream, int32_t gpu, std::string* err);
+  // Waits until every launch noted so far has finished on the GPU. Errors are ignored (teardown paths).
+  void WaitForLaunches();
+
   ~Heap();
+
+ private:
+  std::atomic<bool> report_busy_[kMaxWorld] = {};
+  struct StreamEvent {
+    cudaStream_t stream;
+    int32_t gpu;
+    cudaEvent_t event;
+  };
+  std::mutex launches_mu_;  // guards launches_ (a short vector scan; no CUDA call that waits for the GPU)
+  std::vector<StreamEvent> launches_;
 };
 
-// Makes `gpu` the calling thread's current device for the scope and restores the previous one afterwards, so
-// management calls from Python never leave the thread on an unexpected device.
+// Makes `gpu` the calling thread's current device for the scope and afterwards restores exactly the context that was
+// current before: another one, or none at all (then no context is left current and none is created on GPU 0, as a
+// plain cudaSetDevice(0) "restore" would). Management calls from Python never leave the thread on an unexpected
+// device and never touch a GPU the heap does not use.
 class ScopedDevice {
  public:
   explicit ScopedDevice(int32_t gpu);
   ~ScopedDevice();
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
   bool ok() const { return status_ == cudaSuccess; }
   cudaError_t status() const { return status_; }
 
  private:
-  int previous_ = -1;
+  void* previous_context_ = nullptr;  // CUcontext current before (null: none); used when the driver calls resolved
+  bool restore_context_ = false;
+  int previous_ = -1;  // fallback without the driver's context calls
   cudaError_t status_ = cudaSuccess;
 };
+
+// The driver's view of the calling thread (resolved at run time through cudaGetDriverEntryPointByVersion, so the
+// library still links without libcuda): the device of the current context, or -1 when no context is current. False
+// when the driver calls are unavailable.
+bool CurrentContextDevice(int32_t* device);
+// Whether `gpu`'s primary context is active (created by someone in this process). False when unavailable.
+bool PrimaryContextActive(int32_t gpu, bool* active);
+
+// A process-wide non-blocking stream per GPU for jodc's own host-initiated copies and memsets (never the legacy
+// default stream, which would wait behind every kernel of blocking streams: another heap's spinning barrier).
+cudaStream_t HostStream(int32_t gpu, std::string* err);
 
 std::string CudaMessage(const char* what, cudaError_t e);
 
 // Registry operations. Errors are returned as a non-empty message (never thrown across the C boundary).
-int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, std::string* err);
+// `placement[p]` is the CUDA device holding position p's memory (the mesh's GPUs; empty: position p on visible GPU
+// p % count, which only tests driving the handlers by hand use). Only these GPUs are touched: peer access between
+// them, the control block and barrier reports on placement[0]'s context. Placement never changes afterwards.
+int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, const std::vector<int32_t>& placement,
+                   std::string* err);
 // A barrier timeout is valid when > 0 (+inf: wait forever); false with a message for NaN, zero or negative values.
 bool CheckBarrierTimeout(double seconds, std::string* err);
-bool SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus, std::string* err);
 bool FreeHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err);

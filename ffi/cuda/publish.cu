@@ -46,7 +46,7 @@ ffi::Error PublishImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::A
                                                                     static_cast<const Bf16Bits*>(src),
                                                                     Aligned16(src));
   }
-  return LaunchResult("publish");
+  return Launched("publish", stream, t);
 }
 
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.

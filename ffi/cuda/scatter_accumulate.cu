@@ -67,7 +67,7 @@ ffi::Error ScatterAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> devi
     LaunchScatter<Bf16Bits>(stream, t, device.typed_data(), token.typed_data(), token_out->typed_data(),
                             grad.untyped_data());
   }
-  return LaunchResult("scatter_accumulate");
+  return Launched("scatter_accumulate", stream, t);
 }
 
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.

@@ -145,17 +145,21 @@ class SymmetricHeap:
             check_single_process(mesh.devices.flat)
             self._lib = _backend(self.platform)
             _native.ensure_registered(self.platform)
-            self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
+            self.id = _create_local_heap(self._lib, self.platform, self._along_axis(mesh, axis_name), self.deterministic,
+                                         float(barrier_timeout_s))
         # device p of the axis (the index the ops pass to the handlers); other axes have size 1
-        along_axis = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(self.world)
+        along_axis = self._along_axis(mesh, axis_name)
         self.positions = {d: p for p, d in enumerate(along_axis)}
-        if self.transport == "local" and self.platform != "cpu" and hasattr(self._lib, "heap_set_placement"):
-            # device p of the axis holds its shard on the GPU that runs it (meshes need not follow jax.devices())
-            self._lib.heap_set_placement(self.id, [int(d.local_hardware_id) for d in along_axis])
         self._barrier_timeout_s = float(barrier_timeout_s)
         self._buckets: list[Bucket] = []
         self._freed = False
         self._finalizer = weakref.finalize(self, _free_quietly, self._lib, self.id)
+
+    @staticmethod
+    def _along_axis(mesh, axis_name: str) -> np.ndarray:
+        """The mesh's devices in position order along `axis_name` (other axes have size 1)."""
+        world = int(mesh.shape[axis_name])
+        return np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(world)
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @property
@@ -273,6 +277,19 @@ class SymmetricHeap:
         state = "freed" if self._freed else f"{len(self.buckets)} buckets"
         return (f"SymmetricHeap(id={self.id}, axis={self.axis_name!r}, world={self.world}, platform={self.platform}, "
                 f"transport={self.transport}, deterministic={self.deterministic}, {state})")
+
+
+def _create_local_heap(lib, platform: str, along_axis, deterministic: bool, barrier_timeout_s: float) -> int:
+    """Creates an in-process heap. On GPUs: refuses PJRT clients the barrier cannot serve, and places position p's
+    memory on the GPU that runs position p (meshes need not follow jax.devices()) at creation, so the library touches
+    only the mesh's GPUs (peer access, pinned blocks, contexts)."""
+    if platform == "cpu":
+        return int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s))
+    from jodc.ops import _cuda
+
+    _cuda.check_pjrt_client()
+    placement = _cuda.placement_of(along_axis)
+    return int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s, placement))
 
 
 def _free_quietly(lib, heap_id: int) -> None:
