@@ -56,11 +56,23 @@ bench: $(NATIVE)
 # check the scatter kernel's reductions (vector on sm_90, scalar on sm_80); then tests/test_cuda_build.py checks the
 # built library's exports and loads it (the plain suite skips those tests, so `make test` pays no nvcc time).
 CUDA_CHECK_DIR := build/cuda-check
-cuda-check: $(INSTALLED)
+NVCC ?= nvcc
+CUDA_MAJOR ?= $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9]*\)\..*/\1/p')
+# The NVSHMEM backend (ffi/nvshmem) is compiled and linked too, against the nvidia-nvshmem wheel matching nvcc's CUDA
+# major version (installed into the venv here, pinned in constraints-cuda.txt).
+CUDA_CHECK_NVSHMEM := $(VENV)/.jodc-nvshmem-cu$(CUDA_MAJOR)
+$(CUDA_CHECK_NVSHMEM): $(INSTALLED) constraints-cuda.txt
+	@test -n "$(CUDA_MAJOR)" || { echo "make cuda-check needs nvcc on PATH"; exit 1; }
+	$(PIP) install --quiet -c constraints-cuda.txt "nvidia-nvshmem-cu$(CUDA_MAJOR)"
+	touch $@
+
+cuda-check: $(INSTALLED) $(CUDA_CHECK_NVSHMEM)
 	rm -rf $(CUDA_CHECK_DIR)/keep
 	$(PY) ffi/build_cuda.py --out $(CUDA_CHECK_DIR)/_ffi_cuda.so --keep-dir $(CUDA_CHECK_DIR)/keep
-	JODC_CUDA_CHECK_LIBRARY=$(CURDIR)/$(CUDA_CHECK_DIR)/_ffi_cuda.so $(PY) -m pytest -q -p no:cacheprovider \
-		tests/test_cuda_build.py
+	$(PY) ffi/build_nvshmem.py --out $(CUDA_CHECK_DIR)/_ffi_nvshmem.so
+	JODC_CUDA_CHECK_LIBRARY=$(CURDIR)/$(CUDA_CHECK_DIR)/_ffi_cuda.so \
+		JODC_NVSHMEM_CHECK_LIBRARY=$(CURDIR)/$(CUDA_CHECK_DIR)/_ffi_nvshmem.so \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_cuda_build.py
 
 # ---- GPU runners ------------------------------------------------------------------------------------------------
 # A venv of its own (.venv-gpu) with the CUDA build of jax pinned in constraints-cuda.txt: jax[cuda12] or jax[cuda13]
@@ -68,8 +80,6 @@ cuda-check: $(INSTALLED)
 # and the CUDA toolkit (nvcc; compute-sanitizer for sanitize-gpu).
 GPU_VENV ?= .venv-gpu
 GPU_PY := $(GPU_VENV)/bin/python
-NVCC ?= nvcc
-CUDA_MAJOR ?= $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9]*\)\..*/\1/p')
 GPU_INSTALLED := $(GPU_VENV)/.jodc-installed
 COMPUTE_SANITIZER ?= $(or $(shell command -v compute-sanitizer 2>/dev/null),$(dir $(shell command -v $(NVCC) 2>/dev/null))compute-sanitizer)
 
@@ -84,7 +94,7 @@ $(GPU_INSTALLED): pyproject.toml constraints-cuda.txt
 
 # The CUDA build in place (jodc/_ffi_cuda.so next to the package; rebuilt every time: nvcc sees every change).
 gpu-setup: $(GPU_INSTALLED)
-	JODC_CUDA=1 $(GPU_PY) setup.py --quiet build_ext --inplace
+	JODC_CUDA=1 JODC_NVSHMEM=1 $(GPU_PY) setup.py --quiet build_ext --inplace
 
 # The GPU runner's one command: the report (GPUs, driver, peer access and atomics per pair, transport), then the whole
 # suite with the CUDA tests required (JODC_REQUIRE_GPU=1: no GPU or no CUDA build is an error, not a skip), the
@@ -94,6 +104,7 @@ test-gpu: gpu-setup
 	mkdir -p build
 	$(GPU_PY) -m jodc.ops._cuda_report
 	JODC_REQUIRE_GPU=1 JODC_CUDA_CHECK_LIBRARY=$(CURDIR)/jodc/_ffi_cuda.so \
+		JODC_NVSHMEM_CHECK_LIBRARY=$(CURDIR)/jodc/_ffi_nvshmem.so \
 		$(GPU_PY) -m pytest -q -rs --durations=15 --junitxml=build/gpu-junit.xml tests; \
 		status=$$?; $(GPU_PY) -m jodc.ops._cuda_report --check-junit build/gpu-junit.xml || exit 1; exit $$status
 

@@ -28,7 +28,8 @@ def nvcc_command(out_path: str, include_dir: str, keep_dir: str | None = None) -
         cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     if keep_dir is not None:  # keep the intermediate PTX (per source and architecture) for inspection
         cmd += ["--keep", "--keep-dir", keep_dir]
-    return cmd + sources + ["-o", out_path]
+    # -lrt: shm_open for multi-process control blocks (ipc.cu; part of libc since glibc 2.34, librt before)
+    return cmd + sources + ["-lrt", "-o", out_path]
 
 
 def build(out_path: str, include_dir: str, keep_dir: str | None = None) -> str:

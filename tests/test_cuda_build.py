@@ -14,11 +14,12 @@ import sys
 import pytest
 
 from jodc import _ffi
-from jodc.ops import _cuda
+from jodc.ops import _cuda, _nvshmem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import build_cuda  # noqa: E402  (ffi/build_cuda.py: the nvcc command line setup.py uses)
+import build_nvshmem  # noqa: E402  (ffi/build_nvshmem.py: the NVSHMEM backend's)
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
@@ -126,3 +127,35 @@ def test_library_loads_and_reports_errors_without_a_gpu(built_library):
         with pytest.raises(ValueError, match="no usable CUDA device|no CUDA device"):
             lib.heap_create(2, False, 1.0)
         assert lib.live_heaps() == 0
+
+
+NVSHMEM_CHECK_ENV = "JODC_NVSHMEM_CHECK_LIBRARY"
+
+
+def test_nvshmem_command_is_relocatable_and_links_the_wheel():
+    cmd = build_nvshmem.nvcc_command("/tmp/out.so", "/include", "/wheel")
+    assert "-rdc=true" in cmd and "-lnvshmem_device" in cmd and "-l:libnvshmem_host.so.3" in cmd
+    assert ("-L", "/wheel/lib") in list(zip(cmd, cmd[1:])) and "-rpath,/wheel/lib" in cmd
+    names = {os.path.basename(a) for a in cmd if a.endswith(".cu")}
+    assert {"gather.cu", "scatter_accumulate.cu", "barrier.cu", "accumulator.cu", "publish.cu", "heap.cu",
+            "errors.cu"} <= names
+    for arch in ("80", "90"):
+        assert ("-gencode", f"arch=compute_{arch},code=sm_{arch}") in list(zip(cmd, cmd[1:]))
+
+
+def test_nvshmem_library_exports_exactly_the_api():
+    path = os.environ.get(NVSHMEM_CHECK_ENV)
+    if not path:
+        pytest.skip(f"built and checked by `make cuda-check` ({NVSHMEM_CHECK_ENV} unset)")
+    assert os.path.isfile(path), f"{NVSHMEM_CHECK_ENV}={path} does not exist: run `make cuda-check`"
+    symbols = exported_symbols(path)
+    if symbols is None:
+        pytest.skip("nm is not available to list the exports")
+    ours = {s for s in symbols if s.lower().startswith("jodc")}
+    assert ours == set(_nvshmem.EXPORTED_SYMBOLS), (sorted(set(_nvshmem.EXPORTED_SYMBOLS) - ours),
+                                                   sorted(ours - set(_nvshmem.EXPORTED_SYMBOLS)))
+    # linked against the wheel's host library, resolvable through the baked-in rpath
+    ldd = shutil.which("ldd")
+    if ldd is not None:
+        listing = subprocess.run([ldd, path], capture_output=True, text=True).stdout
+        assert "libnvshmem_host.so.3 =>" in listing and "not found" not in listing.split("libnvshmem_host")[1][:80]

@@ -156,3 +156,16 @@ def test_junit_check_fails_when_cuda_tests_skip_for_software_reasons(tmp_path):
     ok, msg = _cuda_report.check_junit(_junit(tmp_path, [("test_ops", "test_c", None)]))
     assert not ok and "no CUDA test ran" in msg
     assert _cuda_report.main(["--check-junit", _junit(tmp_path, [("test_ops_cuda", "t", None)])]) == 0
+
+
+def test_nvshmem_python_binds_exactly_what_its_sources_export():
+    from jodc.ops import _nvshmem
+
+    names = set()
+    folder = os.path.join(ROOT, "ffi", "nvshmem")
+    for name in os.listdir(folder):
+        if name.endswith((".cu", ".cuh")):
+            text = open(os.path.join(folder, name)).read()
+            names.update(re.findall(r"JODC_NVSHMEM_EXPORT\s+[\w:*\s]+?\b(jodc_nvshmem_\w+)\s*\(", text))
+            names.update(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", text))
+    assert names == set(_nvshmem.EXPORTED_SYMBOLS)

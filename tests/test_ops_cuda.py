@@ -6,6 +6,7 @@ GPU (1 to 8). Tests that call the handlers directly simulate a world of several 
 multi-owner kernel paths, the barrier timeout and the fault handling run on single-GPU runners too.
 """
 import functools
+import json
 import os
 import re
 import shutil
@@ -466,8 +467,11 @@ def test_heap_touches_only_its_own_gpus_and_leaves_no_context_current():
     mesh's placement arrived, and ScopedDevice "restored" device 0 when nothing was current (creating a context on
     GPU 0). Without JAX in the process, a heap on the last GPU must leave GPU 0 untouched and no context current."""
     out = run_python(f"""
-        import threading
-        from jodc.ops import _cuda
+        import importlib.util, threading
+        # load jodc/ops/_cuda.py alone: importing the jodc.ops package imports JAX, which must not run here
+        spec = importlib.util.spec_from_file_location("cuda_alone", "jodc/ops/_cuda.py")
+        _cuda = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_cuda)
         lib = _cuda.library()
         last = lib.device_count() - 1
         result = {{}}
@@ -859,3 +863,53 @@ def test_stress_f_compute_sanitizer_memcheck_and_racecheck():
         assert proc.returncode == 0, f"{tool}: exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
         assert "ALL CASES PASSED" in proc.stdout
         assert re.search(r"ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards", proc.stdout + proc.stderr), tool
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# several processes on one node: CUDA IPC (one process per GPU, jax.distributed on localhost)
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs (one process per GPU)")
+@pytest.mark.parametrize("transport", ["auto", "nvshmem"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_heap_across_two_processes(deterministic, transport):
+    """The transport chosen for a mesh of two processes on one node is cuda_ipc (and NVSHMEM, forced, works there too),
+    and every op gives numpy's answer across them (tests/cuda_ipc_cases.py). Bounded: killed after 300 s."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env.pop("XLA_FLAGS", None)  # no simulated CPU devices needed there
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cuda_ipc_cases.py"), str(i), "2",
+                               str(port), "1" if deterministic else "0", transport], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
+             for i in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        expected = "cuda_ipc" if transport == "auto" else transport
+        assert p.returncode == 0 and f"IPC CASES PASSED {expected}" in out, f"process {i}:\n{out[-5000:]}"
+
+
+def test_bench_primitives_runs_on_the_cuda_mesh():
+    """bench/primitives.py --platform gpu measures jodc's kernels against NCCL and reports every ratio (a quick run:
+    the README's table comes from a full one)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "primitives.py"), "--platform", "gpu",
+                           "--quick", "--mib", "4", "--no-save"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["platform"] == "gpu" and line["devices"] == N_GPUS
+    for key in ("gather_vs_all_gather", "scatter_vs_psum_scatter", "scatter_vs_psum_scatter_accumulate"):
+        assert line[key] > 0

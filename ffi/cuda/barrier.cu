@@ -122,7 +122,7 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
   // the kernel's elapsed-time comparison never reaches.
   const int64_t timeout_ns = TimeoutNanos(timeout_s);
   const uint64_t timeout_ticks = timeout_ns > 0 ? static_cast<uint64_t>(timeout_ns) : uint64_t{1};
-  BarrierKernel<<<1, kMaxWorld, 0, stream>>>(h.control, h.world, device.typed_data(), token.typed_data(),
+  BarrierKernel<<<1, kMaxWorld, 0, stream>>>(h.control_dev, h.world, device.typed_data(), token.typed_data(),
                                              token_out->typed_data(), timeout_ticks, report);
   // No Launched(): this handler waits for its kernel below, so the heap never has to.
   if (ffi::Error e = LaunchResult("barrier"); e.failure()) return e;

@@ -87,22 +87,6 @@ bool VisibleDeviceCount(int* count, std::string* err) {
 
 }  // namespace
 
-const char* OpName(int32_t op) {
-  switch (static_cast<OpCode>(op)) {
-    case OpCode::kGather: return "gather";
-    case OpCode::kScatterAccumulate: return "scatter_accumulate";
-    case OpCode::kBarrier: return "barrier";
-    case OpCode::kReadAccumulator: return "read_accumulator";
-    case OpCode::kZeroAccumulator: return "zero_accumulator";
-    case OpCode::kPublish: return "publish";
-  }
-  return "unknown op";
-}
-
-std::string CudaMessage(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-}
-
 namespace {
 
 // Driver entry points resolved once through the runtime (the static runtime loads libcuda itself when a GPU is used).
@@ -309,9 +293,23 @@ Heap::~Heap() {
     ScopedDevice on(s.gpu);
     cudaEventDestroy(s.event);
   }
-  if (control != nullptr) cudaFreeHost(control);
+  if (control != nullptr) {
+    if (shm_bytes > 0) {
+      ReleaseSharedControl(control, shm_bytes);
+    } else {
+      cudaFreeHost(control);
+    }
+  }
   if (reports != nullptr) cudaFreeHost(reports);
   cudaGetLastError();  // at interpreter exit the runtime may already be unloading; nothing to report then
+}
+
+Bucket::~Bucket() {
+  for (void* p : imported) {
+    ScopedDevice on(import_gpu);
+    cudaIpcCloseMemHandle(p);
+  }
+  cudaGetLastError();
 }
 
 const std::string& PoisonLocked(Heap& heap, const std::string& message) {
@@ -332,17 +330,15 @@ std::string FaultMessage(const Heap& heap, uint64_t fault) {
 
 std::string CurrentPoison(Heap& heap) {
   const uint64_t fault = __atomic_load_n(&heap.control->fault, __ATOMIC_ACQUIRE);
+  // A shared control block (several processes) may have been aborted by another process: fail fast here too.
+  const bool aborted_elsewhere = heap.shm_bytes > 0 && __atomic_load_n(&heap.control->abort, __ATOMIC_ACQUIRE) != 0;
   std::lock_guard<std::mutex> lock(heap.mu);
   if (fault != 0) PoisonLocked(heap, FaultMessage(heap, fault));
-  return heap.poisoned;
-}
-
-bool CheckBarrierTimeout(double seconds, std::string* err) {
-  if (TimeoutNanos(seconds) < 0) {
-    *err = "barrier timeout must be > 0 seconds (or inf to wait forever), got " + std::to_string(seconds);
-    return false;
+  if (aborted_elsewhere) {
+    PoisonLocked(heap, "heap " + std::to_string(heap.id) + " was aborted by another process sharing it (its error is "
+                       "in that process's output); the heap is now unusable: free and re-create it");
   }
-  return true;
+  return heap.poisoned;
 }
 
 int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, const std::vector<int32_t>& placement,
@@ -396,8 +392,13 @@ int64_t CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s, 
     std::memset(control, 0, sizeof(HeapControl));
     std::memset(reports, 0, sizeof(BarrierReport) * world);
     heap->control = static_cast<HeapControl*>(control);
+    heap->control_dev = heap->control;  // cudaHostAlloc'ed: one address for host and device (UVA)
     heap->reports = static_cast<BarrierReport*>(reports);
   }
+  return AddHeap(std::move(heap));
+}
+
+int64_t AddHeap(std::shared_ptr<Heap> heap) {
   heap->id = g_next_heap_id++;
   std::lock_guard<std::mutex> lock(g_registry_mu);
   Registry()[heap->id] = heap;
@@ -422,6 +423,8 @@ bool FreeHeap(int64_t heap_id, std::string* err) {
     std::lock_guard<std::mutex> lock(heap->mu);
     PoisonLocked(*heap, "heap " + std::to_string(heap_id) + " was freed");
     buckets.swap(heap->buckets);
+    for (auto& [id, b] : heap->pending) buckets[id] = b;
+    heap->pending.clear();
   }
   // This heap's queued kernels may still read these buckets (peers' too) or the control block, which goes with the
   // last reference: let them finish (waiting barrier kernels see `abort` and return at once). Only this heap's own
@@ -487,7 +490,9 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   }
   // Refuse up front what a GPU cannot hold (positions sharing a GPU add up), naming the bytes asked for.
   std::map<int32_t, int64_t> per_gpu;
-  for (int32_t p = 0; p < world; ++p) per_gpu[heap->placement[p]] += b->bytes.per_device;
+  for (int32_t p = 0; p < world; ++p) {
+    if (heap->IsLocal(p)) per_gpu[heap->placement[p]] += b->bytes.per_device;
+  }
   for (const auto& [gpu, needed] : per_gpu) {
     ScopedDevice on(gpu);
     size_t free_bytes = 0, total_bytes = 0;
@@ -507,7 +512,10 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
   b->shards = std::vector<DeviceBuffer>(world);
   b->accumulators = std::vector<DeviceBuffer>(world);
   if (v.landing_slots) b->landing = std::vector<DeviceBuffer>(world);
+  b->attached.assign(world, 0);
   for (int32_t p = 0; p < world; ++p) {
+    if (!heap->IsLocal(p)) continue;  // another process's memory: imported later (ipc.cu)
+    b->attached[p] = 1;
     const int32_t gpu = heap->placement[p];
     std::string why;
     bool oom = false;
@@ -531,7 +539,11 @@ int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string
     return -1;
   }
   b->id = g_next_bucket_id++;
-  heap->buckets[b->id] = b;
+  if (heap->local.empty()) {
+    heap->buckets[b->id] = b;
+  } else {
+    heap->pending[b->id] = b;  // usable once every remote position is imported
+  }
   return b->id;
 }
 
@@ -542,12 +554,17 @@ bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err) {
   {
     std::lock_guard<std::mutex> lock(heap->mu);
     auto it = heap->buckets.find(bucket_id);
-    if (it == heap->buckets.end()) {
+    auto waiting = heap->pending.find(bucket_id);
+    if (it != heap->buckets.end()) {
+      bucket = it->second;
+      heap->buckets.erase(it);
+    } else if (waiting != heap->pending.end()) {
+      bucket = waiting->second;
+      heap->pending.erase(waiting);
+    } else {
       *err = "bucket " + std::to_string(bucket_id) + " is not registered in heap " + std::to_string(heap_id);
       return false;
     }
-    bucket = it->second;
-    heap->buckets.erase(it);
   }
   // This heap's kernels queued on any GPU may still read or write this bucket: let them finish first. The memory
   // goes with the last reference (a handler running right now may still hold one).

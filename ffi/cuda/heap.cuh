@@ -112,8 +112,14 @@ struct Bucket {
   std::vector<DeviceBuffer> shards;        // per position, master dtype, layout.shard_numel elements
   std::vector<DeviceBuffer> accumulators;  // per position, fp32
   std::vector<DeviceBuffer> landing;       // per owner, world * shard_numel fp32 (landing-slot mode only)
+  // Multi-process heaps (CUDA IPC): memory of other processes' positions, mapped with cudaIpcOpenMemHandle into the
+  // context of `import_gpu`; closed with the bucket. Remote positions own no DeviceBuffer here.
+  std::vector<void*> imported;
+  int32_t import_gpu = -1;
+  std::vector<uint8_t> attached;  // per position: its memory is in `view` (local, or imported)
 
   const BucketLayout& layout() const { return view.layout; }
+  ~Bucket();
 };
 
 struct Heap {
@@ -124,8 +130,16 @@ struct Heap {
   // True when pushes go to per-source landing slots: deterministic mode, or some pair of GPUs lacks native peer
   // atomics (PCIe) so atomicAdd into a peer's memory is not available.
   bool landing_slots = false;
-  std::vector<int32_t> placement;  // placement[p]: the CUDA device ordinal holding position p's memory
-  HeapControl* control = nullptr;  // pinned, mapped into every context
+  std::vector<int32_t> placement;  // placement[p]: the CUDA device ordinal holding position p's memory (for a remote
+                                   // position of a multi-process heap: the local GPU its memory is mapped through)
+  // Per position: whether this process allocated its memory. Empty: every position is local (one process).
+  std::vector<uint8_t> local;
+  HeapControl* control = nullptr;      // host view of the control block: pinned, mapped into every context
+  HeapControl* control_dev = nullptr;  // the same block as kernels address it (equal to `control` under UVA)
+  // Multi-process heaps: the control block is a POSIX shared-memory segment registered with CUDA (every process on
+  // the node maps the same pages), so barriers, aborts and faults are shared by all processes without any copy.
+  std::string shm_name;
+  size_t shm_bytes = 0;
   BarrierReport* reports = nullptr;  // pinned, mapped: `world` reports, borrowed by barrier handlers
 
   std::atomic<double> barrier_timeout_s{300.0};
@@ -134,6 +148,8 @@ struct Heap {
   // a GPU (allocations, copies, synchronisation), so handlers of this heap never queue behind one.
   std::mutex mu;
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
+  // Multi-process heaps: buckets registered here whose remote positions are not all imported yet (no op sees them).
+  std::map<int64_t, std::shared_ptr<Bucket>> pending;
   std::string poisoned;  // non-empty once a barrier timed out or a kernel faulted: every later op fails with it
 
   // Borrows a free barrier report (nullptr when all `world` are in use: more barriers of this heap in flight at once
@@ -148,6 +164,8 @@ struct Heap {
   // Waits until every launch noted so far has finished on the GPU. Errors are ignored (teardown paths).
   void WaitForLaunches();
 
+  bool IsLocal(int32_t position) const { return local.empty() || local[position] != 0; }
+
   ~Heap();
 
  private:
@@ -160,6 +178,8 @@ struct Heap {
   std::mutex launches_mu_;  // guards launches_ (a short vector scan; no CUDA call that waits for the GPU)
   std::vector<StreamEvent> launches_;
 };
+
+class ScopedDevice;
 
 // Makes `gpu` the calling thread's current device for the scope and afterwards restores exactly the context that was
 // current before: another one, or none at all (then no context is left current and none is created on GPU 0, as a
@@ -205,8 +225,18 @@ bool CheckBarrierTimeout(double seconds, std::string* err);
 bool FreeHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Heap> FindHeap(int64_t heap_id, std::string* err);
 std::shared_ptr<Bucket> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id, std::string* err);
+// Multi-process control blocks (ipc.cu): maps the POSIX shared-memory segment `name` (creating and zeroing it when
+// `create`) and registers it with CUDA as mapped memory on `gpu`; *host / *dev are its host and kernel addresses.
+bool MapSharedControl(const std::string& name, bool create, int32_t gpu, HeapControl** host, HeapControl** dev,
+                      size_t* bytes, std::string* err);
+void ReleaseSharedControl(HeapControl* host, size_t bytes);
+
+// Registers a heap built elsewhere (ipc.cu) in the process-wide registry and gives it an id.
+int64_t AddHeap(std::shared_ptr<Heap> heap);
 // Fails (-1) when the bucket's byte counts overflow int64 or a GPU cannot hold its part; *out_of_memory (when
 // given) tells the second case apart, so the C API can report it as such (Python raises MemoryError).
+// Allocates only the heap's local positions; a multi-process heap's bucket stays pending (invisible to ops) until
+// every remote position is imported (ipc.cu).
 int64_t RegisterBucket(int64_t heap_id, int64_t numel, Dtype master, std::string* err,
                        bool* out_of_memory = nullptr);
 bool FreeBucket(int64_t heap_id, int64_t bucket_id, std::string* err);

@@ -39,8 +39,10 @@ def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
 
 
 def target(heap: SymmetricHeap, op: str) -> str:
-    """The FFI target of `op` for the heap's transport: jodc_<op> in-process, jodc_mpi_<op> across processes."""
-    return f"jodc_mpi_{op}" if getattr(heap, "transport", "local") == "mpi" else f"jodc_{op}"
+    """The FFI target of `op` for the heap's transport: jodc_<op> in-process (and over CUDA IPC, whose kernels are the
+    in-process ones), jodc_mpi_<op> / jodc_nvshmem_<op> for the MPI and NVSHMEM transports."""
+    transport = getattr(heap, "transport", "local")
+    return f"jodc_{transport}_{op}" if transport in ("mpi", "nvshmem") else f"jodc_{op}"
 
 
 def _other_axes(axis_name: str) -> dict[str, int]:

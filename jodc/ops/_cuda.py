@@ -68,7 +68,19 @@ _SIGNATURES = {
     "jodc_cuda_peer_info": (_c_i32, (_c_i32, _c_i32, ctypes.POINTER(_c_i32), ctypes.POINTER(_c_i32)), True),
     "jodc_cuda_context_device": (_c_i32, (ctypes.POINTER(_c_i32),), True),
     "jodc_cuda_primary_context_active": (_c_i32, (_c_i32, ctypes.POINTER(_c_i32)), True),
+    # CUDA IPC: heaps across the processes of one node (ffi/cuda/ipc.cu, jodc/ops/_cuda_ipc.py)
+    "jodc_cuda_pci_bus_id": (_c_i32, (_c_i32, _c_str, _c_i64), True),
+    "jodc_cuda_ipc_links": (_c_i32, (_c_i32, _c_str, ctypes.POINTER(_c_i32), ctypes.POINTER(_c_i32)), True),
+    "jodc_cuda_ipc_heap_create": (_c_i32, (_c_i32, _c_i32, _c_i32, _c_dbl, _c_i32, _c_i32, _c_str, _c_i32,
+                                           ctypes.POINTER(_c_i64)), True),
+    "jodc_cuda_ipc_unlink": (_c_i32, (_c_str,), True),
+    "jodc_cuda_ipc_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, ctypes.POINTER(_c_i64), _c_str, _c_i64),
+                                      True),
+    "jodc_cuda_ipc_bucket_import": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_str, _c_i64), True),
+    "jodc_cuda_ipc_bucket_publish": (_c_i32, (_c_i64, _c_i64), True),
 }
+
+IPC_HANDLES_BYTES = 3 * 64  # per position and bucket: shard, accumulator, landing slots
 
 EXPORTED_SYMBOLS = tuple(sorted(set(HANDLER_SYMBOLS.values()) | set(_SIGNATURES)))
 
@@ -253,6 +265,44 @@ class CudaLibrary:
         active = _c_i32()
         self._call("jodc_cuda_primary_context_active", int(gpu), ctypes.byref(active))
         return bool(active.value)
+
+    # -- CUDA IPC (multi-process heaps on one node; driven by jodc.ops._cuda_ipc) ---------------------------------
+    def pci_bus_id(self, gpu: int) -> str:
+        out = ctypes.create_string_buffer(64)
+        self._call("jodc_cuda_pci_bus_id", int(gpu), out, len(out))
+        return out.value.decode()
+
+    def ipc_links(self, gpu: int, peers: str) -> tuple[bool, bool]:
+        """(GPU `gpu` reaches every peer GPU (PCI bus ids, one per line) directly, native atomics on every link)."""
+        access, atomics = _c_i32(), _c_i32()
+        self._call("jodc_cuda_ipc_links", int(gpu), str(peers).encode(), ctypes.byref(access), ctypes.byref(atomics))
+        return bool(access.value), bool(atomics.value)
+
+    def ipc_heap_create(self, world: int, deterministic: bool, landing_slots: bool, barrier_timeout_s: float,
+                        position: int, gpu: int, shm_name: str, create: bool) -> int:
+        heap_id = _c_i64()
+        self._call("jodc_cuda_ipc_heap_create", int(world), int(bool(deterministic)), int(bool(landing_slots)),
+                   float(barrier_timeout_s), int(position), int(gpu), str(shm_name).encode(), int(bool(create)),
+                   ctypes.byref(heap_id))
+        return int(heap_id.value)
+
+    def ipc_unlink(self, shm_name: str) -> None:
+        self._call("jodc_cuda_ipc_unlink", str(shm_name).encode())
+
+    def ipc_bucket_register(self, heap_id: int, numel: int, dtype: str) -> tuple[int, bytes]:
+        """Allocates this process's position of a new (pending) bucket; returns (bucket id, its IPC handles)."""
+        bucket_id = _c_i64()
+        handles = ctypes.create_string_buffer(IPC_HANDLES_BYTES)
+        self._call("jodc_cuda_ipc_bucket_register", int(heap_id), int(numel), str(dtype).encode(),
+                   ctypes.byref(bucket_id), handles, IPC_HANDLES_BYTES)
+        return int(bucket_id.value), handles.raw
+
+    def ipc_bucket_import(self, heap_id: int, bucket_id: int, position: int, handles: bytes) -> None:
+        handles = bytes(handles)
+        self._call("jodc_cuda_ipc_bucket_import", int(heap_id), int(bucket_id), int(position), handles, len(handles))
+
+    def ipc_bucket_publish(self, heap_id: int, bucket_id: int) -> None:
+        self._call("jodc_cuda_ipc_bucket_publish", int(heap_id), int(bucket_id))
 
 
 # The PJRT client option that replaces XLA's default GPU client (see jax's cuda plugin: parsed as bool(int(value))).

@@ -66,7 +66,8 @@ def cpu_library():
 
 
 def ensure_registered(platform: str) -> None:
-    """Registers every jodc FFI target for `platform` ('cpu', 'cuda' or 'mpi': the MPI transport), idempotently."""
+    """Registers every jodc FFI target for `platform` ('cpu', 'cuda', 'mpi': the MPI transport, or 'nvshmem': the
+    multi-node GPU transport), idempotently."""
     platform = platform.lower()
     if platform == "gpu":
         platform = "cuda"  # one key: the same targets must not be registered twice
@@ -82,6 +83,14 @@ def ensure_registered(platform: str) -> None:
             handlers = _mpi.library().handlers()
             for name in _mpi.HANDLER_SYMBOLS:
                 jax.ffi.register_ffi_target(name, handlers[name], platform="cpu")
+            _registered.add(platform)
+            return
+        elif platform == "nvshmem":  # the NVSHMEM backend's handlers run on CUDA devices, as jodc_nvshmem_<op>
+            from jodc.ops import _nvshmem
+
+            handlers = _nvshmem.library().handlers()
+            for name in _nvshmem.HANDLER_SYMBOLS:
+                jax.ffi.register_ffi_target(name, handlers[name], platform="CUDA")
             _registered.add(platform)
             return
         elif platform == "cuda":

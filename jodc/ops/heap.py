@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jodc.ops import _mpi, _native, layout
+from jodc.ops import _cuda_ipc, _mpi, _native, layout
 
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_BARRIER_TIMEOUT_S = 300.0
@@ -106,6 +106,9 @@ class SymmetricHeap:
         ``block_until_ready``.
       transport: 'auto' (default: 'mpi' when the mesh holds devices of several processes, else 'local'), 'local'
         (in-process memory) or 'mpi' (MPI one-sided windows, see ``jodc.ops._mpi``; needs the ``jodc[mpi]`` extra).
+        GPU meshes: 'local' (one process: peer pointers), 'cuda_ipc' (several processes on one node, one GPU each:
+        CUDA IPC handles), 'nvshmem' (several nodes); 'auto' picks by the mesh's process and node layout
+        (``jodc.ops._cuda_ipc``).
         The choice is ``heap.transport``. An MPI heap is created, registered and freed collectively by every
         process of ``MPI.COMM_WORLD``.
       progress_thread: MPI transport only: run a thread that enters MPI every ~50 us so peers' one-sided operations
@@ -133,8 +136,15 @@ class SymmetricHeap:
         self.world = int(mesh.shape[axis_name])
         self.platform = platforms.pop()
         self.deterministic = bool(deterministic)
-        self.transport = _mpi.select_transport(mesh, transport)
-        if self.transport == "mpi":
+        self._ipc = None  # a multi-process GPU heap's side in this process (jodc.ops._cuda_ipc)
+        if self.platform != "cpu":  # local (peer pointers), cuda_ipc (one node) or nvshmem (several nodes)
+            self.transport, exchange = _cuda_ipc.select_for_mesh(mesh, transport)
+        else:
+            self.transport = _mpi.select_transport(mesh, transport)
+        if self.transport in ("cuda_ipc", "nvshmem"):
+            self._lib, self.id, self._ipc = _cuda_ipc.open_heap(self.transport, exchange, mesh, axis_name,
+                                                                self.deterministic, float(barrier_timeout_s))
+        elif self.transport == "mpi":
             if self.platform != "cpu":
                 raise ValueError(f"the MPI transport serves cpu devices (host memory windows), not {self.platform}")
             self._lib = _mpi.library()
@@ -173,6 +183,8 @@ class SymmetricHeap:
         _settle_ops_before_free(f"heap {self.id}")  # queued ops still reference this heap
         self._freed = True
         self._finalizer.detach()
+        if self._ipc is not None:
+            self._ipc.barrier("free-heap")  # collective: no process still uses memory that this one unmaps
         self._lib.heap_free(self.id)
         if self.transport == "mpi":
             _mpi.forget(self.id)
@@ -235,7 +247,10 @@ class SymmetricHeap:
         if self.transport == "mpi":  # collective: every process registers the same bucket here, or all raise
             _mpi.check_registration(self.id, len(self._buckets), name, shape, master)
         try:
-            bucket_id = int(self._lib.bucket_register(self.id, numel, master))
+            if self._ipc is not None:  # collective across the heap's processes
+                bucket_id = int(self._ipc.register(numel, master, name))
+            else:
+                bucket_id = int(self._lib.bucket_register(self.id, numel, master))
         except MemoryError as e:
             raise MemoryError(f"bucket {name!r} ({needed.describe(self.world)}): {e}") from None
         bucket = Bucket(self, bucket_id, shape, numel, master, int(self._lib.bucket_shard_numel(self.id, bucket_id)),
@@ -336,6 +351,8 @@ class Bucket:
             return
         if not self.heap.freed:
             _settle_ops_before_free(f"bucket {self.name!r}")
+            if self.heap._ipc is not None:
+                self.heap._ipc.barrier("free-bucket")  # collective: peers stop using this bucket's memory first
             self.heap._lib.bucket_free(self.heap.id, self.id)
         self._freed = True
 
