@@ -112,10 +112,15 @@ void Poison(NvHeap& heap, const std::string& message) {
 
 }  // namespace jodc::nvshmem_backend
 
-using namespace jodc;
+// No `using namespace jodc`: it would make jodc::cuda visible next to libcu++'s ::cuda, which NVSHMEM's device
+// headers name unqualified (`cuda::std::...`), and their templates instantiated here would become ambiguous.
 using namespace jodc::nvshmem_backend;
+using jodc::CheckedBucketBytes;
 using jodc::Dtype;
-namespace jcuda = jodc::cuda;  // not `cuda::`: libcu++ has a ::cuda namespace too
+using jodc::DtypeBytes;
+using jodc::MakeLayout;
+using jodc::ParseDtype;
+namespace jcuda = jodc::cuda;
 
 #define JODC_NVSHMEM_EXPORT extern "C" __attribute__((visibility("default")))
 
