@@ -466,7 +466,7 @@ def test_heap_touches_only_its_own_gpus_and_leaves_no_context_current():
     """Defect 2: heap creation used to enable peer access on the default placement (GPUs 0..world-1) before the
     mesh's placement arrived, and ScopedDevice "restored" device 0 when nothing was current (creating a context on
     GPU 0). Without JAX in the process, a heap on the last GPU must leave GPU 0 untouched and no context current."""
-    out = run_python(f"""
+    out = run_python("""
         import importlib.util, threading
         # load jodc/ops/_cuda.py alone: importing the jodc.ops package imports JAX, which must not run here
         spec = importlib.util.spec_from_file_location("cuda_alone", "jodc/ops/_cuda.py")
@@ -474,7 +474,7 @@ def test_heap_touches_only_its_own_gpus_and_leaves_no_context_current():
         spec.loader.exec_module(_cuda)
         lib = _cuda.library()
         last = lib.device_count() - 1
-        result = {{}}
+        result = {}
         def work():
             result["before"] = lib.context_device()
             heap = lib.heap_create(1, False, 5.0, [last])
