@@ -2,6 +2,9 @@
 # make test  - set up .venv and run the test suite
 # make bench - run every benchmark script (prints tables and JSON lines)
 # make bazel-test - the Bazel build: C++ unit tests, then the ops tests on Bazel's jodc._ffi (installs Bazel with apt)
+# make cuda-check - compile + link the CUDA library (sm_80, sm_90) without a GPU, check its exports and reductions
+# make test-gpu - on a GPU runner: own venv with the CUDA jax stack, CUDA build, report, whole suite + CUDA tests
+# make sanitize-gpu - on a GPU runner: compute-sanitizer memcheck + racecheck of the single-GPU CUDA tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +14,7 @@ INSTALLED := $(VENV)/.jodc-installed
 JODC_CUDA ?=
 NATIVE := $(VENV)/.jodc-native$(if $(filter-out 0,$(JODC_CUDA)),-cuda,)
 
-.PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test
+.PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test test-gpu sanitize-gpu gpu-setup
 
 setup: $(NATIVE)
 
@@ -49,9 +52,71 @@ demo-rl: $(NATIVE)
 bench: $(NATIVE)
 	for f in bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
-# Compile and link the CUDA kernels (sm_80, sm_90) without needing a GPU.
-cuda-check: $(INSTALLED)
-	$(PY) ffi/build_cuda.py --out build/cuda-check/_ffi_cuda.so
+# Compile and link the CUDA kernels (sm_80, sm_90) without needing a GPU (CI runs this: .ci/run), keeping the PTX to
+# check the scatter kernel's reductions (vector on sm_90, scalar on sm_80); then tests/test_cuda_build.py checks the
+# built library's exports and loads it (the plain suite skips those tests, so `make test` pays no nvcc time).
+CUDA_CHECK_DIR := build/cuda-check
+NVCC ?= nvcc
+CUDA_MAJOR ?= $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9]*\)\..*/\1/p')
+# The NVSHMEM backend (ffi/nvshmem) is compiled and linked too, against the nvidia-nvshmem wheel matching nvcc's CUDA
+# major version (installed into the venv here, pinned in constraints-cuda.txt).
+CUDA_CHECK_NVSHMEM := $(VENV)/.jodc-nvshmem-cu$(CUDA_MAJOR)
+$(CUDA_CHECK_NVSHMEM): $(INSTALLED) constraints-cuda.txt
+	@test -n "$(CUDA_MAJOR)" || { echo "make cuda-check needs nvcc on PATH"; exit 1; }
+	$(PIP) install --quiet -c constraints-cuda.txt "nvidia-nvshmem-cu$(CUDA_MAJOR)"
+	touch $@
+
+cuda-check: $(INSTALLED) $(CUDA_CHECK_NVSHMEM)
+	rm -rf $(CUDA_CHECK_DIR)/keep
+	$(PY) ffi/build_cuda.py --out $(CUDA_CHECK_DIR)/_ffi_cuda.so --keep-dir $(CUDA_CHECK_DIR)/keep
+	$(PY) ffi/build_nvshmem.py --out $(CUDA_CHECK_DIR)/_ffi_nvshmem.so
+	JODC_CUDA_CHECK_LIBRARY=$(CURDIR)/$(CUDA_CHECK_DIR)/_ffi_cuda.so \
+		JODC_NVSHMEM_CHECK_LIBRARY=$(CURDIR)/$(CUDA_CHECK_DIR)/_ffi_nvshmem.so \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_cuda_build.py
+
+# ---- GPU runners ------------------------------------------------------------------------------------------------
+# A venv of its own (.venv-gpu) with the CUDA build of jax pinned in constraints-cuda.txt: jax[cuda12] or jax[cuda13]
+# after the CUDA major version of the nvcc on PATH (override: make test-gpu CUDA_MAJOR=12). Needs a GPU, its driver,
+# and the CUDA toolkit (nvcc; compute-sanitizer for sanitize-gpu).
+GPU_VENV ?= .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_INSTALLED := $(GPU_VENV)/.jodc-installed
+COMPUTE_SANITIZER ?= $(or $(shell command -v compute-sanitizer 2>/dev/null),$(dir $(shell command -v $(NVCC) 2>/dev/null))compute-sanitizer)
+
+$(GPU_INSTALLED): pyproject.toml constraints-cuda.txt
+	@test -n "$(CUDA_MAJOR)" || { echo "make test-gpu needs the CUDA toolkit's nvcc on PATH (CUDA 12.8+ or 13)"; exit 1; }
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install --quiet --upgrade pip
+	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt "setuptools>=69" wheel "pybind11>=2.12,<4" \
+		"jax[cuda$(CUDA_MAJOR)]" "nvidia-nvshmem-cu$(CUDA_MAJOR)"
+	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt --no-build-isolation -e ".[test,mpi]"
+	touch $@
+
+# The CUDA build in place (jodc/_ffi_cuda.so next to the package; rebuilt every time: nvcc sees every change).
+gpu-setup: $(GPU_INSTALLED)
+	JODC_CUDA=1 JODC_NVSHMEM=1 $(GPU_PY) setup.py --quiet build_ext --inplace
+
+# The GPU runner's one command: the report (GPUs, driver, peer access and atomics per pair, transport), then the whole
+# suite with the CUDA tests required (JODC_REQUIRE_GPU=1: no GPU or no CUDA build is an error, not a skip), the
+# library checks of tests/test_cuda_build.py against the in-place build, and a final check that no CUDA test skipped
+# (except the documented hardware skips: a second GPU, memory for the 2^31-element bucket).
+test-gpu: gpu-setup
+	mkdir -p build
+	$(GPU_PY) -m jodc.ops._cuda_report
+	JODC_REQUIRE_GPU=1 JODC_CUDA_CHECK_LIBRARY=$(CURDIR)/jodc/_ffi_cuda.so \
+		JODC_NVSHMEM_CHECK_LIBRARY=$(CURDIR)/jodc/_ffi_nvshmem.so \
+		$(GPU_PY) -m pytest -q -rs --durations=15 --junitxml=build/gpu-junit.xml tests; \
+		status=$$?; $(GPU_PY) -m jodc.ops._cuda_report --check-junit build/gpu-junit.xml || exit 1; exit $$status
+
+# compute-sanitizer's memcheck and racecheck over the single-GPU CUDA tests (the handlers driven directly, several
+# positions simulated on one GPU: every kernel and both accumulation modes), limited to jodc's kernels.
+SANITIZE_TESTS ?= tests/test_ops_cuda.py -k "raw or subnormal or lane_layout or barrier_reports"
+sanitize-gpu: gpu-setup
+	@test -x "$(COMPUTE_SANITIZER)" || { echo "compute-sanitizer not found (CUDA toolkit bin/; COMPUTE_SANITIZER=...)"; exit 1; }
+	for tool in memcheck racecheck; do \
+		JODC_REQUIRE_GPU=1 $(COMPUTE_SANITIZER) --tool $$tool --error-exitcode 97 --kernel-name kns=jodc \
+			$(GPU_PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) || exit 1; \
+	done
 
 # Bazel (the reference build stays setuptools: `make native`). bazel-configure writes the venv's header paths
 # (third_party/bazel/python_paths.bzl); bazel-test installs Bazel and GoogleTest with apt when missing, runs the

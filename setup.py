@@ -2,7 +2,8 @@
 jodc/_ffi_mpi.so (the MPI transport, when an MPI C++ compiler is found: the `jodc[mpi]` extra's mpicxx).
 
 The CUDA library is compiled when JODC_CUDA=1, or when nvcc is on PATH and a CUDA jaxlib plugin is installed
-(JODC_CUDA=0 turns it off). It is a plain shared library loaded with ctypes, so nvcc never sees pybind11.
+(JODC_CUDA=0 turns it off); the NVSHMEM backend (jodc/_ffi_nvshmem.so) with it when the nvidia-nvshmem wheel is
+installed, or when JODC_NVSHMEM=1. It is a plain shared library loaded with ctypes, so nvcc never sees pybind11.
 """
 import importlib.util
 import os
@@ -16,6 +17,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import build_cuda  # noqa: E402  (ffi/build_cuda.py: the one place that knows the nvcc command line)
 import build_mpi  # noqa: E402  (ffi/build_mpi.py: the same for mpicxx)
+import build_nvshmem  # noqa: E402  (ffi/build_nvshmem.py: the NVSHMEM backend, against the nvidia-nvshmem wheel)
 import sources  # noqa: E402  (ffi/sources.py: the CPU extension's source list, shared with the Bazel check)
 
 
@@ -34,6 +36,15 @@ def want_cuda() -> bool:
     return has_plugin and shutil.which("nvcc") is not None
 
 
+def want_nvshmem() -> bool:
+    """JODC_NVSHMEM=1 builds the NVSHMEM backend (needs the nvidia-nvshmem wheel); unset: built with the CUDA library
+    whenever the wheel is installed; JODC_NVSHMEM=0 turns it off."""
+    flag = os.environ.get("JODC_NVSHMEM")
+    if flag is not None:
+        return flag not in ("", "0", "false", "no")
+    return want_cuda() and build_nvshmem.find_nvshmem() is not None
+
+
 class BuildWithCuda(build_ext):
     def run(self):
         super().run()
@@ -41,6 +52,9 @@ class BuildWithCuda(build_ext):
             out_dir = os.path.join(ROOT, "jodc") if self.inplace else os.path.join(self.build_lib, "jodc")
             os.makedirs(out_dir, exist_ok=True)
             build_cuda.build(os.path.join(out_dir, "_ffi_cuda.so"), xla_ffi_include_dir())
+        if want_nvshmem():
+            out_dir = os.path.join(ROOT, "jodc") if self.inplace else os.path.join(self.build_lib, "jodc")
+            build_nvshmem.build(os.path.join(out_dir, build_nvshmem.LIBRARY_NAME), xla_ffi_include_dir())
         out_dir = os.path.join(ROOT, "jodc") if self.inplace else os.path.join(self.build_lib, "jodc")
         mpicxx = build_mpi.find_mpicxx()
         if mpicxx is None:

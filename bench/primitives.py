@@ -10,6 +10,10 @@ XLA are medians of per-round ratios (each round times every contender once, back
 drifts of a shared machine's load; the memcpy reference is the median of measurements taken before and after
 the collectives.
 
+`--platform gpu` runs the same comparison on a CUDA mesh of `--devices` GPUs (default: all of them): jodc's CUDA
+kernels (peer pointers over NVLink / PCIe P2P) against XLA's collectives there, which are NCCL's all_gather and
+reduce_scatter. There is no memcpy row on GPUs. Results go to bench/results/primitives_gpu.json.
+
 Prints a table, then one JSON line (also written to bench/results/primitives.json unless --no-save).
 """
 from __future__ import annotations
@@ -23,7 +27,9 @@ import time
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: simulated CPU devices; gpu: a CUDA mesh, against NCCL collectives")
+    p.add_argument("--devices", type=int, default=None, help="devices in the mesh (cpu: 4; gpu: every GPU)")
     p.add_argument("--mib", type=float, default=16.0, help="bucket size in MiB (fp32)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--layers", type=int, default=8, help="buckets per program in the layer-stack mode")
@@ -33,7 +39,8 @@ def parse_args(argv=None):
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None:
+if ARGS is not None and ARGS.platform == "cpu":
+    ARGS.devices = ARGS.devices or 4
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
 
@@ -135,25 +142,29 @@ def ratios(rounds: dict, gbps: dict) -> dict:
     def paired(ours, theirs):
         return float(np.median(rounds[theirs] / rounds[ours]))
 
-    return {
+    out = {
         "gather_vs_all_gather": paired("odc_gather", "xla_all_gather"),
         "scatter_vs_psum_scatter": paired("odc_scatter_accumulate", "xla_psum_scatter"),
         "scatter_vs_psum_scatter_accumulate": paired("odc_scatter_accumulate", "xla_psum_scatter_accumulate"),
-        "gather_vs_memcpy": gbps["odc_gather"] / gbps["memcpy_2_threads"],
     }
+    if "memcpy_2_threads" in gbps:
+        out["gather_vs_memcpy"] = gbps["odc_gather"] / gbps["memcpy_2_threads"]
+    return out
 
 
-def run(devices: int, mib: float, repeats: int, layers: int) -> dict:
-    cpu = jax.devices("cpu")
-    if len(cpu) < devices:
-        raise SystemExit(f"need {devices} CPU devices, have {len(cpu)} (set XLA_FLAGS before importing jax)")
-    mesh = Mesh(np.array(cpu[:devices]), ("d",))
+def run(devices: int | None, mib: float, repeats: int, layers: int, platform: str = "cpu") -> dict:
+    available = jax.devices(platform)
+    devices = devices or len(available)
+    if len(available) < devices:
+        raise SystemExit(f"need {devices} {platform} devices, have {len(available)}"
+                         + (" (set XLA_FLAGS before importing jax)" if platform == "cpu" else ""))
+    mesh = Mesh(np.array(available[:devices]), ("d",))
     numel = int(mib * (1 << 20)) // 4
     bucket_bytes = numel * 4
     moved = devices * bucket_bytes
     lib = _native.cpu_library()
     iters = max(3, repeats // 3)
-    memcpy_runs = {1: [], 2: []}
+    memcpy_runs = {1: [], 2: []} if platform == "cpu" else {}  # a host memcpy says nothing about GPUs
 
     def time_memcpy():
         for t in memcpy_runs:
@@ -163,11 +174,14 @@ def run(devices: int, mib: float, repeats: int, layers: int) -> dict:
     rounds = {mode: measure(mesh, devices, numel, n, repeats) for mode, n in (("single", 1), ("stack", layers))}
     time_memcpy()
     memcpy = {t: float(np.median(v)) for t, v in memcpy_runs.items()}
-    out = {"devices": devices, "bucket_mib": mib, "layers": layers, "modes": {}}
+    out = {"platform": platform, "devices": devices, "bucket_mib": mib, "layers": layers, "modes": {}}
+    if platform == "gpu":
+        out["gpu"] = available[0].device_kind
     for mode, per_round in rounds.items():
         seconds = {k: float(np.median(v)) for k, v in per_round.items()}
         gbps = {k: moved / v / 1e9 for k, v in seconds.items()}
-        gbps["memcpy_1_thread"], gbps["memcpy_2_threads"] = memcpy[1], memcpy[2]
+        if memcpy:
+            gbps["memcpy_1_thread"], gbps["memcpy_2_threads"] = memcpy[1], memcpy[2]
         out["modes"][mode] = {"gbps": gbps, "ms": {k: v * 1e3 for k, v in seconds.items()},
                               **ratios(per_round, gbps)}
     # headline: one op per program, the issue's definition; the layer-stack figures are reported beside it
@@ -176,7 +190,9 @@ def run(devices: int, mib: float, repeats: int, layers: int) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"ODC primitives, {r['devices']} CPU devices, {r['bucket_mib']:g} MiB fp32 buckets "
+    where = f"{r['devices']} x {r['gpu']} (XLA collectives = NCCL)" if r.get("platform") == "gpu" else \
+        f"{r['devices']} CPU devices"
+    print(f"ODC primitives, {where}, {r['bucket_mib']:g} MiB fp32 buckets "
           f"(GB/s = devices x bucket bytes / time per op)")
     stack_title = f"{r['layers']}-layer program"
     print(f"{'contender':<30}{'single op':>20}  {stack_title:>20}")
@@ -187,6 +203,8 @@ def print_table(r: dict) -> None:
             ("C++ memcpy, 1 thread", "memcpy_1_thread"), ("C++ memcpy, 2 threads", "memcpy_2_threads")]
     single, stack = r["modes"]["single"], r["modes"]["stack"]
     for label, key in rows:
+        if key not in single["gbps"]:
+            continue
         cells = []
         for mode in (single, stack):
             ms = mode["ms"].get(key)
@@ -195,13 +213,13 @@ def print_table(r: dict) -> None:
     for name, mode in (("single op", single), (f"{r['layers']}-layer program", stack)):
         print(f"{name:>20}: gather/all_gather {mode['gather_vs_all_gather']:.2f}  "
               f"scatter/psum_scatter {mode['scatter_vs_psum_scatter']:.2f}  "
-              f"scatter/(psum_scatter+acc) {mode['scatter_vs_psum_scatter_accumulate']:.2f}  "
-              f"gather/memcpy(2 thr) {mode['gather_vs_memcpy']:.2f}")
+              f"scatter/(psum_scatter+acc) {mode['scatter_vs_psum_scatter_accumulate']:.2f}"
+              + (f"  gather/memcpy(2 thr) {mode['gather_vs_memcpy']:.2f}" if "gather_vs_memcpy" in mode else ""))
 
 
 def main(args) -> dict:
     repeats = 8 if args.quick else args.repeats
-    r = run(args.devices, args.mib, repeats, 2 if args.quick else args.layers)
+    r = run(args.devices, args.mib, repeats, 2 if args.quick else args.layers, getattr(args, "platform", "cpu"))
     print_table(r)
     line = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "modes"}
     for mode, values in r["modes"].items():
@@ -212,7 +230,8 @@ def main(args) -> dict:
                 line[f"{mode}_{k}"] = round(v, 4)
     print(json.dumps(line))
     if not args.no_save:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "primitives.json")
+        name = "primitives_gpu.json" if r.get("platform") == "gpu" else "primitives.json"
+        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:
             json.dump(line, f, indent=1)

@@ -1,4 +1,4 @@
-"""Runs one compiler command line for the native builds (ffi/build_cuda.py, ffi/build_mpi.py): output to a file
+"""Runs one compiler command line for the native builds (ffi/build_cuda.py, ffi/build_nvshmem.py, ffi/build_mpi.py): output to a file
 (a pipe that closes early breaks nvcc), a RuntimeError carrying the whole log when it fails."""
 import os
 import subprocess

@@ -6,7 +6,15 @@ GPU (1 to 8). Tests that call the handlers directly simulate a world of several 
 multi-owner kernel paths, the barrier timeout and the fault handling run on single-GPU runners too.
 """
 import functools
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 import warnings
 
 import jax
@@ -31,15 +39,25 @@ def _gpus():
         return []
 
 
+# `make test-gpu` sets JODC_REQUIRE_GPU=1: on a GPU runner a missing GPU or CUDA build is a failure, never a skip.
+REQUIRE_GPU = os.environ.get("JODC_REQUIRE_GPU", "") not in ("", "0")
+
+
+def _unavailable(reason: str):
+    if REQUIRE_GPU:
+        raise RuntimeError(f"JODC_REQUIRE_GPU is set but {reason}")
+    pytest.skip(reason, allow_module_level=True)
+
+
 GPUS = _gpus()
 if not GPUS:
-    pytest.skip("needs a CUDA device (jax.devices('gpu') is empty)", allow_module_level=True)
+    _unavailable("needs a CUDA device (jax.devices('gpu') is empty)")
 try:
     from jodc.ops import _cuda
 
     LIB = _cuda.library()
 except ImportError as e:
-    pytest.skip(f"the CUDA build of jodc is missing: {e}", allow_module_level=True)
+    _unavailable(f"the CUDA build of jodc is missing: {e}")
 
 N_GPUS = len(GPUS)
 WORLDS = sorted({1, min(2, N_GPUS), N_GPUS})
@@ -409,3 +427,472 @@ def test_native_handlers_return_errors_instead_of_crashing():
         assert "device index 7" in LIB.heap_poisoned(heap.id)
     finally:
         heap.free()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 15: the defects of the line-by-line review, each checked where it shows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str, *, env=None, timeout=300) -> str:
+    """Runs `code` in a fresh interpreter (no JAX state of this process: contexts, flags); returns its stdout."""
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_heap_touches_only_its_own_gpus_and_leaves_no_context_current():
+    """Defect 2: heap creation used to enable peer access on the default placement (GPUs 0..world-1) before the
+    mesh's placement arrived, and ScopedDevice "restored" device 0 when nothing was current (creating a context on
+    GPU 0). Without JAX in the process, a heap on the last GPU must leave GPU 0 untouched and no context current."""
+    out = run_python("""
+        import importlib.util, threading
+        # load jodc/ops/_cuda.py alone: importing the jodc.ops package imports JAX, which must not run here
+        spec = importlib.util.spec_from_file_location("cuda_alone", "jodc/ops/_cuda.py")
+        _cuda = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_cuda)
+        lib = _cuda.library()
+        last = lib.device_count() - 1
+        result = {}
+        def work():
+            result["before"] = lib.context_device()
+            heap = lib.heap_create(1, False, 5.0, [last])
+            assert lib.heap_placement(heap) == [last]
+            bucket = lib.bucket_register(heap, 1000, "float32")
+            lib.bucket_zero_accumulator(heap, bucket, 0)
+            lib.bucket_get_shard(heap, bucket, 0)
+            lib.bucket_free(heap, bucket)
+            lib.heap_free(heap)
+            result["after"] = lib.context_device()
+            result["gpu0"] = lib.primary_context_active(0)
+            result["last"] = lib.primary_context_active(last)
+        t = threading.Thread(target=work)
+        t.start(); t.join()
+        print(result["before"], result["after"], int(result["gpu0"]), int(result["last"]), last)
+    """)
+    before, after, gpu0, last_active, last = (int(x) for x in out.split())
+    assert before == -1 and after == -1, "a management call left a CUDA context current on the calling thread"
+    assert last_active == 1
+    if last > 0:
+        assert gpu0 == 0, "creating a heap on the last GPU created a context on GPU 0"
+
+
+def test_barrier_reports_belong_to_the_heap():
+    """Defect 3: each barrier borrows one of its heap's pinned reports (allocated with the heap, freed with it), so
+    fresh host threads (each new thread used to cudaHostAlloc a report of its own, never freed) work and nothing
+    is allocated inside a barrier."""
+    heap = RawHeap(1)
+    try:
+        def one():
+            (tok,) = heap.call("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
+            assert int(tok) == 1
+
+        for _ in range(20):
+            t = threading.Thread(target=one)
+            t.start()
+            t.join()
+        assert LIB.heap_generations(heap.id) == [20]
+        assert LIB.heap_poisoned(heap.id) == ""
+    finally:
+        heap.free()
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+def test_subnormal_gradients_atomic_mode_flushes_landing_slots_keep(grad_dtype):
+    """Defect 4: float atomics on global memory flush subnormals to zero (scalar and sm_90 vector reductions alike),
+    the landing slots and the CPU backend do not. The documented behaviour: deterministic heaps keep subnormals bit for
+    bit; atomic mode gives, per element, either the exact sum or the flushed one."""
+    tiny = np.float32(2.0 ** -130)  # subnormal in fp32 (and representable in bf16)
+    numel = 4096 + 5  # vector body and scalar tail
+    grads = np.full((1, numel), tiny, np.float32).astype(grad_dtype)
+    exact = np.asarray(grads, np.float32)[0]
+    for deterministic in (True, False):
+        heap = RawHeap(1, deterministic=deterministic)
+        try:
+            bucket = heap.register(numel)
+            heap.call("jodc_scatter_accumulate", (TOKEN,), 0, jnp.asarray(grads[0]), jnp.int32(0), heap=heap.id,
+                      bucket=bucket)
+            got = np.frombuffer(LIB.bucket_get_accumulator(heap.id, bucket, 0), np.float32)[:numel]
+            if deterministic or LIB.heap_landing_slots(heap.id):
+                assert got.tobytes() == exact.tobytes()
+            else:
+                assert np.all((got == exact) | (got == 0.0))
+        finally:
+            heap.free()
+
+
+def test_atomic_accumulation_is_exact_on_every_lane_layout():
+    """Defect 4: contiguous lanes with 16-byte vector reductions (sm_90) or scalar ones (sm_80), vector body and
+    scalar tails, aligned and unaligned gradients: every element gets exactly its integer-valued contributions."""
+    world = 3
+    for numel in (1, 3, 4, 5, 4096, 4099, 100_003):
+        heap = RawHeap(world)
+        try:
+            bucket = heap.register(numel)
+            shard_numel = LIB.bucket_shard_numel(heap.id, bucket)
+            base = np.arange(numel, dtype=np.float32) % 1024
+            for d in range(world):
+                heap.call("jodc_scatter_accumulate", (TOKEN,), d, jnp.asarray(base * (d + 1)), jnp.int32(0),
+                          heap=heap.id, bucket=bucket)
+            got = np.concatenate([np.frombuffer(LIB.bucket_get_accumulator(heap.id, bucket, d), np.float32)
+                                  for d in range(world)])
+            np.testing.assert_array_equal(got[:numel], base * 6)
+            assert np.all(got[numel:world * shard_numel] == 0)
+        finally:
+            heap.free()
+
+
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_token_ops_run_on_the_streams_gpu(order):
+    """Defect 6: after / depend_on now select the stream's GPU like every other handler. A mesh whose positions run
+    on GPUs in reverse order exercises threads whose current device is not the stream's."""
+    devices = GPUS[::-1] if order == "reversed" else GPUS
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+
+    def body(x):
+        tok = ops.new_token()
+        tok = ops.after(tok, x)
+        y = ops.depend_on(x * 2.0, tok)
+        return y, tok[None]
+
+    sm = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d")))
+    x = jnp.arange(4.0 * len(devices))
+    y, tok = jax.block_until_ready(jax.jit(sm)(x))
+    np.testing.assert_array_equal(np.asarray(y), np.arange(4.0 * len(devices)) * 2.0)
+    np.testing.assert_array_equal(np.asarray(tok), 1)
+
+
+def test_management_does_not_wait_for_another_heaps_spinning_barrier():
+    """Defect 7: registering, host copies and zeroing used the legacy default stream (queued behind every kernel of
+    blocking streams) and held heap->mu across allocations; freeing ran cudaDeviceSynchronize. While heap A's barrier
+    spins for a device that never comes, heap B's management calls must finish long before A times out."""
+    timeout = 20.0
+    a = RawHeap(2, timeout_s=timeout)
+    b = RawHeap(1)
+    errors = []
+
+    def spin():
+        try:
+            a.call("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=a.id)
+        except Exception as e:  # noqa: BLE001 - the expected timeout
+            errors.append(e)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(1.0)  # the barrier kernel is spinning now
+        start = time.perf_counter()
+        bucket = b.register(1 << 16)
+        LIB.bucket_set_shard(b.id, bucket, 0, np.ones(LIB.bucket_shard_numel(b.id, bucket), np.float32))
+        LIB.bucket_get_shard(b.id, bucket, 0)
+        LIB.bucket_zero_accumulator(b.id, bucket, 0)
+        LIB.bucket_get_accumulator(b.id, bucket, 0)
+        elapsed = time.perf_counter() - start
+        assert spinner.is_alive(), "heap A's barrier did not spin: the test proves nothing"
+        assert elapsed < timeout / 2, f"heap B's management waited {elapsed:.1f} s behind heap A's barrier"
+    finally:
+        LIB.heap_abort(a.id, "test over")  # releases the spinning kernel at once
+        spinner.join(timeout=timeout + 30)
+        a.free()
+        b.free()
+    assert errors and "test over" in str(errors[0])
+
+
+def test_tfrt_gpu_client_is_refused_at_heap_creation():
+    """Defect 8: under the TFRT GPU client the blocking barrier could deadlock; creating a heap must say so."""
+    out = run_python("""
+        import jax, numpy as np
+        from jodc import ops
+        mesh = jax.sharding.Mesh(np.array(jax.devices("gpu")[:1]), ("d",))
+        try:
+            ops.SymmetricHeap(mesh)
+        except ValueError as e:
+            print("REFUSED", e)
+        else:
+            print("ACCEPTED")
+    """, env={"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"})
+    assert "REFUSED" in out and "TFRT GPU client" in out, out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 15: the stress tests a GPU run must pass first
+
+def _busy(device, rounds):
+    """Device-dependent busy work: device d runs (d + 1) * rounds small matmuls first, so devices reach each barrier
+    at very different times."""
+    x = jnp.full((64, 64), 1e-3, jnp.float32)
+    return lax.fori_loop(0, (device + 1) * rounds, lambda i, a: jnp.tanh(a @ a), x)[0, 0]
+
+
+def test_stress_a_publish_barrier_gather_1000_rounds_with_skewed_devices():
+    """(a) 1000 rounds of publish -> barrier -> gather, each device doing a different amount of busy work first,
+    barrier_timeout_s=10: every gathered shard equals the round number (a barrier that lets a device through early
+    shows as a stale or torn shard)."""
+    world, rounds, numel = N_GPUS, 1000, 4096 * N_GPUS + 7
+    mesh = gpu_mesh(world)
+    with ops.SymmetricHeap(mesh, barrier_timeout_s=10.0) as heap:
+        b = heap.register(numel)
+
+        def fn(dev):
+            def body(r, carry):
+                tok, bad = carry
+                noise = _busy(dev, 3) * 0.0  # data dependence: the busy work happens before the publish
+                shard = jnp.full((b.shard_numel,), r.astype(jnp.float32) + noise, jnp.float32)
+                tok = ops.publish(b, shard, tok)
+                tok = ops.barrier(heap, tok)
+                full, tok = ops.gather(b, tok)
+                bad = bad + jnp.sum(full != r.astype(jnp.float32))
+                tok = ops.barrier(heap, tok)  # nobody publishes round r + 1 before everyone has gathered round r
+                return tok, bad
+
+            tok, bad = lax.fori_loop(0, rounds, body, (ops.new_token(), jnp.int32(0)))
+            return bad, tok
+
+        bad, _ = spmd(mesh, fn, jnp.arange(world, dtype=jnp.int32))
+        assert np.asarray(bad).tolist() == [0] * world
+        assert heap.generations() == [2 * rounds] * world
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_stress_b_push_barrier_read_zero_1000_rounds(deterministic):
+    """(b) 1000 rounds of push -> barrier -> read/zero -> barrier with skewed devices: every round's accumulated
+    shard equals numpy's sum; deterministic mode is bit for bit the CPU backend's result."""
+    world, rounds, numel = N_GPUS, 1000, 2048 * N_GPUS + 3
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((world, numel)).astype(np.float32)
+
+    def run(mesh, skew):
+        with ops.SymmetricHeap(mesh, deterministic=deterministic, barrier_timeout_s=10.0) as heap:
+            b = heap.register(numel)
+
+            def fn(dev, g):
+                def body(r, carry):
+                    tok, total = carry
+                    noise = _busy(dev, 2) * 0.0 if skew else 0.0
+                    tok = ops.scatter_accumulate(b, g * (r % 7 + 1).astype(jnp.float32) + noise, tok)
+                    tok = ops.barrier(heap, tok)
+                    acc, tok = ops.read_accumulator(b, tok)
+                    tok = ops.zero_accumulator(b, tok)
+                    tok = ops.barrier(heap, tok)
+                    return tok, total + acc * (r + 1).astype(jnp.float32)
+
+                _, total = lax.fori_loop(0, rounds, body,
+                                         (ops.new_token(), jnp.zeros((b.shard_numel,), jnp.float32)))
+                return total
+
+            return np.asarray(spmd(mesh, fn, jnp.arange(world, dtype=jnp.int32), jnp.asarray(base)))
+
+    got = run(gpu_mesh(world), True).reshape(-1)[:numel]
+    # numpy: round r accumulates sum_s base[s] * (r % 7 + 1) (sources in order, fp32), weighted by r + 1
+    per_round = {}
+    for k in range(1, 8):
+        acc = np.zeros(numel, np.float32)
+        for s in range(world):
+            acc += base[s] * np.float32(k)
+        per_round[k] = acc
+    expected = np.zeros(numel, np.float32)
+    for r in range(rounds):
+        expected += per_round[r % 7 + 1] * np.float32(r + 1)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-2)
+    if deterministic:
+        assert got.tobytes() == expected.tobytes()
+        if world <= len(jax.devices("cpu")):
+            cpu = run(cpu_mesh(world), False).reshape(-1)[:numel]
+            assert got.tobytes() == cpu.tobytes()
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs (one device missing a barrier, the others waiting)")
+def test_stress_c_one_device_times_out_the_others_are_released_in_time():
+    """(c) device 0 never arrives: every other device is released within the timeout + 1 s (measured on a compiled
+    executable, so no compile time is counted), with the missing device named."""
+    timeout = 3.0
+    mesh = gpu_mesh(N_GPUS)
+    heap = ops.SymmetricHeap(mesh, barrier_timeout_s=timeout)
+    try:
+        def fn(dev):
+            tok = lax.cond(dev[0] == 0, lambda t: t, lambda t: ops.barrier(heap, t), ops.new_token())
+            return tok[None]
+
+        sm = jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        compiled = jax.jit(sm).lower(jnp.arange(N_GPUS, dtype=jnp.int32)).compile()
+        start = time.perf_counter()
+        with pytest.raises(Exception, match=r"device\(s\) \[0\] never arrived"):
+            jax.block_until_ready(compiled(jnp.arange(N_GPUS, dtype=jnp.int32)))
+        elapsed = time.perf_counter() - start
+        assert elapsed < timeout + 1.0, f"the waiting devices were released after {elapsed:.2f} s"
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            heap.free()
+
+
+def test_stress_c_abort_releases_waiting_devices_at_once():
+    """(c, fail fast) A device that fails instead of timing out aborts the heap: a waiting barrier returns within a
+    second, long before its 60 s timeout (raw handler on one GPU: device 0 of a 2-device heap waits)."""
+    heap = RawHeap(2, timeout_s=60.0)
+    try:
+        timer = threading.Timer(0.5, lambda: LIB.heap_abort(heap.id, "device 1 failed"))
+        timer.start()
+        start = time.perf_counter()
+        with pytest.raises(Exception, match="device 1 failed"):
+            heap.call("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
+        assert time.perf_counter() - start < 0.5 + 1.0
+        timer.join()
+    finally:
+        heap.free()
+
+
+COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE"
+
+
+def test_stress_d_jodc_calls_stay_outside_command_buffers():
+    """(d) With command buffers on for fusions, custom calls and while loops, XLA must keep every jodc custom call out
+    of them (a captured barrier would be replayed without its host wait; captured ops would bake in stale pointers).
+    Compiled in a fresh process (the flag is read when the backend starts); the check reads the optimized HLO."""
+    out = run_python(f"""
+        import os
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " {COMMAND_BUFFER_FLAGS}"
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        from jax.sharding import PartitionSpec as P
+        from jodc import ops
+        from jodc.ops import hlo_check
+        devices = jax.devices("gpu")
+        mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+        with ops.SymmetricHeap(mesh) as heap:
+            b = heap.register(4096)
+            def body(x):
+                def step(i, tok):
+                    full, tok = ops.gather(b, tok)
+                    tok = ops.scatter_accumulate(b, jnp.tanh(full) * x[0], tok)
+                    return tok
+                tok = lax.fori_loop(0, 3, step, ops.new_token())
+                tok = ops.barrier(heap, tok)
+                acc, tok = ops.read_accumulator(b, tok)
+                return acc * 2.0
+            sm = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+            x = jnp.ones((len(devices),))
+            compiled = jax.jit(sm).lower(x).compile()
+            calls, captured = hlo_check.jodc_calls_in_command_buffers(compiled.as_text())
+            print("CALLS", calls, "CAPTURED", captured)
+            jax.block_until_ready(compiled(x))
+    """)
+    calls = int(re.search(r"CALLS (\d+)", out).group(1))
+    assert calls >= 4, out  # gather, scatter_accumulate, barrier, read_accumulator survived compilation
+    assert "CAPTURED []" in out, out
+
+
+def test_stress_e_bucket_above_2_31_elements():
+    """(e) A bucket of more than 2^31 elements (bf16 master: 4 GiB of shards, 8 GiB of fp32 accumulators over the
+    GPUs): publish / gather / scatter / read index it with 64-bit offsets. Skipped when GPU memory is short."""
+    numel = 2**31 + 1001
+    mesh = gpu_mesh(N_GPUS)
+    with ops.SymmetricHeap(mesh) as heap:
+        try:
+            b = heap.register(numel, dtype=jnp.bfloat16)
+        except MemoryError as e:
+            pytest.skip(f"not enough GPU memory for 2^31 elements: {e}")
+        shard_numel = b.shard_numel
+        assert shard_numel % 32 == 0  # 64-byte shards of bf16
+
+        def fn(dev):
+            # int32 indices cannot span 2^31 elements (x64 is off): every check uses static slices and uint32 counts
+            tok = ops.publish(b, jnp.full((shard_numel,), dev + 1, jnp.bfloat16), ops.new_token())
+            tok = ops.barrier(heap, tok)
+            full, tok = ops.gather(b, tok)
+            wrong = jnp.uint32(0)
+            for o in range(N_GPUS):
+                lo, hi = min(o * shard_numel, numel), min((o + 1) * shard_numel, numel)
+                if hi > lo:
+                    wrong += jnp.sum(lax.slice(full, (lo,), (hi,)) != jnp.bfloat16(o + 1), dtype=jnp.uint32)
+            tok = ops.scatter_accumulate(b, jnp.ones((numel,), jnp.bfloat16), tok)
+            tok = ops.barrier(heap, tok)
+            acc, tok = ops.read_accumulator(b, tok)
+            rows = acc.reshape(-1, 32)
+            full_count = jnp.sum(jnp.sum(rows == N_GPUS, axis=1, dtype=jnp.uint32), dtype=jnp.uint32)
+            zero_count = jnp.sum(jnp.sum(rows == 0, axis=1, dtype=jnp.uint32), dtype=jnp.uint32)
+            return jnp.stack([wrong, full_count, zero_count])
+
+        try:
+            out = spmd(mesh, fn, jnp.arange(N_GPUS, dtype=jnp.int32))
+        except Exception as e:  # noqa: BLE001 - XLA's own buffers may not fit next to the heap
+            if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
+                pytest.skip(f"not enough GPU memory for XLA's buffers of 2^31 elements: {e}")
+            raise
+        for d, (wrong, full_count, zero_count) in enumerate(np.asarray(out).tolist()):
+            valid = max(0, min(shard_numel, numel - d * shard_numel))
+            assert wrong == 0, f"device {d} gathered {wrong} wrong elements"
+            assert (full_count, zero_count) == (valid, shard_numel - valid), d
+
+
+def test_stress_f_compute_sanitizer_memcheck_and_racecheck():
+    """(f) compute-sanitizer's memcheck and racecheck over jodc's kernels (every op, both accumulation modes, several
+    positions on one GPU): no error. `make sanitize-gpu` runs the same tools over the single-GPU tests."""
+    nvcc = shutil.which("nvcc")
+    sanitizer = shutil.which("compute-sanitizer") or (
+        os.path.join(os.path.dirname(nvcc), "compute-sanitizer") if nvcc else None)
+    if not sanitizer or not os.path.exists(sanitizer):
+        pytest.fail("compute-sanitizer not found (the CUDA toolkit's bin/ must be on PATH on GPU runners)")
+    for tool in ("memcheck", "racecheck"):
+        proc = subprocess.run(
+            [sanitizer, "--tool", tool, "--error-exitcode", "97", "--kernel-name", "kns=jodc", sys.executable,
+             os.path.join(ROOT, "tests", "cuda_sanitize_cases.py")],
+            capture_output=True, text=True, timeout=600, cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+        assert proc.returncode == 0, f"{tool}: exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+        assert "ALL CASES PASSED" in proc.stdout
+        assert re.search(r"ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards", proc.stdout + proc.stderr), tool
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# several processes on one node: CUDA IPC (one process per GPU, jax.distributed on localhost)
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs (one process per GPU)")
+@pytest.mark.parametrize("transport", ["auto", "nvshmem"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_heap_across_two_processes(deterministic, transport):
+    """The transport chosen for a mesh of two processes on one node is cuda_ipc (and NVSHMEM, forced, works there too),
+    and every op gives numpy's answer across them (tests/cuda_ipc_cases.py). Bounded: killed after 300 s."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env.pop("XLA_FLAGS", None)  # no simulated CPU devices needed there
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cuda_ipc_cases.py"), str(i), "2",
+                               str(port), "1" if deterministic else "0", transport], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
+             for i in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        expected = "cuda_ipc" if transport == "auto" else transport
+        assert p.returncode == 0 and f"IPC CASES PASSED {expected}" in out, f"process {i}:\n{out[-5000:]}"
+
+
+def test_bench_primitives_runs_on_the_cuda_mesh():
+    """bench/primitives.py --platform gpu measures jodc's kernels against NCCL and reports every ratio (a quick run:
+    the README's table comes from a full one)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "primitives.py"), "--platform", "gpu",
+                           "--quick", "--mib", "4", "--no-save"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["platform"] == "gpu" and line["devices"] == N_GPUS
+    for key in ("gather_vs_all_gather", "scatter_vs_psum_scatter", "scatter_vs_psum_scatter_accumulate"):
+        assert line[key] > 0

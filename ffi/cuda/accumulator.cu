@@ -70,7 +70,7 @@ ffi::Error ReadAcc(cudaStream_t stream, Scalar device, Scalar token, ffi::Result
     if (ffi::Error e = CheckAccumulatorOut(*out, view.layout); e.failure()) return e;
     float* dst = out->typed_data();
     const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, 1));
-    ReadAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+    ReadAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device.typed_data(),
                                                                   token.typed_data(), token_out->typed_data(), dst,
                                                                   Aligned16(dst));
     return ffi::Error::Success();
@@ -83,7 +83,7 @@ ffi::Error ZeroAcc(cudaStream_t stream, Scalar device, Scalar token, TokenOut to
     const BucketView& view = t.bucket->view;
     const unsigned regions = view.landing_slots ? 1u + static_cast<unsigned>(view.layout.world) : 1u;
     const dim3 grid(BlocksFor((view.layout.shard_numel + 3) / 4, t.gpu, static_cast<int32_t>(regions)), regions);
-    ZeroAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+    ZeroAccumulatorKernel<<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device.typed_data(),
                                                                   token.typed_data(), token_out->typed_data());
     return ffi::Error::Success();
   });

@@ -8,7 +8,9 @@
 //   wait:   thread p polls arrivals[p] with system-scope acquire loads until it reaches g, backing off with
 //           __nanosleep; it stops early when the host sets `abort` (heap poisoned or freed) or when %globaltimer says
 //           the timeout has passed;
-//   report: thread 0 writes the outcome and the devices still missing into a host-mapped report.
+//   report: thread 0 writes the outcome and the devices still missing into a host-mapped report (one of the heap's
+//           `world` reports, allocated with the heap: nothing is allocated, and nothing synchronises, while peers
+//           may already spin).
 // The handler then synchronises its stream (the one blocking host wait of the ODC ops, once per minibatch) and turns
 // the report into success or an ffi::Error naming the missing devices; a timeout poisons the heap like on CPU.
 #include <sstream>
@@ -21,15 +23,6 @@ namespace jodc::cuda {
 namespace {
 
 enum BarrierOutcome : int32_t { kPending = 0, kPassed = 1, kTimedOut = 2, kAborted = 3, kBadDevice = 4 };
-
-// What one barrier kernel tells its handler. Pinned, mapped memory owned by the calling host thread: a handler
-// waits for its kernel before returning, so one report per thread is never shared by two barriers in flight.
-struct BarrierReport {
-  int32_t device;
-  int32_t outcome;
-  uint64_t generation;
-  uint64_t missing;  // bit p: device p had not arrived when this device stopped waiting
-};
 
 __global__ void __launch_bounds__(kMaxWorld)
     BarrierKernel(HeapControl* control, int32_t world, const int32_t* device_operand, const int32_t* token_in,
@@ -90,23 +83,6 @@ __global__ void __launch_bounds__(kMaxWorld)
   }
 }
 
-// The calling thread's report, allocated on first use (pinned + mapped into every context) and kept for the
-// thread's lifetime: XLA runs each device's work on a long-lived thread, so there are only a handful.
-BarrierReport* ThreadReport(std::string* err) {
-  thread_local BarrierReport* report = nullptr;
-  if (report == nullptr) {
-    void* p = nullptr;
-    cudaError_t e = cudaHostAlloc(&p, sizeof(BarrierReport), cudaHostAllocMapped | cudaHostAllocPortable);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      *err = CudaMessage("allocating the barrier's pinned report", e);
-      return nullptr;
-    }
-    report = static_cast<BarrierReport*>(p);
-  }
-  return report;
-}
-
 std::string DeviceList(uint64_t mask, int32_t world) {
   std::ostringstream out;
   out << "[";
@@ -127,8 +103,18 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
   if (ffi::Error e = Prepare("barrier", stream, device, token, heap_id, /*bucket_id=*/-1, &t); e.failure()) return e;
   Heap& h = *t.heap;
   std::string why;
-  BarrierReport* report = ThreadReport(&why);
-  if (report == nullptr) return ffi::Error::Internal("jodc barrier: " + why);
+  // A report of the heap's own, borrowed for this call (the handler waits for its kernel before returning it).
+  BarrierReport* report = h.AcquireReport();
+  if (report == nullptr) {
+    return ffi::Error::Internal("jodc barrier: more than " + std::to_string(h.world) + " barriers of heap " +
+                                std::to_string(heap_id) + " are in flight at once (one per device is the most a "
+                                "program can have); is the same computation running twice concurrently?");
+  }
+  struct Return {
+    Heap& heap;
+    BarrierReport* report;
+    ~Return() { heap.ReleaseReport(report); }
+  } give_back{h, report};
   volatile BarrierReport* seen = report;
   seen->outcome = kPending;
   const double timeout_s = h.barrier_timeout_s.load();
@@ -136,8 +122,9 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
   // the kernel's elapsed-time comparison never reaches.
   const int64_t timeout_ns = TimeoutNanos(timeout_s);
   const uint64_t timeout_ticks = timeout_ns > 0 ? static_cast<uint64_t>(timeout_ns) : uint64_t{1};
-  BarrierKernel<<<1, kMaxWorld, 0, stream>>>(h.control, h.world, device.typed_data(), token.typed_data(),
+  BarrierKernel<<<1, kMaxWorld, 0, stream>>>(h.control_dev, h.world, device.typed_data(), token.typed_data(),
                                              token_out->typed_data(), timeout_ticks, report);
+  // No Launched(): this handler waits for its kernel below, so the heap never has to.
   if (ffi::Error e = LaunchResult("barrier"); e.failure()) return e;
   // The one host wait of the ODC ops: it makes a timeout an error of this very call instead of a silent hang.
   if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {

@@ -11,6 +11,8 @@ ffi::Error DependOn(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Remai
                     ffi::RemainingRets outs) {
   if (token.element_count() != 1) return InvalidArgument("jodc depend_on: the token must be an int32 scalar");
   if (values.size() != outs.size()) return InvalidArgument("jodc depend_on: as many results as values needed");
+  int32_t gpu = -1;
+  if (ffi::Error e = SelectStreamDevice("depend_on", stream, &gpu); e.failure()) return e;
   for (size_t i = 0; i < values.size(); ++i) {
     auto in = values.get<ffi::AnyBuffer>(i);
     auto out = outs.get<ffi::AnyBuffer>(i);

@@ -113,24 +113,56 @@ __device__ void AddRange(float* __restrict__ acc, const Src* __restrict__ src, i
   for (int64_t i = done + start; i < n; i += step) acc[i] += ToF32(src[i]);
 }
 
+// Four consecutive source elements as fp32 (src 8-byte aligned for bf16, 16-byte aligned for fp32).
+template <typename Src>
+__device__ __forceinline__ float4 LoadQuadAsF32(const Src* p) {
+  if constexpr (std::is_same_v<Src, float>) {
+    return *reinterpret_cast<const float4*>(p);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);  // 4 x bf16
+    return make_float4(Bf16ToF32(static_cast<Bf16Bits>(raw.x & 0xffffu)), Bf16ToF32(static_cast<Bf16Bits>(raw.x >> 16)),
+                       Bf16ToF32(static_cast<Bf16Bits>(raw.y & 0xffffu)), Bf16ToF32(static_cast<Bf16Bits>(raw.y >> 16)));
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// One 16-byte reduction (sm_90+): acc[0..3] += v atomically per element, at system scope, fire-and-forget.
+__device__ __forceinline__ void RedAddF32x4System(float* acc, float4 v) {
+  asm volatile("red.relaxed.sys.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(acc)),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+#endif
+
 // acc[0, n) += fp32(src[0, n)) with atomics: any number of devices may push into the same accumulator at once.
 // System scope, because the concurrent adders run on different GPUs (a plain atomicAdd is only atomic among the
-// threads of one GPU). The result is unused, so each compiles to a fire-and-forget reduction (RED.SYS.ADD.F32),
-// which NVLink executes natively at the owner's memory. Over PCIe peer atomics are generally not available; the
-// heap then uses landing slots instead (see Heap::landing_slots).
+// threads of one GPU). The result is unused, so each compiles to a fire-and-forget reduction (RED ... ADD.F32) that
+// NVLink executes at the owner's memory. Over PCIe peer atomics are generally not available; the heap then uses
+// landing slots instead (see Heap::landing_slots).
+//
+// Lanes are contiguous: consecutive threads of a warp reduce consecutive elements (sm_80: one 4-byte RED each, a warp
+// covers 128 contiguous bytes) or consecutive 16-byte groups (sm_90+: one vector RED.E.ADD.F32x4 each, a warp covers
+// 512 contiguous bytes), so every reduction instruction of a warp is fully coalesced. `acc` is 16-byte aligned
+// (shard allocations); `vectorized` says `src` is too.
+//
+// Subnormals: float atomics on global memory run in flush-to-zero mode on every architecture (scalar and vector
+// forms), whatever -ftz says. A subnormal contribution (|x| < 2^-126, about 1.2e-38) or a subnormal running sum
+// therefore becomes a signed zero in atomic mode, while landing-slot mode (plain fp32 adds, like the CPU backend)
+// keeps it. Gradients that small are far below anything an optimizer step can resolve; a heap that must match the
+// CPU backend bit for bit is deterministic anyway (landing slots). docs/cuda.md records this.
 template <typename Src>
 __device__ void AtomicAddRange(float* acc, const Src* __restrict__ src, int64_t n, bool vectorized) {
   const int64_t start = StrideStart(), step = StrideStep();
   int64_t done = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (vectorized) {
-    const int64_t packs = n / kPack;
-    for (int64_t k = start; k < packs; k += step) {
-      const Pack<Src> in = LoadPack(src + k * kPack);
-#pragma unroll
-      for (int j = 0; j < kPack; ++j) atomicAdd_system(acc + k * kPack + j, ToF32(in.v[j]));
-    }
-    done = packs * kPack;
+    const int64_t quads = n / 4;
+    for (int64_t k = start; k < quads; k += step) RedAddF32x4System(acc + 4 * k, LoadQuadAsF32(src + 4 * k));
+    done = quads * 4;
   }
+#else
+  (void)vectorized;
+#endif
   for (int64_t i = done + start; i < n; i += step) atomicAdd_system(acc + i, ToF32(src[i]));
 }
 

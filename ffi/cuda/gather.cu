@@ -28,7 +28,7 @@ void LaunchGather(cudaStream_t stream, const OpTarget& t, const int32_t* device,
   const BucketView& view = t.bucket->view;
   const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, view.layout.world),
                   view.layout.world);
-  GatherKernel<Src, Dst><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device, token_in, token_out,
+  GatherKernel<Src, Dst><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device, token_in, token_out,
                                                                  static_cast<Dst*>(out), Aligned16(out));
 }
 

@@ -43,6 +43,29 @@ inline bool CheckHealthy(const char* op, Heap& heap, std::string* err) {
   return false;
 }
 
+// Makes the stream's GPU the calling thread's current device (every handler, the token ops included, launches only
+// after this: a launch on another device's stream fails or, worse, runs against the wrong context) and returns it.
+inline ffi::Error SelectStreamDevice(const char* op, cudaStream_t stream, int32_t* gpu_out) {
+  int gpu = -1;
+#if CUDART_VERSION >= 12080
+  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
+    cudaGetLastError();
+    gpu = -1;
+  }
+#endif
+  if (gpu < 0 && cudaGetDevice(&gpu) != cudaSuccess) {  // XLA makes the stream's context current before calling us
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot tell which GPU the stream belongs to");
+  }
+  const cudaError_t e = cudaSetDevice(gpu);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("selecting the stream's GPU", e));
+  }
+  *gpu_out = gpu;
+  return ffi::Error::Success();
+}
+
 // The common preamble of every handler: the device and token operands are int32 scalars (their values stay on the
 // GPU: kernels read them, the host never does), the heap exists and is healthy, the bucket exists (bucket_id >= 0),
 // and the stream's GPU is the calling thread's current device so that launches go to it.
@@ -64,24 +87,7 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
     if (!bucket.has_value()) return ForOp(op, bucket.error());
     out->bucket = *bucket;
   }
-  int gpu = -1;
-#if CUDART_VERSION >= 12080
-  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
-    cudaGetLastError();
-    gpu = -1;
-  }
-#endif
-  if (gpu < 0 && cudaGetDevice(&gpu) != cudaSuccess) {  // XLA makes the stream's context current before calling us
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot tell which GPU the stream belongs to");
-  }
-  const cudaError_t e = cudaSetDevice(gpu);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("selecting the stream's GPU", e));
-  }
-  out->gpu = gpu;
-  return ffi::Error::Success();
+  return SelectStreamDevice(op, stream, &out->gpu);
 }
 
 // Returns `e`, first aborting the heap when `e` is a failure: every handler's errors go through this, so that peers
@@ -99,9 +105,17 @@ inline ffi::Error LaunchResult(const char* op) {
   return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("launching the kernel", e));
 }
 
+// After a heap op's launch: the launch error, if any; else records the launch with the heap, so freeing the heap or a
+// bucket waits for exactly this heap's queued work.
+inline ffi::Error Launched(const char* op, cudaStream_t stream, const OpTarget& t) {
+  if (ffi::Error e = LaunchResult(op); e.failure()) return e;
+  if (ffi::Error e = t.heap->NoteLaunch(stream, t.gpu); e.failure()) return ForOp(op, e);
+  return ffi::Error::Success();
+}
+
 // Runs `body(const OpTarget&) -> Error` (checks operands, launches the op's kernel on `stream`) as op `op` on bucket
 // `bucket_id` (-1: a heap-level op) of heap `heap_id`, after the common preamble (Prepare) and followed by the launch
-// check. Any error aborts the heap (AbortOnError).
+// check and the launch's record with the heap (Launched). Any error aborts the heap (AbortOnError).
 template <typename Body>
 ffi::Error RunOp(const char* op, cudaStream_t stream, const Scalar& device, const Scalar& token, int64_t heap_id,
                  int64_t bucket_id, Body&& body) {
@@ -109,7 +123,7 @@ ffi::Error RunOp(const char* op, cudaStream_t stream, const Scalar& device, cons
     OpTarget t;
     if (ffi::Error failed = Prepare(op, stream, device, token, heap_id, bucket_id, &t); failed.failure()) return failed;
     if (ffi::Error failed = body(t); failed.failure()) return failed;
-    return LaunchResult(op);
+    return Launched(op, stream, t);
   }();
   return AbortOnError(heap_id, std::move(e));
 }

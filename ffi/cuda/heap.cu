@@ -2,6 +2,8 @@
 // buckets (per-GPU allocations), and poisoning. Host code only; the kernels live in one file per op.
 #include "cuda/heap.cuh"
 
+#include <cuda.h>  // driver types only: the few driver calls are resolved at run time, nothing links libcuda
+
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -61,19 +63,6 @@ Error EnablePeerAccess(const std::vector<int32_t>& gpus, bool* native_atomics) {
   return Error::Success();
 }
 
-// Waits for all work queued on the heap's GPUs (XLA's streams included), so memory can be released safely even if a
-// kernel on one GPU still reads another GPU's shard. Errors are ignored: this runs on teardown paths.
-void SynchronizeGpus(const std::vector<int32_t>& placement) {
-  std::vector<int32_t> gpus(placement);
-  std::sort(gpus.begin(), gpus.end());
-  gpus.erase(std::unique(gpus.begin(), gpus.end()), gpus.end());
-  for (int32_t g : gpus) {
-    ScopedDevice on(g);
-    if (on.ok()) cudaDeviceSynchronize();
-    cudaGetLastError();
-  }
-}
-
 ErrorOr<int> VisibleDeviceCount() {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
@@ -87,25 +76,81 @@ ErrorOr<int> VisibleDeviceCount() {
 
 }  // namespace
 
-const char* OpName(int32_t op) {
-  switch (static_cast<OpCode>(op)) {
-#define JODC_OP_NAME(name, Camel) \
-  case OpCode::k##Camel:          \
-    return #name;
-    JODC_HEAP_OPS(JODC_OP_NAME)
-#undef JODC_OP_NAME
-    case OpCode::kNone:
-      break;
+namespace {
+
+// Driver entry points resolved once through the runtime (the static runtime loads libcuda itself when a GPU is used).
+// Each is requested with the ABI version named in Driver() (the signatures below are those versions').
+struct DriverCalls {
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
+  CUresult (*primary_ctx_state)(CUdevice, unsigned int*, int*) = nullptr;
+  bool ok() const { return ctx_get_current != nullptr && ctx_set_current != nullptr && ctx_get_device != nullptr; }
+};
+
+template <typename Fn>
+void Resolve(const char* symbol, int version, Fn* out) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &found);
+#else
+  (void)version;
+  cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault, &found);
+#endif
+  if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    fn = nullptr;
   }
-  return "unknown op";
+  *out = reinterpret_cast<Fn>(fn);
 }
 
-std::string CudaMessage(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+const DriverCalls& Driver() {
+  static const DriverCalls calls = [] {
+    DriverCalls c;
+    Resolve("cuCtxGetCurrent", 4000, &c.ctx_get_current);
+    Resolve("cuCtxSetCurrent", 4000, &c.ctx_set_current);
+    Resolve("cuCtxGetDevice", 2000, &c.ctx_get_device);
+    Resolve("cuDevicePrimaryCtxGetState", 7000, &c.primary_ctx_state);
+    return c;
+  }();
+  return calls;
+}
+
+}  // namespace
+
+bool CurrentContextDevice(int32_t* device) {
+  const DriverCalls& d = Driver();
+  if (!d.ok()) return false;
+  CUcontext ctx = nullptr;
+  if (d.ctx_get_current(&ctx) != CUDA_SUCCESS) return false;
+  if (ctx == nullptr) {
+    *device = -1;
+    return true;
+  }
+  CUdevice dev = 0;
+  if (d.ctx_get_device(&dev) != CUDA_SUCCESS) return false;
+  *device = static_cast<int32_t>(dev);
+  return true;
+}
+
+bool PrimaryContextActive(int32_t gpu, bool* active) {
+  const DriverCalls& d = Driver();
+  if (d.primary_ctx_state == nullptr) return false;
+  unsigned flags = 0;
+  int state = 0;
+  if (d.primary_ctx_state(static_cast<CUdevice>(gpu), &flags, &state) != CUDA_SUCCESS) return false;
+  *active = state != 0;
+  return true;
 }
 
 ScopedDevice::ScopedDevice(int32_t gpu) {
-  if (cudaGetDevice(&previous_) != cudaSuccess) {
+  const DriverCalls& d = Driver();
+  CUcontext ctx = nullptr;
+  if (d.ok() && d.ctx_get_current(&ctx) == CUDA_SUCCESS) {
+    previous_context_ = ctx;  // may be null: nothing was current, and nothing will be afterwards
+    restore_context_ = true;
+  } else if (cudaGetDevice(&previous_) != cudaSuccess) {
     cudaGetLastError();
     previous_ = -1;
   }
@@ -114,7 +159,28 @@ ScopedDevice::ScopedDevice(int32_t gpu) {
 }
 
 ScopedDevice::~ScopedDevice() {
-  if (previous_ >= 0) cudaSetDevice(previous_);
+  if (restore_context_) {
+    Driver().ctx_set_current(static_cast<CUcontext>(previous_context_));
+  } else if (previous_ >= 0) {
+    cudaSetDevice(previous_);
+  }
+}
+
+ErrorOr<cudaStream_t> HostStream(int32_t gpu) {
+  static std::mutex mu;
+  static std::map<int32_t, cudaStream_t>* streams = new std::map<int32_t, cudaStream_t>();  // kept until exit
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams->find(gpu);
+  if (it != streams->end()) return it->second;
+  ScopedDevice on(gpu);
+  cudaStream_t s = nullptr;
+  cudaError_t e = on.ok() ? cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) : on.status();
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Fail(Error::Internal(CudaMessage(("creating jodc's copy stream on GPU " + std::to_string(gpu)).c_str(), e)));
+  }
+  (*streams)[gpu] = s;
+  return s;
 }
 
 DeviceBuffer::~DeviceBuffer() {
@@ -129,10 +195,14 @@ Error DeviceBuffer::Allocate(int32_t gpu, int64_t bytes) {
   if (bytes < 0) return InvalidArgument("cannot allocate a negative size (" + std::to_string(bytes) + " bytes)");
   ScopedDevice on(gpu);
   if (!on.ok()) return Error::Internal(CudaMessage(("selecting GPU " + std::to_string(gpu)).c_str(), on.status()));
+  auto stream_or = HostStream(gpu);
+  if (!stream_or.has_value()) return stream_or.error();
+  cudaStream_t stream = *stream_or;
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes));
-  if (e == cudaSuccess) e = cudaMemset(p, 0, static_cast<size_t>(bytes));
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);  // zeros land before any XLA stream reads
+  // On jodc's own non-blocking stream: the legacy default stream would queue behind unrelated kernels.
+  if (e == cudaSuccess) e = cudaMemsetAsync(p, 0, static_cast<size_t>(bytes), stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);  // zeros land before any XLA stream reads
   if (e != cudaSuccess) {
     cudaGetLastError();
     if (p != nullptr) cudaFree(p);
@@ -148,11 +218,78 @@ Error DeviceBuffer::Allocate(int32_t gpu, int64_t bytes) {
 
 int64_t LiveHeapBytes() { return g_live_bytes.load(); }
 
-Heap::~Heap() {
-  if (control != nullptr) {
-    cudaFreeHost(control);
+BarrierReport* Heap::AcquireReport() {
+  for (int32_t i = 0; i < world; ++i) {
+    if (!report_busy_[i].exchange(true, std::memory_order_acquire)) return reports + i;
+  }
+  return nullptr;
+}
+
+void Heap::ReleaseReport(BarrierReport* report) {
+  report_busy_[report - reports].store(false, std::memory_order_release);
+}
+
+Error Heap::NoteLaunch(cudaStream_t stream, int32_t gpu) {
+  std::lock_guard<std::mutex> lock(launches_mu_);
+  StreamEvent* slot = nullptr;
+  for (StreamEvent& s : launches_) {
+    if (s.stream == stream && s.gpu == gpu) slot = &s;
+  }
+  if (slot == nullptr) {
+    cudaEvent_t event = nullptr;
+    // The calling handler already made `gpu` current: the event belongs to the stream's context.
+    cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return Error::Internal(CudaMessage("creating the heap's completion event", e));
+    }
+    launches_.push_back({stream, gpu, event});
+    slot = &launches_.back();
+  }
+  const cudaError_t e = cudaEventRecord(slot->event, stream);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Error::Internal(CudaMessage("recording the heap's completion event", e));
+  }
+  return Error::Success();
+}
+
+void Heap::WaitForLaunches() {
+  std::vector<StreamEvent> pending;
+  {
+    std::lock_guard<std::mutex> lock(launches_mu_);
+    pending = launches_;  // events stay owned by the heap; waiting happens outside the lock
+  }
+  for (const StreamEvent& s : pending) {
+    ScopedDevice on(s.gpu);
+    if (on.ok()) cudaEventSynchronize(s.event);
     cudaGetLastError();
   }
+}
+
+Heap::~Heap() {
+  WaitForLaunches();  // nothing queued may still use the control block or the reports
+  for (const StreamEvent& s : launches_) {
+    ScopedDevice on(s.gpu);
+    cudaEventDestroy(s.event);
+  }
+  if (control != nullptr) {
+    if (shm_bytes > 0) {
+      ReleaseSharedControl(control, shm_bytes);
+    } else {
+      cudaFreeHost(control);
+    }
+  }
+  if (reports != nullptr) cudaFreeHost(reports);
+  cudaGetLastError();  // at interpreter exit the runtime may already be unloading; nothing to report then
+}
+
+Bucket::~Bucket() {
+  for (void* p : imported) {
+    ScopedDevice on(import_gpu);
+    cudaIpcCloseMemHandle(p);
+  }
+  cudaGetLastError();
 }
 
 const std::string& PoisonLocked(Heap& heap, const std::string& message) {
@@ -173,19 +310,19 @@ std::string FaultMessage(const Heap& heap, uint64_t fault) {
 
 std::string CurrentPoison(Heap& heap) {
   const uint64_t fault = __atomic_load_n(&heap.control->fault, __ATOMIC_ACQUIRE);
+  // A shared control block (several processes) may have been aborted by another process: fail fast here too.
+  const bool aborted_elsewhere = heap.shm_bytes > 0 && __atomic_load_n(&heap.control->abort, __ATOMIC_ACQUIRE) != 0;
   std::lock_guard<std::mutex> lock(heap.mu);
   if (fault != 0) PoisonLocked(heap, FaultMessage(heap, fault));
+  if (aborted_elsewhere) {
+    PoisonLocked(heap, "heap " + std::to_string(heap.id) + " was aborted by another process sharing it (its error is "
+                       "in that process's output); the heap is now unusable: free and re-create it");
+  }
   return heap.poisoned;
 }
 
-Error CheckBarrierTimeout(double seconds) {
-  if (TimeoutNanos(seconds) < 0)
-    return InvalidArgument("barrier timeout must be > 0 seconds (or inf to wait forever), got " +
-                           std::to_string(seconds));
-  return Error::Success();
-}
-
-ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s) {
+ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s,
+                            const std::vector<int32_t>& placement) {
   if (world < 1 || world > kMaxWorld) {
     return Fail(InvalidArgument("heap world size must be in [1, " + std::to_string(kMaxWorld) + "] on CUDA, got " +
                                 std::to_string(world)));
@@ -198,55 +335,49 @@ ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_ti
   heap->world = world;
   heap->deterministic = deterministic;
   heap->barrier_timeout_s = barrier_timeout_s;
-  // Default placement: position p on visible GPU p (wrapping when the world exceeds the GPU count, which only a test
-  // driving the handlers by hand can do). SetPlacement overrides it before the first bucket is registered.
-  heap->placement.resize(world);
-  for (int32_t p = 0; p < world; ++p) heap->placement[p] = p % count;
+  if (placement.empty()) {
+    // Position p on visible GPU p, wrapping when the world exceeds the GPU count: only tests driving the handlers
+    // by hand (several positions simulated on one GPU) create heaps without a placement.
+    heap->placement.resize(world);
+    for (int32_t p = 0; p < world; ++p) heap->placement[p] = p % count;
+  } else {
+    if (static_cast<int32_t>(placement.size()) != world) {
+      return Fail(InvalidArgument("placement lists " + std::to_string(placement.size()) + " GPUs for a heap of " +
+                                  std::to_string(world) + " devices"));
+    }
+    for (int32_t g : placement) {
+      if (g < 0 || g >= count) {
+        return Fail(InvalidArgument("placement names GPU " + std::to_string(g) + ", but only " +
+                                    std::to_string(count) + " are visible"));
+      }
+    }
+    heap->placement = placement;
+  }
   bool native_atomics = true;
   if (Error e = EnablePeerAccess(heap->placement, &native_atomics); e.failure()) return Fail(e);
   heap->landing_slots = deterministic || !native_atomics;
   {
     ScopedDevice on(heap->placement[0]);
     void* control = nullptr;
-    cudaError_t e = on.ok() ? cudaHostAlloc(&control, sizeof(HeapControl), cudaHostAllocMapped | cudaHostAllocPortable)
-                            : on.status();
+    void* reports = nullptr;
+    const unsigned flags = cudaHostAllocMapped | cudaHostAllocPortable;
+    cudaError_t e = on.ok() ? cudaHostAlloc(&control, sizeof(HeapControl), flags) : on.status();
+    if (e == cudaSuccess) e = cudaHostAlloc(&reports, sizeof(BarrierReport) * world, flags);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      return Fail(Error::Internal(CudaMessage("allocating the heap's pinned control block", e)));
+      if (control != nullptr) cudaFreeHost(control);
+      return Fail(Error::Internal(CudaMessage("allocating the heap's pinned control block and barrier reports", e)));
     }
     std::memset(control, 0, sizeof(HeapControl));
+    std::memset(reports, 0, sizeof(BarrierReport) * world);
     heap->control = static_cast<HeapControl*>(control);
+    heap->control_dev = heap->control;  // cudaHostAlloc'ed: one address for host and device (UVA)
+    heap->reports = static_cast<BarrierReport*>(reports);
   }
-  return Heaps().Add(heap);
+  return AddHeap(std::move(heap));
 }
 
-Error SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus) {
-  auto found = FindHeap(heap_id);
-  if (!found.has_value()) return found.error();
-  const std::shared_ptr<Heap>& heap = *found;
-  if (static_cast<int32_t>(gpus.size()) != heap->world) {
-    return InvalidArgument("placement lists " + std::to_string(gpus.size()) + " GPUs, heap " +
-                           std::to_string(heap_id) + " has " + std::to_string(heap->world) + " devices");
-  }
-  auto visible = VisibleDeviceCount();
-  if (!visible.has_value()) return visible.error();
-  const int count = *visible;
-  for (int32_t g : gpus) {
-    if (g < 0 || g >= count)
-      return InvalidArgument("placement names GPU " + std::to_string(g) + ", but only " + std::to_string(count) +
-                             " are visible");
-  }
-  std::lock_guard<std::mutex> lock(heap->mu);
-  if (!heap->buckets.empty()) {
-    return InvalidArgument("heap " + std::to_string(heap_id) +
-                           " already holds buckets: set its placement before registering any");
-  }
-  bool native_atomics = true;
-  if (Error e = EnablePeerAccess(gpus, &native_atomics); e.failure()) return e;
-  heap->placement = gpus;
-  heap->landing_slots = heap->deterministic || !native_atomics;
-  return Error::Success();
-}
+int64_t AddHeap(std::shared_ptr<Heap> heap) { return Heaps().Add(std::move(heap)); }
 
 Error FreeHeap(int64_t heap_id) {
   auto removed = Heaps().Remove(heap_id, "(already freed?)");
@@ -258,10 +389,13 @@ Error FreeHeap(int64_t heap_id) {
     std::lock_guard<std::mutex> lock(heap->mu);
     PoisonLocked(*heap, "heap " + std::to_string(heap_id) + " was freed");
     buckets.swap(heap->buckets);
+    for (auto& [id, b] : heap->pending) buckets[id] = b;
+    heap->pending.clear();
   }
-  // Queued kernels of every GPU may still read these buckets (peers' too) or the control block, which goes with
-  // the last reference: let them finish (waiting barrier kernels see `abort` and return at once).
-  SynchronizeGpus(heap->placement);
+  // This heap's queued kernels may still read these buckets (peers' too) or the control block, which goes with the
+  // last reference: let them finish (waiting barrier kernels see `abort` and return at once). Only this heap's own
+  // launches are waited for, never unrelated work on the same GPUs.
+  heap->WaitForLaunches();
   buckets.clear();
   return Error::Success();
 }
@@ -282,8 +416,12 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
   const int32_t world = heap->world;
   const std::string what = "a bucket of " + std::to_string(numel) + " " + DtypeName(master) + " elements over " +
                            std::to_string(world) + " devices in heap " + std::to_string(heap_id);
-  std::lock_guard<std::mutex> lock(heap->mu);  // placement must not change while we allocate
-  if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));
+  {
+    std::lock_guard<std::mutex> lock(heap->mu);
+    if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));
+  }
+  // Placement and mode are immutable: nothing below needs heap->mu, so handlers of this heap (which take it briefly)
+  // never wait for these allocations.
   auto b = std::make_shared<Bucket>();
   BucketView& v = b->view;
   v.layout = MakeLayout(numel, world, DtypeBytes(master));
@@ -298,7 +436,9 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
   }
   // Refuse up front what a GPU cannot hold (positions sharing a GPU add up), naming the bytes asked for.
   std::map<int32_t, int64_t> per_gpu;
-  for (int32_t p = 0; p < world; ++p) per_gpu[heap->placement[p]] += b->bytes.per_device;
+  for (int32_t p = 0; p < world; ++p) {
+    if (heap->IsLocal(p)) per_gpu[heap->placement[p]] += b->bytes.per_device;
+  }
   for (const auto& [gpu, needed] : per_gpu) {
     ScopedDevice on(gpu);
     size_t free_bytes = 0, total_bytes = 0;
@@ -316,7 +456,10 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
   b->shards = std::vector<DeviceBuffer>(world);
   b->accumulators = std::vector<DeviceBuffer>(world);
   if (v.landing_slots) b->landing = std::vector<DeviceBuffer>(world);
+  b->attached.assign(world, 0);
   for (int32_t p = 0; p < world; ++p) {
+    if (!heap->IsLocal(p)) continue;  // another process's memory: imported later (ipc.cu)
+    b->attached[p] = 1;
     const int32_t gpu = heap->placement[p];
     Error e = b->shards[p].Allocate(gpu, b->bytes.shard);
     if (e.success()) e = b->accumulators[p].Allocate(gpu, b->bytes.accumulator);
@@ -332,8 +475,15 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
     v.accumulator[p] = static_cast<float*>(b->accumulators[p].data());
     v.landing[p] = v.landing_slots ? static_cast<float*>(b->landing[p].data()) : nullptr;
   }
+  std::lock_guard<std::mutex> lock(heap->mu);
+  // Poisoned or freed while we allocated: no kernel ever saw `b`.
+  if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));
   b->id = g_next_bucket_id++;
-  heap->buckets[b->id] = b;
+  if (heap->local.empty()) {
+    heap->buckets[b->id] = b;
+  } else {
+    heap->pending[b->id] = b;  // usable once every remote position is imported
+  }
   return b->id;
 }
 
@@ -345,15 +495,21 @@ Error FreeBucket(int64_t heap_id, int64_t bucket_id) {
   {
     std::lock_guard<std::mutex> lock(heap->mu);
     auto it = heap->buckets.find(bucket_id);
-    if (it == heap->buckets.end())
+    auto waiting = heap->pending.find(bucket_id);
+    if (it != heap->buckets.end()) {
+      bucket = it->second;
+      heap->buckets.erase(it);
+    } else if (waiting != heap->pending.end()) {
+      bucket = waiting->second;
+      heap->pending.erase(waiting);
+    } else {
       return InvalidArgument("bucket " + std::to_string(bucket_id) + " is not registered in heap " +
                              std::to_string(heap_id));
-    bucket = it->second;
-    heap->buckets.erase(it);
+    }
   }
-  // Kernels queued on any GPU of the heap may still read or write this bucket: let them finish first. The memory
+  // This heap's kernels queued on any GPU may still read or write this bucket: let them finish first. The memory
   // goes with the last reference (a handler running right now may still hold one).
-  SynchronizeGpus(heap->placement);
+  heap->WaitForLaunches();
   return Error::Success();
 }
 

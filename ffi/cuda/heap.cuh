@@ -42,6 +42,16 @@ enum class OpCode : int32_t {
 };
 const char* OpName(int32_t op);
 
+// What one barrier kernel tells its handler: outcome, generation and the devices still missing. A heap owns one per
+// position in pinned, mapped memory (allocated with the heap, freed with it); a barrier handler borrows a free one for
+// the duration of its call (see Heap::AcquireReport).
+struct BarrierReport {
+  int32_t device;
+  int32_t outcome;
+  uint64_t generation;
+  uint64_t missing;  // bit p: device p had not arrived when this device stopped waiting
+};
+
 // Per-heap state shared by the host and every GPU of the heap: pinned host memory mapped into all contexts
 // (cudaHostAllocMapped | cudaHostAllocPortable; with unified addressing the host pointer is the device pointer).
 // Living on the host makes barrier generations and device-side faults readable without any device transfer.
@@ -102,54 +112,131 @@ struct Bucket {
   std::vector<DeviceBuffer> shards;        // per position, master dtype, layout.shard_numel elements
   std::vector<DeviceBuffer> accumulators;  // per position, fp32
   std::vector<DeviceBuffer> landing;       // per owner, world * shard_numel fp32 (landing-slot mode only)
+  // Multi-process heaps (CUDA IPC): memory of other processes' positions, mapped with cudaIpcOpenMemHandle into the
+  // context of `import_gpu`; closed with the bucket. Remote positions own no DeviceBuffer here.
+  std::vector<void*> imported;
+  int32_t import_gpu = -1;
+  std::vector<uint8_t> attached;  // per position: its memory is in `view` (local, or imported)
 
   const BucketLayout& layout() const { return view.layout; }
+  ~Bucket();
 };
 
 struct Heap {
+  // Immutable after CreateHeap: read without locks by every handler.
   int64_t id = 0;
   int32_t world = 0;
   bool deterministic = false;
   // True when pushes go to per-source landing slots: deterministic mode, or some pair of GPUs lacks native peer
   // atomics (PCIe) so atomicAdd into a peer's memory is not available.
   bool landing_slots = false;
-  std::atomic<double> barrier_timeout_s{300.0};
-  std::vector<int32_t> placement;  // placement[p]: the CUDA device ordinal holding position p's memory
-  HeapControl* control = nullptr;  // pinned, mapped into every context
+  std::vector<int32_t> placement;  // placement[p]: the CUDA device ordinal holding position p's memory (for a remote
+                                   // position of a multi-process heap: the local GPU its memory is mapped through)
+  // Per position: whether this process allocated its memory. Empty: every position is local (one process).
+  std::vector<uint8_t> local;
+  HeapControl* control = nullptr;      // host view of the control block: pinned, mapped into every context
+  HeapControl* control_dev = nullptr;  // the same block as kernels address it (equal to `control` under UVA)
+  // Multi-process heaps: the control block is a POSIX shared-memory segment registered with CUDA (every process on
+  // the node maps the same pages), so barriers, aborts and faults are shared by all processes without any copy.
+  std::string shm_name;
+  size_t shm_bytes = 0;
+  BarrierReport* reports = nullptr;  // pinned, mapped: `world` reports, borrowed by barrier handlers
 
-  std::mutex mu;  // guards buckets, placement changes and poisoned
+  std::atomic<double> barrier_timeout_s{300.0};
+
+  // Guards buckets and poisoned. Held only for map lookups and updates: never across a CUDA call that may wait for
+  // a GPU (allocations, copies, synchronisation), so handlers of this heap never queue behind one.
+  std::mutex mu;
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
+  // Multi-process heaps: buckets registered here whose remote positions are not all imported yet (no op sees them).
+  std::map<int64_t, std::shared_ptr<Bucket>> pending;
   std::string poisoned;  // non-empty once a barrier timed out or a kernel faulted: every later op fails with it
 
+  // Borrows a free barrier report (nullptr when all `world` are in use: more barriers of this heap in flight at once
+  // than it has devices, which a correct program never does); ReleaseReport returns it.
+  BarrierReport* AcquireReport();
+  void ReleaseReport(BarrierReport* report);
+
+  // Records that a handler queued work for this heap on `stream` (of GPU `gpu`): an event per stream, re-recorded
+  // after each launch. Freeing waits for these events only, i.e. for this heap's own work, never for unrelated
+  // kernels (another heap's barrier spinning on the same GPU). Fails on a CUDA error.
+  Error NoteLaunch(cudaStream_t stream, int32_t gpu);
+  // Waits until every launch noted so far has finished on the GPU. Errors are ignored (teardown paths).
+  void WaitForLaunches();
+
+  bool IsLocal(int32_t position) const { return local.empty() || local[position] != 0; }
+
   ~Heap();
+
+ private:
+  std::atomic<bool> report_busy_[kMaxWorld] = {};
+  struct StreamEvent {
+    cudaStream_t stream;
+    int32_t gpu;
+    cudaEvent_t event;
+  };
+  std::mutex launches_mu_;  // guards launches_ (a short vector scan; no CUDA call that waits for the GPU)
+  std::vector<StreamEvent> launches_;
 };
 
-// Makes `gpu` the calling thread's current device for the scope and restores the previous one afterwards, so
-// management calls from Python never leave the thread on an unexpected device.
+class ScopedDevice;
+
+// Makes `gpu` the calling thread's current device for the scope and afterwards restores exactly the context that was
+// current before: another one, or none at all (then no context is left current and none is created on GPU 0, as a
+// plain cudaSetDevice(0) "restore" would). Management calls from Python never leave the thread on an unexpected
+// device and never touch a GPU the heap does not use.
 class ScopedDevice {
  public:
   explicit ScopedDevice(int32_t gpu);
   ~ScopedDevice();
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
   bool ok() const { return status_ == cudaSuccess; }
   cudaError_t status() const { return status_; }
 
  private:
-  int previous_ = -1;
+  void* previous_context_ = nullptr;  // CUcontext current before (null: none); used when the driver calls resolved
+  bool restore_context_ = false;
+  int previous_ = -1;  // fallback without the driver's context calls
   cudaError_t status_ = cudaSuccess;
 };
+
+// The driver's view of the calling thread (resolved at run time through cudaGetDriverEntryPointByVersion, so the
+// library still links without libcuda): the device of the current context, or -1 when no context is current. False
+// when the driver calls are unavailable.
+bool CurrentContextDevice(int32_t* device);
+// Whether `gpu`'s primary context is active (created by someone in this process). False when unavailable.
+bool PrimaryContextActive(int32_t gpu, bool* active);
+
+// A process-wide non-blocking stream per GPU for jodc's own host-initiated copies and memsets (never the legacy
+// default stream, which would wait behind every kernel of blocking streams: another heap's spinning barrier).
+ErrorOr<cudaStream_t> HostStream(int32_t gpu);
 
 std::string CudaMessage(const char* what, cudaError_t e);
 
 // Registry operations. Failures are returned as errors (common/error.h), never thrown across the C boundary.
-ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s);
+// `placement[p]` is the CUDA device holding position p's memory (the mesh's GPUs; empty: position p on visible GPU
+// p % count, which only tests driving the handlers by hand use). Only these GPUs are touched: peer access between
+// them, the control block and barrier reports on placement[0]'s context. Placement never changes afterwards.
+ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_timeout_s,
+                            const std::vector<int32_t>& placement);
 // A barrier timeout is valid when > 0 (+inf: wait forever); an error for NaN, zero or negative values.
 Error CheckBarrierTimeout(double seconds);
-Error SetPlacement(int64_t heap_id, const std::vector<int32_t>& gpus);
 Error FreeHeap(int64_t heap_id);
 ErrorOr<std::shared_ptr<Heap>> FindHeap(int64_t heap_id);
 ErrorOr<std::shared_ptr<Bucket>> FindBucket(const std::shared_ptr<Heap>& heap, int64_t bucket_id);
+// Multi-process control blocks (ipc.cu): maps the POSIX shared-memory segment `name` (creating and zeroing it when
+// `create`) and registers it with CUDA as mapped memory on `gpu`; *host / *dev are its host and kernel addresses.
+Error MapSharedControl(const std::string& name, bool create, int32_t gpu, HeapControl** host, HeapControl** dev,
+                       size_t* bytes);
+void ReleaseSharedControl(HeapControl* host, size_t bytes);
+
+// Registers a heap built elsewhere (ipc.cu) in the process-wide registry and gives it an id.
+int64_t AddHeap(std::shared_ptr<Heap> heap);
 // Fails when the bucket's byte counts overflow int64 (kInvalidArgument) or a GPU cannot hold its part
 // (kResourceExhausted: the C API reports it as such, Python raises MemoryError).
+// Allocates only the heap's local positions; a multi-process heap's bucket stays pending (invisible to ops) until
+// every remote position is imported (ipc.cu).
 ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master);
 Error FreeBucket(int64_t heap_id, int64_t bucket_id);
 int64_t LiveHeapCount();

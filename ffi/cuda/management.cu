@@ -21,13 +21,19 @@ auto Lookup(int64_t heap_id, int64_t bucket_id, int32_t device) {
   return LocateForHost(FindHeap(heap_id), FindBucket, bucket_id, device);
 }
 
-// Synchronous copy between host and one GPU's memory (unified addressing: the runtime infers the direction).
+// Synchronous copy between host and one GPU's memory (unified addressing: the runtime infers the direction), on
+// jodc's own non-blocking stream of that GPU: the legacy default stream would wait behind unrelated kernels (another
+// heap's barrier spinning on the same GPU).
 Error CopyOnGpu(int32_t gpu, void* dst, const void* src, int64_t bytes, const char* what) {
+  auto stream_or = HostStream(gpu);
+  if (!stream_or.has_value()) return stream_or.error();
+  cudaStream_t stream = *stream_or;
   ScopedDevice on(gpu);
-  cudaError_t e = on.ok() ? cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault) : on.status();
-  // A host-to-device copy from pageable memory may return before the DMA lands: wait, so kernels launched next on
-  // XLA's (possibly non-blocking) streams see the new data.
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+  cudaError_t e = on.ok() ? cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, stream)
+                          : on.status();
+  // Wait until the copy has landed, so kernels launched next on XLA's streams see the new data (and host reads are
+  // complete).
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return Error::Internal(CudaMessage(what, e));
@@ -64,19 +70,27 @@ JODC_EXPORT int32_t jodc_cuda_device_count(int32_t* count, char* err, int64_t er
   return 0;
 }
 
+// `gpus[p]` (count == world) is the CUDA device of position p; count == 0: position p on GPU p % visible GPUs.
 JODC_EXPORT int32_t jodc_cuda_heap_create(int32_t world, int32_t deterministic, double barrier_timeout_s,
-                                          int64_t* heap_id, char* err, int64_t err_capacity) {
-  auto id = CreateHeap(world, deterministic != 0, barrier_timeout_s);
+                                          const int32_t* gpus, int32_t count, int64_t* heap_id, char* err,
+                                          int64_t err_capacity) {
+  if (count < 0 || (count > 0 && gpus == nullptr))
+    return Report(InvalidArgument("placement must list one GPU per device"), err, err_capacity);
+  const std::vector<int32_t> placement = count > 0 ? std::vector<int32_t>(gpus, gpus + count) : std::vector<int32_t>();
+  auto id = CreateHeap(world, deterministic != 0, barrier_timeout_s, placement);
   if (!id.has_value()) return Report(id.error(), err, err_capacity);
   *heap_id = *id;
   return 0;
 }
 
-JODC_EXPORT int32_t jodc_cuda_heap_set_placement(int64_t heap_id, const int32_t* gpus, int32_t count, char* err,
-                                                 int64_t err_capacity) {
-  if (count < 0 || (count > 0 && gpus == nullptr))
-    return Report(InvalidArgument("placement must list one GPU per device"), err, err_capacity);
-  return Report(SetPlacement(heap_id, std::vector<int32_t>(gpus, gpus + count)), err, err_capacity);
+// Copies min(world, capacity) GPU ordinals of the heap's placement into `out` and its world into *world.
+JODC_EXPORT int32_t jodc_cuda_heap_placement(int64_t heap_id, int32_t* out, int32_t capacity, int32_t* world,
+                                             char* err, int64_t err_capacity) {
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](const Heap& heap) {
+    *world = heap.world;
+    for (int32_t p = 0; p < heap.world && p < capacity; ++p) out[p] = heap.placement[p];
+    return Error::Success();
+  });
 }
 
 JODC_EXPORT int32_t jodc_cuda_heap_free(int64_t heap_id, char* err, int64_t err_capacity) {
@@ -125,9 +139,8 @@ JODC_EXPORT int32_t jodc_cuda_heap_abort(int64_t heap_id, const char* reason, ch
 // Whether pushes land in per-source slots (deterministic heap, or no native peer atomics) rather than atomically.
 JODC_EXPORT int32_t jodc_cuda_heap_landing_slots(int64_t heap_id, int32_t* landing_slots, char* err,
                                                  int64_t err_capacity) {
-  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](Heap& heap) {
-    std::lock_guard<std::mutex> lock(heap.mu);
-    *landing_slots = heap.landing_slots ? 1 : 0;
+  return WithHeap(FindHeap(heap_id), err, err_capacity, [&](const Heap& heap) {
+    *landing_slots = heap.landing_slots ? 1 : 0;  // immutable after creation
     return Error::Success();
   });
 }
@@ -226,10 +239,15 @@ JODC_EXPORT int32_t jodc_cuda_bucket_zero_accumulator(int64_t heap_id, int64_t b
   if (!found.has_value()) return Report(found.error(), err, err_capacity);
   const Bucket& b = *found->bucket;
   const int64_t n = b.layout().shard_numel;
-  ScopedDevice on(found->heap->placement[device]);
-  cudaError_t e = on.ok() ? cudaMemset(b.view.accumulator[device], 0, n * 4) : on.status();
-  if (e == cudaSuccess && b.view.landing_slots) e = cudaMemset(b.view.landing[device], 0, n * 4 * b.layout().world);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+  const int32_t gpu = found->heap->placement[device];
+  auto stream_or = HostStream(gpu);
+  if (!stream_or.has_value()) return Report(stream_or.error(), err, err_capacity);
+  cudaStream_t stream = *stream_or;
+  ScopedDevice on(gpu);
+  cudaError_t e = on.ok() ? cudaMemsetAsync(b.view.accumulator[device], 0, n * 4, stream) : on.status();
+  if (e == cudaSuccess && b.view.landing_slots)
+    e = cudaMemsetAsync(b.view.landing[device], 0, n * 4 * b.layout().world, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return Report(Error::Internal(CudaMessage("zeroing an accumulator", e)), err, err_capacity);

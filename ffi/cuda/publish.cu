@@ -28,11 +28,11 @@ ffi::Error Publish(cudaStream_t stream, Scalar device, ffi::AnyBuffer shard, Sca
     const void* src = shard.untyped_data();
     const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, 1));
     if (view.master == Dtype::kF32) {
-      PublishKernel<float><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+      PublishKernel<float><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device.typed_data(),
                                                                    token.typed_data(), token_out->typed_data(),
                                                                    static_cast<const float*>(src), Aligned16(src));
     } else {
-      PublishKernel<Bf16Bits><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control, device.typed_data(),
+      PublishKernel<Bf16Bits><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device.typed_data(),
                                                                       token.typed_data(), token_out->typed_data(),
                                                                       static_cast<const Bf16Bits*>(src),
                                                                       Aligned16(src));

@@ -42,7 +42,7 @@ void LaunchScatter(cudaStream_t stream, const OpTarget& t, const int32_t* device
   const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, view.layout.world),
                   view.layout.world);
   ScatterAccumulateKernel<Src><<<grid, kThreadsPerBlock, 0, stream>>>(
-      view, t.heap->control, device, token_in, token_out, static_cast<const Src*>(grad), Aligned16(grad));
+      view, t.heap->control_dev, device, token_in, token_out, static_cast<const Src*>(grad), Aligned16(grad));
 }
 
 // Any error aborts the heap, so peers spinning in a barrier for this device fail at once.

@@ -41,7 +41,8 @@ def device_index(heap: SymmetricHeap, op: str) -> jax.Array:
 
 
 def target(heap: SymmetricHeap, op: str) -> str:
-    """The FFI target of `op` for the heap's transport: jodc_<op> in-process, jodc_mpi_<op> across processes."""
+    """The FFI target of `op` for the heap's transport: jodc_<op> in-process (and over CUDA IPC, whose kernels are the
+    in-process ones), jodc_mpi_<op> / jodc_nvshmem_<op> for the MPI and NVSHMEM transports."""
     return _targets.target_name(op, getattr(heap, "transport", "local"))
 
 

@@ -57,8 +57,9 @@ def cpu_library():
 
 
 def _library(platform: str):
-    """(library, transport, XLA platform) of a registration key: 'cpu', 'cuda' or 'mpi' (the MPI transport, whose
-    handlers run on CPU devices as jodc_mpi_<op>)."""
+    """(library, transport, XLA platform) of a registration key: 'cpu', 'cuda', 'mpi' (the MPI transport, whose
+    handlers run on CPU devices as jodc_mpi_<op>) or 'nvshmem' (the NVSHMEM backend, whose handlers run on CUDA devices
+    as jodc_nvshmem_<op>)."""
     if platform == "cpu":
         return cpu_library(), "local", "cpu"
     if platform == "mpi":
@@ -69,11 +70,16 @@ def _library(platform: str):
         from jodc.ops import _cuda
 
         return _cuda.library(), "local", "CUDA"
+    if platform == "nvshmem":
+        from jodc.ops import _nvshmem
+
+        return _nvshmem.library(), "nvshmem", "CUDA"
     raise ValueError(f"jodc ops support the cpu and cuda platforms, not {platform!r}")
 
 
 def ensure_registered(platform: str) -> None:
-    """Registers every jodc FFI target for `platform` ('cpu', 'cuda' or 'mpi': the MPI transport), idempotently.
+    """Registers every jodc FFI target for `platform` ('cpu', 'cuda', 'mpi': the MPI transport, or 'nvshmem': the
+    multi-node GPU transport), idempotently.
 
     The targets are the library's own handler table (generated from ffi/common/ops.h), checked against the names
     jodc.ops calls (jodc/ops/_targets.py) before any is registered."""

@@ -13,20 +13,26 @@ HEAP_OPS = ("gather", "scatter_accumulate", "barrier", "read_accumulator", "zero
 TOKEN_OPS = ("after", "depend_on")
 ALL_OPS = HEAP_OPS + TOKEN_OPS
 
-# transport -> the FFI target prefix of its ops, and the ops its library provides
-PREFIXES = {"local": "jodc_", "mpi": "jodc_mpi_"}
-_OPS = {"local": ALL_OPS, "mpi": HEAP_OPS}
+# transport -> the FFI target prefix of its ops, and the ops its library provides (the NVSHMEM backend's heaps run on
+# CUDA devices and use the CUDA library's token ops)
+PREFIXES = {"local": "jodc_", "mpi": "jodc_mpi_", "nvshmem": "jodc_nvshmem_"}
+_OPS = {"local": ALL_OPS, "mpi": HEAP_OPS, "nvshmem": HEAP_OPS}
+# Transports whose kernels are another's: a CUDA IPC heap runs the in-process CUDA handlers (peer pointers, some of
+# them imported from other processes).
+_SAME_TARGETS = {"cuda_ipc": "local"}
 
 
 def target_name(op: str, transport: str = "local") -> str:
-    """The FFI target of `op`: ``jodc_<op>`` in-process, ``jodc_mpi_<op>`` on the MPI transport."""
+    """The FFI target of `op`: ``jodc_<op>`` in-process and over CUDA IPC, ``jodc_mpi_<op>`` on the MPI transport,
+    ``jodc_nvshmem_<op>`` on the NVSHMEM one."""
+    transport = _SAME_TARGETS.get(transport, transport)
     if op not in _OPS[transport]:
         raise ValueError(f"jodc has no {transport} FFI op {op!r}; its ops are {_OPS[transport]}")
     return PREFIXES[transport] + op
 
 
 def expected_targets(transport: str = "local") -> tuple[str, ...]:
-    """Every FFI target a library of `transport` ('local': CPU or CUDA; 'mpi') must provide."""
+    """Every FFI target a library of `transport` ('local': CPU or CUDA; 'mpi'; 'nvshmem') must provide."""
     return tuple(target_name(op, transport) for op in _OPS[transport])
 
 

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jodc import dtypes
-from jodc.ops import _mpi, _native, layout
+from jodc.ops import _cuda_ipc, _mpi, _native, layout
 
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 MASTER_DTYPE_NAMES = tuple(MASTER_DTYPES)
@@ -103,6 +103,9 @@ class SymmetricHeap:
         ``block_until_ready``.
       transport: 'auto' (default: 'mpi' when the mesh holds devices of several processes, else 'local'), 'local'
         (in-process memory) or 'mpi' (MPI one-sided windows, see ``jodc.ops._mpi``; needs the ``jodc[mpi]`` extra).
+        GPU meshes: 'local' (one process: peer pointers), 'cuda_ipc' (several processes on one node, one GPU each:
+        CUDA IPC handles), 'nvshmem' (several nodes); 'auto' picks by the mesh's process and node layout
+        (``jodc.ops._cuda_ipc``).
         The choice is ``heap.transport``. An MPI heap is created, registered and freed collectively by every
         process of ``MPI.COMM_WORLD``.
       progress_thread: MPI transport only: run a thread that enters MPI every ~50 us so peers' one-sided operations
@@ -130,8 +133,15 @@ class SymmetricHeap:
         self.world = int(mesh.shape[axis_name])
         self.platform = platforms.pop()
         self.deterministic = bool(deterministic)
-        self.transport = _mpi.select_transport(mesh, transport)
-        if self.transport == "mpi":
+        self._ipc = None  # a multi-process GPU heap's side in this process (jodc.ops._cuda_ipc)
+        if self.platform != "cpu":  # local (peer pointers), cuda_ipc (one node) or nvshmem (several nodes)
+            self.transport, exchange = _cuda_ipc.select_for_mesh(mesh, transport)
+        else:
+            self.transport = _mpi.select_transport(mesh, transport)
+        if self.transport in ("cuda_ipc", "nvshmem"):
+            self._lib, self.id, self._ipc = _cuda_ipc.open_heap(self.transport, exchange, mesh, axis_name,
+                                                                self.deterministic, float(barrier_timeout_s))
+        elif self.transport == "mpi":
             if self.platform != "cpu":
                 raise ValueError(f"the MPI transport serves cpu devices (host memory windows), not {self.platform}")
             self._lib = _mpi.library()
@@ -142,17 +152,21 @@ class SymmetricHeap:
             check_single_process(mesh.devices.flat)
             self._lib = _backend(self.platform)
             _native.ensure_registered(self.platform)
-            self.id = int(self._lib.heap_create(self.world, self.deterministic, float(barrier_timeout_s)))
+            self.id = _create_local_heap(self._lib, self.platform, self._along_axis(mesh, axis_name), self.deterministic,
+                                         float(barrier_timeout_s))
         # device p of the axis (the index the ops pass to the handlers); other axes have size 1
-        along_axis = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(self.world)
+        along_axis = self._along_axis(mesh, axis_name)
         self.positions = {d: p for p, d in enumerate(along_axis)}
-        if self.transport == "local" and self.platform != "cpu" and hasattr(self._lib, "heap_set_placement"):
-            # device p of the axis holds its shard on the GPU that runs it (meshes need not follow jax.devices())
-            self._lib.heap_set_placement(self.id, [int(d.local_hardware_id) for d in along_axis])
         self._barrier_timeout_s = float(barrier_timeout_s)
         self._buckets: list[Bucket] = []
         self._freed = False
         self._finalizer = weakref.finalize(self, _free_quietly, self._lib, self.id)
+
+    @staticmethod
+    def _along_axis(mesh, axis_name: str) -> np.ndarray:
+        """The mesh's devices in position order along `axis_name` (other axes have size 1)."""
+        world = int(mesh.shape[axis_name])
+        return np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(world)
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @property
@@ -166,6 +180,8 @@ class SymmetricHeap:
         _settle_ops_before_free(f"heap {self.id}")  # queued ops still reference this heap
         self._freed = True
         self._finalizer.detach()
+        if self._ipc is not None:
+            self._ipc.barrier("free-heap")  # collective: no process still uses memory that this one unmaps
         self._lib.heap_free(self.id)
         if self.transport == "mpi":
             _mpi.forget(self.id)
@@ -228,7 +244,10 @@ class SymmetricHeap:
         if self.transport == "mpi":  # collective: every process registers the same bucket here, or all raise
             _mpi.check_registration(self.id, len(self._buckets), name, shape, master)
         try:
-            bucket_id = int(self._lib.bucket_register(self.id, numel, master))
+            if self._ipc is not None:  # collective across the heap's processes
+                bucket_id = int(self._ipc.register(numel, master, name))
+            else:
+                bucket_id = int(self._lib.bucket_register(self.id, numel, master))
         except MemoryError as e:
             raise MemoryError(f"bucket {name!r} ({needed.describe(self.world)}): {e}") from None
         bucket = Bucket(self, bucket_id, shape, numel, master, int(self._lib.bucket_shard_numel(self.id, bucket_id)),
@@ -270,6 +289,19 @@ class SymmetricHeap:
         state = "freed" if self._freed else f"{len(self.buckets)} buckets"
         return (f"SymmetricHeap(id={self.id}, axis={self.axis_name!r}, world={self.world}, platform={self.platform}, "
                 f"transport={self.transport}, deterministic={self.deterministic}, {state})")
+
+
+def _create_local_heap(lib, platform: str, along_axis, deterministic: bool, barrier_timeout_s: float) -> int:
+    """Creates an in-process heap. On GPUs: refuses PJRT clients the barrier cannot serve, and places position p's
+    memory on the GPU that runs position p (meshes need not follow jax.devices()) at creation, so the library touches
+    only the mesh's GPUs (peer access, pinned blocks, contexts)."""
+    if platform == "cpu":
+        return int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s))
+    from jodc.ops import _cuda
+
+    _cuda.check_pjrt_client()
+    placement = _cuda.placement_of(along_axis)
+    return int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s, placement))
 
 
 def _free_quietly(lib, heap_id: int) -> None:
@@ -316,6 +348,8 @@ class Bucket:
             return
         if not self.heap.freed:
             _settle_ops_before_free(f"bucket {self.name!r}")
+            if self.heap._ipc is not None:
+                self.heap._ipc.barrier("free-bucket")  # collective: peers stop using this bucket's memory first
             self.heap._lib.bucket_free(self.heap.id, self.id)
         self._freed = True
 

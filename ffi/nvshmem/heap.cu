@@ -1,0 +1,382 @@
+// The NVSHMEM backend's registry and C API (called by jodc/ops/_nvshmem.py through ctypes): initialisation from a
+// unique id exchanged by the processes, heaps and buckets in the symmetric heap (collective: every PE makes the same
+// calls in the same order), host access to this PE's own memory, poisoning. Conventions as ffi/cuda/management.cu:
+// 0 on success, 1 with a message in `err` (2: out of memory).
+#include <cstring>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#include "nvshmem/heap.cuh"
+
+namespace jodc::nvshmem_backend {
+namespace {
+
+std::mutex g_mu;
+std::unordered_map<int64_t, std::shared_ptr<NvHeap>>& Registry() {
+  static auto* heaps = new std::unordered_map<int64_t, std::shared_ptr<NvHeap>>();
+  return *heaps;
+}
+std::atomic<int64_t> g_next_id{1};
+bool g_initialized = false;
+
+int32_t Fail(const std::string& message, char* err, int64_t err_capacity) {
+  if (err != nullptr && err_capacity > 0) {
+    const size_t n = std::min<size_t>(message.size(), static_cast<size_t>(err_capacity - 1));
+    std::memcpy(err, message.data(), n);
+    err[n] = '\0';
+  }
+  return 1;
+}
+
+// nvshmem_malloc + zero fill (collective). Null with a message on failure.
+void* SymmetricZeros(size_t bytes, std::string* err) {
+  void* p = nvshmem_malloc(bytes);
+  if (p == nullptr) {
+    *err = "nvshmem_malloc of " + std::to_string(bytes) + " bytes failed (symmetric heap too small? raise "
+           "NVSHMEM_SYMMETRIC_SIZE)";
+    return nullptr;
+  }
+  if (cudaError_t e = cudaMemset(p, 0, bytes); e != cudaSuccess) {
+    cudaGetLastError();
+    nvshmem_free(p);
+    *err = cuda::CudaMessage("zeroing symmetric memory", e);
+    return nullptr;
+  }
+  return p;
+}
+
+}  // namespace
+
+SymBucket::~SymBucket() {
+  // Collective like the allocation: every PE frees its buckets in the same order (jodc/ops/_nvshmem.py).
+  if (view.shard != nullptr) nvshmem_free(view.shard);
+  if (view.accumulator != nullptr) nvshmem_free(view.accumulator);
+  if (view.landing != nullptr) nvshmem_free(view.landing);
+}
+
+NvHeap::~NvHeap() {
+  if (arrivals != nullptr) nvshmem_free(arrivals);
+  if (abort != nullptr) nvshmem_free(abort);
+  if (control != nullptr) cudaFreeHost(control);
+  if (reports != nullptr) cudaFreeHost(reports);
+  cudaGetLastError();
+}
+
+std::shared_ptr<NvHeap> FindHeap(int64_t heap_id, std::string* err) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = Registry().find(heap_id);
+  if (it == Registry().end()) {
+    *err = "NVSHMEM heap " + std::to_string(heap_id) + " is not registered (freed?)";
+    return nullptr;
+  }
+  return it->second;
+}
+
+std::shared_ptr<SymBucket> FindBucket(const std::shared_ptr<NvHeap>& heap, int64_t bucket_id, std::string* err) {
+  std::lock_guard<std::mutex> lock(heap->mu);
+  auto it = heap->buckets.find(bucket_id);
+  if (it == heap->buckets.end()) {
+    *err = "bucket " + std::to_string(bucket_id) + " is not registered in NVSHMEM heap " + std::to_string(heap->id);
+    return nullptr;
+  }
+  return it->second;
+}
+
+std::string CurrentPoison(NvHeap& heap) {
+  const uint64_t fault = __atomic_load_n(&heap.control->fault, __ATOMIC_ACQUIRE);
+  int32_t aborted = 0;
+  cudaMemcpy(&aborted, heap.abort, sizeof(aborted), cudaMemcpyDeviceToHost);  // management paths only
+  cudaGetLastError();
+  std::lock_guard<std::mutex> lock(heap.mu);
+  if (heap.poisoned.empty() && fault != 0) {
+    heap.poisoned = std::string("a ") + cuda::OpName(cuda::FaultOp(fault)) + " kernel received device index " +
+                    std::to_string(cuda::FaultDevice(fault)) + " outside [0, " + std::to_string(heap.world) +
+                    "); the heap is now unusable: free and re-create it";
+  }
+  if (heap.poisoned.empty() && aborted != 0) {
+    heap.poisoned = "NVSHMEM heap " + std::to_string(heap.id) + " was aborted by another PE (its error is in that "
+                    "process's output); the heap is now unusable: free and re-create it";
+  }
+  return heap.poisoned;
+}
+
+void Poison(NvHeap& heap, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(heap.mu);
+    if (heap.poisoned.empty()) heap.poisoned = message;
+  }
+  for (int32_t pe = 0; pe < heap.world; ++pe) nvshmem_int_p(heap.abort, 1, pe);  // host-initiated puts
+  nvshmem_quiet();
+}
+
+}  // namespace jodc::nvshmem_backend
+
+// No `using namespace jodc`: it would make jodc::cuda visible next to libcu++'s ::cuda, which NVSHMEM's device
+// headers name unqualified (`cuda::std::...`), and their templates instantiated here would become ambiguous.
+using namespace jodc::nvshmem_backend;
+using jodc::CheckedBucketBytes;
+using jodc::Dtype;
+using jodc::DtypeBytes;
+using jodc::Error;
+using jodc::MakeLayout;
+using jodc::ParseDtype;
+namespace jcuda = jodc::cuda;
+
+#define JODC_NVSHMEM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Writes a fresh unique id (PE 0 calls this; the bytes go to every process through jodc/ops/_nvshmem.py).
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_unique_id(char* out, int64_t capacity, int64_t* length, char* err,
+                                                   int64_t err_capacity) {
+  nvshmemx_uniqueid_t id;
+  if (nvshmemx_get_uniqueid(&id) != 0) return Fail("nvshmemx_get_uniqueid failed", err, err_capacity);
+  if (capacity < static_cast<int64_t>(sizeof(id)))
+    return Fail("unique id needs " + std::to_string(sizeof(id)) + " bytes", err, err_capacity);
+  std::memcpy(out, &id, sizeof(id));
+  *length = sizeof(id);
+  return 0;
+}
+
+// Initialises NVSHMEM as PE `rank` of `nranks` on CUDA device `gpu` (collective; once per process).
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_init(int32_t rank, int32_t nranks, const char* unique_id, int64_t length,
+                                              int32_t gpu, char* err, int64_t err_capacity) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_initialized) return Fail("NVSHMEM is already initialised in this process", err, err_capacity);
+  nvshmemx_uniqueid_t id;
+  if (unique_id == nullptr || length != static_cast<int64_t>(sizeof(id)))
+    return Fail("the unique id must be " + std::to_string(sizeof(id)) + " bytes, got " + std::to_string(length), err,
+                err_capacity);
+  std::memcpy(&id, unique_id, sizeof(id));
+  if (cudaError_t e = cudaSetDevice(gpu); e != cudaSuccess) {
+    cudaGetLastError();
+    return Fail(jcuda::CudaMessage(("selecting GPU " + std::to_string(gpu)).c_str(), e), err, err_capacity);
+  }
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr) != 0 ||
+      nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
+    return Fail("nvshmemx_init_attr failed for PE " + std::to_string(rank) + " of " + std::to_string(nranks), err,
+                err_capacity);
+  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != nranks)
+    return Fail("NVSHMEM made this process PE " + std::to_string(nvshmem_my_pe()) + " of " +
+                std::to_string(nvshmem_n_pes()) + ", expected " + std::to_string(rank) + " of " +
+                std::to_string(nranks), err, err_capacity);
+  g_initialized = true;
+  return 0;
+}
+
+// A heap over every PE (collective). World = number of PEs; this PE = its mesh position.
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_create(int32_t deterministic, double barrier_timeout_s,
+                                                     int64_t* heap_id, char* err, int64_t err_capacity) {
+  std::string why;
+  if (Error e = jcuda::CheckBarrierTimeout(barrier_timeout_s); e.failure()) return Fail(e.message(), err, err_capacity);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_initialized) return Fail("NVSHMEM is not initialised (jodc_nvshmem_init first)", err, err_capacity);
+  }
+  auto heap = std::make_shared<NvHeap>();
+  heap->world = nvshmem_n_pes();
+  heap->me = nvshmem_my_pe();
+  if (heap->world > kMaxWorld) return Fail("at most " + std::to_string(kMaxWorld) + " PEs", err, err_capacity);
+  heap->deterministic = deterministic != 0;
+  // NVSHMEM float atomics are correct on every transport (proxy atomics where the link has none): landing slots
+  // only for determinism.
+  heap->landing_slots = heap->deterministic;
+  heap->barrier_timeout_s = barrier_timeout_s;
+  heap->arrivals = static_cast<uint64_t*>(SymmetricZeros(sizeof(uint64_t) * kMaxWorld, &why));
+  heap->abort = heap->arrivals ? static_cast<int32_t*>(SymmetricZeros(sizeof(int32_t), &why)) : nullptr;
+  if (heap->abort == nullptr) return Fail(why, err, err_capacity);
+  void* control = nullptr;
+  void* reports = nullptr;
+  const unsigned flags = cudaHostAllocMapped | cudaHostAllocPortable;
+  cudaError_t e = cudaHostAlloc(&control, sizeof(HeapControl), flags);
+  if (e == cudaSuccess) e = cudaHostAlloc(&reports, sizeof(BarrierReport) * heap->world, flags);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    if (control != nullptr) cudaFreeHost(control);
+    return Fail(jcuda::CudaMessage("allocating pinned control memory", e), err, err_capacity);
+  }
+  std::memset(control, 0, sizeof(HeapControl));
+  std::memset(reports, 0, sizeof(BarrierReport) * heap->world);
+  heap->control = static_cast<HeapControl*>(control);
+  heap->reports = static_cast<BarrierReport*>(reports);
+  nvshmem_barrier_all();  // every PE's arrivals and abort are zero before anyone's first barrier
+  heap->id = g_next_id++;
+  std::lock_guard<std::mutex> lock(g_mu);
+  Registry()[heap->id] = heap;
+  *heap_id = heap->id;
+  return 0;
+}
+
+// Collective: every PE frees the heap (after its last op; jodc/ops/_nvshmem.py synchronises first).
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_free(int64_t heap_id, char* err, int64_t err_capacity) {
+  std::shared_ptr<NvHeap> heap;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = Registry().find(heap_id);
+    if (it == Registry().end()) return Fail("NVSHMEM heap " + std::to_string(heap_id) + " is not registered", err,
+                                            err_capacity);
+    heap = it->second;
+    Registry().erase(it);
+  }
+  cudaDeviceSynchronize();  // this PE's queued kernels may still use symmetric memory
+  cudaGetLastError();
+  nvshmem_barrier_all();  // no PE still reads or writes this heap's memory on another
+  std::map<int64_t, std::shared_ptr<SymBucket>> buckets;
+  {
+    std::lock_guard<std::mutex> lock(heap->mu);
+    buckets.swap(heap->buckets);
+  }
+  buckets.clear();  // frees in id order: the same order on every PE
+  heap.reset();
+  return 0;
+}
+
+// Collective: a bucket of `numel` elements of `dtype` over every PE.
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_register(int64_t heap_id, int64_t numel, const char* dtype,
+                                                         int64_t* bucket_id, char* err, int64_t err_capacity) {
+  std::string why;
+  auto heap = FindHeap(heap_id, &why);
+  if (!heap) return Fail(why, err, err_capacity);
+  Dtype master;
+  if (!ParseDtype(dtype != nullptr ? dtype : "", &master))
+    return Fail(std::string("master dtype must be float32 or bfloat16, got ") + (dtype ? dtype : ""), err,
+                err_capacity);
+  if (numel < 1) return Fail("bucket size must be >= 1 element, got " + std::to_string(numel), err, err_capacity);
+  auto b = std::make_shared<SymBucket>();
+  b->view.layout = MakeLayout(numel, heap->world, DtypeBytes(master));
+  b->view.master = master;
+  b->view.landing_slots = heap->landing_slots;
+  if (b->view.layout.shard_numel < 1 || !CheckedBucketBytes(b->view.layout, b->view.landing_slots, &b->bytes))
+    return Fail("a bucket of " + std::to_string(numel) + " elements is too large: its memory overflows 64-bit byte "
+                "counts", err, err_capacity);
+  b->view.shard = SymmetricZeros(b->bytes.shard, &why);
+  b->view.accumulator = b->view.shard ? static_cast<float*>(SymmetricZeros(b->bytes.accumulator, &why)) : nullptr;
+  if (b->view.accumulator != nullptr && b->view.landing_slots)
+    b->view.landing = static_cast<float*>(SymmetricZeros(b->bytes.landing, &why));
+  if (b->view.accumulator == nullptr || (b->view.landing_slots && b->view.landing == nullptr)) {
+    Fail("registering a bucket of " + std::to_string(numel) + " elements: " + why, err, err_capacity);
+    return 2;
+  }
+  b->id = g_next_id++;
+  std::lock_guard<std::mutex> lock(heap->mu);
+  heap->buckets[b->id] = b;
+  *bucket_id = b->id;
+  return 0;
+}
+
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_free(int64_t heap_id, int64_t bucket_id, char* err,
+                                                     int64_t err_capacity) {
+  std::string why;
+  auto heap = FindHeap(heap_id, &why);
+  if (!heap) return Fail(why, err, err_capacity);
+  std::shared_ptr<SymBucket> b;
+  {
+    std::lock_guard<std::mutex> lock(heap->mu);
+    auto it = heap->buckets.find(bucket_id);
+    if (it == heap->buckets.end()) return Fail("bucket " + std::to_string(bucket_id) + " is not registered", err,
+                                               err_capacity);
+    b = it->second;
+    heap->buckets.erase(it);
+  }
+  cudaDeviceSynchronize();
+  cudaGetLastError();
+  nvshmem_barrier_all();
+  b.reset();
+  return 0;
+}
+
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_info(int64_t heap_id, int64_t bucket_id, int64_t* numel,
+                                                     int64_t* shard_numel, int32_t* master_bytes, int32_t* world,
+                                                     char* err, int64_t err_capacity) {
+  std::string why;
+  auto heap = FindHeap(heap_id, &why);
+  auto b = heap ? FindBucket(heap, bucket_id, &why) : nullptr;
+  if (!b) return Fail(why, err, err_capacity);
+  *numel = b->view.layout.numel;
+  *shard_numel = b->view.layout.shard_numel;
+  *master_bytes = DtypeBytes(b->view.master);
+  *world = b->view.layout.world;
+  return 0;
+}
+
+// Host access to this PE's own memory: kind 0 = shard (raw master bytes), 1 = accumulator (fp32, landing slots
+// reduced in source order). `write` copies from `data` (shard only), else into it.
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_access(int64_t heap_id, int64_t bucket_id, int32_t device,
+                                                       int32_t kind, int32_t write, void* data, int64_t bytes,
+                                                       char* err, int64_t err_capacity) {
+  std::string why;
+  auto heap = FindHeap(heap_id, &why);
+  auto b = heap ? FindBucket(heap, bucket_id, &why) : nullptr;
+  if (!b) return Fail(why, err, err_capacity);
+  if (device != heap->me)
+    return Fail("position " + std::to_string(device) + "'s memory lives in another process (PE " +
+                std::to_string(device) + "); this process holds position " + std::to_string(heap->me), err,
+                err_capacity);
+  const int64_t n = b->view.layout.shard_numel;
+  const int64_t want = kind == 0 ? n * DtypeBytes(b->view.master) : n * 4;
+  if (bytes != want) return Fail("expected " + std::to_string(want) + " bytes, got " + std::to_string(bytes), err,
+                                 err_capacity);
+  cudaError_t e = cudaSuccess;
+  if (kind == 0) {
+    e = write ? cudaMemcpy(b->view.shard, data, bytes, cudaMemcpyHostToDevice)
+              : cudaMemcpy(data, b->view.shard, bytes, cudaMemcpyDeviceToHost);
+  } else if (kind == 1 && write) {
+    e = cudaMemset(b->view.accumulator, 0, n * 4);
+    if (e == cudaSuccess && b->view.landing) e = cudaMemset(b->view.landing, 0, n * 4 * heap->world);
+  } else {
+    e = cudaMemcpy(data, b->view.accumulator, bytes, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess && b->view.landing) {
+      std::vector<float> slots(static_cast<size_t>(n) * heap->world);
+      e = cudaMemcpy(slots.data(), b->view.landing, slots.size() * 4, cudaMemcpyDeviceToHost);
+      float* out = static_cast<float*>(data);
+      for (int32_t s = 0; s < heap->world && e == cudaSuccess; ++s)
+        for (int64_t i = 0; i < n; ++i) out[i] += slots[static_cast<size_t>(s) * n + i];
+    }
+  }
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Fail(jcuda::CudaMessage("host access to symmetric memory", e), err, err_capacity);
+  }
+  return 0;
+}
+
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_state(int64_t heap_id, int32_t* world, int32_t* me,
+                                                    int32_t* landing_slots, uint64_t* generations, char* poisoned,
+                                                    int64_t poisoned_capacity, char* err, int64_t err_capacity) {
+  std::string why;
+  auto heap = FindHeap(heap_id, &why);
+  if (!heap) return Fail(why, err, err_capacity);
+  *world = heap->world;
+  *me = heap->me;
+  *landing_slots = heap->landing_slots ? 1 : 0;
+  cudaMemcpy(generations, heap->arrivals, sizeof(uint64_t) * heap->world, cudaMemcpyDeviceToHost);
+  cudaGetLastError();
+  Fail(CurrentPoison(*heap), poisoned, poisoned_capacity);
+  return 0;
+}
+
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_set_barrier_timeout(int64_t heap_id, double timeout_s, char* err,
+                                                                  int64_t err_capacity) {
+  std::string why;
+  auto heap = FindHeap(heap_id, &why);
+  if (!heap) return Fail(why, err, err_capacity);
+  if (Error e = jcuda::CheckBarrierTimeout(timeout_s); e.failure()) return Fail(e.message(), err, err_capacity);
+  heap->barrier_timeout_s = timeout_s;
+  return 0;
+}
+
+// Poisons the heap on every PE (the abort flag is set remotely), releasing their waiting barriers.
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_abort(int64_t heap_id, const char* reason, char* err,
+                                                    int64_t err_capacity) {
+  std::string why;
+  auto heap = FindHeap(heap_id, &why);
+  if (!heap) return Fail(why, err, err_capacity);
+  Poison(*heap, std::string("aborted: ") + (reason ? reason : "") + "; the heap is now unusable: free and re-create it");
+  return 0;
+}
+
+JODC_NVSHMEM_EXPORT int64_t jodc_nvshmem_live_heaps() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return static_cast<int64_t>(Registry().size());
+}

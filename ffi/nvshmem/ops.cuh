@@ -1,0 +1,77 @@
+// Host and device helpers shared by the NVSHMEM op files: the handler preamble (operands, heap, bucket, poison),
+// abort-on-error, launch checks, grid sizing. Kernels reuse ffi/cuda/device_util.cuh (conversions, device checks).
+#ifndef JODC_FFI_NVSHMEM_OPS_CUH_
+#define JODC_FFI_NVSHMEM_OPS_CUH_
+
+#include <string>
+
+#include "cuda/device_util.cuh"
+#include "nvshmem/heap.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jodc::nvshmem_backend {
+
+namespace ffi = xla::ffi;
+
+constexpr int kThreads = 256;
+
+struct Target {
+  std::shared_ptr<NvHeap> heap;
+  std::shared_ptr<SymBucket> bucket;
+};
+
+inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer<ffi::S32>& device,
+                          const ffi::Buffer<ffi::S32>& token, int64_t heap_id, int64_t bucket_id, Target* t) {
+  if (device.element_count() != 1 || token.element_count() != 1)
+    return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": device and token must be int32 scalars");
+  std::string why;
+  t->heap = FindHeap(heap_id, &why);
+  if (!t->heap) return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": " + why);
+  {
+    std::lock_guard<std::mutex> lock(t->heap->mu);
+    if (!t->heap->poisoned.empty())
+      return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": " + t->heap->poisoned);
+  }
+  if (const uint64_t fault = __atomic_load_n(&t->heap->control->fault, __ATOMIC_ACQUIRE); fault != 0)
+    return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": " + CurrentPoison(*t->heap));
+  if (bucket_id >= 0) {
+    t->bucket = FindBucket(t->heap, bucket_id, &why);
+    if (!t->bucket) return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": " + why);
+  }
+  int gpu = -1;
+#if CUDART_VERSION >= 12080
+  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
+    cudaGetLastError();
+    gpu = -1;
+  }
+#endif
+  if (gpu >= 0 && cudaSetDevice(gpu) != cudaSuccess) {
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot select the stream's GPU");
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error Launched(const char* op) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jodc ") + op + ": " + cuda::CudaMessage("launching the kernel", e));
+}
+
+// Any error of a handler poisons the heap on every PE, so their barriers stop waiting for this one.
+inline ffi::Error AbortOnError(int64_t heap_id, ffi::Error e) {
+  if (e.failure()) {
+    std::string ignored;
+    if (auto heap = FindHeap(heap_id, &ignored)) Poison(*heap, "aborted: PE failed: " + std::string(e.message()));
+  }
+  return e;
+}
+
+inline unsigned Blocks(int64_t items) {
+  const int64_t b = (items + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > 1024 ? 1024 : b));
+}
+
+}  // namespace jodc::nvshmem_backend
+
+#endif  // JODC_FFI_NVSHMEM_OPS_CUH_

@@ -1,0 +1,79 @@
+// jodc_nvshmem_scatter_accumulate: PE d adds each owner's slice of a full-size gradient into that owner's fp32
+// accumulator: nvshmemx_float_atomic_add per element (atomic mode), or get-add-put into d's own landing slot on the
+// owner (landing-slot mode: only d writes that slot, and d's kernels run in stream order). Ends with nvshmem_quiet
+// per thread, so the barrier that follows finds every update complete at its target.
+#include "nvshmem/ops.cuh"
+
+namespace jodc::nvshmem_backend {
+namespace {
+
+template <typename Src>
+__global__ void __launch_bounds__(kThreads)
+    ScatterKernel(SymBucketView view, HeapControl* control, const int32_t* device_operand, const int32_t* token_in,
+                  int32_t* token_out, const Src* grad) {
+  int32_t device;
+  const BucketLayout& l = view.layout;
+  if (!cuda::ValidDevice(device_operand, l.world, control, cuda::OpCode::kScatterAccumulate, token_in, token_out,
+                         &device))
+    return;
+  const int32_t owner = (device + 1 + static_cast<int32_t>(blockIdx.y)) % l.world;
+  const int64_t n = l.valid(owner);
+  const Src* slice = grad + l.begin(owner);
+  for (int64_t i = cuda::StrideStart(); i < n; i += cuda::StrideStep()) {
+    const float v = cuda::ToF32(slice[i]);
+    if (view.landing_slots) {
+      float* slot = view.landing + static_cast<int64_t>(device) * l.shard_numel + i;
+      nvshmem_float_p(slot, nvshmem_float_g(slot, owner) + v, owner);
+    } else {
+      nvshmemx_float_atomic_add(view.accumulator + i, v, owner);
+    }
+  }
+  nvshmem_quiet();
+  cuda::AdvanceToken(token_in, token_out);
+}
+
+ffi::Error ScatterImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad,
+                       ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
+                       int64_t bucket_id) {
+  Target t;
+  if (ffi::Error e = Prepare("scatter_accumulate", stream, device, token, heap_id, bucket_id, &t); e.failure())
+    return e;
+  const SymBucketView& v = t.bucket->view;
+  if (static_cast<int64_t>(grad.element_count()) != v.layout.numel)
+    return ffi::Error::InvalidArgument("jodc scatter_accumulate: gradient has " +
+                                       std::to_string(grad.element_count()) + " elements, bucket " +
+                                       std::to_string(bucket_id) + " has " + std::to_string(v.layout.numel));
+  const dim3 grid(Blocks(v.layout.shard_numel / 4 + 1), v.layout.world);
+  if (grad.element_type() == ffi::DataType::F32) {
+    ScatterKernel<float><<<grid, kThreads, 0, stream>>>(v, t.heap->control, device.typed_data(), token.typed_data(),
+                                                         token_out->typed_data(),
+                                                         static_cast<const float*>(grad.untyped_data()));
+  } else if (grad.element_type() == ffi::DataType::BF16) {
+    ScatterKernel<cuda::Bf16Bits><<<grid, kThreads, 0, stream>>>(
+        v, t.heap->control, device.typed_data(), token.typed_data(), token_out->typed_data(),
+        static_cast<const cuda::Bf16Bits*>(grad.untyped_data()));
+  } else {
+    return ffi::Error::InvalidArgument("jodc scatter_accumulate: gradient must be float32 or bfloat16");
+  }
+  return Launched("scatter_accumulate");
+}
+
+ffi::Error Scatter(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> token,
+                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
+  return AbortOnError(heap_id, ScatterImpl(stream, device, grad, token, token_out, heap_id, bucket_id));
+}
+
+}  // namespace
+}  // namespace jodc::nvshmem_backend
+
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JodcNvshmemScatterAccumulate(
+    XLA_FFI_CallFrame* call_frame);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcNvshmemScatterAccumulate, jodc::nvshmem_backend::Scatter,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
+                                  .Arg<xla::ffi::AnyBuffer>()              // full-size gradient
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
+                                  .Attr<int64_t>("heap")
+                                  .Attr<int64_t>("bucket"));

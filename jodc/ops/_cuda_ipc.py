@@ -1,0 +1,336 @@
+"""GPU heaps across processes: which transport a mesh needs, and the CUDA IPC handle exchange.
+
+A GPU mesh of one process uses the in-process heap (peer pointers, ``transport='local'``). A mesh spanning several
+processes on one node (the common launch: one process per GPU) uses CUDA IPC (``'cuda_ipc'``): every process
+allocates its own position's memory, exports CUDA IPC handles, and maps everyone else's, so the kernels keep using
+peer pointers (ffi/cuda/ipc.cu). A mesh spanning several nodes needs NVSHMEM (``'nvshmem'``, jodc/ops/_nvshmem.py).
+
+The processes talk through an :class:`Exchange`: the ``jax.distributed`` key-value store when JAX was initialised for
+several processes, else MPI (``mpi4py``). The protocol is collective (every process of the heap makes the same calls
+in the same order) and validated: a process that fails or disagrees (a different bucket size, order or dtype) makes
+every process raise the same error instead of leaving the others waiting.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import socket
+import threading
+from typing import Protocol, Sequence
+
+GPU_TRANSPORTS = ("auto", "local", "cuda_ipc", "nvshmem")
+HANDLE_BYTES = 64 * 3  # per position and bucket: shard, accumulator, landing slots (ffi/cuda/ipc.cu)
+
+
+class Exchange(Protocol):
+    """Collective all-gather among the heap's processes: ``rank`` is this process's index among them (0..size-1)."""
+
+    rank: int
+    size: int
+
+    def allgather(self, key: str, value: bytes) -> list[bytes]:
+        """Every process's `value` for `key`, in rank order. Collective: all processes call it with the same key."""
+
+
+class KeyValueExchange:
+    """An :class:`Exchange` over the ``jax.distributed`` key-value store (no MPI needed)."""
+
+    def __init__(self, client, rank: int, size: int, group: str, timeout_s: float = 600.0):
+        self.client, self.rank, self.size, self.group = client, rank, size, group
+        self.timeout_ms = int(timeout_s * 1000)
+        self._seq = 0
+
+    def allgather(self, key: str, value: bytes) -> list[bytes]:
+        self._seq += 1
+        prefix = f"jodc/{self.group}/{self._seq}/{key}"
+        self.client.key_value_set(f"{prefix}/{self.rank}", base64.b64encode(value).decode())
+        return [base64.b64decode(self.client.blocking_key_value_get(f"{prefix}/{r}", self.timeout_ms))
+                for r in range(self.size)]
+
+
+class MpiExchange:
+    """An :class:`Exchange` over MPI: `ranks` are the MPI ranks of the heap's processes, in heap order."""
+
+    def __init__(self, comm, ranks: Sequence[int]):
+        self.ranks = list(ranks)
+        self.comm = comm.Create_group(comm.group.Incl(self.ranks)) if len(self.ranks) != comm.size else comm
+        self.rank, self.size = self.comm.rank, self.comm.size
+
+    def allgather(self, key: str, value: bytes) -> list[bytes]:
+        return list(self.comm.allgather(bytes(value)))
+
+
+class LocalExchange:
+    """An in-process :class:`Exchange` for tests: `size` threads, one exchange each, sharing one board."""
+
+    def __init__(self, board: dict, rank: int, size: int):
+        self.board, self.rank, self.size = board, rank, size
+        self._seq = 0
+        board.setdefault("_cv", threading.Condition())
+
+    @classmethod
+    def group(cls, size: int) -> list["LocalExchange"]:
+        board: dict = {}
+        return [cls(board, r, size) for r in range(size)]
+
+    def allgather(self, key: str, value: bytes, timeout_s: float = 30.0) -> list[bytes]:
+        self._seq += 1
+        slot = (self._seq, key)
+        cv = self.board["_cv"]
+        with cv:
+            self.board.setdefault(slot, {})[self.rank] = bytes(value)
+            cv.notify_all()
+            if not cv.wait_for(lambda: len(self.board[slot]) == self.size, timeout=timeout_s):
+                raise TimeoutError(f"exchange {slot} timed out: ranks {sorted(self.board[slot])} of {self.size}")
+            return [self.board[slot][r] for r in range(self.size)]
+
+
+def node_id() -> str:
+    """This machine's identity: hostname plus boot id (two containers with one hostname are not one node)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def mesh_processes(devices) -> list[int]:
+    """The sorted JAX process indices owning `devices`."""
+    return sorted({int(d.process_index) for d in devices})
+
+
+def select_gpu_transport(requested: str, processes: Sequence[int], nodes: dict[int, str] | None = None) -> str:
+    """'local', 'cuda_ipc' or 'nvshmem' for a GPU heap over `processes` (their node ids in `nodes`; needed only when
+    there are several processes). 'auto': one process -> local; one node -> cuda_ipc; several nodes -> nvshmem."""
+    if requested not in GPU_TRANSPORTS:
+        raise ValueError(f"transport for GPU meshes must be one of {GPU_TRANSPORTS}, got {requested!r}")
+    processes = list(processes)
+    if len(processes) <= 1:
+        if requested in ("auto", "local"):
+            return "local"
+        raise ValueError(f"transport={requested!r} needs a mesh spanning several processes (this one lives in process "
+                         f"{processes}); one process uses 'local' (peer pointers)")
+    if requested == "local":
+        raise ValueError(f"transport='local' cannot serve a mesh over processes {processes}: use 'cuda_ipc' (one "
+                         f"node), 'nvshmem' (several nodes) or 'auto'")
+    if nodes is None or set(nodes) != set(processes):
+        raise ValueError(f"the node of every process is needed to pick a GPU transport (got {nodes})")
+    distinct = sorted(set(nodes.values()))
+    if requested == "auto":
+        return "cuda_ipc" if len(distinct) == 1 else "nvshmem"
+    if requested == "cuda_ipc" and len(distinct) > 1:
+        by_node = {n: [p for p in processes if nodes[p] == n] for n in distinct}
+        raise ValueError(f"transport='cuda_ipc' needs every process on one node; this mesh spans {len(distinct)} "
+                         f"nodes (processes per node: {list(by_node.values())}): use 'nvshmem' or 'auto'")
+    return requested
+
+
+def default_exchange(processes: Sequence[int], group: str) -> Exchange:
+    """The exchange among `processes` (JAX process indices): jax.distributed's key-value store when JAX runs several
+    processes, else MPI. RuntimeError when neither is available."""
+    import jax
+
+    me = int(jax.process_index())
+    if me not in processes:
+        raise ValueError(f"process {me} holds no device of this mesh (its processes: {list(processes)})")
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+    except Exception:  # noqa: BLE001 - private API moved
+        client = None
+    if client is not None:
+        return KeyValueExchange(client, list(processes).index(me), len(processes), group)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is not None and MPI.COMM_WORLD.size > 1:
+        rank_of = {int(p): r for r, p in enumerate(MPI.COMM_WORLD.allgather(me))}
+        return MpiExchange(MPI.COMM_WORLD, [rank_of[p] for p in processes])
+    raise RuntimeError("a GPU heap across processes needs jax.distributed.initialize() (its key-value store carries "
+                       "the CUDA IPC handles) or MPI (mpi4py)")
+
+
+def _json(value) -> bytes:
+    return json.dumps(value, sort_keys=True).encode()
+
+
+def _all_or_raise(exchange: Exchange, key: str, mine: dict) -> list[dict]:
+    """All-gathers `mine` (a dict, with 'error' set on failure); raises the first process's error everywhere."""
+    everyone = [json.loads(v) for v in exchange.allgather(key, _json(mine))]
+    failed = [(r, v["error"]) for r, v in enumerate(everyone) if v.get("error")]
+    if failed:
+        rank, error = failed[0]
+        raise RuntimeError(f"{key}: process {rank} of the heap failed: {error}")
+    return everyone
+
+
+class IpcHeap:
+    """One process's side of a CUDA IPC heap: its position and GPU, the library, the exchange."""
+
+    def __init__(self, lib, exchange: Exchange, heap_id: int, positions: Sequence[int], position: int, gpu: int):
+        self.lib, self.exchange, self.heap_id = lib, exchange, heap_id
+        self.positions = list(positions)  # positions[r]: the position of the process of exchange rank r
+        self.world, self.position, self.gpu = len(self.positions), position, gpu
+        self._registered = 0
+
+    @classmethod
+    def create(cls, lib, exchange: Exchange, world: int, position: int, gpu: int, deterministic: bool,
+               barrier_timeout_s: float) -> "IpcHeap":
+        """Collective: every process of the heap calls this with its own position and GPU."""
+        mine = {"position": position, "gpu": gpu, "node": node_id(), "pid": os.getpid()}
+        try:
+            mine["pci"] = lib.pci_bus_id(gpu)
+        except Exception as e:  # noqa: BLE001 - reported to every process below
+            mine["error"] = f"GPU {gpu}: {e}"
+        everyone = _all_or_raise(exchange, "ipc-heap-info", mine)
+        positions = sorted(v["position"] for v in everyone)
+        if positions != list(range(world)):
+            raise ValueError(f"a CUDA IPC heap of {world} positions needs one position per process, got positions "
+                             f"{positions} from {exchange.size} processes")
+        nodes = sorted({v["node"] for v in everyone})
+        if len(nodes) != 1:
+            raise ValueError(f"a CUDA IPC heap needs every process on one node, got {nodes}")
+        links = {"access": True, "atomics": True}
+        try:
+            peers = "\n".join(v["pci"] for v in everyone if v["position"] != position)
+            links["access"], links["atomics"] = lib.ipc_links(gpu, peers)
+        except Exception as e:  # noqa: BLE001
+            links["error"] = f"GPU {gpu}: {e}"
+        all_links = _all_or_raise(exchange, "ipc-heap-links", links)
+        no_access = [everyone[r]["position"] for r, v in enumerate(all_links) if not v["access"]]
+        if no_access:
+            raise ValueError(f"the GPUs of positions {no_access} cannot access every other GPU of the heap directly "
+                             f"(no NVLink or PCIe P2P): CUDA IPC needs peer access between all of them")
+        landing = bool(deterministic) or not all(v["atomics"] for v in all_links)
+        owner = next(r for r, v in enumerate(everyone) if v["position"] == 0)
+        name = f"/jodc-{everyone[owner]['pid']}-{secrets.token_hex(6)}" if exchange.rank == owner else ""
+        names = [n.decode() for n in exchange.allgather("ipc-heap-name", name.encode())]
+        name = names[owner]
+        # the owner creates the shared control block first, then everyone else opens it, then its name goes away
+        status = {}
+        heap_id = None
+        if exchange.rank == owner:
+            try:
+                heap_id = lib.ipc_heap_create(world, deterministic, landing, barrier_timeout_s, position, gpu, name,
+                                              True)
+            except Exception as e:  # noqa: BLE001
+                status["error"] = str(e)
+        _all_or_raise(exchange, "ipc-heap-created", status)
+        status = {}
+        if exchange.rank != owner:
+            try:
+                heap_id = lib.ipc_heap_create(world, deterministic, landing, barrier_timeout_s, position, gpu, name,
+                                              False)
+            except Exception as e:  # noqa: BLE001
+                status["error"] = str(e)
+        try:
+            _all_or_raise(exchange, "ipc-heap-opened", status)
+        except Exception:
+            if heap_id is not None:
+                lib.heap_free(heap_id)
+            raise
+        finally:
+            if exchange.rank == owner:
+                try:
+                    lib.ipc_unlink(name)
+                except Exception:  # noqa: BLE001 - already gone: nothing to clean up
+                    pass
+        return cls(lib, exchange, heap_id, [v["position"] for v in everyone], position, gpu)
+
+    def register(self, numel: int, dtype: str, name: str) -> int:
+        """Collective: registers the next bucket everywhere; returns this process's bucket id. Every process must
+        register the same buckets in the same order (checked: a mismatch raises everywhere)."""
+        self._registered += 1
+        mine = {"seq": self._registered, "numel": int(numel), "dtype": str(dtype), "name": str(name)}
+        bucket_id = None
+        try:
+            bucket_id, handles = self.lib.ipc_bucket_register(self.heap_id, numel, dtype)
+            mine["handles"] = handles.hex()
+        except MemoryError as e:
+            mine["error"] = f"out of GPU memory on position {self.position}: {e}"
+        except Exception as e:  # noqa: BLE001
+            mine["error"] = f"position {self.position}: {e}"
+        try:
+            everyone = _all_or_raise(self.exchange, "ipc-bucket", mine)
+            shapes = {(v["seq"], v["numel"], v["dtype"]) for v in everyone}
+            if len(shapes) != 1:
+                described = [f"process {r}: bucket #{v['seq']} {v['name']!r} of {v['numel']} {v['dtype']}"
+                             for r, v in enumerate(everyone)]
+                raise ValueError("processes registered different buckets (same order and sizes everywhere): " +
+                                 "; ".join(described))
+            status = {}
+            try:
+                for r, v in enumerate(everyone):
+                    if r != self.exchange.rank:
+                        self.lib.ipc_bucket_import(self.heap_id, bucket_id, self.positions[r],
+                                                   bytes.fromhex(v["handles"]))
+                self.lib.ipc_bucket_publish(self.heap_id, bucket_id)
+            except Exception as e:  # noqa: BLE001
+                status["error"] = f"position {self.position}: {e}"
+            _all_or_raise(self.exchange, "ipc-bucket-ready", status)
+        except Exception:
+            if bucket_id is not None:
+                self.lib.bucket_free(self.heap_id, bucket_id)
+            raise
+        return bucket_id
+
+    def barrier(self, key: str) -> None:
+        """Every process reaches this point before any goes on (before memory that peers map is freed)."""
+        self.exchange.allgather(f"ipc-barrier-{key}", b"")
+
+
+# ---- SymmetricHeap's entry points ---------------------------------------------------------------------------------
+
+_heaps_opened = 0  # multi-process GPU heaps this process opened: the same sequence in every process (collective)
+
+
+def select_for_mesh(mesh, requested: str = "auto") -> tuple[str, Exchange | None]:
+    """(transport, exchange) for a heap over GPU `mesh`. One process: ('local', None) without any communication.
+    Several: collective (every process of the mesh calls it): exchanges node ids to choose, and returns the exchange
+    the heap then uses."""
+    global _heaps_opened
+    processes = mesh_processes(mesh.devices.flat)
+    if len(processes) <= 1 or requested == "local" or requested not in GPU_TRANSPORTS:
+        return select_gpu_transport(requested, processes), None
+    _heaps_opened += 1
+    exchange = default_exchange(processes, group=f"gpu-heap-{_heaps_opened}")
+    nodes = {p: n.decode() for p, n in zip(processes, exchange.allgather("node", node_id().encode()))}
+    return select_gpu_transport(requested, processes, nodes), exchange
+
+
+def local_position(along_axis, process: int) -> tuple[int, object]:
+    """(position, device) of `process`'s one device along the heap's axis; ValueError unless it has exactly one."""
+    mine = [(p, d) for p, d in enumerate(along_axis) if int(d.process_index) == int(process)]
+    if len(mine) != 1:
+        raise ValueError(f"a GPU heap across processes needs exactly one GPU per process on the heap's axis (launch one "
+                         f"process per GPU); process {process} has positions {[p for p, _ in mine]}")
+    return mine[0]
+
+
+def open_heap(transport: str, exchange: Exchange, mesh, axis_name: str, deterministic: bool,
+              barrier_timeout_s: float):
+    """Creates this process's side of a multi-process GPU heap; returns (library, heap id, heap object)."""
+    import jax
+    import numpy as np
+
+    world = int(mesh.shape[axis_name])
+    along = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(world)
+    position, device = local_position(along, jax.process_index())
+    if transport == "nvshmem":
+        from jodc.ops import _nvshmem
+
+        return _nvshmem.open_heap(exchange, world, position, int(device.local_hardware_id), deterministic,
+                                  barrier_timeout_s)
+    from jodc.ops import _cuda, _native
+
+    _cuda.check_pjrt_client()
+    lib = _cuda.library()
+    _native.ensure_registered("gpu")
+    heap = IpcHeap.create(lib, exchange, world, position, int(device.local_hardware_id), deterministic,
+                          barrier_timeout_s)
+    return lib, heap.heap_id, heap

@@ -1,0 +1,261 @@
+"""The NVSHMEM backend: GPU heaps across nodes (``jodc/_ffi_nvshmem.so``, built from ``ffi/nvshmem/*.cu``).
+
+One process per GPU, one NVSHMEM PE per process, PE p = mesh position p. NVSHMEM is initialised from a unique id that
+process 0 creates and the others receive through the heap's :class:`jodc.ops._cuda_ipc.Exchange` (the jax.distributed
+key-value store or MPI), so no NVSHMEM launcher is needed. Buckets live in NVSHMEM's symmetric heap; registering and
+freeing are collective (every process, same order). The ops are registered as ``jodc_nvshmem_<op>`` for platform CUDA
+and take the same operands as the other backends; ``jodc.ops._call.target`` picks them for ``transport='nvshmem'``.
+
+The NVSHMEM library links ``libnvshmem_host.so.3`` from the ``nvidia-nvshmem-cu12`` / ``-cu13`` wheel; it is built
+with ``JODC_NVSHMEM=1`` (setup.py) and compile-checked by ``make cuda-check``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+
+LIBRARY_NAME = "_ffi_nvshmem.so"
+BUILD_HINT = ("build it with `JODC_CUDA=1 JODC_NVSHMEM=1 pip install -e .` after `pip install nvidia-nvshmem-cu12` "
+              "(or -cu13, matching nvcc)")
+
+HANDLER_SYMBOLS = {
+    "jodc_nvshmem_gather": "JodcNvshmemGather",
+    "jodc_nvshmem_scatter_accumulate": "JodcNvshmemScatterAccumulate",
+    "jodc_nvshmem_barrier": "JodcNvshmemBarrier",
+    "jodc_nvshmem_read_accumulator": "JodcNvshmemReadAccumulator",
+    "jodc_nvshmem_zero_accumulator": "JodcNvshmemZeroAccumulator",
+    "jodc_nvshmem_publish": "JodcNvshmemPublish",
+}
+
+_ERR_CAPACITY = 16384
+_MAX_WORLD = 64
+_c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
+_c_ptr, _c_str = ctypes.c_void_p, ctypes.c_char_p
+_P = ctypes.POINTER
+
+# name -> (restype, argtypes without the trailing error buffer, fallible)
+_SIGNATURES = {
+    "jodc_nvshmem_live_heaps": (_c_i64, (), False),
+    "jodc_nvshmem_unique_id": (_c_i32, (_c_str, _c_i64, _P(_c_i64)), True),
+    "jodc_nvshmem_init": (_c_i32, (_c_i32, _c_i32, _c_str, _c_i64, _c_i32), True),
+    "jodc_nvshmem_heap_create": (_c_i32, (_c_i32, _c_dbl, _P(_c_i64)), True),
+    "jodc_nvshmem_heap_free": (_c_i32, (_c_i64,), True),
+    "jodc_nvshmem_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
+    "jodc_nvshmem_heap_abort": (_c_i32, (_c_i64, _c_str), True),
+    "jodc_nvshmem_heap_state": (_c_i32, (_c_i64, _P(_c_i32), _P(_c_i32), _P(_c_i32), _P(_c_u64), _c_str, _c_i64),
+                                True),
+    "jodc_nvshmem_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, _P(_c_i64)), True),
+    "jodc_nvshmem_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
+    "jodc_nvshmem_bucket_info": (_c_i32, (_c_i64, _c_i64, _P(_c_i64), _P(_c_i64), _P(_c_i32), _P(_c_i32)), True),
+    "jodc_nvshmem_bucket_access": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_i32, _c_i32, _c_ptr, _c_i64), True),
+}
+EXPORTED_SYMBOLS = tuple(sorted(set(HANDLER_SYMBOLS.values()) | set(_SIGNATURES)))
+
+
+def default_path() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LIBRARY_NAME)
+
+
+def _preload_host_library() -> None:
+    """Loads libnvshmem_host.so.3 from the wheel globally (the rpath baked in at build time may point elsewhere)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.nvshmem")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "lib", "libnvshmem_host.so.3")
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return
+
+
+class NvshmemLibrary:
+    """The NVSHMEM library's C API behind the method names SymmetricHeap and Bucket use (host access reaches only
+    this process's own position: the others live in other processes)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        _preload_host_library()
+        self._lib = ctypes.CDLL(path)
+        for name, (restype, argtypes, fallible) in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.restype = restype
+            fn.argtypes = list(argtypes) + ([_c_str, _c_i64] if fallible else [])
+        for symbol in HANDLER_SYMBOLS.values():
+            getattr(self._lib, symbol)
+
+    def _call(self, name: str, *args) -> None:
+        err = ctypes.create_string_buffer(_ERR_CAPACITY)
+        rc = getattr(self._lib, name)(*args, err, _ERR_CAPACITY)
+        if rc == 2:
+            raise MemoryError(err.value.decode("utf-8", "replace"))
+        if rc != 0:
+            raise ValueError(err.value.decode("utf-8", "replace"))
+
+    def handlers(self) -> dict:
+        import jax
+
+        return {name: jax.ffi.pycapsule(getattr(self._lib, symbol)) for name, symbol in HANDLER_SYMBOLS.items()}
+
+    # -- initialisation and heaps (collective) ----------------------------------------------------------------
+    def unique_id(self) -> bytes:
+        out, length = ctypes.create_string_buffer(1024), _c_i64()
+        self._call("jodc_nvshmem_unique_id", out, len(out), ctypes.byref(length))
+        return out.raw[: length.value]
+
+    def init(self, rank: int, nranks: int, unique_id: bytes, gpu: int) -> None:
+        self._call("jodc_nvshmem_init", int(rank), int(nranks), bytes(unique_id), len(unique_id), int(gpu))
+
+    def heap_create(self, deterministic: bool, barrier_timeout_s: float) -> int:
+        heap_id = _c_i64()
+        self._call("jodc_nvshmem_heap_create", int(bool(deterministic)), float(barrier_timeout_s),
+                   ctypes.byref(heap_id))
+        return int(heap_id.value)
+
+    def heap_free(self, heap_id: int) -> None:
+        self._call("jodc_nvshmem_heap_free", int(heap_id))
+
+    def heap_set_barrier_timeout(self, heap_id: int, timeout_s: float) -> None:
+        self._call("jodc_nvshmem_heap_set_barrier_timeout", int(heap_id), float(timeout_s))
+
+    def heap_abort(self, heap_id: int, reason: str) -> str:
+        self._call("jodc_nvshmem_heap_abort", int(heap_id), str(reason).encode())
+        return self.heap_poisoned(heap_id)
+
+    def _state(self, heap_id: int):
+        world, me, landing = _c_i32(), _c_i32(), _c_i32()
+        gens = (_c_u64 * _MAX_WORLD)()
+        poisoned = ctypes.create_string_buffer(_ERR_CAPACITY)
+        self._call("jodc_nvshmem_heap_state", int(heap_id), ctypes.byref(world), ctypes.byref(me),
+                   ctypes.byref(landing), gens, poisoned, _ERR_CAPACITY)
+        return world.value, me.value, bool(landing.value), [int(gens[p]) for p in range(world.value)], \
+            poisoned.value.decode("utf-8", "replace")
+
+    def heap_generations(self, heap_id: int) -> list[int]:
+        return self._state(heap_id)[3]
+
+    def heap_poisoned(self, heap_id: int) -> str:
+        return self._state(heap_id)[4]
+
+    def heap_landing_slots(self, heap_id: int) -> bool:
+        return self._state(heap_id)[2]
+
+    def live_heaps(self) -> int:
+        return int(self._lib.jodc_nvshmem_live_heaps())
+
+    # -- buckets ------------------------------------------------------------------------------------------------
+    def bucket_register(self, heap_id: int, numel: int, dtype: str) -> int:
+        bucket_id = _c_i64()
+        self._call("jodc_nvshmem_bucket_register", int(heap_id), int(numel), str(dtype).encode(),
+                   ctypes.byref(bucket_id))
+        return int(bucket_id.value)
+
+    def bucket_free(self, heap_id: int, bucket_id: int) -> None:
+        self._call("jodc_nvshmem_bucket_free", int(heap_id), int(bucket_id))
+
+    def _info(self, heap_id: int, bucket_id: int):
+        numel, shard_numel, master_bytes, world = _c_i64(), _c_i64(), _c_i32(), _c_i32()
+        self._call("jodc_nvshmem_bucket_info", int(heap_id), int(bucket_id), ctypes.byref(numel),
+                   ctypes.byref(shard_numel), ctypes.byref(master_bytes), ctypes.byref(world))
+        return numel.value, shard_numel.value, master_bytes.value, world.value
+
+    def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
+        return int(self._info(heap_id, bucket_id)[1])
+
+    def bucket_get_shard(self, heap_id: int, bucket_id: int, device: int) -> bytes:
+        _, shard_numel, master_bytes, _ = self._info(heap_id, bucket_id)
+        out = ctypes.create_string_buffer(shard_numel * master_bytes)
+        self._call("jodc_nvshmem_bucket_access", int(heap_id), int(bucket_id), int(device), 0, 0, out, len(out))
+        return out.raw
+
+    def bucket_set_shard(self, heap_id: int, bucket_id: int, device: int, data) -> None:
+        raw = np.ascontiguousarray(np.frombuffer(bytes(data), np.uint8) if isinstance(data, (bytes, bytearray))
+                                   else np.asarray(data).reshape(-1).view(np.uint8))
+        self._call("jodc_nvshmem_bucket_access", int(heap_id), int(bucket_id), int(device), 0, 1,
+                   raw.ctypes.data_as(_c_ptr), raw.nbytes)
+
+    def bucket_get_accumulator(self, heap_id: int, bucket_id: int, device: int) -> bytes:
+        out = np.zeros(self.bucket_shard_numel(heap_id, bucket_id), np.float32)
+        self._call("jodc_nvshmem_bucket_access", int(heap_id), int(bucket_id), int(device), 1, 0,
+                   out.ctypes.data_as(_c_ptr), out.nbytes)
+        return out.tobytes()
+
+    def bucket_zero_accumulator(self, heap_id: int, bucket_id: int, device: int) -> None:
+        n = self.bucket_shard_numel(heap_id, bucket_id)
+        self._call("jodc_nvshmem_bucket_access", int(heap_id), int(bucket_id), int(device), 1, 1, None, n * 4)
+
+
+_lock = threading.Lock()
+_library: NvshmemLibrary | None = None
+_initialized: tuple | None = None  # (rank, nranks) once NVSHMEM runs in this process
+
+
+def library() -> NvshmemLibrary:
+    global _library
+    with _lock:
+        if _library is None:
+            path = default_path()
+            if not os.path.exists(path):
+                raise ImportError(f"this heap needs the NVSHMEM backend (its mesh spans nodes) but {path} is not "
+                                  f"built: {BUILD_HINT}")
+            try:
+                _library = NvshmemLibrary(path)
+            except (OSError, AttributeError) as e:
+                raise ImportError(f"jodc's NVSHMEM library {path} cannot be loaded ({e}): {BUILD_HINT}") from e
+        return _library
+
+
+def initialize(lib, exchange, rank: int, nranks: int, gpu: int) -> None:
+    """Initialises NVSHMEM once per process: rank 0's unique id goes to everyone through `exchange` (collective)."""
+    global _initialized
+    if _initialized is not None:
+        if _initialized != (rank, nranks):
+            raise ValueError(f"NVSHMEM already runs here as PE {_initialized[0]} of {_initialized[1]}; a heap over "
+                             f"another process layout (PE {rank} of {nranks}) cannot share it")
+        return
+    lib.init(rank, nranks, share_unique_id(lib, exchange), gpu)
+    _initialized = (rank, nranks)
+
+
+def share_unique_id(lib, exchange) -> bytes:
+    """Exchange rank 0 makes NVSHMEM's unique id, everyone gets it (collective). PE numbers stay mesh positions."""
+    uid = lib.unique_id() if exchange.rank == 0 else b""
+    return exchange.allgather("nvshmem-uid", uid)[0]
+
+
+class NvshmemHeap:
+    """One process's side of an NVSHMEM heap (collective registration and freeing, like IpcHeap)."""
+
+    def __init__(self, lib, exchange, heap_id: int):
+        self.lib, self.exchange, self.heap_id = lib, exchange, heap_id
+
+    def register(self, numel: int, dtype: str, name: str) -> int:
+        from jodc.ops._cuda_ipc import _all_or_raise
+
+        mine = {"numel": int(numel), "dtype": str(dtype), "name": str(name)}
+        everyone = _all_or_raise(self.exchange, "nvshmem-bucket", mine)
+        if len({(v["numel"], v["dtype"]) for v in everyone}) != 1:
+            raise ValueError("processes registered different buckets (same order and sizes everywhere): " +
+                             "; ".join(f"process {r}: {v['name']!r} of {v['numel']} {v['dtype']}"
+                                       for r, v in enumerate(everyone)))
+        return self.lib.bucket_register(self.heap_id, numel, dtype)
+
+    def barrier(self, key: str) -> None:
+        self.exchange.allgather(f"nvshmem-barrier-{key}", b"")
+
+
+def open_heap(exchange, world: int, position: int, gpu: int, deterministic: bool, barrier_timeout_s: float):
+    """This process's side of an NVSHMEM heap over `world` processes (PE = position); (library, heap id, heap)."""
+    from jodc.ops import _cuda, _native
+
+    _cuda.check_pjrt_client()
+    lib = library()
+    _native.ensure_registered("nvshmem")
+    if exchange.size != world:
+        raise ValueError(f"an NVSHMEM heap needs one process per position: {world} positions, {exchange.size} "
+                         f"processes")
+    initialize(lib, exchange, position, world, gpu)
+    heap_id = lib.heap_create(deterministic, barrier_timeout_s)
+    return lib, heap_id, NvshmemHeap(lib, exchange, heap_id)

@@ -1,0 +1,71 @@
+"""Every jodc CUDA kernel on one GPU, for compute-sanitizer (tests/test_ops_cuda.py's stress test (f)).
+
+Run as a script under ``compute-sanitizer --tool memcheck|racecheck``: a 3-position heap simulated on GPU 0 in both
+accumulation modes and both master dtypes; gather (both compute dtypes), scatter_accumulate (fp32 and bf16 gradients,
+a second push into the same accumulator), read / zero accumulator, publish, the barrier (a 1-position heap), and the token ops. Each
+result is checked against numpy; prints ALL CASES PASSED at the end.
+"""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jodc.ops import _cuda, _native
+
+TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def call(target, results, device, *args, **attrs):
+    attrs = {k: np.int64(v) for k, v in attrs.items()}
+    fn = jax.jit(lambda dev, *xs: jax.ffi.ffi_call(target, results, has_side_effect=True)(dev, *xs, **attrs))
+    gpu = jax.devices("gpu")[0]
+    return jax.block_until_ready(fn(*[jax.device_put(x, gpu) for x in (jnp.int32(device), *args)]))
+
+
+def main():
+    lib = _cuda.library()
+    _native.ensure_registered("gpu")
+    world, numel = 3, 5003
+    for deterministic in (False, True):
+        for master in ("float32", "bfloat16"):
+            heap = lib.heap_create(world, deterministic, 60.0)
+            bucket = lib.bucket_register(heap, numel, master)
+            ids = dict(heap=heap, bucket=bucket)
+            shard_numel = lib.bucket_shard_numel(heap, bucket)
+            np_master = np.float32 if master == "float32" else ml_dtypes.bfloat16
+            values = np.random.default_rng(0).standard_normal(shard_numel * world).astype(np_master)
+            for d in range(world):
+                lib.bucket_set_shard(heap, bucket, d, values[d * shard_numel:(d + 1) * shard_numel])
+            for out_dtype in (jnp.float32, jnp.bfloat16):
+                full, _ = call("jodc_gather", (jax.ShapeDtypeStruct((numel,), out_dtype), TOKEN), 1, jnp.int32(0),
+                               **ids)
+                np.testing.assert_array_equal(np.asarray(full), values[:numel].astype(out_dtype))
+            grads = np.random.default_rng(1).standard_normal((world, numel)).astype(np.float32)
+            for d in range(world):
+                g = jnp.asarray(grads[d]) if d != 1 else jnp.asarray(grads[d]).astype(jnp.bfloat16)
+                call("jodc_scatter_accumulate", (TOKEN,), d, g, jnp.int32(0), **ids)
+            call("jodc_scatter_accumulate", (TOKEN,), 0, jnp.asarray(grads[0]), jnp.int32(0), **ids)  # a second push
+            expected = grads[0] * 2 + grads[1].astype(ml_dtypes.bfloat16).astype(np.float32) + grads[2]
+            got = np.concatenate([np.asarray(call("jodc_read_accumulator",
+                                                  (jax.ShapeDtypeStruct((shard_numel,), jnp.float32), TOKEN), d,
+                                                  jnp.int32(0), **ids)[0]) for d in range(world)])[:numel]
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+            for d in range(world):
+                call("jodc_zero_accumulator", (TOKEN,), d, jnp.int32(0), **ids)
+                assert not np.frombuffer(lib.bucket_get_accumulator(heap, bucket, d), np.float32).any()
+            new_shard = np.full(shard_numel, 3.0, np_master)
+            call("jodc_publish", (TOKEN,), 2, jnp.asarray(new_shard), jnp.int32(0), **ids)
+            assert np.array_equal(np.frombuffer(lib.bucket_get_shard(heap, bucket, 2), np_master), new_shard)
+            jax.effects_barrier()
+            lib.heap_free(heap)
+    heap = lib.heap_create(1, False, 60.0)
+    for g in range(1, 4):
+        (tok,) = call("jodc_barrier", (TOKEN,), 0, jnp.int32(g), heap=heap)
+        assert int(tok) == g + 1
+    jax.effects_barrier()
+    lib.heap_free(heap)
+    print("ALL CASES PASSED")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Host-side logic of the CUDA backend that runs without a GPU (and without nvcc): the PJRT client check (issue 15
+defect 8), the placement passed at heap creation (defect 2), and the consistency of the C API's declarations with
+the sources. The kernels themselves run in tests/test_ops_cuda.py on GPU runners; the build in `make cuda-check`.
+"""
+import os
+import re
+import types
+
+import numpy as np
+import pytest
+
+from jodc.ops import _cuda
+from jodc.ops import heap as heap_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_gpu(hw_id, process=0):
+    return types.SimpleNamespace(platform="gpu", local_hardware_id=hw_id, process_index=process, id=100 + hw_id)
+
+
+class RecordingLibrary:
+    """Stands in for the CUDA library: records heap_create's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def heap_create(self, *args):
+        self.calls.append(args)
+        return 7
+
+
+# ---- defect 8: PJRT clients the blocking barrier cannot serve ---------------------------------------------------
+
+@pytest.mark.parametrize("value", ["1", "2", " 1 "])
+def test_tfrt_gpu_client_is_refused_naming_the_variable(value):
+    with pytest.raises(ValueError, match=r"TFRT GPU client \(XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1\).*deadlock"):
+        _cuda.check_pjrt_client({"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": value})
+
+
+@pytest.mark.parametrize("environ", [{}, {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "0"},
+                                     {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": ""},
+                                     {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "no"}])
+def test_default_gpu_client_is_accepted(environ):
+    _cuda.check_pjrt_client(environ)  # "no" is jax's own error (int("no")), not a TFRT client
+
+
+def test_gpu_heap_creation_checks_the_client_before_touching_the_library(monkeypatch):
+    lib = RecordingLibrary()
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "1")
+    with pytest.raises(ValueError, match="TFRT GPU client"):
+        heap_module._create_local_heap(lib, "gpu", [fake_gpu(0), fake_gpu(1)], False, 10.0)
+    assert lib.calls == []
+
+
+# ---- defect 2: the placement travels with heap creation -----------------------------------------------------------
+
+def test_gpu_heap_is_created_with_its_mesh_placement(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", raising=False)
+    lib = RecordingLibrary()
+    # a mesh over GPUs 3 and 1 (in that order): nothing may be created on GPU 0 or 2
+    heap_id = heap_module._create_local_heap(lib, "gpu", np.array([fake_gpu(3), fake_gpu(1)]), True, 5.0)
+    assert heap_id == 7
+    assert lib.calls == [(2, True, 5.0, [3, 1])]
+
+
+def test_cpu_heap_creation_is_unchanged():
+    lib = RecordingLibrary()
+    heap_module._create_local_heap(lib, "cpu", [object(), object(), object()], False, 1.0)
+    assert lib.calls == [(3, False, 1.0)]
+
+
+def test_placement_refuses_shared_or_unknown_gpus():
+    assert _cuda.placement_of([fake_gpu(2), fake_gpu(0), fake_gpu(1)]) == [2, 0, 1]
+    with pytest.raises(ValueError, match="positions 0 and 2 of the mesh are both CUDA device 1"):
+        _cuda.placement_of([fake_gpu(1), fake_gpu(0), fake_gpu(1)])
+    with pytest.raises(ValueError, match="no local CUDA ordinal"):
+        _cuda.placement_of([fake_gpu(0), types.SimpleNamespace(platform="gpu")])
+    with pytest.raises(ValueError, match="no local CUDA ordinal"):
+        _cuda.placement_of([fake_gpu(-1)])
+
+
+# ---- the C API as declared by the sources -------------------------------------------------------------------------
+
+def _exported_by_sources() -> set[str]:
+    names = set()
+    for name in os.listdir(os.path.join(ROOT, "ffi", "cuda")):
+        if not name.endswith((".cu", ".cuh")):
+            continue
+        text = open(os.path.join(ROOT, "ffi", "cuda", name)).read()
+        names.update(re.findall(r"JODC_EXPORT\s+[\w:*\s]+?\b(jodc_cuda_\w+)\s*\(", text))
+        names.update(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", text))
+    return names
+
+
+def test_python_binds_exactly_what_the_sources_export():
+    """The cheap twin of `make cuda-check`'s symbol check (which reads the built library with nm): a C function added,
+    renamed or removed without its ctypes signature fails here, in the CPU suite, without nvcc."""
+    assert _exported_by_sources() == set(_cuda.EXPORTED_SYMBOLS)
+
+
+def test_heap_create_signature_carries_the_placement():
+    restype, argtypes, fallible = _cuda._SIGNATURES["jodc_cuda_heap_create"]
+    # world, deterministic, timeout, placement array, placement count, out id
+    assert len(argtypes) == 6 and fallible
+    assert "jodc_cuda_heap_set_placement" not in _cuda._SIGNATURES  # placement is fixed at creation
+
+
+# ---- the GPU runner's report and its check that the CUDA tests ran --------------------------------------------------
+
+class FakeCudaLibrary:
+    def versions(self):
+        return 12090, 13000
+
+    def device_info(self, gpu):
+        return {"name": f"NVIDIA H100 #{gpu}", "compute_capability": (9, 0), "total_bytes": 80 * 2**30}
+
+    def peer_info(self, a, b):
+        return True, (a, b) != (1, 2)  # GPU 1 -> 2 lacks native atomics (a PCIe pair)
+
+
+def test_report_names_gpus_driver_pairs_and_transport():
+    from jodc.ops import _cuda_report
+
+    text = _cuda_report.describe(FakeCudaLibrary(), [0, 1, 2], "local", True)
+    assert "CUDA driver 12.9, runtime 13.0 (jodc's library), 3 GPU(s)" in text
+    assert "GPU 2: NVIDIA H100 #2, sm_90, 80.0 GiB" in text
+    rows = [line for line in text.splitlines() if line.startswith("      1 ")]
+    assert rows == ["      1     P/A       -     P/."]
+    assert text.endswith("transport in use: local, accumulation: landing slots")
+    single = _cuda_report.describe(FakeCudaLibrary(), [0])
+    assert "peer access" not in single and "transport" not in single
+
+
+def _junit(tmp_path, cases):
+    body = "".join(
+        f'<testcase classname="tests.{f}" name="{n}">' + (f'<skipped message="{why}"/>' if why else "") + "</testcase>"
+        for f, n, why in cases)
+    path = tmp_path / "junit.xml"
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+    return str(path)
+
+
+def test_junit_check_fails_when_cuda_tests_skip_for_software_reasons(tmp_path):
+    from jodc.ops import _cuda_report
+
+    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [
+        ("test_ops_cuda", "test_a", None),
+        ("test_ops_cuda", "test_b", "needs two GPUs for a mesh barrier"),
+        ("test_ops", "test_c", "whatever"),  # not a CUDA test
+    ]))
+    assert ok and msg == "1 CUDA tests ran"
+    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [
+        ("test_ops_cuda", "test_a", None), ("test_ops_cuda", "test_d", "compute-sanitizer is not on PATH")]))
+    assert not ok and "test_d: compute-sanitizer is not on PATH" in msg
+    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [("test_ops", "test_c", None)]))
+    assert not ok and "no CUDA test ran" in msg
+    assert _cuda_report.main(["--check-junit", _junit(tmp_path, [("test_ops_cuda", "t", None)])]) == 0
+
+
+def test_nvshmem_python_binds_exactly_what_its_sources_export():
+    from jodc.ops import _nvshmem
+
+    names = set()
+    folder = os.path.join(ROOT, "ffi", "nvshmem")
+    for name in os.listdir(folder):
+        if name.endswith((".cu", ".cuh")):
+            text = open(os.path.join(folder, name)).read()
+            names.update(re.findall(r"JODC_NVSHMEM_EXPORT\s+[\w:*\s]+?\b(jodc_nvshmem_\w+)\s*\(", text))
+            names.update(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", text))
+    assert names == set(_nvshmem.EXPORTED_SYMBOLS)
