@@ -167,5 +167,6 @@ def test_nvshmem_python_binds_exactly_what_its_sources_export():
         if name.endswith((".cu", ".cuh")):
             text = open(os.path.join(folder, name)).read()
             names.update(re.findall(r"JODC_NVSHMEM_EXPORT\s+[\w:*\s]+?\b(jodc_nvshmem_\w+)\s*\(", text))
-            names.update(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", text))
+    # the handlers stay hidden: Python reads them through the exported table
+    assert "jodc_nvshmem_handlers" in names
     assert names == set(_nvshmem.EXPORTED_SYMBOLS)

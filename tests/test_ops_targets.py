@@ -49,6 +49,12 @@ def test_mpi_library_exports_exactly_the_heap_targets():
 def test_target_names():
     assert _targets.target_name("gather") == "jodc_gather"
     assert _targets.target_name("gather", "mpi") == "jodc_mpi_gather"
+    # CUDA IPC heaps run the in-process CUDA kernels; NVSHMEM has its own heap ops (and uses CUDA's token ops)
+    assert _targets.target_name("after", "cuda_ipc") == "jodc_after"
+    assert _targets.target_name("barrier", "nvshmem") == "jodc_nvshmem_barrier"
+    assert _targets.expected_targets("nvshmem") == tuple("jodc_nvshmem_" + op for op in _targets.HEAP_OPS)
+    with pytest.raises(ValueError, match="no nvshmem FFI op 'depend_on'"):
+        _targets.target_name("depend_on", "nvshmem")
     with pytest.raises(ValueError, match="no mpi FFI op 'after'"):
         _targets.target_name("after", "mpi")
     with pytest.raises(ValueError, match="no local FFI op 'gathr'"):

@@ -1,6 +1,7 @@
 // jodc_nvshmem_read_accumulator / jodc_nvshmem_zero_accumulator: PE d's own accumulator (plus its landing slots,
 // summed in source order: the same order and fp32 arithmetic as the CUDA and CPU backends) and zeroing it. Local
 // memory only: the symmetric addresses are this PE's device memory.
+#include "nvshmem/handlers.cuh"
 #include "nvshmem/ops.cuh"
 
 namespace jodc::nvshmem_backend {
@@ -85,22 +86,5 @@ ffi::Error Zero(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<f
 }  // namespace
 }  // namespace jodc::nvshmem_backend
 
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JodcNvshmemReadAccumulator(XLA_FFI_CallFrame*);
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JodcNvshmemZeroAccumulator(XLA_FFI_CallFrame*);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcNvshmemReadAccumulator, jodc::nvshmem_backend::Read,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // the device's accumulated shard
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcNvshmemZeroAccumulator, jodc::nvshmem_backend::Zero,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_NVSHMEM_HANDLER(ReadAccumulator, jodc::nvshmem_backend::Read);
+JODC_NVSHMEM_HANDLER(ZeroAccumulator, jodc::nvshmem_backend::Zero);

@@ -4,6 +4,7 @@
 // kernel and turns its report into success or an error naming the missing PEs, like the CUDA backend.
 #include <sstream>
 
+#include "nvshmem/handlers.cuh"
 #include "nvshmem/ops.cuh"
 
 namespace jodc::nvshmem_backend {
@@ -131,11 +132,4 @@ ffi::Error Barrier(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffe
 }  // namespace
 }  // namespace jodc::nvshmem_backend
 
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JodcNvshmemBarrier(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcNvshmemBarrier, jodc::nvshmem_backend::Barrier,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap"));
+JODC_NVSHMEM_HANDLER(Barrier, jodc::nvshmem_backend::Barrier);

@@ -1,5 +1,6 @@
 // jodc_nvshmem_gather: PE d pulls every owner's shard of a bucket into one full vector (compute dtype). Same dtype:
 // nvshmemx_getmem_block per owner (grid row y = owner, starting at d); fp32 <-> bf16: element gets, converted.
+#include "nvshmem/handlers.cuh"
 #include "nvshmem/ops.cuh"
 
 namespace jodc::nvshmem_backend {
@@ -76,13 +77,4 @@ ffi::Error Gather(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer
 }  // namespace
 }  // namespace jodc::nvshmem_backend
 
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JodcNvshmemGather(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcNvshmemGather, jodc::nvshmem_backend::Gather,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::AnyBuffer>()              // full bucket, compute dtype
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_NVSHMEM_HANDLER(Gather, jodc::nvshmem_backend::Gather);

@@ -1,47 +1,44 @@
 // The NVSHMEM backend's registry and C API (called by jodc/ops/_nvshmem.py through ctypes): initialisation from a
 // unique id exchanged by the processes, heaps and buckets in the symmetric heap (collective: every PE makes the same
-// calls in the same order), host access to this PE's own memory, poisoning. Conventions as ffi/cuda/management.cu:
-// 0 on success, 1 with a message in `err` (2: out of memory).
+// calls in the same order), host access to this PE's own memory, poisoning, and the handler table. Conventions as
+// ffi/cuda/management.cu (common/c_api.h): 0 on success, 1 with a message in `err` (2: out of memory).
 #include <cstring>
 #include <sstream>
 #include <unordered_map>
 #include <vector>
 
+#include "common/c_api.h"
+#include "common/registry.h"
+#include "nvshmem/handlers.cuh"
 #include "nvshmem/heap.cuh"
 
 namespace jodc::nvshmem_backend {
 namespace {
 
-std::mutex g_mu;
-std::unordered_map<int64_t, std::shared_ptr<NvHeap>>& Registry() {
-  static auto* heaps = new std::unordered_map<int64_t, std::shared_ptr<NvHeap>>();
-  return *heaps;
-}
-std::atomic<int64_t> g_next_id{1};
+std::mutex g_mu;  // guards g_initialized
+std::atomic<int64_t> g_next_bucket_id{1};
 bool g_initialized = false;
 
-int32_t Fail(const std::string& message, char* err, int64_t err_capacity) {
-  if (err != nullptr && err_capacity > 0) {
-    const size_t n = std::min<size_t>(message.size(), static_cast<size_t>(err_capacity - 1));
-    std::memcpy(err, message.data(), n);
-    err[n] = '\0';
-  }
-  return 1;
+}  // namespace
+
+HeapRegistry<NvHeap>& Heaps() {
+  static auto* heaps = new HeapRegistry<NvHeap>("NVSHMEM heap");  // never destroyed: handlers may run during exit
+  return *heaps;
 }
 
-// nvshmem_malloc + zero fill (collective). Null with a message on failure.
-void* SymmetricZeros(size_t bytes, std::string* err) {
+namespace {
+
+// nvshmem_malloc + zero fill (collective). An allocation the symmetric heap cannot hold is kResourceExhausted.
+ErrorOr<void*> SymmetricZeros(size_t bytes) {
   void* p = nvshmem_malloc(bytes);
   if (p == nullptr) {
-    *err = "nvshmem_malloc of " + std::to_string(bytes) + " bytes failed (symmetric heap too small? raise "
-           "NVSHMEM_SYMMETRIC_SIZE)";
-    return nullptr;
+    return Fail(OutOfMemory("nvshmem_malloc of " + std::to_string(bytes) +
+                            " bytes failed (symmetric heap too small? raise NVSHMEM_SYMMETRIC_SIZE)"));
   }
   if (cudaError_t e = cudaMemset(p, 0, bytes); e != cudaSuccess) {
     cudaGetLastError();
     nvshmem_free(p);
-    *err = cuda::CudaMessage("zeroing symmetric memory", e);
-    return nullptr;
+    return Fail(Error::Internal(cuda::CudaMessage("zeroing symmetric memory", e)));
   }
   return p;
 }
@@ -63,24 +60,10 @@ NvHeap::~NvHeap() {
   cudaGetLastError();
 }
 
-std::shared_ptr<NvHeap> FindHeap(int64_t heap_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = Registry().find(heap_id);
-  if (it == Registry().end()) {
-    *err = "NVSHMEM heap " + std::to_string(heap_id) + " is not registered (freed?)";
-    return nullptr;
-  }
-  return it->second;
-}
+ErrorOr<std::shared_ptr<NvHeap>> FindHeap(int64_t heap_id) { return Heaps().Find(heap_id, "(freed?)"); }
 
-std::shared_ptr<SymBucket> FindBucket(const std::shared_ptr<NvHeap>& heap, int64_t bucket_id, std::string* err) {
-  std::lock_guard<std::mutex> lock(heap->mu);
-  auto it = heap->buckets.find(bucket_id);
-  if (it == heap->buckets.end()) {
-    *err = "bucket " + std::to_string(bucket_id) + " is not registered in NVSHMEM heap " + std::to_string(heap->id);
-    return nullptr;
-  }
-  return it->second;
+ErrorOr<std::shared_ptr<SymBucket>> FindBucket(const std::shared_ptr<NvHeap>& heap, int64_t bucket_id) {
+  return Heaps().FindBucket(*heap, bucket_id);
 }
 
 std::string CurrentPoison(NvHeap& heap) {
@@ -118,12 +101,33 @@ using namespace jodc::nvshmem_backend;
 using jodc::CheckedBucketBytes;
 using jodc::Dtype;
 using jodc::DtypeBytes;
+using jodc::CopyText;
 using jodc::Error;
+using jodc::InvalidArgument;
+using jodc::Report;
 using jodc::MakeLayout;
 using jodc::ParseDtype;
 namespace jcuda = jodc::cuda;
 
 #define JODC_NVSHMEM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// A refused call: `message` (kInvalidArgument) into (err, err_capacity), the C API's failure code.
+int32_t Fail(const std::string& message, char* err, int64_t err_capacity) {
+  return Report(InvalidArgument(message), err, err_capacity);
+}
+
+}  // namespace
+
+// The handler of every heap op (ffi/common/ops.h): names[i] / handlers[i] for i < capacity; returns how many there
+// are. The handler symbols themselves stay hidden.
+JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_handlers(const char** names, void** handlers, int32_t capacity) {
+#define JODC_NVSHMEM_HANDLER_ENTRY(op, Camel) {#op, reinterpret_cast<void*>(&Jodc##Camel##Nvshmem)},
+  static const jodc::OpHandler kTable[] = {JODC_HEAP_OPS(JODC_NVSHMEM_HANDLER_ENTRY)};
+#undef JODC_NVSHMEM_HANDLER_ENTRY
+  return jodc::CopyOpHandlers(kTable, names, handlers, capacity);
+}
 
 // Writes a fresh unique id (PE 0 calls this; the bytes go to every process through jodc/ops/_nvshmem.py).
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_unique_id(char* out, int64_t capacity, int64_t* length, char* err,
@@ -167,8 +171,7 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_init(int32_t rank, int32_t nranks, cons
 // A heap over every PE (collective). World = number of PEs; this PE = its mesh position.
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_create(int32_t deterministic, double barrier_timeout_s,
                                                      int64_t* heap_id, char* err, int64_t err_capacity) {
-  std::string why;
-  if (Error e = jcuda::CheckBarrierTimeout(barrier_timeout_s); e.failure()) return Fail(e.message(), err, err_capacity);
+  if (Error e = jcuda::CheckBarrierTimeout(barrier_timeout_s); e.failure()) return Report(e, err, err_capacity);
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_initialized) return Fail("NVSHMEM is not initialised (jodc_nvshmem_init first)", err, err_capacity);
@@ -182,9 +185,12 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_create(int32_t deterministic, doub
   // only for determinism.
   heap->landing_slots = heap->deterministic;
   heap->barrier_timeout_s = barrier_timeout_s;
-  heap->arrivals = static_cast<uint64_t*>(SymmetricZeros(sizeof(uint64_t) * kMaxWorld, &why));
-  heap->abort = heap->arrivals ? static_cast<int32_t*>(SymmetricZeros(sizeof(int32_t), &why)) : nullptr;
-  if (heap->abort == nullptr) return Fail(why, err, err_capacity);
+  auto arrivals = SymmetricZeros(sizeof(uint64_t) * kMaxWorld);
+  if (!arrivals.has_value()) return Report(arrivals.error(), err, err_capacity);
+  heap->arrivals = static_cast<uint64_t*>(*arrivals);
+  auto abort = SymmetricZeros(sizeof(int32_t));
+  if (!abort.has_value()) return Report(abort.error(), err, err_capacity);
+  heap->abort = static_cast<int32_t*>(*abort);
   void* control = nullptr;
   void* reports = nullptr;
   const unsigned flags = cudaHostAllocMapped | cudaHostAllocPortable;
@@ -193,31 +199,22 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_create(int32_t deterministic, doub
   if (e != cudaSuccess) {
     cudaGetLastError();
     if (control != nullptr) cudaFreeHost(control);
-    return Fail(jcuda::CudaMessage("allocating pinned control memory", e), err, err_capacity);
+    return Report(Error::Internal(jcuda::CudaMessage("allocating pinned control memory", e)), err, err_capacity);
   }
   std::memset(control, 0, sizeof(HeapControl));
   std::memset(reports, 0, sizeof(BarrierReport) * heap->world);
   heap->control = static_cast<HeapControl*>(control);
   heap->reports = static_cast<BarrierReport*>(reports);
   nvshmem_barrier_all();  // every PE's arrivals and abort are zero before anyone's first barrier
-  heap->id = g_next_id++;
-  std::lock_guard<std::mutex> lock(g_mu);
-  Registry()[heap->id] = heap;
-  *heap_id = heap->id;
+  *heap_id = Heaps().Add(std::move(heap));
   return 0;
 }
 
 // Collective: every PE frees the heap (after its last op; jodc/ops/_nvshmem.py synchronises first).
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_free(int64_t heap_id, char* err, int64_t err_capacity) {
-  std::shared_ptr<NvHeap> heap;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = Registry().find(heap_id);
-    if (it == Registry().end()) return Fail("NVSHMEM heap " + std::to_string(heap_id) + " is not registered", err,
-                                            err_capacity);
-    heap = it->second;
-    Registry().erase(it);
-  }
+  auto removed = Heaps().Remove(heap_id, "(already freed?)");
+  if (!removed.has_value()) return Report(removed.error(), err, err_capacity);
+  std::shared_ptr<NvHeap> heap = *removed;
   cudaDeviceSynchronize();  // this PE's queued kernels may still use symmetric memory
   cudaGetLastError();
   nvshmem_barrier_all();  // no PE still reads or writes this heap's memory on another
@@ -234,9 +231,9 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_free(int64_t heap_id, char* err, i
 // Collective: a bucket of `numel` elements of `dtype` over every PE.
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_register(int64_t heap_id, int64_t numel, const char* dtype,
                                                          int64_t* bucket_id, char* err, int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const std::shared_ptr<NvHeap>& heap = *found;
   Dtype master;
   if (!ParseDtype(dtype != nullptr ? dtype : "", &master))
     return Fail(std::string("master dtype must be float32 or bfloat16, got ") + (dtype ? dtype : ""), err,
@@ -249,15 +246,26 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_register(int64_t heap_id, int64_
   if (b->view.layout.shard_numel < 1 || !CheckedBucketBytes(b->view.layout, b->view.landing_slots, &b->bytes))
     return Fail("a bucket of " + std::to_string(numel) + " elements is too large: its memory overflows 64-bit byte "
                 "counts", err, err_capacity);
-  b->view.shard = SymmetricZeros(b->bytes.shard, &why);
-  b->view.accumulator = b->view.shard ? static_cast<float*>(SymmetricZeros(b->bytes.accumulator, &why)) : nullptr;
-  if (b->view.accumulator != nullptr && b->view.landing_slots)
-    b->view.landing = static_cast<float*>(SymmetricZeros(b->bytes.landing, &why));
-  if (b->view.accumulator == nullptr || (b->view.landing_slots && b->view.landing == nullptr)) {
-    Fail("registering a bucket of " + std::to_string(numel) + " elements: " + why, err, err_capacity);
-    return 2;
+  // Shard, accumulator, landing slots; after a failure nothing more is allocated (`b` frees what was).
+  Error failed = Error::Success();
+  auto allocate = [&](size_t bytes) -> void* {
+    if (failed.failure()) return nullptr;
+    auto p = SymmetricZeros(bytes);
+    if (!p.has_value()) {
+      failed = p.error();
+      return nullptr;
+    }
+    return *p;
+  };
+  b->view.shard = allocate(b->bytes.shard);
+  b->view.accumulator = static_cast<float*>(allocate(b->bytes.accumulator));
+  if (b->view.landing_slots) b->view.landing = static_cast<float*>(allocate(b->bytes.landing));
+  if (failed.failure()) {
+    return Report(Error(jodc::CodeOf(failed), "registering a bucket of " + std::to_string(numel) + " elements: " +
+                                                  failed.message()),
+                  err, err_capacity);
   }
-  b->id = g_next_id++;
+  b->id = g_next_bucket_id++;
   std::lock_guard<std::mutex> lock(heap->mu);
   heap->buckets[b->id] = b;
   *bucket_id = b->id;
@@ -266,9 +274,9 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_register(int64_t heap_id, int64_
 
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_free(int64_t heap_id, int64_t bucket_id, char* err,
                                                      int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
+  auto found = FindHeap(heap_id);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const std::shared_ptr<NvHeap>& heap = *found;
   std::shared_ptr<SymBucket> b;
   {
     std::lock_guard<std::mutex> lock(heap->mu);
@@ -288,10 +296,9 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_free(int64_t heap_id, int64_t bu
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_info(int64_t heap_id, int64_t bucket_id, int64_t* numel,
                                                      int64_t* shard_numel, int32_t* master_bytes, int32_t* world,
                                                      char* err, int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  auto b = heap ? FindBucket(heap, bucket_id, &why) : nullptr;
-  if (!b) return Fail(why, err, err_capacity);
+  auto found = jodc::LocateForHost(FindHeap(heap_id), FindBucket, bucket_id, /*device=*/0);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const std::shared_ptr<SymBucket>& b = found->bucket;
   *numel = b->view.layout.numel;
   *shard_numel = b->view.layout.shard_numel;
   *master_bytes = DtypeBytes(b->view.master);
@@ -304,10 +311,10 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_info(int64_t heap_id, int64_t bu
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_access(int64_t heap_id, int64_t bucket_id, int32_t device,
                                                        int32_t kind, int32_t write, void* data, int64_t bytes,
                                                        char* err, int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  auto b = heap ? FindBucket(heap, bucket_id, &why) : nullptr;
-  if (!b) return Fail(why, err, err_capacity);
+  auto found = jodc::LocateForHost(FindHeap(heap_id), FindBucket, bucket_id, /*device=*/0);
+  if (!found.has_value()) return Report(found.error(), err, err_capacity);
+  const std::shared_ptr<NvHeap>& heap = found->heap;
+  const std::shared_ptr<SymBucket>& b = found->bucket;
   if (device != heap->me)
     return Fail("position " + std::to_string(device) + "'s memory lives in another process (PE " +
                 std::to_string(device) + "); this process holds position " + std::to_string(heap->me), err,
@@ -336,7 +343,7 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_access(int64_t heap_id, int64_t 
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return Fail(jcuda::CudaMessage("host access to symmetric memory", e), err, err_capacity);
+    return Report(Error::Internal(jcuda::CudaMessage("host access to symmetric memory", e)), err, err_capacity);
   }
   return 0;
 }
@@ -344,39 +351,33 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_access(int64_t heap_id, int64_t 
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_state(int64_t heap_id, int32_t* world, int32_t* me,
                                                     int32_t* landing_slots, uint64_t* generations, char* poisoned,
                                                     int64_t poisoned_capacity, char* err, int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
-  *world = heap->world;
-  *me = heap->me;
-  *landing_slots = heap->landing_slots ? 1 : 0;
-  cudaMemcpy(generations, heap->arrivals, sizeof(uint64_t) * heap->world, cudaMemcpyDeviceToHost);
-  cudaGetLastError();
-  Fail(CurrentPoison(*heap), poisoned, poisoned_capacity);
-  return 0;
+  return jodc::WithHeap(FindHeap(heap_id), err, err_capacity, [&](NvHeap& heap) {
+    *world = heap.world;
+    *me = heap.me;
+    *landing_slots = heap.landing_slots ? 1 : 0;
+    cudaMemcpy(generations, heap.arrivals, sizeof(uint64_t) * heap.world, cudaMemcpyDeviceToHost);
+    cudaGetLastError();
+    CopyText(CurrentPoison(heap), poisoned, poisoned_capacity);
+    return Error::Success();
+  });
 }
 
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_set_barrier_timeout(int64_t heap_id, double timeout_s, char* err,
                                                                   int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
-  if (Error e = jcuda::CheckBarrierTimeout(timeout_s); e.failure()) return Fail(e.message(), err, err_capacity);
-  heap->barrier_timeout_s = timeout_s;
-  return 0;
+  return jodc::WithHeap(FindHeap(heap_id), err, err_capacity, [&](NvHeap& heap) {
+    if (Error e = jcuda::CheckBarrierTimeout(timeout_s); e.failure()) return e;
+    heap.barrier_timeout_s = timeout_s;
+    return Error::Success();
+  });
 }
 
 // Poisons the heap on every PE (the abort flag is set remotely), releasing their waiting barriers.
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_abort(int64_t heap_id, const char* reason, char* err,
                                                     int64_t err_capacity) {
-  std::string why;
-  auto heap = FindHeap(heap_id, &why);
-  if (!heap) return Fail(why, err, err_capacity);
-  Poison(*heap, std::string("aborted: ") + (reason ? reason : "") + "; the heap is now unusable: free and re-create it");
-  return 0;
+  return jodc::WithHeap(FindHeap(heap_id), err, err_capacity, [&](NvHeap& heap) {
+    Poison(heap, std::string("aborted: ") + (reason ? reason : "") + "; the heap is now unusable: free and re-create it");
+    return Error::Success();
+  });
 }
 
-JODC_NVSHMEM_EXPORT int64_t jodc_nvshmem_live_heaps() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return static_cast<int64_t>(Registry().size());
-}
+JODC_NVSHMEM_EXPORT int64_t jodc_nvshmem_live_heaps() { return Heaps().Count(); }

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "common/dtype.h"
+#include "common/error.h"
 #include "common/layout.h"
 #include "cuda/heap.cuh"  // kMaxWorld, HeapControl (the fault word), BarrierReport, OpCode, CudaMessage
 
@@ -68,8 +69,9 @@ struct NvHeap {
   ~NvHeap();
 };
 
-std::shared_ptr<NvHeap> FindHeap(int64_t heap_id, std::string* err);
-std::shared_ptr<SymBucket> FindBucket(const std::shared_ptr<NvHeap>& heap, int64_t bucket_id, std::string* err);
+// Lookups in the process-wide registry (ffi/common/registry.h): an error naming the heap or bucket when absent.
+ErrorOr<std::shared_ptr<NvHeap>> FindHeap(int64_t heap_id);
+ErrorOr<std::shared_ptr<SymBucket>> FindBucket(const std::shared_ptr<NvHeap>& heap, int64_t bucket_id);
 // The poison message ("" while healthy), first turning a device fault or a remote abort into poison.
 std::string CurrentPoison(NvHeap& heap);
 // Poisons the heap (the first message stays) and sets the abort flag on every PE.

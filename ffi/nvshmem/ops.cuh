@@ -24,9 +24,9 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
                           const ffi::Buffer<ffi::S32>& token, int64_t heap_id, int64_t bucket_id, Target* t) {
   if (device.element_count() != 1 || token.element_count() != 1)
     return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": device and token must be int32 scalars");
-  std::string why;
-  t->heap = FindHeap(heap_id, &why);
-  if (!t->heap) return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": " + why);
+  auto heap = FindHeap(heap_id);
+  if (!heap.has_value()) return ForOp(op, heap.error());
+  t->heap = *heap;
   {
     std::lock_guard<std::mutex> lock(t->heap->mu);
     if (!t->heap->poisoned.empty())
@@ -35,8 +35,9 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
   if (const uint64_t fault = __atomic_load_n(&t->heap->control->fault, __ATOMIC_ACQUIRE); fault != 0)
     return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": " + CurrentPoison(*t->heap));
   if (bucket_id >= 0) {
-    t->bucket = FindBucket(t->heap, bucket_id, &why);
-    if (!t->bucket) return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": " + why);
+    auto bucket = FindBucket(t->heap, bucket_id);
+    if (!bucket.has_value()) return ForOp(op, bucket.error());
+    t->bucket = *bucket;
   }
   int gpu = -1;
 #if CUDART_VERSION >= 12080
@@ -61,8 +62,9 @@ inline ffi::Error Launched(const char* op) {
 // Any error of a handler poisons the heap on every PE, so their barriers stop waiting for this one.
 inline ffi::Error AbortOnError(int64_t heap_id, ffi::Error e) {
   if (e.failure()) {
-    std::string ignored;
-    if (auto heap = FindHeap(heap_id, &ignored)) Poison(*heap, "aborted: PE failed: " + std::string(e.message()));
+    if (auto heap = FindHeap(heap_id); heap.has_value()) {
+      Poison(**heap, "aborted: PE failed: " + std::string(e.message()));
+    }
   }
   return e;
 }

@@ -1,4 +1,5 @@
 // jodc_nvshmem_publish: PE d overwrites its own master shard (local symmetric memory) so peers can gather it.
+#include "nvshmem/handlers.cuh"
 #include "nvshmem/ops.cuh"
 
 namespace jodc::nvshmem_backend {
@@ -53,13 +54,4 @@ ffi::Error Publish(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBu
 }  // namespace
 }  // namespace jodc::nvshmem_backend
 
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JodcNvshmemPublish(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcNvshmemPublish, jodc::nvshmem_backend::Publish,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::AnyBuffer>()              // new local shard, master dtype
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_NVSHMEM_HANDLER(Publish, jodc::nvshmem_backend::Publish);

@@ -2,6 +2,7 @@
 // accumulator: nvshmemx_float_atomic_add per element (atomic mode), or get-add-put into d's own landing slot on the
 // owner (landing-slot mode: only d writes that slot, and d's kernels run in stream order). Ends with nvshmem_quiet
 // per thread, so the barrier that follows finds every update complete at its target.
+#include "nvshmem/handlers.cuh"
 #include "nvshmem/ops.cuh"
 
 namespace jodc::nvshmem_backend {
@@ -66,14 +67,4 @@ ffi::Error Scatter(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBu
 }  // namespace
 }  // namespace jodc::nvshmem_backend
 
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JodcNvshmemScatterAccumulate(
-    XLA_FFI_CallFrame* call_frame);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JodcNvshmemScatterAccumulate, jodc::nvshmem_backend::Scatter,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // device index
-                                  .Arg<xla::ffi::AnyBuffer>()              // full-size gradient
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // token
-                                  .Attr<int64_t>("heap")
-                                  .Attr<int64_t>("bucket"));
+JODC_NVSHMEM_HANDLER(ScatterAccumulate, jodc::nvshmem_backend::Scatter);

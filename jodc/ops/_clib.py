@@ -1,4 +1,4 @@
-"""What the ctypes-loaded native libraries (CUDA: ``_cuda.py``, MPI: ``_mpi.py``) share: binding their C API, turning
+"""What the ctypes-loaded native libraries (CUDA: ``_cuda.py``, MPI: ``_mpi.py``, NVSHMEM: ``_nvshmem.py``) share: binding their C API, turning
 its error convention into Python exceptions, and reading their FFI handler table.
 
 The C convention (ffi/mpi/capi.cc, ffi/cuda/management.cu): a fallible function takes a trailing message buffer and
@@ -51,6 +51,9 @@ class CLibrary:
 
     prefix = ""
     transport = "local"
+    # Whether the library has the whole shared_signatures API (the NVSHMEM library has only its handler table and
+    # its own functions: host access reaches only this process's position there).
+    shared_api = True
 
     def __init__(self, path: str, signatures: dict):
         self.path = path
@@ -58,7 +61,8 @@ class CLibrary:
         handlers = getattr(self._lib, self.prefix + "handlers")
         handlers.restype = ctypes.c_int32
         handlers.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32]
-        for name, (restype, argtypes, fallible) in {**shared_signatures(self.prefix), **signatures}.items():
+        shared = shared_signatures(self.prefix) if self.shared_api else {}
+        for name, (restype, argtypes, fallible) in {**shared, **signatures}.items():
             fn = getattr(self._lib, name)
             fn.restype = restype
             fn.argtypes = list(argtypes) + (list(ERR_ARGS) if fallible else [])

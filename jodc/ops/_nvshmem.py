@@ -17,42 +17,31 @@ import threading
 
 import numpy as np
 
+from jodc.ops import _clib
+from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_ptr, c_str, c_u64
+
 LIBRARY_NAME = "_ffi_nvshmem.so"
 BUILD_HINT = ("build it with `JODC_CUDA=1 JODC_NVSHMEM=1 pip install -e .` after `pip install nvidia-nvshmem-cu12` "
               "(or -cu13, matching nvcc)")
 
-HANDLER_SYMBOLS = {
-    "jodc_nvshmem_gather": "JodcNvshmemGather",
-    "jodc_nvshmem_scatter_accumulate": "JodcNvshmemScatterAccumulate",
-    "jodc_nvshmem_barrier": "JodcNvshmemBarrier",
-    "jodc_nvshmem_read_accumulator": "JodcNvshmemReadAccumulator",
-    "jodc_nvshmem_zero_accumulator": "JodcNvshmemZeroAccumulator",
-    "jodc_nvshmem_publish": "JodcNvshmemPublish",
-}
-
-_ERR_CAPACITY = 16384
-_MAX_WORLD = 64
-_c_i32, _c_i64, _c_u64, _c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
-_c_ptr, _c_str = ctypes.c_void_p, ctypes.c_char_p
-_P = ctypes.POINTER
-
-# name -> (restype, argtypes without the trailing error buffer, fallible)
+# The NVSHMEM library's own C functions, as name -> (restype, argtypes without the trailing error buffer, fallible).
+# Its handlers come from its handler table (jodc_nvshmem_handlers, generated from ffi/common/ops.h).
 _SIGNATURES = {
-    "jodc_nvshmem_live_heaps": (_c_i64, (), False),
-    "jodc_nvshmem_unique_id": (_c_i32, (_c_str, _c_i64, _P(_c_i64)), True),
-    "jodc_nvshmem_init": (_c_i32, (_c_i32, _c_i32, _c_str, _c_i64, _c_i32), True),
-    "jodc_nvshmem_heap_create": (_c_i32, (_c_i32, _c_dbl, _P(_c_i64)), True),
-    "jodc_nvshmem_heap_free": (_c_i32, (_c_i64,), True),
-    "jodc_nvshmem_heap_set_barrier_timeout": (_c_i32, (_c_i64, _c_dbl), True),
-    "jodc_nvshmem_heap_abort": (_c_i32, (_c_i64, _c_str), True),
-    "jodc_nvshmem_heap_state": (_c_i32, (_c_i64, _P(_c_i32), _P(_c_i32), _P(_c_i32), _P(_c_u64), _c_str, _c_i64),
-                                True),
-    "jodc_nvshmem_bucket_register": (_c_i32, (_c_i64, _c_i64, _c_str, _P(_c_i64)), True),
-    "jodc_nvshmem_bucket_free": (_c_i32, (_c_i64, _c_i64), True),
-    "jodc_nvshmem_bucket_info": (_c_i32, (_c_i64, _c_i64, _P(_c_i64), _P(_c_i64), _P(_c_i32), _P(_c_i32)), True),
-    "jodc_nvshmem_bucket_access": (_c_i32, (_c_i64, _c_i64, _c_i32, _c_i32, _c_i32, _c_ptr, _c_i64), True),
+    "jodc_nvshmem_live_heaps": (c_i64, (), False),
+    "jodc_nvshmem_unique_id": (c_i32, (c_str, c_i64, P(c_i64)), True),
+    "jodc_nvshmem_init": (c_i32, (c_i32, c_i32, c_str, c_i64, c_i32), True),
+    "jodc_nvshmem_heap_create": (c_i32, (c_i32, c_dbl, P(c_i64)), True),
+    "jodc_nvshmem_heap_free": (c_i32, (c_i64,), True),
+    "jodc_nvshmem_heap_set_barrier_timeout": (c_i32, (c_i64, c_dbl), True),
+    "jodc_nvshmem_heap_abort": (c_i32, (c_i64, c_str), True),
+    "jodc_nvshmem_heap_state": (c_i32, (c_i64, P(c_i32), P(c_i32), P(c_i32), P(c_u64), c_str, c_i64), True),
+    "jodc_nvshmem_bucket_register": (c_i32, (c_i64, c_i64, c_str, P(c_i64)), True),
+    "jodc_nvshmem_bucket_free": (c_i32, (c_i64, c_i64), True),
+    "jodc_nvshmem_bucket_info": (c_i32, (c_i64, c_i64, P(c_i64), P(c_i64), P(c_i32), P(c_i32)), True),
+    "jodc_nvshmem_bucket_access": (c_i32, (c_i64, c_i64, c_i32, c_i32, c_i32, c_ptr, c_i64), True),
 }
-EXPORTED_SYMBOLS = tuple(sorted(set(HANDLER_SYMBOLS.values()) | set(_SIGNATURES)))
+# Every symbol the library exports: its C API and its handler table (the handlers themselves stay hidden).
+EXPORTED_SYMBOLS = tuple(sorted({"jodc_nvshmem_handlers", *_SIGNATURES}))
 
 
 def default_path() -> str:
@@ -71,37 +60,22 @@ def _preload_host_library() -> None:
             return
 
 
-class NvshmemLibrary:
+class NvshmemLibrary(_clib.CLibrary):
     """The NVSHMEM library's C API behind the method names SymmetricHeap and Bucket use (host access reaches only
     this process's own position: the others live in other processes)."""
 
+    prefix = "jodc_nvshmem_"
+    transport = "nvshmem"
+    shared_api = False
+    max_world = 64
+
     def __init__(self, path: str):
-        self.path = path
         _preload_host_library()
-        self._lib = ctypes.CDLL(path)
-        for name, (restype, argtypes, fallible) in _SIGNATURES.items():
-            fn = getattr(self._lib, name)
-            fn.restype = restype
-            fn.argtypes = list(argtypes) + ([_c_str, _c_i64] if fallible else [])
-        for symbol in HANDLER_SYMBOLS.values():
-            getattr(self._lib, symbol)
-
-    def _call(self, name: str, *args) -> None:
-        err = ctypes.create_string_buffer(_ERR_CAPACITY)
-        rc = getattr(self._lib, name)(*args, err, _ERR_CAPACITY)
-        if rc == 2:
-            raise MemoryError(err.value.decode("utf-8", "replace"))
-        if rc != 0:
-            raise ValueError(err.value.decode("utf-8", "replace"))
-
-    def handlers(self) -> dict:
-        import jax
-
-        return {name: jax.ffi.pycapsule(getattr(self._lib, symbol)) for name, symbol in HANDLER_SYMBOLS.items()}
+        super().__init__(path, _SIGNATURES)
 
     # -- initialisation and heaps (collective) ----------------------------------------------------------------
     def unique_id(self) -> bytes:
-        out, length = ctypes.create_string_buffer(1024), _c_i64()
+        out, length = ctypes.create_string_buffer(1024), c_i64()
         self._call("jodc_nvshmem_unique_id", out, len(out), ctypes.byref(length))
         return out.raw[: length.value]
 
@@ -109,27 +83,21 @@ class NvshmemLibrary:
         self._call("jodc_nvshmem_init", int(rank), int(nranks), bytes(unique_id), len(unique_id), int(gpu))
 
     def heap_create(self, deterministic: bool, barrier_timeout_s: float) -> int:
-        heap_id = _c_i64()
+        heap_id = c_i64()
         self._call("jodc_nvshmem_heap_create", int(bool(deterministic)), float(barrier_timeout_s),
                    ctypes.byref(heap_id))
         return int(heap_id.value)
-
-    def heap_free(self, heap_id: int) -> None:
-        self._call("jodc_nvshmem_heap_free", int(heap_id))
-
-    def heap_set_barrier_timeout(self, heap_id: int, timeout_s: float) -> None:
-        self._call("jodc_nvshmem_heap_set_barrier_timeout", int(heap_id), float(timeout_s))
 
     def heap_abort(self, heap_id: int, reason: str) -> str:
         self._call("jodc_nvshmem_heap_abort", int(heap_id), str(reason).encode())
         return self.heap_poisoned(heap_id)
 
     def _state(self, heap_id: int):
-        world, me, landing = _c_i32(), _c_i32(), _c_i32()
-        gens = (_c_u64 * _MAX_WORLD)()
-        poisoned = ctypes.create_string_buffer(_ERR_CAPACITY)
+        world, me, landing = c_i32(), c_i32(), c_i32()
+        gens = (c_u64 * self.max_world)()
+        poisoned = ctypes.create_string_buffer(_clib.ERR_CAPACITY)
         self._call("jodc_nvshmem_heap_state", int(heap_id), ctypes.byref(world), ctypes.byref(me),
-                   ctypes.byref(landing), gens, poisoned, _ERR_CAPACITY)
+                   ctypes.byref(landing), gens, poisoned, _clib.ERR_CAPACITY)
         return world.value, me.value, bool(landing.value), [int(gens[p]) for p in range(world.value)], \
             poisoned.value.decode("utf-8", "replace")
 
@@ -142,21 +110,9 @@ class NvshmemLibrary:
     def heap_landing_slots(self, heap_id: int) -> bool:
         return self._state(heap_id)[2]
 
-    def live_heaps(self) -> int:
-        return int(self._lib.jodc_nvshmem_live_heaps())
-
     # -- buckets ------------------------------------------------------------------------------------------------
-    def bucket_register(self, heap_id: int, numel: int, dtype: str) -> int:
-        bucket_id = _c_i64()
-        self._call("jodc_nvshmem_bucket_register", int(heap_id), int(numel), str(dtype).encode(),
-                   ctypes.byref(bucket_id))
-        return int(bucket_id.value)
-
-    def bucket_free(self, heap_id: int, bucket_id: int) -> None:
-        self._call("jodc_nvshmem_bucket_free", int(heap_id), int(bucket_id))
-
     def _info(self, heap_id: int, bucket_id: int):
-        numel, shard_numel, master_bytes, world = _c_i64(), _c_i64(), _c_i32(), _c_i32()
+        numel, shard_numel, master_bytes, world = c_i64(), c_i64(), c_i32(), c_i32()
         self._call("jodc_nvshmem_bucket_info", int(heap_id), int(bucket_id), ctypes.byref(numel),
                    ctypes.byref(shard_numel), ctypes.byref(master_bytes), ctypes.byref(world))
         return numel.value, shard_numel.value, master_bytes.value, world.value
@@ -174,12 +130,12 @@ class NvshmemLibrary:
         raw = np.ascontiguousarray(np.frombuffer(bytes(data), np.uint8) if isinstance(data, (bytes, bytearray))
                                    else np.asarray(data).reshape(-1).view(np.uint8))
         self._call("jodc_nvshmem_bucket_access", int(heap_id), int(bucket_id), int(device), 0, 1,
-                   raw.ctypes.data_as(_c_ptr), raw.nbytes)
+                   raw.ctypes.data_as(c_ptr), raw.nbytes)
 
     def bucket_get_accumulator(self, heap_id: int, bucket_id: int, device: int) -> bytes:
         out = np.zeros(self.bucket_shard_numel(heap_id, bucket_id), np.float32)
         self._call("jodc_nvshmem_bucket_access", int(heap_id), int(bucket_id), int(device), 1, 0,
-                   out.ctypes.data_as(_c_ptr), out.nbytes)
+                   out.ctypes.data_as(c_ptr), out.nbytes)
         return out.tobytes()
 
     def bucket_zero_accumulator(self, heap_id: int, bucket_id: int, device: int) -> None:
