@@ -4,7 +4,6 @@ The library uses only the CUDA runtime API, linked statically (nvcc's default): 
 and no driver (libcuda.so) to link or even to be loaded, only to run. So CI machines without a GPU build, link and
 load it.
 """
-import argparse
 import glob
 import os
 import re
@@ -71,15 +70,8 @@ def check_reductions(keep_dir: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--include-dir", help="XLA FFI headers (default: jax.ffi.include_dir(); Bazel passes its own)")
-    parser.add_argument("--keep-dir", help="keep nvcc's intermediate files (PTX) here and check the reductions")
-    args = parser.parse_args()
-    if args.include_dir is None:
-        import jax
-
-        args.include_dir = jax.ffi.include_dir()
+    args = run_compiler.parse_args(__doc__, lambda p: p.add_argument(
+        "--keep-dir", help="keep nvcc's intermediate files (PTX) here and check the reductions"))
     print(build(args.out, args.include_dir, args.keep_dir))
     if args.keep_dir:
         print("\n".join(check_reductions(args.keep_dir)))

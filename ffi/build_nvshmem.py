@@ -6,7 +6,6 @@ device-linked against libnvshmem_device.a; the host library is linked by its fil
 libnvshmem_host.so link) with an rpath to the wheel's lib/ (jodc/ops/_nvshmem.py also preloads it). Like the CUDA
 library it needs no GPU and no driver to build, link or load. Used by setup.py (JODC_NVSHMEM=1) and `make cuda-check`.
 """
-import argparse
 import glob
 import importlib.util
 import os
@@ -65,13 +64,6 @@ def build(out_path: str, include_dir: str, nvshmem_root: str | None = None) -> s
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--include-dir", help="XLA FFI headers (default: jax.ffi.include_dir())")
-    parser.add_argument("--nvshmem-root", help="the NVSHMEM wheel's root (default: the installed nvidia.nvshmem)")
-    args = parser.parse_args()
-    if args.include_dir is None:
-        import jax
-
-        args.include_dir = jax.ffi.include_dir()
+    args = run_compiler.parse_args(__doc__, lambda p: p.add_argument(
+        "--nvshmem-root", help="the NVSHMEM wheel's root (default: the installed nvidia.nvshmem)"))
     print(build(args.out, args.include_dir, args.nvshmem_root))

@@ -141,8 +141,20 @@ class CLibrary:
                    ctypes.byref(bucket_id))
         return int(bucket_id.value)
 
+    def _bucket_info(self, heap_id: int, bucket_id: int) -> tuple[int, int, int, int]:
+        """(numel, shard_numel, master bytes, world) of a bucket, from the library's ``<prefix>bucket_info`` (the CUDA
+        and NVSHMEM libraries; the MPI library keeps its sizes on the Python side instead)."""
+        numel, shard_numel, master_bytes, world = c_i64(), c_i64(), c_i32(), c_i32()
+        self._call(self.prefix + "bucket_info", int(heap_id), int(bucket_id), ctypes.byref(numel),
+                   ctypes.byref(shard_numel), ctypes.byref(master_bytes), ctypes.byref(world))
+        return numel.value, shard_numel.value, master_bytes.value, world.value
+
+    def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
+        return int(self._bucket_info(heap_id, bucket_id)[1])
+
     def _shard_nbytes(self, heap_id: int, bucket_id: int) -> int:
-        raise NotImplementedError
+        _, shard_numel, master_bytes, _ = self._bucket_info(heap_id, bucket_id)
+        return shard_numel * master_bytes
 
     def bucket_get_shard(self, heap_id: int, bucket_id: int, device: int) -> bytes:
         """Raw bytes of device `device`'s master shard (padded); the caller views them with the master dtype."""

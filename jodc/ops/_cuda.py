@@ -107,19 +107,6 @@ class CudaLibrary(_clib.CLibrary):
         return bool(flag.value)
 
     # -- buckets --------------------------------------------------------------------------------------------
-    def _bucket_info(self, heap_id: int, bucket_id: int) -> tuple[int, int, int, int]:
-        numel, shard_numel, master_bytes, world = c_i64(), c_i64(), c_i32(), c_i32()
-        self._call("jodc_cuda_bucket_info", int(heap_id), int(bucket_id), ctypes.byref(numel),
-                   ctypes.byref(shard_numel), ctypes.byref(master_bytes), ctypes.byref(world))
-        return numel.value, shard_numel.value, master_bytes.value, world.value
-
-    def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
-        return int(self._bucket_info(heap_id, bucket_id)[1])
-
-    def _shard_nbytes(self, heap_id: int, bucket_id: int) -> int:
-        _, shard_numel, master_bytes, _ = self._bucket_info(heap_id, bucket_id)
-        return shard_numel * master_bytes
-
     def bucket_get_accumulator(self, heap_id: int, bucket_id: int, device: int) -> bytes:
         """Raw bytes (fp32) of device `device`'s accumulated gradient, landing slots reduced in source order."""
         shard_numel = self.bucket_shard_numel(heap_id, bucket_id)

@@ -111,18 +111,8 @@ class NvshmemLibrary(_clib.CLibrary):
         return self._state(heap_id)[2]
 
     # -- buckets ------------------------------------------------------------------------------------------------
-    def _info(self, heap_id: int, bucket_id: int):
-        numel, shard_numel, master_bytes, world = c_i64(), c_i64(), c_i32(), c_i32()
-        self._call("jodc_nvshmem_bucket_info", int(heap_id), int(bucket_id), ctypes.byref(numel),
-                   ctypes.byref(shard_numel), ctypes.byref(master_bytes), ctypes.byref(world))
-        return numel.value, shard_numel.value, master_bytes.value, world.value
-
-    def bucket_shard_numel(self, heap_id: int, bucket_id: int) -> int:
-        return int(self._info(heap_id, bucket_id)[1])
-
     def bucket_get_shard(self, heap_id: int, bucket_id: int, device: int) -> bytes:
-        _, shard_numel, master_bytes, _ = self._info(heap_id, bucket_id)
-        out = ctypes.create_string_buffer(shard_numel * master_bytes)
+        out = ctypes.create_string_buffer(self._shard_nbytes(heap_id, bucket_id))
         self._call("jodc_nvshmem_bucket_access", int(heap_id), int(bucket_id), int(device), 0, 0, out, len(out))
         return out.raw
 
