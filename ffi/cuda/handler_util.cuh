@@ -19,6 +19,7 @@
 #include "common/error.h"
 #include "common/operands.h"
 #include "cuda/heap.cuh"
+#include "cuda/stream_device.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jodc::cuda {
@@ -41,29 +42,6 @@ inline bool CheckHealthy(const char* op, Heap& heap, std::string* err) {
   if (poisoned.empty()) return true;
   *err = std::string("jodc ") + op + ": " + poisoned;
   return false;
-}
-
-// Makes the stream's GPU the calling thread's current device (every handler, the token ops included, launches only
-// after this: a launch on another device's stream fails or, worse, runs against the wrong context) and returns it.
-inline ffi::Error SelectStreamDevice(const char* op, cudaStream_t stream, int32_t* gpu_out) {
-  int gpu = -1;
-#if CUDART_VERSION >= 12080
-  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
-    cudaGetLastError();
-    gpu = -1;
-  }
-#endif
-  if (gpu < 0 && cudaGetDevice(&gpu) != cudaSuccess) {  // XLA makes the stream's context current before calling us
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot tell which GPU the stream belongs to");
-  }
-  const cudaError_t e = cudaSetDevice(gpu);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("selecting the stream's GPU", e));
-  }
-  *gpu_out = gpu;
-  return ffi::Error::Success();
 }
 
 // The common preamble of every handler: the device and token operands are int32 scalars (their values stay on the

@@ -142,6 +142,11 @@ ErrorOr<std::shared_ptr<Bucket>> FindPending(const std::shared_ptr<Heap>& heap, 
   return it->second;
 }
 
+// Heap `heap_id` and its pending bucket `bucket_id` (registered here, not yet published).
+auto LocatePending(int64_t heap_id, int64_t bucket_id) {
+  return LocateForHost(FindHeap(heap_id), FindPending, bucket_id, /*device=*/0);
+}
+
 Error ExportHandle(void* p, char* out) {
   if (p == nullptr) {
     std::memset(out, 0, kIpcHandleBytes);
@@ -250,12 +255,10 @@ JODC_EXPORT int32_t jodc_cuda_ipc_bucket_register(int64_t heap_id, int64_t numel
   auto registered = RegisterBucket(heap_id, numel, master);
   if (!registered.has_value()) return Report(registered.error(), err, err_capacity);  // 2 for out of memory
   const int64_t id = *registered;
-  auto found = FindHeap(heap_id);
+  auto found = LocatePending(heap_id, id);
   if (!found.has_value()) return Report(found.error(), err, err_capacity);
-  const std::shared_ptr<Heap>& heap = *found;
-  auto pending = FindPending(heap, id);
-  if (!pending.has_value()) return Report(pending.error(), err, err_capacity);
-  const std::shared_ptr<Bucket>& b = *pending;
+  const std::shared_ptr<Heap>& heap = found->heap;
+  const std::shared_ptr<Bucket>& b = found->bucket;
   int32_t mine = -1;
   for (int32_t p = 0; p < heap->world; ++p) {
     if (heap->IsLocal(p)) mine = p;
@@ -275,12 +278,10 @@ JODC_EXPORT int32_t jodc_cuda_ipc_bucket_register(int64_t heap_id, int64_t numel
 // Maps position `position`'s memory (its owner's 3 handles) into this process for a pending bucket.
 JODC_EXPORT int32_t jodc_cuda_ipc_bucket_import(int64_t heap_id, int64_t bucket_id, int32_t position,
                                                 const char* handles, int64_t bytes, char* err, int64_t err_capacity) {
-  auto found = FindHeap(heap_id);
+  auto found = LocatePending(heap_id, bucket_id);
   if (!found.has_value()) return Report(found.error(), err, err_capacity);
-  const std::shared_ptr<Heap>& heap = *found;
-  auto pending = FindPending(heap, bucket_id);
-  if (!pending.has_value()) return Report(pending.error(), err, err_capacity);
-  const std::shared_ptr<Bucket>& b = *pending;
+  const std::shared_ptr<Heap>& heap = found->heap;
+  const std::shared_ptr<Bucket>& b = found->bucket;
   if (position < 0 || position >= heap->world || heap->IsLocal(position))
     return Refuse("position " + std::to_string(position) + " is not a remote position of heap " +
                       std::to_string(heap_id), err, err_capacity);

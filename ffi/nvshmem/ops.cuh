@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cuda/device_util.cuh"
+#include "cuda/stream_device.cuh"
 #include "nvshmem/heap.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,18 +40,8 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
     if (!bucket.has_value()) return ForOp(op, bucket.error());
     t->bucket = *bucket;
   }
-  int gpu = -1;
-#if CUDART_VERSION >= 12080
-  if (cudaStreamGetDevice(stream, &gpu) != cudaSuccess) {
-    cudaGetLastError();
-    gpu = -1;
-  }
-#endif
-  if (gpu >= 0 && cudaSetDevice(gpu) != cudaSuccess) {
-    cudaGetLastError();
-    return ffi::Error::Internal(std::string("jodc ") + op + ": cannot select the stream's GPU");
-  }
-  return ffi::Error::Success();
+  int32_t gpu = -1;
+  return cuda::SelectStreamDevice(op, stream, &gpu);
 }
 
 inline ffi::Error Launched(const char* op) {
