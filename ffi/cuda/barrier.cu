@@ -22,8 +22,6 @@
 namespace jodc::cuda {
 namespace {
 
-enum BarrierOutcome : int32_t { kPending = 0, kPassed = 1, kTimedOut = 2, kAborted = 3, kBadDevice = 4 };
-
 __global__ void __launch_bounds__(kMaxWorld)
     BarrierKernel(HeapControl* control, int32_t world, const int32_t* device_operand, const int32_t* token_in,
                   int32_t* token_out, uint64_t timeout_ns, BarrierReport* report) {
@@ -32,8 +30,7 @@ __global__ void __launch_bounds__(kMaxWorld)
   __shared__ unsigned long long missing;
   __shared__ int32_t aborted;
   __shared__ uint64_t start_ns;
-  const int32_t p = static_cast<int32_t>(threadIdx.x);
-  if (p == 0) {
+  if (threadIdx.x == 0) {
     device = *device_operand;
     missing = 0;
     aborted = 0;
@@ -46,41 +43,8 @@ __global__ void __launch_bounds__(kMaxWorld)
     }
   }
   __syncthreads();
-  if (device < 0 || device >= world) {  // nothing was touched: the handler reports it, the heap stays usable
-    if (p == 0) {
-      report->device = device;
-      report->outcome = kBadDevice;
-      token_out[0] = token_in[0] + 1;
-      __threadfence_system();
-    }
-    return;
-  }
-  if (p < world) {
-    unsigned sleep_ns = 64;
-    while (LoadAcquireSystem(&control->arrivals[p]) < generation) {
-      if (LoadRelaxedSystem(&control->abort) != 0) {
-        aborted = 1;
-        atomicOr(&missing, 1ull << p);
-        break;
-      }
-      if (GlobalTimerNs() - start_ns > timeout_ns) {
-        atomicOr(&missing, 1ull << p);
-        break;
-      }
-      __nanosleep(sleep_ns);
-      if (sleep_ns < 2048) sleep_ns *= 2;
-    }
-    __threadfence_system();  // what device p wrote before arriving is visible to this device's later kernels
-  }
-  __syncthreads();
-  if (p == 0) {
-    report->device = device;
-    report->generation = generation;
-    report->missing = missing;
-    report->outcome = missing == 0 ? kPassed : (aborted ? kAborted : kTimedOut);
-    token_out[0] = token_in[0] + 1;
-    __threadfence_system();
-  }
+  AwaitArrivals(control->arrivals, &control->abort, world, device, generation, start_ns, timeout_ns, token_in,
+                token_out, report, &missing, &aborted);
 }
 
 std::string DeviceList(uint64_t mask, int32_t world) {

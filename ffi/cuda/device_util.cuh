@@ -230,6 +230,56 @@ __device__ __forceinline__ void AdvanceToken(const int32_t* token_in, int32_t* t
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) token_out[0] = token_in[0] + 1;
 }
 
+// What a barrier kernel tells its handler (BarrierReport::outcome), in both GPU backends (CUDA, NVSHMEM).
+enum BarrierOutcome : int32_t { kPending = 0, kPassed = 1, kTimedOut = 2, kAborted = 3, kBadDevice = 4 };
+
+// The waiting half of a barrier kernel (one block of kMaxWorld threads; every thread calls it, after thread 0 set
+// `device` and, for a valid device, recorded its arrival as `generation`, all in shared memory, and a __syncthreads):
+// thread p < world waits until peer p's arrival counter reaches `generation`, the abort flag is set or `timeout_ns`
+// passed since `start_ns`; thread 0 then writes the report and the token. A device outside [0, world) touched nothing
+// and is reported as kBadDevice (the heap stays usable). `missing` / `aborted` are the kernel's zeroed shared words.
+__device__ __forceinline__ void AwaitArrivals(const uint64_t* arrivals, const int32_t* abort, int32_t world,
+                                              int32_t device, uint64_t generation, uint64_t start_ns,
+                                              uint64_t timeout_ns, const int32_t* token_in, int32_t* token_out,
+                                              BarrierReport* report, unsigned long long* missing, int32_t* aborted) {
+  const int32_t p = static_cast<int32_t>(threadIdx.x);
+  if (device < 0 || device >= world) {
+    if (p == 0) {
+      report->device = device;
+      report->outcome = kBadDevice;
+      token_out[0] = token_in[0] + 1;
+      __threadfence_system();
+    }
+    return;
+  }
+  if (p < world) {
+    unsigned sleep_ns = 64;
+    while (LoadAcquireSystem(&arrivals[p]) < generation) {
+      if (LoadRelaxedSystem(abort) != 0) {
+        *aborted = 1;
+        atomicOr(missing, 1ull << p);
+        break;
+      }
+      if (GlobalTimerNs() - start_ns > timeout_ns) {
+        atomicOr(missing, 1ull << p);
+        break;
+      }
+      __nanosleep(sleep_ns);
+      if (sleep_ns < 2048) sleep_ns *= 2;
+    }
+    __threadfence_system();  // what device p wrote before arriving is visible to this device's later kernels
+  }
+  __syncthreads();
+  if (p == 0) {
+    report->device = device;
+    report->generation = generation;
+    report->missing = *missing;
+    report->outcome = *missing == 0 ? kPassed : (*aborted ? kAborted : kTimedOut);
+    token_out[0] = token_in[0] + 1;
+    __threadfence_system();
+  }
+}
+
 }  // namespace jodc::cuda
 
 #endif  // JODC_FFI_CUDA_DEVICE_UTIL_CUH_

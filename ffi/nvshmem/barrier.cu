@@ -10,7 +10,11 @@
 namespace jodc::nvshmem_backend {
 namespace {
 
-enum Outcome : int32_t { kPending = 0, kPassed = 1, kTimedOut = 2, kAborted = 3, kBadDevice = 4 };
+using cuda::kAborted;
+using cuda::kBadDevice;
+using cuda::kPassed;
+using cuda::kPending;
+using cuda::kTimedOut;
 
 __global__ void __launch_bounds__(kMaxWorld)
     BarrierKernel(uint64_t* arrivals, int32_t* abort, int32_t world, const int32_t* device_operand,
@@ -20,8 +24,7 @@ __global__ void __launch_bounds__(kMaxWorld)
   __shared__ unsigned long long missing;
   __shared__ int32_t aborted;
   __shared__ uint64_t start_ns;
-  const int32_t p = static_cast<int32_t>(threadIdx.x);
-  if (p == 0) {
+  if (threadIdx.x == 0) {
     device = *device_operand;
     missing = 0;
     aborted = 0;
@@ -34,41 +37,8 @@ __global__ void __launch_bounds__(kMaxWorld)
     }
   }
   __syncthreads();
-  if (device < 0 || device >= world) {
-    if (p == 0) {
-      report->device = device;
-      report->outcome = kBadDevice;
-      token_out[0] = token_in[0] + 1;
-      __threadfence_system();
-    }
-    return;
-  }
-  if (p < world) {
-    unsigned sleep_ns = 64;
-    while (cuda::LoadAcquireSystem(&arrivals[p]) < generation) {
-      if (cuda::LoadRelaxedSystem(abort) != 0) {
-        aborted = 1;
-        atomicOr(&missing, 1ull << p);
-        break;
-      }
-      if (cuda::GlobalTimerNs() - start_ns > timeout_ns) {
-        atomicOr(&missing, 1ull << p);
-        break;
-      }
-      __nanosleep(sleep_ns);
-      if (sleep_ns < 2048) sleep_ns *= 2;
-    }
-    __threadfence_system();
-  }
-  __syncthreads();
-  if (p == 0) {
-    report->device = device;
-    report->generation = generation;
-    report->missing = missing;
-    report->outcome = missing == 0 ? kPassed : (aborted ? kAborted : kTimedOut);
-    token_out[0] = token_in[0] + 1;
-    __threadfence_system();
-  }
+  cuda::AwaitArrivals(arrivals, abort, world, device, generation, start_ns, timeout_ns, token_in, token_out, report,
+                      &missing, &aborted);
 }
 
 ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
