@@ -6,6 +6,7 @@ the fix: waiting for the whole barrier timeout), the heap is freed natively, whi
 fails instead of hanging the suite.
 """
 import math
+import signal
 import threading
 import time
 import warnings
@@ -336,6 +337,8 @@ def test_ctrl_c_while_waiting_aborts_the_heap():
         while not stop.wait(0.5) and not heap.poisoned:
             _thread.interrupt_main()
 
+    # Python's own SIGINT handler, whatever an earlier test (or a library it loaded) installed: Ctrl-C must raise here
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=press_ctrl_c, daemon=True).start()
     start = time.monotonic()
     try:
@@ -343,6 +346,7 @@ def test_ctrl_c_while_waiting_aborts_the_heap():
             ops.block_until_ready(out, heap)
     finally:
         stop.set()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 30
     assert heap.poisoned.startswith("aborted: interrupted (KeyboardInterrupt)")
     free_after_failure(heap.free)
