@@ -6,6 +6,7 @@ the fix: waiting for the whole barrier timeout), the heap is freed natively, whi
 fails instead of hanging the suite.
 """
 import math
+import signal
 import threading
 import time
 import warnings
@@ -330,10 +331,22 @@ def test_ctrl_c_while_waiting_aborts_the_heap():
         return lax.cond(dev == 0, lambda t: ops.barrier(heap, t), lambda t: t, ops.new_token())
 
     out = spmd(mesh, fn, wait=False)
-    threading.Timer(0.5, _thread.interrupt_main).start()
+    stop = threading.Event()
+
+    def press_ctrl_c():  # every 0.5 s until the heap is aborted: on a loaded box one press can be lost before the wait
+        while not stop.wait(0.5) and not heap.poisoned:
+            _thread.interrupt_main()
+
+    # Python's own SIGINT handler, whatever an earlier test (or a library it loaded) installed: Ctrl-C must raise here
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        ops.block_until_ready(out, heap)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ops.block_until_ready(out, heap)
+    finally:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 30
     assert heap.poisoned.startswith("aborted: interrupted (KeyboardInterrupt)")
     free_after_failure(heap.free)
