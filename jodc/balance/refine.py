@@ -33,6 +33,10 @@ from jodc.balance.validation import check_partition, costs_array
 MAX_PAIR_TABLE = 250_000
 # Refinement stops once the heaviest part is within this relative distance of the lower bound max(item, mean).
 LOWER_BOUND_TOLERANCE = 1e-6
+# Give x take tables up to this many entries are scanned in plain Python (a few parts of a few items each: numpy's
+# per-call overhead dominates there); larger ones with numpy. Both give identical answers (the same IEEE-754
+# operations, the first best entry in row-major order).
+PYTHON_TABLE = 1_024
 
 
 def _groups(part: list[int], cost, size, max_items: int):
@@ -74,7 +78,10 @@ class _Refiner:
         self.allow_moves, self.max_group = allow_moves, max_group
         self.memo: dict = {}
         self.group_memo: dict = {}
+        self.py_group_memo: dict = {}
         self.sum_memo: dict = {}
+        self.cost_list = cost.tolist()
+        self.size_list = size.tolist() if size is not None else None
         self.tolerance = 1e-12 * max(math.fsum(cost), 1e-300)
 
     def sums(self):
@@ -84,7 +91,7 @@ class _Refiner:
         for part in self.parts:
             key = tuple(part)
             if key not in memo:
-                memo[key] = math.fsum(self.cost[part])
+                memo[key] = math.fsum([self.cost_list[i] for i in part])
             out.append(memo[key])
         return np.array(out)
 
@@ -110,9 +117,57 @@ class _Refiner:
             self.group_memo[key] = _groups(self.parts[p], self.cost, self.size, max_items)
         return self.group_memo[key]
 
+    def py_groups(self, p, max_items):
+        """:func:`_groups` as a list of (members, cost, size, count) tuples of Python numbers, the same order."""
+        key = (tuple(self.parts[p]), max_items)
+        if key not in self.py_group_memo:
+            items = self.parts[p]
+            cost, size = self.cost_list, self.size_list
+            out = [((), 0.0, 0.0, 0)]
+            out += [((i,), cost[i], size[i] if size is not None else 0.0, 1) for i in items]
+            if max_items >= 2:
+                out += [((i, j), cost[i] + cost[j], size[i] + size[j] if size is not None else 0.0, 2)
+                        for a, i in enumerate(items) for j in items[a + 1:]]
+            self.py_group_memo[key] = out
+        return self.py_group_memo[key]
+
+    def _best_exchange_python(self, p, q, gap, totals, max_items):
+        """:meth:`_best_exchange` for small tables, in plain Python: the same answer."""
+        give, take = self.py_groups(p, max_items), self.py_groups(q, max_items)
+        gap = float(gap)
+        limit = gap - self.tolerance
+        capacity, moves = self.capacity, self.allow_moves
+        if capacity is not None:
+            total_p, total_q = float(totals[p]), float(totals[q])
+        best, found = math.inf, None
+        for g in give:
+            g_cost = g[1]
+            for t in take:
+                delta = g_cost - t[1]
+                if not delta > 0:
+                    continue
+                new_gap = abs(gap - 2.0 * delta)
+                if not (new_gap < limit and new_gap < best):
+                    continue
+                if not moves and g[3] != t[3]:
+                    continue
+                if capacity is not None:
+                    moved = g[2] - t[2]
+                    if not (total_p - moved <= capacity and total_q + moved <= capacity):
+                        continue
+                best, found = new_gap, (g[0], t[0])
+        if found is None:
+            return None
+        return best, list(found[0]), list(found[1])
+
     def _best_exchange(self, p, q, gap, totals, max_items):
         if max_items > 1 and _group_count(len(self.parts[p])) * _group_count(len(self.parts[q])) > MAX_PAIR_TABLE:
             return None  # too many 2-item groups to tabulate; single-item exchanges already did their best here
+        m_p, m_q = len(self.parts[p]), len(self.parts[q])
+        groups_p = 1 + m_p + (m_p * (m_p - 1) // 2 if max_items > 1 else 0)
+        groups_q = 1 + m_q + (m_q * (m_q - 1) // 2 if max_items > 1 else 0)
+        if groups_p * groups_q <= PYTHON_TABLE:
+            return self._best_exchange_python(p, q, gap, totals, max_items)
         give, give_cost, give_size, give_count = self.groups(p, max_items)
         take, take_cost, take_size, take_count = self.groups(q, max_items)
         delta = give_cost[:, None] - take_cost[None, :]
