@@ -132,7 +132,9 @@ class _Refiner:
         return self.py_group_memo[key]
 
     def _best_exchange_python(self, p, q, gap, totals, max_items):
-        """:meth:`_best_exchange` for small tables, in plain Python: the same answer."""
+        """:meth:`_best_exchange` for small tables, in plain Python: the same answer. Entries with ``x - y`` outside
+        ``(0, gap)`` are skipped before the arithmetic: they cannot narrow the pair (``|gap - 2 (x - y)| >= gap``,
+        also after rounding), so the numpy table rejects them too."""
         give, take = self.py_groups(p, max_items), self.py_groups(q, max_items)
         gap = float(gap)
         limit = gap - self.tolerance
@@ -144,7 +146,7 @@ class _Refiner:
             g_cost = g[1]
             for t in take:
                 delta = g_cost - t[1]
-                if not delta > 0:
+                if delta <= 0 or delta >= gap:
                     continue
                 new_gap = abs(gap - 2.0 * delta)
                 if not (new_gap < limit and new_gap < best):
