@@ -321,3 +321,49 @@ def test_lb_micro_plans_run_no_slower_lock_step_than_with_the_previous_partition
         previous_equal_partition(costs, k) if equal_sizes else partition(costs, k, **kw)))
     before = sum(step_time(lengths) for lengths in batches)
     assert ours <= before * 1.002
+
+
+# small lengths (as tokens) make ties between exchanges and between part states common: tie-breaking must match too
+LENGTH_LISTS = st.one_of(st.lists(st.integers(1, 12), min_size=2, max_size=40),
+                         st.lists(st.integers(1, 65536), min_size=2, max_size=40))
+
+
+@given(LENGTH_LISTS, st.integers(2, 8), st.booleans(), st.booleans(), st.sampled_from(["flops", "tokens"]))
+@settings(max_examples=60, deadline=None)
+def test_refinement_plain_python_scan_matches_the_numpy_tables(lengths, k, equal, capped, kind):
+    # small give x take tables are scanned in plain Python, larger ones with numpy: both must give the same
+    # partition (the never-worse guarantee compares against the previous refinement, exchange for exchange)
+    from jodc.balance import refine as refine_module
+
+    costs = FLOPS(lengths) if kind == "flops" else np.asarray(lengths, dtype=np.float64)
+    start = karmarkar_karp(costs, k, equal_sizes=True) if equal else lpt(costs, k)
+    kwargs = {"allow_moves": not equal}
+    if capped:
+        sizes = np.asarray(lengths, dtype=np.float64)
+        kwargs.update(sizes=sizes, capacity=float(max(sizes[p].sum() for p in start)))
+    fast = refine_by_swaps(costs, start, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(refine_module, "PYTHON_TABLE", 0)  # numpy tables only
+        tables = refine_by_swaps(costs, start, **kwargs)
+    assert fast == tables
+
+
+@given(LENGTH_LISTS, st.integers(2, 8), st.integers(1, 3000), st.sampled_from(["flops", "tokens"]))
+@settings(max_examples=60, deadline=None)
+def test_free_search_loop_matches_the_general_loop(lengths, k, budget, kind):
+    # the specialised loop for the free case (no equal counts, no size cap) visits the same nodes as the general one
+    import math
+
+    from jodc.balance import search as search_module
+
+    costs = FLOPS(lengths) if kind == "flops" else np.asarray(lengths, dtype=np.float64)
+    start = lpt(costs, k)
+    order = sorted(range(costs.size), key=lambda i: (-costs[i], i))
+    ordered = costs[order].tolist()
+    remaining = np.concatenate([np.cumsum(costs[order][::-1])[::-1], [0.0]]).tolist()
+    total = math.fsum(costs)
+    args = (k, float(part_sums(costs, start).max()), 1e-12 * total, max(float(costs.max()), total / k), budget)
+    free = search_module._search_free(ordered, remaining, *args)
+    general = search_module._search_general(ordered, [0.0] * costs.size, remaining, *args, False, costs.size, 0,
+                                            math.inf)
+    assert free == general
