@@ -84,8 +84,9 @@ class _Refiner:
         self.size_list = size.tolist() if size is not None else None
         self.tolerance = 1e-12 * max(math.fsum(cost), 1e-300)
 
-    def sums(self):
-        """Each part's exactly rounded cost sum (memoised by content: a round changes two parts)."""
+    def sum_list(self):
+        """Each part's exactly rounded cost sum as Python floats (memoised by content: a round changes two
+        parts)."""
         memo = self.sum_memo
         out = []
         for part in self.parts:
@@ -93,7 +94,11 @@ class _Refiner:
             if key not in memo:
                 memo[key] = math.fsum([self.cost_list[i] for i in part])
             out.append(memo[key])
-        return np.array(out)
+        return out
+
+    def sums(self):
+        """:meth:`sum_list` as a float64 array."""
+        return np.array(self.sum_list())
 
     def totals(self):
         if self.size is None:
@@ -188,7 +193,7 @@ class _Refiner:
 
     def next_exchange(self, max_items):
         """(p, q, give, take) for the next improving exchange with groups of <= max_items, or None."""
-        sums, totals = self.sums(), self.totals()
+        sums, totals = self.sum_list(), self.totals()  # Python floats: the same IEEE-754 arithmetic as float64
         order = sorted(range(len(self.parts)), key=lambda p: (-sums[p], p))
         heaviest = order[0]
         best = None

@@ -183,15 +183,19 @@ def _search_free(ordered_cost, remaining_after, k, best_max, tolerance, lower_bo
         if room < remaining_after[depth] - tolerance:
             return ()
         c = ordered_cost[depth]
-        chosen, seen = [], set()
-        for p in sorted(parts, key=key_of):
+        chosen = []
+        last, run = None, None
+        for p in sorted(parts, key=key_of):  # stable: ties by part number
             load = loads[p]
             if load + c >= limit:
-                continue
-            key = (load, counts[p])
-            if key not in seen:
-                seen.add(key)
-                chosen.append(p)
+                break  # loads ascend, so (rounding being monotone) every later part fails too
+            if load == last:  # parts of equal load sit together: one per distinct count among them
+                if counts[p] in run:
+                    continue
+                run.add(counts[p])
+            else:
+                last, run = load, {counts[p]}
+            chosen.append(p)
         return chosen
 
     depth = 0
