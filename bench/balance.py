@@ -255,7 +255,9 @@ def main() -> None:
     # The plan_ms_* keys are process CPU time (the planner's own cost; on a shared machine the wall time also
     # counts the time other processes hold the cores); plan_wall_ms_* are the wall times of the same plans.
     planning = {
-        "plan_time_basis": "plan_ms_*: process CPU time per plan; plan_wall_ms_*: wall time of the same plans",
+        "plan_time_basis": ("plan_ms_golden/_32x512/_1024x16: process CPU time per LB-Mini plan; "
+                            "plan_wall_ms_*: wall time of the same plans; per planner (rows and the golden keys): "
+                            "plan_cpu_ms_<planner> CPU, plan_ms_<planner> wall"),
         "plan_ms_golden": golden["plan_cpu_ms_lb_mini"],
         "plan_wall_ms_golden": golden["plan_ms_lb_mini"],
     }
