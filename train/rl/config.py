@@ -149,7 +149,7 @@ class WarmstartConfig(Section):
 
 
 # The shared sections with RL's defaults.
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RlOptimizerConfig(OptimizerConfig):
     """AdamW as in SFT with a small constant learning rate; `total_steps: null` = the run's optimizer updates
     (run.steps x run.updates_per_step)."""
