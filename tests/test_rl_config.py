@@ -29,6 +29,10 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.task.name == "countdown" and cfg.task.task_options() == {"min_numbers": 2, "max_numbers": 4,
                                                                         "max_number": 25}
     assert cfg.optimizer.learning_rate == 3e-5
+    # a section given in part keeps RL's defaults for the rest (not the shared section class's)
+    assert (cfg.optimizer.schedule, cfg.optimizer.warmup_steps, cfg.engine.devices, cfg.engine.token_cap) == \
+        ("constant", 0, 2, 256)
+    assert C.load_rl_config(None, ["--save_every", "3"]).checkpoint.keep_checkpoints == 2
     assert core.config_from_dict(core.to_dict(cfg), C.RLConfig) == cfg
     core.save_yaml(cfg, str(tmp_path / "saved.yaml"))
     assert C.load_rl_config(str(tmp_path / "saved.yaml")) == cfg

@@ -219,6 +219,12 @@ class LoggingConfig(Section):
     progress: bool = True  # show a progress bar
 
 
+def defaults(section, **values):
+    """A config's section field whose default is `section(**values)` (RL's defaults for a shared section); values
+    not set in a YAML file or override keep these defaults (see `config_from_dict`)."""
+    return dataclasses.field(default_factory=lambda: section(**values))
+
+
 def config_class(cls):
     """`@dataclass` for a config of sections: a section declared without a default gets a fresh instance."""
     hints = typing.get_type_hints(cls)
@@ -400,8 +406,8 @@ def config_from_dict(raw: dict | None, cls=SftConfig, *, source: str = "config",
         raw = migrate(raw, cls, log=log)
     check_keys(raw, cls, source)
     raw = {name: values for name, values in raw.items() if values is not None}
-    try:
-        return draccus.decode(cls, raw)
+    try:  # over the config's defaults: draccus builds a section given in part from the section class's defaults
+        return draccus.decode(cls, mergedeep.merge({}, draccus.encode(cls()), raw))
     except DecodingError as e:  # a value draccus cannot read as the field's type
         key = ".".join(e.key_path[:2])
         value = raw.get(e.key_path[0], {}).get(e.key_path[1]) if len(e.key_path) > 1 else None
