@@ -35,11 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
+
+from jodc.mpirun import kill_session, mpi_env, mpirun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT_PREFIX = "MPBENCH "
@@ -220,32 +221,11 @@ def e2e_worker(args) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- driver side
-def kill_session(sid: int) -> None:
-    """SIGKILLs every process of session `sid` (mpirun started with start_new_session=True, and its workers: mpirun
-    puts each worker in a process group of its own, so killing mpirun's group alone would leave them running)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # after the command: state, ppid, pgrp, session
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def run_nprocs(nprocs: int, args, e2e: bool = False):
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", JAX_PLATFORMS="cpu")
+    env = mpi_env()
     if not args.default_malloc:
         env.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(1 << 33))
-    cmd = [mpirun, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py",
-           os.path.abspath(__file__)]
+    cmd = mpirun_command(nprocs, sys.executable, "-m", "mpi4py", os.path.abspath(__file__))
     if e2e:
         cmd += ["--worker-e2e"] + (["--quick"] if args.quick else [])
     else:

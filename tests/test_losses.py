@@ -356,6 +356,8 @@ FD_CASES = {
 
 
 def numeric_grad(f, x, eps=1e-6):
+    """Central finite differences of a scalar numpy function, in float64."""
+    x = np.array(x, np.float64)
     grad = np.zeros_like(x)
     for idx in np.ndindex(x.shape):
         plus, minus = x.copy(), x.copy()

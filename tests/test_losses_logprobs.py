@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from test_losses import numeric_grad
 
 from jodc.losses import (
     binary_kl,
@@ -46,18 +47,6 @@ def np_kl(p, q):
     p = np.asarray(p, np.float64)
     q = np.asarray(q, np.float64)
     return np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1)) - np.log(q)), 0.0), -1)
-
-
-def np_numeric_grad(f, x, eps=1e-6):
-    """Central finite differences of a scalar numpy function, float64."""
-    x = np.array(x, np.float64)
-    grad = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        plus, minus = x.copy(), x.copy()
-        plus[idx] += eps
-        minus[idx] -= eps
-        grad[idx] = (f(plus) - f(minus)) / (2 * eps)
-    return grad
 
 
 def _batch(seed, b=2, t=5, v=11, scale=2.0):
@@ -119,7 +108,7 @@ def test_token_logprobs_and_entropy_against_numpy_and_finite_differences():
                     np_entropy(x, 1.3))
 
             got = jax.grad(jax_objective)(jnp.asarray(logits, jnp.float64))
-            np.testing.assert_allclose(got, np_numeric_grad(np_objective, logits), rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(got, numeric_grad(np_objective, logits), rtol=1e-6, atol=1e-8)
 
 
 def test_gather_logprobs_matches_numpy_and_chunked():

@@ -4,46 +4,20 @@ bounded by a timeout whose expiry kills the whole process group and fails with t
 Needs the `jodc[mpi]` extra (mpirun next to this Python, jodc/_ffi_mpi.so built); `make test` installs it.
 """
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from jodc.mpirun import MPIRUN, kill_session, mpi_env, mpirun_command
 from jodc.ops import _mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "multiprocess")
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 
 needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and _mpi.available()),
                                reason="needs the jodc[mpi] extra (mpirun in the venv) and jodc/_ffi_mpi.so")
-
-
-def mpi_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers pick their own device counts
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1",
-               JAX_PLATFORMS="cpu")
-    return env
-
-
-def kill_session(sid: int) -> None:
-    """SIGKILLs every process of session `sid`: an mpirun started with start_new_session=True and its workers (mpirun
-    gives each worker a process group of its own, so killing mpirun's group alone would leave them running)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # after the command: state, ppid, pgrp, session
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def run_session(cmd: list[str], timeout: float, env: dict, **kw) -> tuple[int, str]:
@@ -64,8 +38,7 @@ def run_session(cmd: list[str], timeout: float, env: dict, **kw) -> tuple[int, s
 
 def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 240, mpirun_args=()) -> tuple[int, str, float]:
     """Runs `mpirun -np nprocs python -m mpi4py script args`; returns (exit status, output, seconds)."""
-    cmd = [MPIRUN, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", *mpirun_args,
-           sys.executable, "-m", "mpi4py", os.path.join(WORKERS, script), *args]
+    cmd = mpirun_command(nprocs, *mpirun_args, sys.executable, "-m", "mpi4py", os.path.join(WORKERS, script), *args)
     t0 = time.monotonic()
     rc, out = run_session(cmd, timeout, mpi_env())
     return rc, out, time.monotonic() - t0
@@ -105,12 +78,33 @@ def _session_processes(sid: int) -> list[int]:
     return out
 
 
+def test_kill_session_without_mpi_and_the_job_command_line():
+    """kill_session ends a session's leader and a child in a process group of its own (as mpirun's workers are);
+    mpirun_command / mpi_env give the CPU job's command line and environment."""
+    child = "import subprocess, time; subprocess.Popen(['sleep', '60'], process_group=0); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_session_processes(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_session_processes(proc.pid)) == 2, "the child never started"
+    finally:
+        kill_session(proc.pid)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _session_processes(proc.pid)
+    assert mpirun_command(3, "x")[:3] == [MPIRUN, "-np", "3"] and mpirun_command(3, "x")[-1] == "x"
+    env = mpi_env({"XLA_FLAGS": "--a", "KEEP": "1"}, EXTRA="2")
+    assert "XLA_FLAGS" not in env and env["KEEP"] == "1" and env["EXTRA"] == "2" and env["JAX_PLATFORMS"] == "cpu"
+
+
 @needs_mpi
 def test_timeout_kills_mpirun_and_its_workers():
     """mpirun puts every worker in a process group of its own: killing mpirun's group (what run_mpi did) left the
     workers running after a timeout. kill_session ends all of them."""
-    cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-c",
-           "import time; time.sleep(120)"]
+    cmd = mpirun_command(2, sys.executable, "-c", "import time; time.sleep(120)")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=mpi_env(),
                             start_new_session=True)
     try:
@@ -254,8 +248,7 @@ def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
     env = mpi_env()
     mp_dir = tmp_path / "mp"
     for steps in (2, 4):
-        cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
-               "jodc.train", *_sft_args(mp_dir, steps)]
+        cmd = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train", *_sft_args(mp_dir, steps))
         rc, out = run_session(cmd, 420, env)
         assert rc == 0, out[-6000:]
         assert out.count("done: ") == 1, out[-3000:]  # one process prints

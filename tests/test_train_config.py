@@ -132,6 +132,19 @@ def test_cli_reports_config_errors_and_prints_config(tmp_path, capsys):
     assert "devices: 3" in capsys.readouterr().out
 
 
+def test_the_optimizer_section_is_the_engines_optimizer_config():
+    """One definition of the optimizer's fields and checks (jodc.optimizer_config): the section is that class with the
+    trainer's defaults, and the library's checks reach the CLI as config errors."""
+    from jodc.optimizer_config import OptimizerConfig
+
+    section = C.load_config().optimizer
+    assert isinstance(section, OptimizerConfig) and (section.learning_rate, section.schedule) == (1e-3, "cosine")
+    assert [f.name for f in dataclasses.fields(section)] == [f.name for f in dataclasses.fields(OptimizerConfig)]
+    with pytest.raises(C.ConfigError, match="optimizer.eps and optimizer.weight_decay must be >= 0"):
+        C.load_config(None, ["--eps", "-1"])
+    assert main(["sft", "--weight_decay", "-0.5", "--print-config"]) == 2
+
+
 def test_cli_module_does_not_import_jax():
     code = "import sys, jodc.train, jodc.train.cli, jodc.train.core.config; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -22,6 +22,9 @@ import mergedeep
 import yaml
 from draccus.utils import DecodingError, ParsingError, deflatten
 
+from jodc import optimizer_config
+from jodc.optimizer_config import Schedule
+
 from .presets import MODEL_PRESETS
 
 Preset = Literal[tuple(MODEL_PRESETS)]
@@ -30,7 +33,6 @@ Planner = Literal["lb_mini", "lb_micro", "local_sort"]
 CostModel = Literal["flops", "linear"]
 ComputeDtype = Literal["float32", "bfloat16"]
 Platform = Literal["cpu", "gpu"]
-Schedule = Literal["constant", "cosine", "linear"]
 AttentionImpl = Literal["blockwise", "dense"]
 Overlong = Literal["truncate", "drop"]
 DEFAULT_PLANNER = {"odc": "lb_mini", "collective": "lb_micro", "xla_spmd": "lb_micro", "reference": "lb_mini"}
@@ -115,31 +117,21 @@ class DataConfig(Section):
     sequences_per_minibatch: int = 32  # sequences per optimizer step
 
 
-@dataclasses.dataclass
-class OptimizerConfig(Section):
-    """AdamW with warm-up, a schedule and global-norm clipping: the fields of `jodc.fsdp.OptimizerConfig`.
-    `total_steps: null` means the run's length in optimizer updates."""
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(Section, optimizer_config.OptimizerConfig):
+    """AdamW with warm-up, a schedule and global-norm clipping: `jodc.optimizer_config.OptimizerConfig` (its fields
+    and checks) with the trainer's defaults. `total_steps: null` means the run's length in optimizer updates."""
 
-    name_in_config = "optimizer"
-    minimum = {"learning_rate": 0.0, "warmup_steps": 0, "total_steps": 1, "b1": 0.0, "b2": 0.0, "eps": 0.0,
-               "weight_decay": 0.0, "max_grad_norm": 0.0}
+    name_in_config, minimum = "optimizer", {"total_steps": 1}
     learning_rate: float = 1e-3
     schedule: Schedule = "cosine"
     warmup_steps: int = 10
-    total_steps: int | None = None
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
 
     def check(self) -> None:
-        if not (self.b1 < 1 and self.b2 < 1):
-            raise ConfigError(f"optimizer.b1 and optimizer.b2 must lie in [0, 1), got {self.b1} and {self.b2}")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ConfigError(f"optimizer.max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
+        try:
+            optimizer_config.OptimizerConfig.check(self)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def parse_length_buckets(text) -> tuple[int, ...]:
@@ -225,6 +217,12 @@ class LoggingConfig(Section):
     log_every: int = 1  # metrics period in steps
     timeline_every: int = 0  # record and plot a per-device timeline every N steps (0: off)
     progress: bool = True  # show a progress bar
+
+
+def defaults(section, **values):
+    """A config's section field whose default is `section(**values)` (RL's defaults for a shared section); values
+    not set in a YAML file or override keep these defaults (see `config_from_dict`)."""
+    return dataclasses.field(default_factory=lambda: section(**values))
 
 
 def config_class(cls):
@@ -408,8 +406,8 @@ def config_from_dict(raw: dict | None, cls=SftConfig, *, source: str = "config",
         raw = migrate(raw, cls, log=log)
     check_keys(raw, cls, source)
     raw = {name: values for name, values in raw.items() if values is not None}
-    try:
-        return draccus.decode(cls, raw)
+    try:  # over the config's defaults: draccus builds a section given in part from the section class's defaults
+        return draccus.decode(cls, mergedeep.merge({}, draccus.encode(cls()), raw))
     except DecodingError as e:  # a value draccus cannot read as the field's type
         key = ".".join(e.key_path[:2])
         value = raw.get(e.key_path[0], {}).get(e.key_path[1]) if len(e.key_path) > 1 else None

@@ -189,8 +189,8 @@ class Trainer:
 
         timeline: (step, plan) to record and plot this update's per-device timeline: measured by the engine where
         it can (`engine.supports_timeline`, one process), else estimated from the plan's costs."""
-        record = (timeline is not None and jax.process_count() == 1  # every process must run the same program
-                  and getattr(self.engine, "supports_timeline", self.engine.name in ("odc", "collective")))
+        # every process must run the same program
+        record = timeline is not None and jax.process_count() == 1 and self.engine.supports_timeline
         try:
             result = self.engine.step(arrays, **({"record_timeline": True} if record else {}))
         except NonFiniteStepError as e:  # the engine kept its previous state: nothing non-finite was applied
@@ -206,14 +206,13 @@ class Trainer:
 
     def timeline_due(self, done: int) -> bool:
         """Whether step `done` draws a timeline (logging.timeline_every; the same steps whether resumed or not)."""
-        every = getattr(self.config.logging, "timeline_every", 0)
+        every = self.config.logging.timeline_every
         return self.primary and every > 0 and (done % every == 0 or done == self.config.run.steps)
 
     def _plot_timeline(self, done: int, plan, result) -> None:
         events, source = result.timeline, "engine"
         if not events:
-            lockstep = getattr(self.engine, "lockstep", self.engine.name in ("collective", "xla_spmd"))
-            events = events_from_plan(plan, result.seconds, lockstep=lockstep)
+            events = events_from_plan(plan, result.seconds, lockstep=self.engine.lockstep)
             source = "planner-cost estimate"
         directory = os.path.join(self.out_dir, TIMELINE_DIR)
         os.makedirs(directory, exist_ok=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Sequence
 
-from ..core.config import (CheckpointConfig, ConfigError, EngineConfig, OptimizerConfig, RunConfig, Schedule, Section,
-                           TrainingConfig, config_class, load)
+from ..core.config import (CheckpointConfig, ConfigError, EngineConfig, OptimizerConfig, RunConfig, Section,
+                           TrainingConfig, config_class, defaults, load)
 from .tasks import TASK_NAMES
 
 TaskName = Literal[TASK_NAMES]
@@ -148,25 +148,6 @@ class WarmstartConfig(Section):
             raise ConfigError(f"warmstart.sft_learning_rate must be > 0, got {self.sft_learning_rate}")
 
 
-# The shared sections with RL's defaults.
-@dataclasses.dataclass
-class RlOptimizerConfig(OptimizerConfig):
-    """AdamW as in SFT with a small constant learning rate; `total_steps: null` = the run's optimizer updates
-    (run.steps x run.updates_per_step)."""
-
-    learning_rate: float = 1e-4
-    schedule: Schedule = "constant"
-    warmup_steps: int = 0
-
-
-@dataclasses.dataclass
-class RlEngineConfig(EngineConfig):
-    """The engine section with RL's defaults: 2 devices, a 256-token buffer (>= the longest prompt + response)."""
-
-    devices: int = 2
-    token_cap: int | None = 256
-
-
 @dataclasses.dataclass
 class RlRunConfig(RunConfig):
     """The run section of RL: a step is one rollout and its optimizer updates; evaluation and blow-up counting."""
@@ -177,12 +158,6 @@ class RlRunConfig(RunConfig):
     updates_per_step: int = 4  # optimizer updates (minibatches) per rollout
     eval_every: int = 0  # greedy accuracy on the evaluation set every N steps (0: off)
     unstable_kl: float = 0.05  # an update whose KL(behaviour || policy) exceeds this counts as a blow-up
-
-
-@dataclasses.dataclass
-class RlCheckpointConfig(CheckpointConfig):
-    save_every: int = 10
-    keep_checkpoints: int = 2
 
 
 @config_class
@@ -196,10 +171,13 @@ class RLConfig(TrainingConfig):
     # What a checkpoint means: resuming with other values would silently continue a different run (another
     # model, task, reward, warm start, prompt stream or rollout shape).
     RESUME_KEYS = ("model", "task", "warmstart", "rollout", "run.seed", "run.updates_per_step")
-    optimizer: RlOptimizerConfig
-    engine: RlEngineConfig
+    # The shared sections with RL's defaults: a small constant learning rate (total_steps: null = the run's
+    # optimizer updates, run.steps x run.updates_per_step), 2 devices and a 256-token buffer (>= the longest prompt +
+    # response), checkpoints every 10 steps.
+    optimizer: OptimizerConfig = defaults(OptimizerConfig, learning_rate=1e-4, schedule="constant", warmup_steps=0)
+    engine: EngineConfig = defaults(EngineConfig, devices=2, token_cap=256)
     run: RlRunConfig
-    checkpoint: RlCheckpointConfig
+    checkpoint: CheckpointConfig = defaults(CheckpointConfig, save_every=10, keep_checkpoints=2)
 
     @property
     def total_steps(self) -> int:

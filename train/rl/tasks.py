@@ -99,8 +99,8 @@ class CountdownTask:
             order = rng.permutation(count)[:used]
             operators = [str(rng.choice(["+", "-", "*"])) for _ in range(used - 1)]
             expression = str(numbers[order[0]]) + "".join(op + str(numbers[i]) for op, i in zip(operators, order[1:]))
-            target = _evaluate(expression)
-            if target is not None and target >= 0:
+            target = _evaluate(expression)[0]
+            if target >= 0:
                 return Problem(f"{' '.join(map(str, numbers))}>{target}:", expression)
 
     def parse_prompt(self, prompt: str) -> tuple[list[int], int]:
@@ -117,64 +117,42 @@ class CountdownTask:
         response = response.strip()
         if not response or len(response) > self._MAX_RESPONSE_CHARS:
             return 0.0
-        literals = _literals(response)
-        if literals is None:
+        evaluated = _evaluate(response)
+        if evaluated is None:
             return 0.0
         available = list(numbers)
-        for value in literals:
+        for value in evaluated[1]:
             if value not in available:
                 return 0.0
             available.remove(value)
-        return 1.0 if _evaluate(response) == target else 0.0
+        return 1.0 if evaluated[0] == target else 0.0
 
 
-_ALLOWED_OPERATORS = (ast.Add, ast.Sub, ast.Mult)
+_OPERATORS = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__}
 
 
-def _parse(expression: str) -> ast.AST | None:
-    """The expression's syntax tree when it uses only integer literals, + - * and parentheses, else None."""
+def _evaluate(expression: str) -> tuple[int, list[int]] | None:
+    """(value, integer literals left to right) of an expression of integer literals, + - * and parentheses; None
+    for anything else."""
     try:
         tree = ast.parse(expression, mode="eval").body
     except (SyntaxError, ValueError):
         return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.BinOp):
-            if not isinstance(node.op, _ALLOWED_OPERATORS):
-                return None
-        elif isinstance(node, ast.Constant):
-            if type(node.value) is not int:
-                return None
-        elif not isinstance(node, ast.operator):
-            return None
-    return tree
-
-
-def _literals(expression: str) -> list[int] | None:
-    """The integer literals of an allowed expression, left to right (None if it is not allowed)."""
-    tree = _parse(expression)
-    if tree is None:
-        return None
-    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)]
-    return [n.value for n in sorted(nodes, key=lambda n: n.col_offset)]
-
-
-def _evaluate(expression: str) -> int | None:
-    """The value of an allowed expression (None if it is not allowed)."""
-    tree = _parse(expression)
-    if tree is None:
-        return None
+    literals: list[int] = []
 
     def value(node):
-        if isinstance(node, ast.Constant):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            literals.append(node.value)
             return node.value
-        left, right = value(node.left), value(node.right)
-        if isinstance(node.op, ast.Add):
-            return left + right
-        if isinstance(node.op, ast.Sub):
-            return left - right
-        return left * right
+        if not (isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS):
+            raise ValueError(node)
+        left = value(node.left)  # left before right: the literals come out in reading order
+        return _OPERATORS[type(node.op)](left, value(node.right))
 
-    return value(tree)
+    try:
+        return value(tree), literals
+    except (ValueError, RecursionError):
+        return None
 
 
 class JsonlTask:

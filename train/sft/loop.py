@@ -35,10 +35,8 @@ __all__ = ["CHECKPOINT_DIR", "SFTRun", "format_summary", "make_engine", "optimiz
 
 
 def optimizer_config(config: SFTConfig) -> OptimizerConfig:
-    """The engines' OptimizerConfig from the optimizer section (total_steps defaults to the run's steps)."""
-    fields = dataclasses.asdict(config.optimizer)
-    fields["total_steps"] = config.total_steps
-    return OptimizerConfig(**fields)
+    """The engines' OptimizerConfig: the optimizer section with the schedule's length in effect."""
+    return dataclasses.replace(config.optimizer, total_steps=config.total_steps)
 
 
 def mesh_devices(platform: str, count: int) -> list:
@@ -67,20 +65,15 @@ def load_dataset(config: SFTConfig, tokenizer) -> tuple[list[Example], LoadRepor
 def make_engine(config: SFTConfig, model, groups):
     """The engine of `engine.name` on a 1-D mesh of `engine.devices` devices."""
     e = config.engine
-    optimizer = optimizer_config(config)
-    dtype = jnp.dtype(e.compute_dtype)
+    common = {"optimizer": optimizer_config(config), "compute_dtype": jnp.dtype(e.compute_dtype)}
     if e.name == "reference":
-        return ReferenceEngine(model, groups, optimizer=optimizer, compute_dtype=dtype, num_devices=e.devices,
-                               device=mesh_devices(e.platform, 1)[0])
+        return ReferenceEngine(model, groups, num_devices=e.devices, device=mesh_devices(e.platform, 1)[0], **common)
     mesh = jax.sharding.Mesh(np.array(mesh_devices(e.platform, e.devices)), ("d",))
-    buckets = parse_length_buckets(e.length_buckets) if e.length_buckets else None
+    common["length_buckets"] = parse_length_buckets(e.length_buckets) if e.length_buckets else None
     if e.name == "odc":
         timeout = float("inf") if e.barrier_timeout_s is None else e.barrier_timeout_s
-        return ODCEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, deterministic=e.deterministic,
-                         barrier_timeout_s=timeout, length_buckets=buckets)
-    if e.name == "xla_spmd":
-        return SPMDEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
-    return CollectiveEngine(model, groups, mesh, optimizer=optimizer, compute_dtype=dtype, length_buckets=buckets)
+        return ODCEngine(model, groups, mesh, deterministic=e.deterministic, barrier_timeout_s=timeout, **common)
+    return {"xla_spmd": SPMDEngine, "collective": CollectiveEngine}[e.name](model, groups, mesh, **common)
 
 
 def make_planner(config: SFTConfig):
