@@ -15,7 +15,7 @@ from jodc.train.core.metrics import read_metrics
 from jodc.train.rl import async_rollouts
 from jodc.train.rl.async_rollouts import AsyncRollouts, StaleRolloutError, behaviour_version, check_staleness
 from jodc.train.rl.config import load_rl_config
-from jodc.train.rl.loop import run_rl
+from jodc.train.rl.loop import format_summary, run_rl
 from jodc.train.rl.loss import build_objective
 from jodc.train.rl.rollout import Rollout
 from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
@@ -190,6 +190,8 @@ def test_an_async_bf16_run_records_versions_overlap_and_mismatch(straight):
         assert r["rollout_wait_seconds"] >= 0 and "recompute_seconds" in r
         assert np.isfinite(r["loss"]) and "loss_behaviour_weight_mean" in r
     assert len({r["loss"] for r in records}) > 1
+    assert summary["max_staleness"] == 2 and 0 < summary["logprob_mismatch"] < 0.5
+    assert "rollouts: max_staleness 2, sampler bfloat16; trainer idle" in format_summary(summary)
 
 
 def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward_file, tmp_path):

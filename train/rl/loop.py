@@ -265,10 +265,23 @@ class RLRun(Trainer):
                 "last_reward": ran[-1]["reward_mean"] if ran else None,
                 "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
                 "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
-                "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves}
+                "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves,
+                **overlap_summary(ran, self.config.rollout)}
 
     def format_summary(self, summary: dict[str, Any]) -> str:
         return format_summary(summary)
+
+
+def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
+    """Means over this invocation's steps after the first (which compiles) of the rollout/trainer overlap and
+    mismatch: `max_staleness`, `rollout_dtype`, `trainer_idle_fraction`, `sampler_idle_fraction`,
+    `logprob_mismatch` (None without such steps)."""
+    steady = records[1:] or records
+    out: dict[str, Any] = {"max_staleness": rollout.max_staleness, "rollout_dtype": rollout.dtype}
+    for key in ("trainer_idle_fraction", "sampler_idle_fraction", "logprob_mismatch"):
+        values = [r[key] for r in steady if key in r]
+        out[key] = float(np.mean(values)) if values else None
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -281,7 +294,13 @@ def format_summary(summary: dict[str, Any]) -> str:
                    f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
                   if summary["final_eval_accuracy"] is not None else [])
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return summary_text(summary, done, evaluation, curves)
+    overlap = []
+    if summary.get("trainer_idle_fraction") is not None and (summary.get("max_staleness")
+                                                             or summary.get("rollout_dtype") != "float32"):
+        overlap = [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
+                   f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} "
+                   f"of the step; log-prob mismatch {summary['logprob_mismatch']:.2e} per token"]
+    return summary_text(summary, done, evaluation + overlap, curves)
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,
