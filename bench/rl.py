@@ -108,8 +108,9 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str, regime: str
         "step_seconds": sum(r["step_seconds"] for r in records[1:]),
         "trainer_idle_fraction": statistics.fmean(r["trainer_idle_fraction"] for r in records[1:]),
         "sampler_idle_fraction": statistics.fmean(r["sampler_idle_fraction"] for r in records[1:]),
-        "logprob_mismatch": statistics.fmean(r["logprob_mismatch"] for r in records),
-        "mismatch_kl": statistics.fmean(r["mismatch_kl"] for r in records),
+        # measured only where the sampler differs from the trainer (async or bf16); sync fp32: 0 by construction
+        "logprob_mismatch": statistics.fmean(r.get("logprob_mismatch", 0.0) for r in records),
+        "mismatch_kl": statistics.fmean(r.get("mismatch_kl", 0.0) for r in records),
         "wall_seconds": wall,
     }
 

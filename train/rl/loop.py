@@ -126,7 +126,8 @@ class RLRun(Trainer):
                                       group_size=r.group_size, model_config=self.model_config,
                                       tokenizer=self.tokenizer, sampling=self.sampling, reward_fn=self.reward_fn,
                                       temperature=r.temperature, prompt_bucket=r.prompt_bucket, dtype=r.dtype,
-                                      key_fn=self.rollout_key)
+                                      key_fn=self.rollout_key,
+                                      measure_mismatch=bool(r.max_staleness) or r.dtype != "float32")
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         k = self.config.rollout.max_staleness
@@ -214,7 +215,8 @@ class RLRun(Trainer):
             old_logprobs = None
             if self.objective.recompute:  # one extra forward pass: the trainer's log-probs before the updates
                 with timers("recompute"):
-                    old_logprobs = (scored.trainer_logprobs if (scored.versions == step).all() else
+                    reuse = scored.trainer_logprobs is not None and (scored.versions == step).all()
+                    old_logprobs = (scored.trainer_logprobs if reuse else
                                     trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
                                                      bucket=r.prompt_bucket))
             sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,

@@ -38,7 +38,8 @@ class ScoredRollout:
     """Step `step`'s rollout, its rewards, the policy version of each response and the mismatch diagnostics.
 
     trainer_logprobs: per response, fp32 [n_i]: the trainer's forward pass at the sampling weights (the reference
-      of the mismatch; at version == step it is also the trainer's "old" / proximal log-probs).
+      of the mismatch; at version == step it is also the trainer's "old" / proximal log-probs); None when the
+      mismatch is not measured (synchronous fp32 rollouts: the sampler is the trainer's own numerics).
     mismatch: `logprob_mismatch` (mean |behaviour - trainer| per response token), `logprob_mismatch_max`, and
       `mismatch_kl` (k3 estimate of KL(behaviour || trainer) from the rollout's tokens).
     """
@@ -47,7 +48,7 @@ class ScoredRollout:
     rollout: Rollout
     rewards: np.ndarray
     versions: np.ndarray
-    trainer_logprobs: list[np.ndarray]
+    trainer_logprobs: list[np.ndarray] | None
     mismatch: dict[str, float]
     reward_seconds: float = 0.0
     mismatch_seconds: float = 0.0
@@ -138,6 +139,7 @@ class RolloutSampler:
     prompt_bucket: int
     dtype: str = "float32"
     key_fn: Callable[[int], jax.Array] | None = None
+    measure_mismatch: bool = True  # run the trainer's forward at the sampling weights (the mismatch metrics)
 
     def __post_init__(self):
         self.sampler_config, _ = sampler_weights(self.model_config, {}, self.dtype)
@@ -158,13 +160,13 @@ class RolloutSampler:
         rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
         reward_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        trainer = trainer_logprobs(self.model_config, params, rollout, temperature=self.temperature,
-                                   bucket=self.prompt_bucket)
+        trainer = (trainer_logprobs(self.model_config, params, rollout, temperature=self.temperature,
+                                    bucket=self.prompt_bucket) if self.measure_mismatch else None)
         mismatch_seconds = time.perf_counter() - started
         return ScoredRollout(step=step, rollout=rollout, rewards=rewards,
                              versions=np.full(len(rollout), version, np.int64), trainer_logprobs=trainer,
-                             mismatch=logprob_mismatch(rollout.logprobs, trainer), reward_seconds=reward_seconds,
-                             mismatch_seconds=mismatch_seconds)
+                             mismatch=logprob_mismatch(rollout.logprobs, trainer) if trainer is not None else {},
+                             reward_seconds=reward_seconds, mismatch_seconds=mismatch_seconds)
 
 
 def trainer_logprobs(config: DecoderConfig, params, rollout: Rollout, *, temperature: float,
