@@ -17,8 +17,17 @@ mean sampled reward over the last steps, the number of steps whose policy change
 KL(behaviour || policy) of the step above `--unstable-kl`), the fraction of tokens the trust region masked or
 clipped, and the wall time split between rollout and training (steps 2.., after compilation).
 
+Regimes (`--regimes`), each run for every loss: `sync` (synchronous fp32 rollouts, as above), `stale2` /
+`stale4` (asynchronous rollouts sampled by a separate thread from weights 2 / 4 versions old:
+`rollout.max_staleness`), `mismatch` (a bf16 sampler against the fp32 trainer: `rollout.dtype: bfloat16`) and
+`both` (stale2 and bf16). Losses that read old / proximal log-probs (PPO, GRPO, decoupled PPO, TIS) get them
+recomputed by the trainer off-policy; DPPO's trust region is around the behaviour policy itself.
+
 Prints a table and one JSON line (also written to bench/results/rl.json unless --no-save) with at least
-`dppo_final_accuracy`, `ppo_final_accuracy`, `dppo_unstable_steps` and `ppo_unstable_steps`.
+`dppo_final_accuracy`, `ppo_final_accuracy`, `dppo_unstable_steps` and `ppo_unstable_steps` (the sync regime),
+`initial_sampled_reward` (the shared warm start's held-out sampled reward), `<loss>_<regime>_final_sampled_reward`
+for every loss and regime run, and `async_speedup`: the wall time of the sync regime over the stale2 regime for
+the same rollouts and updates (steps 2.., summed step times, mean over the losses run in both).
 """
 from __future__ import annotations
 
@@ -42,6 +51,16 @@ VARIANTS = {
     "dppo_topk": ["--loss.name", "dppo_topk"],
     "ppo": ["--loss.name", "ppo"],
     "grpo": ["--loss.name", "grpo", "--aggregation", "seq-mean-token-mean", "--kl_coef", "0.04"],
+    "decoupled_ppo": ["--loss.name", "decoupled_ppo"],
+    "tis": ["--loss.name", "tis"],
+}
+DEFAULT_VARIANTS = ("dppo", "dppo_topk", "ppo", "grpo", "decoupled_ppo", "tis")
+REGIMES = {
+    "sync": [],
+    "stale2": ["--max_staleness", "2"],
+    "stale4": ["--max_staleness", "4"],
+    "mismatch": ["--rollout.dtype", "bfloat16"],
+    "both": ["--max_staleness", "2", "--rollout.dtype", "bfloat16"],
 }
 
 
@@ -57,15 +76,15 @@ def common_overrides(args, out_dir: str) -> list[str]:
             "--save_every", "0", "--out_dir", out_dir]
 
 
-def run_variant(name: str, seed: int, args, work: str, warm_hf: str) -> dict:
+def run_variant(name: str, seed: int, args, work: str, warm_hf: str, regime: str = "sync") -> dict:
     """One RL run from the shared warm start; returns its summary numbers."""
     from jodc.train.core.metrics import read_metrics
     from jodc.train.rl.loop import run_rl
     from jodc.train.rl.config import load_rl_config
 
-    out_dir = os.path.join(work, f"{name}_seed{seed}")
+    out_dir = os.path.join(work, f"{name}_{regime}_seed{seed}")
     # every run starts from the same warm-started model (its HF export), whatever its seed
-    config = load_rl_config(None, common_overrides(args, out_dir) + VARIANTS[name] +
+    config = load_rl_config(None, common_overrides(args, out_dir) + VARIANTS[name] + REGIMES[regime] +
                             ["--seed", str(seed), "--hf_path", warm_hf, "--sft_steps", "0"])
     started = time.perf_counter()
     summary = run_rl(config, log=lambda _: None)
@@ -86,6 +105,12 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str) -> dict:
         # step 1 includes compilation (the first run also compiles the sampler): timed from step 2 on
         "rollout_seconds": sum(r["rollout_seconds"] for r in records[1:]),
         "train_seconds": sum(r["train_seconds"] for r in records[1:]),
+        "step_seconds": sum(r["step_seconds"] for r in records[1:]),
+        "trainer_idle_fraction": statistics.fmean(r["trainer_idle_fraction"] for r in records[1:]),
+        "sampler_idle_fraction": statistics.fmean(r["sampler_idle_fraction"] for r in records[1:]),
+        # measured only where the sampler differs from the trainer (async or bf16); sync fp32: 0 by construction
+        "logprob_mismatch": statistics.fmean(r.get("logprob_mismatch", 0.0) for r in records),
+        "mismatch_kl": statistics.fmean(r.get("mismatch_kl", 0.0) for r in records),
         "wall_seconds": wall,
     }
 
@@ -110,47 +135,69 @@ def main(argv=None) -> int:
     parser.add_argument("--sft-steps", type=int, default=600, help="warm-start SFT steps")
     parser.add_argument("--unstable-kl", type=float, default=0.1, help="KL(behaviour || policy) of a blow-up")
     parser.add_argument("--tail", type=int, default=5, help="steps averaged for the final sampled reward")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated losses among {', '.join(VARIANTS)}")
+    parser.add_argument("--regimes", default=",".join(REGIMES), help="comma-separated subset of the regimes")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (10 steps, one seed)")
     parser.add_argument("--no-save", action="store_true", help="do not write bench/results/rl.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.sft_steps, args.tail = 10, 1, 300, 3
     names = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    regimes = [v for v in args.regimes.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS] + [v for v in regimes if v not in REGIMES]
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+        parser.error(f"unknown variants/regimes {unknown}; choose from {', '.join(VARIANTS)} / {', '.join(REGIMES)}")
     import jax
 
     started = time.perf_counter()
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="jodc_bench_rl_") as work:
         warm_hf = warm_start(args, work)
         warm_seconds = time.perf_counter() - started
-        for name in names:
-            runs = [run_variant(name, seed, args, work, warm_hf) for seed in range(args.seeds)]
-            results[name] = {key: round(statistics.fmean(r[key] for r in runs), 4) for key in runs[0]}
-            results[name]["unstable_steps_per_seed"] = [r["unstable_steps"] for r in runs]
-            results[name]["final_accuracy_per_seed"] = [r["final_accuracy"] for r in runs]
-            print(f"  {name}: done ({results[name]['wall_seconds']:.0f} s per run)", file=sys.stderr)
+        for regime in regimes:
+            results[regime] = {}
+            for name in names:
+                runs = [run_variant(name, seed, args, work, warm_hf, regime) for seed in range(args.seeds)]
+                r = {key: round(statistics.fmean(run[key] for run in runs), 4) for key in runs[0]}
+                r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in runs]
+                r["final_accuracy_per_seed"] = [run["final_accuracy"] for run in runs]
+                results[regime][name] = r
+                print(f"  {regime} {name}: done ({r['wall_seconds']:.0f} s per run)", file=sys.stderr)
 
-    header = (f"{'loss':<10} {'greedy acc':>13} {'held-out reward':>15} {'train reward':>13} "
-              f"{'unstable':>8} {'max KL':>7} {'masked':>7} {'rollout s':>9} {'train s':>8}")
+    header = (f"{'regime':<8} {'loss':<13} {'greedy acc':>13} {'held-out reward':>15} {'train reward':>13} "
+              f"{'KL>0.1':>6} {'max KL':>7} {'masked':>7} {'mismatch':>8} {'rollout s':>9} {'train s':>8} "
+              f"{'step s':>7} {'idle T/S':>9}")
     print(header)
     print("-" * len(header))
-    for name, r in results.items():
-        print(f"{name:<10} {r['initial_accuracy']:>6.3f}>{r['final_accuracy']:<6.3f} "
-              f"{r['initial_eval_sampled_reward']:>7.3f}>{r['final_eval_sampled_reward']:<7.3f} "
-              f"{r['initial_reward']:>6.3f}>{r['final_reward']:<6.3f} {r['unstable_steps']:>8.1f} "
-              f"{r['policy_kl_max']:>7.3f} {r['masked_fraction']:>7.4f} {r['rollout_seconds']:>9.1f} "
-              f"{r['train_seconds']:>8.1f}")
+    for regime, by_loss in results.items():
+        for name, r in by_loss.items():
+            print(f"{regime:<8} {name:<13} {r['initial_accuracy']:>6.3f}>{r['final_accuracy']:<6.3f} "
+                  f"{r['initial_eval_sampled_reward']:>7.3f}>{r['final_eval_sampled_reward']:<7.3f} "
+                  f"{r['initial_reward']:>6.3f}>{r['final_reward']:<6.3f} {r['steps_kl_over_0.1']:>6.1f} "
+                  f"{r['policy_kl_max']:>7.3f} {r['masked_fraction']:>7.4f} {r['logprob_mismatch']:>8.4f} "
+                  f"{r['rollout_seconds']:>9.1f} {r['train_seconds']:>8.1f} {r['step_seconds']:>7.1f} "
+                  f"{r['trainer_idle_fraction']:>4.2f}/{r['sampler_idle_fraction']:<4.2f}")
     line = {"bench": "rl", "steps": args.steps, "seeds": args.seeds, "updates_per_step": args.updates_per_step,
             "learning_rate": args.learning_rate, "prompts_per_step": args.prompts, "group_size": 8,
-            "unstable_kl": args.unstable_kl, "warm_start_seconds": round(warm_seconds, 1)}
-    for name, r in results.items():
+            "unstable_kl": args.unstable_kl, "warm_start_seconds": round(warm_seconds, 1),
+            "regimes": regimes, "losses": names}
+    first = next(iter(next(iter(results.values())).values()))
+    line["initial_sampled_reward"] = first["initial_eval_sampled_reward"]
+    for name, r in results.get("sync", {}).items():
         line[f"{name}_final_accuracy"] = r["final_accuracy"]
         line[f"{name}_unstable_steps"] = r["unstable_steps"]
-    line["by_loss"] = results
+    for regime, by_loss in results.items():
+        for name, r in by_loss.items():
+            line[f"{name}_{regime}_final_sampled_reward"] = r["final_eval_sampled_reward"]
+            line[f"{name}_{regime}_final_accuracy"] = r["final_accuracy"]
+    if "sync" in results and "stale2" in results:
+        common = [n for n in results["sync"] if n in results["stale2"]]
+        line["async_speedup"] = round(statistics.fmean(results["sync"][n]["step_seconds"] /
+                                                       results["stale2"][n]["step_seconds"] for n in common), 3)
+        print(f"async speedup (sync / stale2 step time, steps 2..): {line['async_speedup']:.2f}")
+    line["by_regime"] = results
+    line["by_loss"] = results.get("sync", {})
     line.update(total_seconds=round(time.perf_counter() - started, 1), jax=jax.__version__,
                 platform=platform.platform(), cpu_count=os.cpu_count())
     print(json.dumps(line))

@@ -73,6 +73,9 @@ def test_reward_rises_and_outputs_are_written(straight):
         assert key in first, key
     assert first["policy_kl_max"] >= first["policy_kl"] >= 0 and 0 <= first["trust_region_fraction"] < 1
     assert len(first["microbatches"]) == 4 and all(len(m) == 2 for m in first["microbatches"])
+    # synchronous fp32 rollouts: the current version, the trainer's numerics: no mismatch pass, nothing recomputed
+    assert all(r["staleness"] == 0 and r["policy_version"] == r["step"] - 1 for r in records)
+    assert all("logprob_mismatch" not in r and "recompute_seconds" not in r for r in records)
     assert [r["step"] for r in records if "eval_accuracy" in r] == [1, 11]
     assert all(0 <= r["eval_sampled_reward"] <= 1 for r in records if "eval_accuracy" in r)
     assert summary["final_eval_accuracy"] is not None and summary["final_eval_sampled_reward"] is not None

@@ -52,8 +52,10 @@ def _place(prompt_length: int, values: np.ndarray, length: int) -> np.ndarray:
 
 
 def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: bool = False,
-                       ref_logprobs: Sequence[np.ndarray] | None = None) -> TrainingSequences:
-    """The rollout's training sequences; `advantages` [N] per response; `ref_logprobs` per response token."""
+                       ref_logprobs: Sequence[np.ndarray] | None = None,
+                       trainer_logprobs: Sequence[np.ndarray] | None = None) -> TrainingSequences:
+    """The rollout's training sequences; `advantages` [N] per response; `ref_logprobs` (reference policy) and
+    `trainer_logprobs` (the trainer's recomputed old / proximal log-probs) per response token."""
     n = len(rollout)
     advantages = np.asarray(advantages, np.float32)
     if advantages.shape != (n,):
@@ -64,8 +66,10 @@ def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: b
     extras: dict[str, list[np.ndarray]] = {"behaviour_logprobs": [], "advantages": []}
     if with_topk:
         extras["topk_ids"], extras["topk_logprobs"] = [], []
-    if ref_logprobs is not None:
-        extras["ref_logprobs"] = []
+    named = {k: v for k, v in (("ref_logprobs", ref_logprobs), ("trainer_logprobs", trainer_logprobs))
+             if v is not None}
+    for name in named:
+        extras[name] = []
     for i in range(n):
         prompt, response = rollout.prompt_ids[i], rollout.response_ids[i]
         tokens = np.concatenate([prompt, response]).astype(np.int32)
@@ -78,8 +82,8 @@ def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: b
         if with_topk:
             extras["topk_ids"].append(_place(len(prompt), rollout.topk_ids[i], length))
             extras["topk_logprobs"].append(_place(len(prompt), rollout.topk_logprobs[i], length))
-        if ref_logprobs is not None:
-            extras["ref_logprobs"].append(_place(len(prompt), np.asarray(ref_logprobs[i], np.float32), length))
+        for name, values in named.items():
+            extras[name].append(_place(len(prompt), np.asarray(values[i], np.float32), length))
     return TrainingSequences(inputs, targets, masks, extras)
 
 

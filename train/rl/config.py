@@ -72,13 +72,16 @@ class RolloutConfig(Section):
     """How responses are sampled from the current policy."""
 
     name_in_config = "rollout"
-    minimum = {"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 1, "top_k": 1, "prompt_bucket": 1}
+    minimum = {"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 1, "top_k": 1, "prompt_bucket": 1,
+               "max_staleness": 0}
     prompts_per_step: int = 16  # prompts per step
     group_size: int = 8  # responses per prompt (GRPO group)
     max_new_tokens: int = 8  # generation budget per response
     temperature: float = 1.0  # sampling temperature (> 0); the losses use the same one
     top_k: int = 20  # behaviour top-k stored for DPPO's Top-K approximation (K)
     prompt_bucket: int = 16  # prompt width is rounded up to a multiple (fewer compiles)
+    max_staleness: int = 0  # k > 0: a sampler thread samples step s's rollout with the weights of step s - k
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the sampler's parameters and compute (training: fp32)
 
     @property
     def rollout_size(self) -> int:

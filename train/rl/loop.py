@@ -11,11 +11,19 @@ applies), stops the run before anything of that step is saved; with `run.skip_no
 update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes
 the model on the task's solutions with the SFT trainer (`warmstart.py`) and starts RL from that policy; with
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
+
+With `rollout.max_staleness: k > 0` the rollouts come from a sampler thread (`async_rollouts.py`) that samples
+step s from the weights of step max(0, s - k) while the trainer trains; a checkpoint also holds the k rollouts
+sampled ahead, so a resumed asynchronous run continues exactly too. With `rollout.dtype: bfloat16` the sampler
+runs in bf16 (`sampler.py`), and every step logs its per-token log-prob mismatch with the fp32 trainer at the same
+weights. Losses that read old / proximal log-probs get them recomputed (one forward pass per rollout) whenever the
+rollouts are stale or mismatched (`loss.py`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Callable
 
 import jax
@@ -28,6 +36,7 @@ from jodc.fsdp.optim import learning_rate_schedule
 from ..core.config import ConfigError, DataConfig, RunConfig, SftConfig
 from ..core.metrics import read_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
+from .async_rollouts import AsyncRollouts, check_staleness
 from .batch import pack_minibatch, split_minibatches, training_sequences
 from .config import RLConfig
 from .loss import build_advantages, build_objective, summarize_metrics
@@ -35,7 +44,8 @@ from .metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics,
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
 from .rollout import sample_rollout, sampling_params
-from .tasks import eval_problems, fingerprint_task, make_task, step_problems, training_pool
+from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
+from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
 from ..core.tokenizer import load_tokenizer
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
@@ -63,6 +73,8 @@ class RLRun(Trainer):
     def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
                  log: Callable[[str], None] = print):
         self.reward_fn = reward_fn
+        self.async_rollouts: AsyncRollouts | None = None  # the sampler thread (rollout.max_staleness > 0)
+        self.restored_rollouts: dict[int, ScoredRollout] = {}  # rollouts sampled ahead, from the checkpoint
         super().__init__(config, log=log)
 
     def load_data(self) -> dict | None:
@@ -74,6 +86,9 @@ class RLRun(Trainer):
 
     def build(self) -> None:
         config, e, seed, r = self.config, self.config.engine, self.config.run.seed, self.config.rollout
+        if r.max_staleness and jax.process_count() > 1:
+            raise ConfigError(f"rollout.max_staleness={r.max_staleness}: asynchronous rollouts run in one process; "
+                              "across processes use rollout.max_staleness: 0")
         self.pool = training_pool(self.task, seed, config.task.pool_size) if config.task.pool_size else None
         self.eval_set = eval_problems(self.task, seed, config.task.eval_problems, exclude=self.pool or ())
         if len(self.eval_set) < config.task.eval_problems:
@@ -107,8 +122,21 @@ class RLRun(Trainer):
         settings = engine_settings(config)
         self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
         self.engine = make_engine(settings, self.model, groups)
+        self.sampler = RolloutSampler(task=self.task, seed=seed, pool=self.pool, prompts_per_step=r.prompts_per_step,
+                                      group_size=r.group_size, model_config=self.model_config,
+                                      tokenizer=self.tokenizer, sampling=self.sampling, reward_fn=self.reward_fn,
+                                      temperature=r.temperature, prompt_bucket=r.prompt_bucket, dtype=r.dtype,
+                                      key_fn=self.rollout_key,
+                                      measure_mismatch=bool(r.max_staleness) or r.dtype != "float32")
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
+        k = self.config.rollout.max_staleness
+        if k:
+            pending = [ScoredRollout.from_json(p) for p in state.get("pending_rollouts") or []]
+            if [p.step for p in pending] != list(range(step, step + k)):
+                raise RuntimeError(f"checkpoint {self.store.step_dir(step)} does not hold the rollouts of steps "
+                                   f"{step + 1}..{step + k} that rollout.max_staleness={k} sampled ahead")
+            self.restored_rollouts = {p.step: p for p in pending}
         expected_updates = step * self.config.run.updates_per_step - self.skipped
         if state.get("optimizer_updates") != expected_updates:
             raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
@@ -116,7 +144,23 @@ class RLRun(Trainer):
         return expected_updates
 
     def checkpoint_state(self, done: int) -> dict[str, Any]:
-        return {"optimizer_updates": self.engine.steps_done}
+        state = {"optimizer_updates": self.engine.steps_done}
+        if self.config.rollout.max_staleness:  # the rollouts sampled ahead, from weights no longer in the engine
+            if self.async_rollouts is not None:
+                pending = self.async_rollouts.pending(done)
+            else:  # nothing ran since the restore
+                pending = [self.restored_rollouts[s] for s in sorted(self.restored_rollouts)]
+            state["pending_rollouts"] = [p.to_json() for p in pending]
+        return state
+
+    def close(self) -> None:
+        """Stops the sampler thread, then releases the engine and the checkpoint manager."""
+        try:
+            rollouts, self.async_rollouts = getattr(self, "async_rollouts", None), None
+            if rollouts is not None:
+                rollouts.close()
+        finally:
+            super().close()
 
     # -- the step ----------------------------------------------------------------------------------------------
     def rollout_key(self, step: int) -> jax.Array:
@@ -139,22 +183,44 @@ class RLRun(Trainer):
                              else np.mean(rewards))
         return out
 
+    def next_rollout(self, step: int, params) -> tuple[ScoredRollout, float]:
+        """(step `step`'s scored rollout, seconds the trainer waited for it). Synchronous (max_staleness 0):
+        sampled now from `params`, the current weights. Asynchronous: `params` are published as version `step`
+        to the sampler thread, and the rollout it sampled from version max(0, step - k) is taken (refused if
+        staler than k)."""
+        k = self.config.rollout.max_staleness
+        if not k:
+            scored = self.sampler(step, params, step)
+            check_staleness(scored.versions, step, 0)
+            return scored, scored.seconds
+        if self.async_rollouts is None:
+            self.async_rollouts = AsyncRollouts(self.sampler, max_staleness=k, start_step=step,
+                                                pending=self.restored_rollouts)
+            self.restored_rollouts = {}
+        self.async_rollouts.publish(step, params)
+        return self.async_rollouts.get(step)
+
     def train_step(self, step: int) -> dict[str, Any]:
         """Runs 0-based step `step`: rollout, rewards, advantages, then `updates_per_step` optimizer updates;
         returns its record (the timers add step/reward/reference/train seconds and plan_ms)."""
         e, run_, r, timers = self.config.engine, self.config.run, self.config.rollout, self.timers
+        started = time.perf_counter()
         with timers("step"):
-            problems = step_problems(self.task, run_.seed, step, r.prompts_per_step, pool=self.pool)
-            rollout = sample_rollout(self.model_config, self.engine.params(), self.tokenizer,
-                                     [p.prompt for p in problems], group_size=r.group_size, sampling=self.sampling,
-                                     key=self.rollout_key(step))
-            with timers("reward"):
-                rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
+            params = self.engine.params()
+            scored, waited = self.next_rollout(step, params)
+            rollout, rewards = scored.rollout, scored.rewards
             advantages = self.advantages(rewards, r.group_size, rollout.response_lengths)
             with timers("reference"):
                 ref_logprobs = self.reference.response_logprobs(rollout) if self.reference else None
+            old_logprobs = None
+            if self.objective.recompute:  # one extra forward pass: the trainer's log-probs before the updates
+                with timers("recompute"):
+                    reuse = scored.trainer_logprobs is not None and (scored.versions == step).all()
+                    old_logprobs = (scored.trainer_logprobs if reuse else
+                                    trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
+                                                     bucket=r.prompt_bucket))
             sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
-                                           ref_logprobs=ref_logprobs)
+                                           ref_logprobs=ref_logprobs, trainer_logprobs=old_logprobs)
             updates, tokens, microbatches = [], 0, []
             learning_rate = float(self.lr_schedule(self.engine.steps_done))
             minibatches = split_minibatches(len(sequences), run_.updates_per_step, seed=run_.seed, step=step)
@@ -176,10 +242,17 @@ class RLRun(Trainer):
         # every update of the step skipped (non-finite): no loss to report
         record.update(update_metrics(updates, unstable_kl=run_.unstable_kl) if updates else
                       {"loss": float("nan"), "grad_norm": float("nan")})
+        sampler_busy = (self.async_rollouts.busy_seconds(started, started + seconds)
+                        if self.async_rollouts is not None else scored.seconds)
         record.update({self.skipped_key: self.skipped, "learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                        "microbatches": microbatches, "rollout_seconds": rollout.seconds,
-                       "rollout_fraction": rollout.seconds / seconds, "train_fraction": train_seconds / seconds})
+                       "reward_seconds": scored.reward_seconds, "mismatch_seconds": scored.mismatch_seconds,
+                       "rollout_fraction": rollout.seconds / seconds, "train_fraction": train_seconds / seconds,
+                       "policy_version": int(scored.versions.min()),
+                       "staleness": int(step - scored.versions.min()), "rollout_wait_seconds": waited,
+                       "trainer_idle_fraction": min(waited / seconds, 1.0),
+                       "sampler_idle_fraction": max(0.0, 1.0 - sampler_busy / seconds), **scored.mismatch})
         return record
 
     # -- the end of a run --------------------------------------------------------------------------------------
@@ -194,10 +267,23 @@ class RLRun(Trainer):
                 "last_reward": ran[-1]["reward_mean"] if ran else None,
                 "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
                 "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
-                "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves}
+                "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves,
+                **overlap_summary(ran, self.config.rollout)}
 
     def format_summary(self, summary: dict[str, Any]) -> str:
         return format_summary(summary)
+
+
+def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
+    """Means over this invocation's steps after the first (which compiles) of the rollout/trainer overlap and
+    mismatch: `max_staleness`, `rollout_dtype`, `trainer_idle_fraction`, `sampler_idle_fraction`,
+    `logprob_mismatch` (None without such steps)."""
+    steady = records[1:] or records
+    out: dict[str, Any] = {"max_staleness": rollout.max_staleness, "rollout_dtype": rollout.dtype}
+    for key in ("trainer_idle_fraction", "sampler_idle_fraction", "logprob_mismatch"):
+        values = [r[key] for r in steady if key in r]
+        out[key] = float(np.mean(values)) if values else None
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -210,7 +296,13 @@ def format_summary(summary: dict[str, Any]) -> str:
                    f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
                   if summary["final_eval_accuracy"] is not None else [])
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return summary_text(summary, done, evaluation, curves)
+    overlap = []
+    if summary.get("trainer_idle_fraction") is not None and (summary.get("max_staleness")
+                                                             or summary.get("rollout_dtype") != "float32"):
+        overlap = [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
+                   f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} "
+                   f"of the step; log-prob mismatch {summary['logprob_mismatch']:.2e} per token"]
+    return summary_text(summary, done, evaluation + overlap, curves)
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,

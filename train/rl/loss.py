@@ -12,11 +12,14 @@ The loss is chosen through `jodc.losses`' registry metadata (no signature inspec
 `required_arrays` say which per-token arrays to pass, `default_aggregation` the aggregation when the config sets
 none. Advantages come from `jodc.losses.ADVANTAGE_ESTIMATORS` (`loss.advantage`).
 
-Anchor: every loss's ratio is taken against the behaviour log-probs. That is DPPO's definition; for the PPO
-family it is the "old policy" because rollouts are synchronous: the weights that sampled the rollout are the
-weights before the rollout's first update (the only difference is the kernels: the KV-cache sampler vs the
-packed training forward, equal to float rounding in fp32). Decoupled PPO's proximal policy and TIS's trainer-side
-log-probs are therefore the behaviour log-probs too (no recomputation; with bf16 rollouts they would differ).
+Anchor: DPPO's ratio is taken against the behaviour log-probs (its definition). The PPO family's "old policy",
+decoupled PPO's proximal policy and TIS's trainer-side log-probs (the arrays `old_logprobs` / `proximal_logprobs`,
+`needs_trainer_logprobs` in the registry) are the trainer's log-probs at the weights before the step's first
+update. With synchronous fp32 rollouts those *are* the behaviour log-probs (the weights that sampled the rollout,
+and the kernels agree to float rounding), so nothing is recomputed and decoupled PPO is PPO, TIS's weight 1. With
+stale rollouts (`rollout.max_staleness > 0`) or a bf16 sampler (`rollout.dtype`) they differ, and the objective
+is built with `recompute=True`: the trainer runs one extra forward pass per rollout (`trainer_logprobs`, carried
+as the minibatch extra of that name) for the losses that need it, and only for those.
 
 Metrics come back from the engine summed over microbatches and devices, so the head reports token-weighted sums
 (a loss metric m averaged over a microbatch's n valid tokens is reported as m * n, plus n as `tokens`); the
@@ -47,6 +50,8 @@ from .config import LossConfig, RolloutConfig
 #: Per-token arrays a loss may ask for (its anchor or extras) that the trainer fills with the behaviour log-probs
 #: (see the module docstring), and the ones it passes through from the minibatch.
 BEHAVIOUR_ARRAYS = ("behaviour_logprobs", "old_logprobs", "rollout_logprobs", "proximal_logprobs")
+#: The arrays that are the trainer's log-probs before the step's updates (recomputed when `recompute`).
+TRAINER_ARRAYS = ("old_logprobs", "proximal_logprobs")
 MINIBATCH_ARRAYS = ("topk_ids", "topk_logprobs")
 #: Diagnostics every objective reports (token sums): ratio r = pi(a) / mu(a) of the sampled token, its square,
 #: binary TV |pi(a) - mu(a)|, and r - 1 - log r, whose mean estimates KL(mu || pi) from the rollout's samples.
@@ -67,6 +72,7 @@ class PolicyObjective:
     kl_coef: float
     kl_estimator: str
     loss_metric_names: tuple[str, ...]
+    recompute: bool = False  # old / proximal log-probs come from the `trainer_logprobs` extra (see above)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -92,16 +98,22 @@ class PolicyObjective:
             names += ("topk_ids", "topk_logprobs")
         if self.kl_coef:
             names += ("ref_logprobs",)
+        if self.recompute:
+            names += ("trainer_logprobs",)
         return names
+
+    def source(self, name: str) -> str:
+        """The minibatch extra that supplies the loss's per-token array `name`."""
+        return "trainer_logprobs" if self.recompute and name in TRAINER_ARRAYS else "behaviour_logprobs"
 
     def policy_loss(self, logits_btv, mb) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The chosen policy loss on a microbatch: (partial loss, its local metric means)."""
         inputs = PolicyInputs(
-            tokens=mb["targets"], anchor_logprobs=mb["behaviour_logprobs"] if self.loss_fn.anchor else None,
+            tokens=mb["targets"], anchor_logprobs=mb[self.source(self.loss_fn.anchor)] if self.loss_fn.anchor else None,
             advantages=mb["advantages"], mask=mb["loss_mask"], aggregation=self.aggregation,
             normalizer=mb["normalizer"], segment_ids=mb["segment_ids"], temperature=self.temperature,
             norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
-        arrays = {n: mb["behaviour_logprobs"] for n in self.behaviour_arrays}
+        arrays = {n: mb[self.source(n)] for n in self.behaviour_arrays}
         arrays.update((n, mb[n]) for n in self.arrays if n in MINIBATCH_ARRAYS)
         return self.loss_fn.apply(logits_btv, inputs, **self.options, **arrays)
 
@@ -156,7 +168,8 @@ def _provided_arrays(fn, options: dict) -> tuple[str, ...]:
 
 def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective:
     """The objective of the `loss` section; ConfigError when the loss is unknown or rejects an option (checked
-    by tracing the loss once on a tiny dummy microbatch, which also names its metrics)."""
+    by tracing the loss once on a tiny dummy microbatch, which also names its metrics). It recomputes old /
+    proximal log-probs (`recompute`) when the loss reads them and the rollouts are stale or mismatched."""
     try:
         fn = get_policy_loss(loss.name)
     except ValueError as e:
@@ -166,7 +179,8 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
     objective = PolicyObjective(
         name=loss.name, loss_fn=fn, options=options, aggregation=aggregation, temperature=rollout.temperature,
         norm_length=rollout.max_new_tokens, arrays=_provided_arrays(fn, options), kl_coef=loss.kl_coef,
-        kl_estimator=loss.kl_estimator, loss_metric_names=())
+        kl_estimator=loss.kl_estimator, loss_metric_names=(),
+        recompute=needs_recompute(fn, options, rollout))
     try:
         metrics = jax.eval_shape(lambda mb: objective.policy_loss(mb["logits"], mb)[1], _dummy_microbatch(rollout))
     except (TypeError, ValueError) as e:
@@ -174,6 +188,13 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
                           f"(aggregation {aggregation!r}): {e}") from None
     names = tuple(sorted(m for m, v in metrics.items() if v.shape == () and not m.endswith("_max")))
     return dataclasses.replace(objective, loss_metric_names=names)
+
+
+def needs_recompute(fn, options: dict, rollout: RolloutConfig) -> bool:
+    """Whether the trainer must recompute the loss's old / proximal log-probs: the loss reads them
+    (`required_arrays`) and they differ from the behaviour log-probs (stale or non-fp32 rollouts)."""
+    off_policy = getattr(rollout, "max_staleness", 0) > 0 or getattr(rollout, "dtype", "float32") != "float32"
+    return off_policy and bool(set(TRAINER_ARRAYS) & set(fn.required_arrays(**options)))
 
 
 def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray]:
@@ -203,7 +224,7 @@ def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:
     return {"logits": spec((b, t, v)), "targets": spec((b, t), jnp.int32), "loss_mask": spec((b, t)),
             "segment_ids": spec((b, t), jnp.int32), "normalizer": spec(()), "behaviour_logprobs": spec((b, t)),
             "advantages": spec((b, t)), "topk_ids": spec((b, t, k), jnp.int32), "topk_logprobs": spec((b, t, k)),
-            "ref_logprobs": spec((b, t))}
+            "ref_logprobs": spec((b, t)), "trainer_logprobs": spec((b, t))}
 
 
 def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dict[str, float]:
