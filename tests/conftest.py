@@ -1,5 +1,6 @@
 """Test setup: eight simulated host devices, forced before JAX is imported anywhere."""
 import os
+import signal
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
@@ -15,6 +16,20 @@ settings.register_profile("jodc", derandomize=True)
 settings.load_profile("jodc")
 
 jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_is_left_as_found():
+    """Fails (at teardown) a test after which Python's SIGINT handler differs from before it, and puts the old one
+    back: a test or a library it loads that takes Ctrl-C over would silently change what later tests see (Ctrl-C
+    tests then pass alone and fail in the suite)."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        pytest.fail(f"the test left Python's SIGINT handler changed: {before!r} -> {after!r}; restore it (the "
+                    "previous handler is what signal.signal returns)", pytrace=False)
 
 
 @pytest.fixture(scope="session")
