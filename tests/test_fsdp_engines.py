@@ -138,3 +138,32 @@ def test_timeline_records_every_stage_of_every_microbatch(engine_cls):
         waits = [e for e in events if e["kind"] == "wait"]
         assert len(waits) == 4 and {e["device"] for e in waits} == {0, 1}  # two barriers per device
     assert 0.0 <= bubble_rate(events) < 1.0
+
+
+def test_no_engine_compiles_its_step_twice():
+    """The second minibatch of the same shapes reuses the first's program: every engine's initial state is placed
+    as its step's outputs are (an uncommitted optimizer count used to cost the reference and SPMD engines a second
+    compilation of the whole step)."""
+    import jax
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    model, groups = fsdp_toy.make_model(num_layers=1)
+    mesh = cpu_mesh(2)
+    engines = {"reference": lambda: ReferenceEngine(model, groups, optimizer=OPT, num_devices=2),
+               "odc": lambda: ODCEngine(model, groups, mesh, optimizer=OPT),
+               "collective": lambda: CollectiveEngine(model, groups, mesh, optimizer=OPT),
+               "xla_spmd": lambda: SPMDEngine(model, groups, mesh, optimizer=OPT)}
+    batch = fsdp_toy.random_minibatch([2, 1], seed=0)
+    for name, build in engines.items():
+        engine = build()
+        try:
+            engine.step(batch)
+            before = len(compiles)
+            engine.step(batch)
+            engine.step(batch)
+            assert len(compiles) == before, f"the {name} engine compiled again on steps 2-3"
+        finally:
+            getattr(engine, "close", lambda: None)()

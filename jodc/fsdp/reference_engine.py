@@ -26,7 +26,9 @@ class ReferenceEngine(Engine):
         self._num_devices = num_devices
         self.device = device or jax.devices("cpu")[0]
         self.flats = jax.device_put({g: jnp.asarray(v) for g, v in model.flatten_groups(groups).items()}, self.device)
-        self.opt_state = jax.jit(self.tx.init)(self.flats)
+        # Committed to the device like the step's outputs: an uncommitted leaf (the optimizer's step count) would make
+        # the second step compile the program again for the changed argument shardings.
+        self.opt_state = jax.device_put(jax.jit(self.tx.init)(self.flats), self.device)
         self._step = jax.jit(self._full_step, donate_argnums=(0, 1))
 
     @property

@@ -40,7 +40,12 @@ class SPMDEngine(Engine):
         flats = model.flatten_groups(groups)
         self.flats = {g: jax.device_put(np.pad(flats[g], (0, self.padded[g] - self.numels[g])), self.param_sharding)
                       for g in model.group_names}
-        self.opt_state = jax.jit(self.tx.init)(self.flats)
+        # Every leaf committed to the mesh like the step's outputs (scalars replicated): an uncommitted leaf (the
+        # optimizer's step count) would make the second step compile the program again for the changed shardings.
+        replicated = NamedSharding(mesh, P())
+        self.opt_state = jax.tree.map(
+            lambda leaf: jax.device_put(leaf, self.param_sharding if leaf.ndim else replicated),
+            jax.jit(self.tx.init)(self.flats))
         self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
 
     @property
