@@ -48,10 +48,26 @@ class SPMDEngine(Engine):
         return int(self.mesh.shape["d"])
 
     def _loss(self, flats, microbatch):
-        groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
-                  for g, v in flats.items()}
-        loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
-        return loss.astype(jnp.float32), metrics
+        # FSDP's partitioning, stated: each group is gathered whole (one all-gather of its flat vector per
+        # microbatch, whose gradient flows back as a reduction into the shards) and every device runs its own
+        # rows. Left to itself the partitioner sliced the sharded flat vectors in place (a collective-permute
+        # wherever a tensor straddles two shards), and blockwise attention's loop over (row, block) pairs, which
+        # indexes rows dynamically, made it all-gather the rows' activations at every block: 400 collectives per
+        # step of bench/e2e.py --quick and every row's attention computed on every device. Within a process those
+        # are copies; across processes each is a gloo round trip (35 s per step). Hence the parameters are
+        # constrained to be replicated and the model runs per device under shard_map (its loss and metrics are
+        # sums over rows, so the psum is the whole microbatch's).
+        replicated = NamedSharding(self.mesh, P())
+        flats = {g: lax.with_sharding_constraint(v, replicated) for g, v in flats.items()}
+        specs = {k: P("d") if jnp.ndim(v) else P() for k, v in microbatch.items()}
+
+        def per_device(flats, microbatch):
+            groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
+                      for g, v in flats.items()}
+            loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
+            return lax.psum((loss.astype(jnp.float32), metrics), "d")
+
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), specs), out_specs=P())(flats, microbatch)
 
     def _full_step(self, flats, opt_state, arrays, round_bucket, normalizer, lengths=()):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
