@@ -369,3 +369,46 @@ def test_mpirun_rl_refuses_processes_that_disagree(tmp_path):
     assert rc != 0, out[-6000:]
     assert "the processes disagree on step 1's rollout, rewards and advantages: process(es) [1]" in out, out[-6000:]
     assert not (tmp_path / "run" / "checkpoints" / "1").exists()
+
+
+def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():
+    """The XLA-SPMD engine's compiled step on 2 devices (one process: the partitioning does not depend on how the
+    devices are spread over processes). Its only collectives are the all-gathers of whole parameter vectors (1-D)
+    and the all-reduces of gradients, loss and metrics. Before, the partitioner sliced the sharded flat vectors in
+    place (collective-permutes) and all-gathered rows and activations inside blockwise attention's loop over
+    (row, block) pairs: hundreds of collectives per step, each a gloo round trip across processes (35 s per step of
+    bench/multiprocess.py --quick)."""
+    import re
+
+    import jax
+    import numpy as np
+
+    from conftest import cpu_mesh
+    from jodc.balance import get_planner
+    from jodc.fsdp import OptimizerConfig, SPMDEngine, sharding
+    from jodc.fsdp.batch import minibatch_from_plan
+    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.models import DecoderConfig
+
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                           num_kv_heads=1, attention_block_size=16, max_position_embeddings=64)
+    model, groups = decoder_staged_model(config, seed=0)
+    mesh = cpu_mesh(2)
+    engine = SPMDEngine(model, groups, mesh, optimizer=OptimizerConfig(learning_rate=1e-3), length_buckets=(32,))
+    rng = np.random.default_rng(0)
+    lengths = np.array([60, 20, 40, 12])
+    seqs = [rng.integers(0, 64, int(n) + 1) for n in lengths]
+    batch = minibatch_from_plan(get_planner("lb_micro")(lengths, 2, 64), [s[:-1] for s in seqs],
+                                [s[1:] for s in seqs], [np.ones(int(n), np.float32) for n in lengths])
+    engine.step(batch)  # compiles and caches the step for these lengths
+    (step,) = engine._compiled.values()  # the jitted step of these lengths
+    m = int(batch.counts.max())
+    arrays = jax.device_put({k: np.ascontiguousarray(np.swapaxes(np.asarray(v)[:, :m], 0, 1))
+                             for k, v in batch.as_dict().items()}, engine.batch_sharding)
+    rounds = engine.bucket_indices(batch)[:, :m].max(axis=0)
+    text = step.lower(engine.flats, engine.opt_state, arrays, sharding.put_replicated(mesh, rounds),
+                      sharding.put_replicated(mesh, np.float32(batch.normalizer))).compile().as_text()
+    kinds = re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", text)
+    assert "collective-permute" not in kinds and "all-to-all" not in kinds, sorted(set(kinds))
+    gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+    assert gathered and all(re.fullmatch(r"f32\[\d+\]\{0\}", s) for s in gathered), gathered
