@@ -412,3 +412,41 @@ def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():
     assert "collective-permute" not in kinds and "all-to-all" not in kinds, sorted(set(kinds))
     gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
     assert gathered and all(re.fullmatch(r"f32\[\d+\]\{0\}", s) for s in gathered), gathered
+
+
+def test_spmd_step_compiles_once_per_shape():
+    """The XLA-SPMD engine compiles one executable per minibatch shape, also after a state dict is loaded. Before,
+    the state the first step returned had other shardings than the initial one, so every shape compiled a second time
+    on its next step (in bench/multiprocess.py, inside the timed pass)."""
+    import numpy as np
+
+    from conftest import cpu_mesh
+    from jodc.balance import get_planner
+    from jodc.fsdp import OptimizerConfig, SPMDEngine
+    from jodc.fsdp.batch import minibatch_from_plan
+    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.models import DecoderConfig
+
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                           num_kv_heads=1, attention_block_size=16, max_position_embeddings=64)
+    model, groups = decoder_staged_model(config, seed=0)
+    engine = SPMDEngine(model, groups, cpu_mesh(2), optimizer=OptimizerConfig(learning_rate=1e-3),
+                        length_buckets=(32,))
+    rng = np.random.default_rng(0)
+
+    def batch(lengths):
+        seqs = [rng.integers(0, 64, int(n) + 1) for n in lengths]
+        return minibatch_from_plan(get_planner("lb_micro")(np.array(lengths), 2, 64), [s[:-1] for s in seqs],
+                                   [s[1:] for s in seqs], [np.ones(int(n), np.float32) for n in lengths])
+
+    batches = [batch([60, 20]), batch([60, 20, 40, 12, 30, 50])]
+    assert len({b.counts.max() for b in batches}) == 2  # two shapes
+    for _ in range(2):
+        for b in batches:
+            engine.step(b)
+    (step,) = engine._compiled.values()
+    assert step._cache_size() == 2
+    engine.load_state_dict(engine.state_dict())
+    for b in batches:
+        engine.step(b)
+    assert step._cache_size() == 2

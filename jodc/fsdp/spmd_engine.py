@@ -40,8 +40,20 @@ class SPMDEngine(Engine):
         flats = model.flatten_groups(groups)
         self.flats = {g: jax.device_put(np.pad(flats[g], (0, self.padded[g] - self.numels[g])), self.param_sharding)
                       for g in model.group_names}
-        self.opt_state = jax.jit(self.tx.init)(self.flats)
+        # the step's outputs keep exactly these shardings (out_shardings): a state whose shardings changed after
+        # the first step made every minibatch shape compile twice (once more for the second step of that shape)
+        self.opt_sharding = self._opt_shardings(jax.eval_shape(self.tx.init, self.flats))
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.flats)
         self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
+
+    def _opt_shardings(self, opt_state):
+        """Optimizer state leaves of a parameter group are sharded as the parameters, the others replicated."""
+        replicated = NamedSharding(self.mesh, P())
+
+        def pick(path, _):
+            return self.param_sharding if any(getattr(k, "key", None) in self.numels for k in path) else replicated
+
+        return jax.tree_util.tree_map_with_path(pick, opt_state)
 
     @property
     def num_devices(self) -> int:
@@ -88,8 +100,11 @@ class SPMDEngine(Engine):
         arrays = jax.device_put(arrays, self.batch_sharding)
         lengths = self.bucket_lengths(batch.token_cap)
         round_bucket = self.bucket_indices(batch)[:, :m].max(axis=0)
+        replicated = NamedSharding(self.mesh, P())
+        out_shardings = ({g: self.param_sharding for g in self.flats}, self.opt_sharding, replicated, replicated,
+                         replicated, replicated)
         step = self._cached(lengths, lambda: jax.jit(functools.partial(self._full_step, lengths=lengths),
-                                                     donate_argnums=(0, 1)))
+                                                     donate_argnums=(0, 1), out_shardings=out_shardings))
         self.flats, self.opt_state, loss, norm, metrics, applied = step(
             self.flats, self.opt_state, arrays, sharding.put_replicated(self.mesh, round_bucket),
             sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))
