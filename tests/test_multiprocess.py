@@ -450,3 +450,29 @@ def test_spmd_step_compiles_once_per_shape():
     for b in batches:
         engine.step(b)
     assert step._cache_size() == 2
+
+
+def test_digest_and_agreement_in_one_process():
+    """`distributed.digest` tells arrays apart by bytes, dtype and shape; `check_agreement` and `barrier` are no-ops
+    in one process (the multi-process paths: test_mpirun_rl_*); `sequences_digest` covers every field a step
+    trains on (here: an advantage)."""
+    import numpy as np
+
+    from jodc.train.core import distributed
+    from jodc.train.rl.batch import TrainingSequences, sequences_digest
+
+    a = np.arange(6, dtype=np.int32)
+    d = distributed.digest([a])
+    assert d.dtype == np.uint32 and d.shape == (4,)
+    assert np.array_equal(d, distributed.digest([a.copy()]))
+    for other in ([a.reshape(2, 3)], [a.astype(np.int64)], [a[::-1]], [a[:3], a[3:]]):
+        assert not np.array_equal(d, distributed.digest(other))
+    distributed.check_agreement("nothing", lambda: d)
+    distributed.barrier("nothing")
+
+    def sequences(advantage):
+        return TrainingSequences([a], [a], [np.ones(6, np.float32)],
+                                 {"advantages": [np.full(6, advantage, np.float32)]})
+
+    assert np.array_equal(sequences_digest(sequences(0.5)), sequences_digest(sequences(0.5)))
+    assert not np.array_equal(sequences_digest(sequences(0.5)), sequences_digest(sequences(-0.5)))
