@@ -288,9 +288,184 @@ def test_cli_refuses_uneven_device_split(monkeypatch, capsys):
     assert "does not split over 3 processes" in capsys.readouterr().err
 
 
-def test_rl_refuses_to_run_across_processes(monkeypatch, capsys):
+def test_rl_refuses_an_uneven_device_split(monkeypatch, capsys):
     from jodc.train import cli
 
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    assert cli.main(["rl", "--steps", "1"]) == 2
-    assert "does not run across processes yet" in capsys.readouterr().err
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    assert cli.main(["rl", "--preset", "tiny", "--devices", "2", "--steps", "1"]) == 2
+    assert "does not split over 3 processes" in capsys.readouterr().err
+
+
+def _rl_args(out_dir, steps, reward="varied"):
+    """A tiny RL run: random-init tiny model (no warm start), 4 prompts x 4 responses, 2 updates per step, a KL
+    penalty (reference policy), deterministic ODC on 2 devices, a checkpoint after every step; no evaluation (the
+    same sampler as the rollouts, and most of the run's compile time on this machine).
+    The reward (tests/multiprocess/rl_reward.py) varies within groups, so the advantages are not all zero."""
+    return ["rl", "--preset", "tiny", "--attention_block_size", "16", "--token_cap", "64", "--prompt_bucket", "8",
+            "--max_new_tokens", "4", "--max_digits", "1", "--max_terms", "2", "--pool_size", "8",
+            "--prompts_per_step", "4", "--group_size", "4", "--updates_per_step", "2", "--learning_rate", "1e-2",
+            "--kl_coef", "0.1", "--steps", str(steps), "--total_steps", "4", "--devices", "2", "--deterministic",
+            "--no-progress", "--save_every", "1", "--eval_every", "0", "--eval_problems", "4", "--export_hf", "true",
+            "--reward_fn", os.path.join(WORKERS, f"rl_reward.py:{reward}"), "--out_dir", str(out_dir)]
+
+
+def _mpirun_train(args, timeout=300):
+    cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
+           "jodc.train", *args]
+    return run_session(cmd, timeout, mpi_env())
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
+    """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic): stopped
+    after step 1 and resumed to step 2, its metrics (rewards, losses, KL) and exported parameters equal
+    bit for bit those of one process driving both devices uninterrupted. Every process samples the same rollout
+    (same parameters, key and compiled sampler on one CPU device) and the step checks that they agree; deterministic
+    ODC reduces gradients in source order in both launches, so no tolerance is needed. Only process 0 prints and
+    writes the run's files."""
+    import json
+
+    from jodc.train.cli import main as train_main
+
+    mp_dir = tmp_path / "mp"
+    for steps in (1, 2):
+        rc, out = _mpirun_train(_rl_args(mp_dir, steps))
+        assert rc == 0, out[-6000:]
+        assert out.count("done: ") == 1, out[-3000:]  # one process prints
+    assert "resumed from" in out and "(step 1)" in out, out[-3000:]
+    single_dir = tmp_path / "single"
+    assert train_main(_rl_args(single_dir, 2)) == 0  # this process, 2 of its CPU devices
+
+    def records(d):
+        return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+    exact = ("reward_mean", "reward_std", "accuracy", "response_length", "loss", "grad_norm", "policy_kl", "tokens",
+             "microbatches")
+    mp, single = records(mp_dir), records(single_dir)
+    assert [r["step"] for r in mp] == [r["step"] for r in single] == [1, 2]
+    assert len({r["reward_mean"] for r in single}) > 1 or single[0]["reward_std"] > 0  # the rewards vary
+    for key in exact:
+        assert [r.get(key) for r in mp] == [r.get(key) for r in single], key
+    mp_files = sorted(p.name for p in (mp_dir / "hf").glob("*.safetensors"))
+    assert mp_files and mp_files == sorted(p.name for p in (single_dir / "hf").glob("*.safetensors"))
+    for name in mp_files:
+        assert (mp_dir / "hf" / name).read_bytes() == (single_dir / "hf" / name).read_bytes(), name
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_mpirun_rl_refuses_processes_that_disagree(tmp_path):
+    """A reward function that gives each process other rewards: the first step's agreement check fails in every
+    process, naming what differs, before any update trains the processes' devices on different advantages."""
+    rc, out = _mpirun_train(_rl_args(tmp_path / "run", 2, reward="per_process"))
+    assert rc != 0, out[-6000:]
+    assert "the processes disagree on step 1's rollout, rewards and advantages: process(es) [1]" in out, out[-6000:]
+    assert not (tmp_path / "run" / "checkpoints" / "1").exists()
+
+
+def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():
+    """The XLA-SPMD engine's compiled step on 2 devices (one process: the partitioning does not depend on how the
+    devices are spread over processes). Its only collectives are the all-gathers of whole parameter vectors (1-D)
+    and the all-reduces of gradients, loss and metrics. Before, the partitioner sliced the sharded flat vectors in
+    place (collective-permutes) and all-gathered rows and activations inside blockwise attention's loop over
+    (row, block) pairs: hundreds of collectives per step, each a gloo round trip across processes (35 s per step of
+    bench/multiprocess.py --quick)."""
+    import re
+
+    import jax
+    import numpy as np
+
+    from conftest import cpu_mesh
+    from jodc.balance import get_planner
+    from jodc.fsdp import OptimizerConfig, SPMDEngine, sharding
+    from jodc.fsdp.batch import minibatch_from_plan
+    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.models import DecoderConfig
+
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                           num_kv_heads=1, attention_block_size=16, max_position_embeddings=64)
+    model, groups = decoder_staged_model(config, seed=0)
+    mesh = cpu_mesh(2)
+    engine = SPMDEngine(model, groups, mesh, optimizer=OptimizerConfig(learning_rate=1e-3), length_buckets=(32,))
+    rng = np.random.default_rng(0)
+    lengths = np.array([60, 20, 40, 12])
+    seqs = [rng.integers(0, 64, int(n) + 1) for n in lengths]
+    batch = minibatch_from_plan(get_planner("lb_micro")(lengths, 2, 64), [s[:-1] for s in seqs],
+                                [s[1:] for s in seqs], [np.ones(int(n), np.float32) for n in lengths])
+    engine.step(batch)  # compiles and caches the step for these lengths
+    (step,) = engine._compiled.values()  # the jitted step of these lengths
+    m = int(batch.counts.max())
+    arrays = jax.device_put({k: np.ascontiguousarray(np.swapaxes(np.asarray(v)[:, :m], 0, 1))
+                             for k, v in batch.as_dict().items()}, engine.batch_sharding)
+    rounds = engine.bucket_indices(batch)[:, :m].max(axis=0)
+    text = step.lower(engine.flats, engine.opt_state, arrays, sharding.put_replicated(mesh, rounds),
+                      sharding.put_replicated(mesh, np.float32(batch.normalizer))).compile().as_text()
+    kinds = re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", text)
+    assert "collective-permute" not in kinds and "all-to-all" not in kinds, sorted(set(kinds))
+    gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+    assert gathered and all(re.fullmatch(r"f32\[\d+\]\{0\}", s) for s in gathered), gathered
+
+
+def test_spmd_step_compiles_once_per_shape():
+    """The XLA-SPMD engine compiles one executable per minibatch shape, also after a state dict is loaded. Before,
+    the state the first step returned had other shardings than the initial one, so every shape compiled a second time
+    on its next step (in bench/multiprocess.py, inside the timed pass)."""
+    import numpy as np
+
+    from conftest import cpu_mesh
+    from jodc.balance import get_planner
+    from jodc.fsdp import OptimizerConfig, SPMDEngine
+    from jodc.fsdp.batch import minibatch_from_plan
+    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.models import DecoderConfig
+
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                           num_kv_heads=1, attention_block_size=16, max_position_embeddings=64)
+    model, groups = decoder_staged_model(config, seed=0)
+    engine = SPMDEngine(model, groups, cpu_mesh(2), optimizer=OptimizerConfig(learning_rate=1e-3),
+                        length_buckets=(32,))
+    rng = np.random.default_rng(0)
+
+    def batch(lengths):
+        seqs = [rng.integers(0, 64, int(n) + 1) for n in lengths]
+        return minibatch_from_plan(get_planner("lb_micro")(np.array(lengths), 2, 64), [s[:-1] for s in seqs],
+                                   [s[1:] for s in seqs], [np.ones(int(n), np.float32) for n in lengths])
+
+    batches = [batch([60, 20]), batch([60, 20, 40, 12, 30, 50])]
+    assert len({b.counts.max() for b in batches}) == 2  # two shapes
+    for _ in range(2):
+        for b in batches:
+            engine.step(b)
+    (step,) = engine._compiled.values()
+    assert step._cache_size() == 2
+    engine.load_state_dict(engine.state_dict())
+    for b in batches:
+        engine.step(b)
+    assert step._cache_size() == 2
+
+
+def test_digest_and_agreement_in_one_process():
+    """`distributed.digest` tells arrays apart by bytes, dtype and shape; `check_agreement` and `barrier` are no-ops
+    in one process (the multi-process paths: test_mpirun_rl_*); `sequences_digest` covers every field a step
+    trains on (here: an advantage)."""
+    import numpy as np
+
+    from jodc.train.core import distributed
+    from jodc.train.rl.batch import TrainingSequences, sequences_digest
+
+    a = np.arange(6, dtype=np.int32)
+    d = distributed.digest([a])
+    assert d.dtype == np.uint32 and d.shape == (4,)
+    assert np.array_equal(d, distributed.digest([a.copy()]))
+    for other in ([a.reshape(2, 3)], [a.astype(np.int64)], [a[::-1]], [a[:3], a[3:]]):
+        assert not np.array_equal(d, distributed.digest(other))
+    distributed.check_agreement("nothing", lambda: d)
+    distributed.barrier("nothing")
+
+    def sequences(advantage):
+        return TrainingSequences([a], [a], [np.ones(6, np.float32)],
+                                 {"advantages": [np.full(6, advantage, np.float32)]})
+
+    assert np.array_equal(sequences_digest(sequences(0.5)), sequences_digest(sequences(0.5)))
+    assert not np.array_equal(sequences_digest(sequences(0.5)), sequences_digest(sequences(-0.5)))

@@ -52,7 +52,7 @@ def _rl_trainer():
 COMMANDS = {
     "sft": (SftConfig, load_config, _sft_trainer, "jodc-train", True, "supervised fine-tuning",
             "Supervised fine-tuning with the ODC, collective, XLA-SPMD or reference engine."),
-    "rl": (RLConfig, load_rl_config, _rl_trainer, "jodc-train rl", False, "RL post-training (DPPO by default)",
+    "rl": (RLConfig, load_rl_config, _rl_trainer, "jodc-train rl", True, "RL post-training (DPPO by default)",
            "RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference engine, on a "
            "verifiable task or your own reward function."),
 }

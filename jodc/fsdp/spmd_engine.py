@@ -40,23 +40,46 @@ class SPMDEngine(Engine):
         flats = model.flatten_groups(groups)
         self.flats = {g: jax.device_put(np.pad(flats[g], (0, self.padded[g] - self.numels[g])), self.param_sharding)
                       for g in model.group_names}
-        # Every leaf committed to the mesh like the step's outputs (scalars replicated): an uncommitted leaf (the
-        # optimizer's step count) would make the second step compile the program again for the changed shardings.
-        replicated = NamedSharding(mesh, P())
-        self.opt_state = jax.tree.map(
-            lambda leaf: jax.device_put(leaf, self.param_sharding if leaf.ndim else replicated),
-            jax.jit(self.tx.init)(self.flats))
+        # the step's outputs keep exactly these shardings (out_shardings): a state whose shardings changed after
+        # the first step made every minibatch shape compile twice (once more for the second step of that shape)
+        self.opt_sharding = self._opt_shardings(jax.eval_shape(self.tx.init, self.flats))
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.flats)
         self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
+
+    def _opt_shardings(self, opt_state):
+        """Optimizer state leaves of a parameter group are sharded as the parameters, the others replicated."""
+        replicated = NamedSharding(self.mesh, P())
+
+        def pick(path, _):
+            return self.param_sharding if any(getattr(k, "key", None) in self.numels for k in path) else replicated
+
+        return jax.tree_util.tree_map_with_path(pick, opt_state)
 
     @property
     def num_devices(self) -> int:
         return int(self.mesh.shape["d"])
 
     def _loss(self, flats, microbatch):
-        groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
-                  for g, v in flats.items()}
-        loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
-        return loss.astype(jnp.float32), metrics
+        # FSDP's partitioning, stated: each group is gathered whole (one all-gather of its flat vector per
+        # microbatch, whose gradient flows back as a reduction into the shards) and every device runs its own
+        # rows. Left to itself the partitioner sliced the sharded flat vectors in place (a collective-permute
+        # wherever a tensor straddles two shards), and blockwise attention's loop over (row, block) pairs, which
+        # indexes rows dynamically, made it all-gather the rows' activations at every block: 400 collectives per
+        # step of bench/e2e.py --quick and every row's attention computed on every device. Within a process those
+        # are copies; across processes each is a gloo round trip (35 s per step). Hence the parameters are
+        # constrained to be replicated and the model runs per device under shard_map (its loss and metrics are
+        # sums over rows, so the psum is the whole microbatch's).
+        replicated = NamedSharding(self.mesh, P())
+        flats = {g: lax.with_sharding_constraint(v, replicated) for g, v in flats.items()}
+        specs = {k: P("d") if jnp.ndim(v) else P() for k, v in microbatch.items()}
+
+        def per_device(flats, microbatch):
+            groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
+                      for g, v in flats.items()}
+            loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
+            return lax.psum((loss.astype(jnp.float32), metrics), "d")
+
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), specs), out_specs=P())(flats, microbatch)
 
     def _full_step(self, flats, opt_state, arrays, round_bucket, normalizer, lengths=()):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
@@ -77,8 +100,11 @@ class SPMDEngine(Engine):
         arrays = jax.device_put(arrays, self.batch_sharding)
         lengths = self.bucket_lengths(batch.token_cap)
         round_bucket = self.bucket_indices(batch)[:, :m].max(axis=0)
+        replicated = NamedSharding(self.mesh, P())
+        out_shardings = ({g: self.param_sharding for g in self.flats}, self.opt_sharding, replicated, replicated,
+                         replicated, replicated)
         step = self._cached(lengths, lambda: jax.jit(functools.partial(self._full_step, lengths=lengths),
-                                                     donate_argnums=(0, 1)))
+                                                     donate_argnums=(0, 1), out_shardings=out_shardings))
         self.flats, self.opt_state, loss, norm, metrics, applied = step(
             self.flats, self.opt_state, arrays, sharding.put_replicated(self.mesh, round_bucket),
             sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))

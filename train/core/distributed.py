@@ -8,7 +8,10 @@ coordinates the processes.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+
+import numpy as np
 
 # Process-count variables of the common MPI launchers (Open MPI, MPICH/Hydra, PMIx).
 _SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
@@ -48,3 +51,48 @@ def is_primary() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Waits until every process of the run reaches the barrier `name` (a no-op in a single-process run): e.g. until
+    process 0 has written a file the others read next."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def digest(arrays) -> np.ndarray:
+    """A 128-bit digest (uint32 [4]) of a sequence of arrays: their dtypes, shapes and bytes, in order."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return np.frombuffer(h.digest()[:16], np.uint32).copy()
+
+
+def check_agreement(what: str, value) -> None:
+    """Raises RuntimeError in every process unless all processes hold the same `value` (e.g. a `digest`, or a
+    function returning it: called only in a multi-process run); `what` names it in the error. A no-op in a
+    single-process run.
+
+    The processes of a multi-process run each compute what they must agree on (an RL step's rollout, rewards and
+    advantages) instead of receiving it; this check turns a divergence (a non-deterministic reward function, a
+    process sampling with other parameters) into an error naming the processes instead of silently training each
+    process's devices on different data."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    value = np.asarray(value() if callable(value) else value)
+    values = np.asarray(multihost_utils.process_allgather(value)).reshape(jax.process_count(), *value.shape)
+    differ = [p for p in range(values.shape[0]) if not np.array_equal(values[p], values[0])]
+    if differ:
+        raise RuntimeError(f"the processes disagree on {what}: process(es) {differ} computed something else than "
+                           "process 0 (every process must compute it identically: is a reward function or the data "
+                           "non-deterministic?)")

@@ -238,7 +238,8 @@ class Trainer:
             "metrics": self.logger.path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
             "hf_export": hf_path, **timing_summary(self.records), **self.summary_fields(done, final_eval),
         }
-        self.log(self.format_summary(summary))
+        if self.primary:  # the others' summaries lack what only process 0 writes (metrics, exports)
+            self.log(self.format_summary(summary))
         return summary
 
 

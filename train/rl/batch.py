@@ -21,6 +21,7 @@ import numpy as np
 from jodc.fsdp import MinibatchArrays
 from jodc.fsdp.batch import minibatch_from_plan
 
+from ..core.distributed import digest
 from ..sft.batching import without_empty_microbatches
 from .rollout import Rollout
 
@@ -85,6 +86,15 @@ def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: b
         for name, values in named.items():
             extras[name].append(_place(len(prompt), np.asarray(values[i], np.float32), length))
     return TrainingSequences(inputs, targets, masks, extras)
+
+
+def sequences_digest(sequences: TrainingSequences) -> np.ndarray:
+    """A digest of everything the step trains on (tokens, masks, behaviour log-probs, advantages, reference
+    log-probs, top-k): what the processes of a multi-process run must agree on."""
+    arrays = [*sequences.inputs, *sequences.targets, *sequences.loss_masks]
+    for name in sorted(sequences.extras):
+        arrays += sequences.extras[name]
+    return digest(arrays)
 
 
 def split_minibatches(num_sequences: int, updates: int, *, seed: int, step: int) -> list[np.ndarray]:

@@ -33,11 +33,12 @@ from jodc.balance import get_planner
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
 
+from ..core import distributed
 from ..core.config import ConfigError, DataConfig, RunConfig, SftConfig
 from ..core.metrics import read_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
 from .async_rollouts import AsyncRollouts, check_staleness
-from .batch import pack_minibatch, split_minibatches, training_sequences
+from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
 from .loss import build_advantages, build_objective, summarize_metrics
 from .metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics, update_metrics
@@ -221,6 +222,8 @@ class RLRun(Trainer):
                                                      bucket=r.prompt_bucket))
             sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
                                            ref_logprobs=ref_logprobs, trainer_logprobs=old_logprobs)
+            distributed.check_agreement(f"step {step + 1}'s rollout, rewards and advantages",
+                                        lambda: sequences_digest(sequences))  # mpirun: every process samples it
             updates, tokens, microbatches = [], 0, []
             learning_rate = float(self.lr_schedule(self.engine.steps_done))
             minibatches = split_minibatches(len(sequences), run_.updates_per_step, seed=run_.seed, step=step)
@@ -258,7 +261,7 @@ class RLRun(Trainer):
     # -- the end of a run --------------------------------------------------------------------------------------
     def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:
         """Rewards over the whole run (this invocation's part for first/last), the final evaluation, the curves."""
-        records = read_metrics(self.logger.path)
+        records = read_metrics(self.logger.path) if self.primary else []  # only process 0 writes them
         curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE), final_eval=final_eval,
                              title=f"{self.config.loss.name} on {self.config.task.name}") if records else None
         ran = [r for r in records if r["step"] > self.start_step]

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Callable
 
+from ..core import distributed
 from ..core.config import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig, OptimizerConfig, RunConfig,
                            SftConfig)
 from .config import RLConfig
@@ -67,17 +68,25 @@ def run_warmstart(config: RLConfig, task: Task, *, log: Callable[[str], None] = 
         if os.path.exists(os.path.join(hf_dir, "config.json")):
             log(f"warm start: reusing {hf_dir}")
             return hf_dir
-    os.makedirs(directory, exist_ok=True)
-    with open(identity_path, "w") as f:
-        json.dump(identity, f, indent=1)
+    # mpirun: every process has read the directory before process 0 writes it, and reads it after
+    distributed.barrier("jodc warm start checked")
+    primary = distributed.is_primary()
     records = warmstart_records(task, config.run.seed, config.warmstart.sft_examples)
     data_path = os.path.join(directory, DATA_FILE)
-    with open(data_path + ".tmp", "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-    os.replace(data_path + ".tmp", data_path)
+    if primary:
+        os.makedirs(directory, exist_ok=True)
+        with open(identity_path, "w") as f:
+            json.dump(identity, f, indent=1)
+        with open(data_path + ".tmp", "w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        os.replace(data_path + ".tmp", data_path)
+    distributed.barrier("jodc warm start data written")
     log(f"warm start: SFT for {config.warmstart.sft_steps} steps on {len(records)} solved {task.name} problems")
     summary = run_sft(warmstart_sft_config(config, directory), log=log)
+    distributed.barrier("jodc warm start exported")  # process 0 wrote the export the others load next
+    if not primary:
+        return hf_dir
     if not summary["hf_export"]:
         raise RuntimeError(f"the warm start in {directory} finished without an HF export")
     return summary["hf_export"]
