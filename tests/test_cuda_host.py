@@ -195,6 +195,24 @@ def test_every_heap_op_handler_aborts_its_heap_on_error(backend):
         assert re.search(r"\breturn (RunOp|AbortOnError)\(", body), f"{backend} {op}: errors do not abort the heap"
 
 
+def test_every_cuda_handler_selects_the_streams_gpu_before_launching():
+    """Issue 15 defect 6: after / depend_on did not select the stream's GPU. Heap ops do it in their preamble (RunOp,
+    or the barrier's Prepare); the token ops call SelectStreamDevice themselves, before any launch or copy."""
+    from jodc.ops import _targets
+
+    handlers = _handler_functions("cuda")
+    for op in _targets.ALL_OPS:
+        body = handlers["".join(w.title() for w in op.split("_"))]
+        if op in _targets.HEAP_OPS:
+            assert "RunOp(" in body or "Impl(" in body, op
+            continue
+        select = body.find("SelectStreamDevice(")
+        work = min(i for i in (body.find("<<<"), body.find("ForwardValues("), body.find("cudaMemcpy")) if i >= 0)
+        assert 0 <= select < work, f"{op}: launches before selecting the stream's GPU"
+    barrier = open(os.path.join(ROOT, "ffi", "cuda", "barrier.cu")).read()
+    assert re.search(r"BarrierImpl\([^)]*\) \{\n(.*\n){0,3}.*Prepare\(\"barrier\"", barrier)
+
+
 # ---- the C API as declared by the sources -------------------------------------------------------------------------
 
 def _exported_by_sources() -> set[str]:
