@@ -46,6 +46,16 @@ def exported_symbols(path: str) -> set[str] | None:
     return {line.split()[-1] for line in listing.splitlines() if line.strip()}
 
 
+def assert_exports_exactly(path: str, expected) -> None:
+    """Every symbol the Python side binds is exported by the library at `path`, and nothing else of ours leaks
+    (-fvisibility=hidden works). Skips when nm is unavailable."""
+    symbols = exported_symbols(path)
+    if symbols is None:
+        pytest.skip("nm is not available to list the exports")
+    ours = {s for s in symbols if s.lower().startswith("jodc")}
+    assert ours == set(expected), (sorted(set(expected) - ours), sorted(ours - set(expected)))
+
+
 def test_command_targets_sm80_and_sm90_from_every_source():
     cmd = build_cuda.nvcc_command("/tmp/out.so", "/include")
     pairs = list(zip(cmd, cmd[1:]))
@@ -82,13 +92,7 @@ def test_reduction_check_reads_the_kept_ptx(tmp_path):
 def test_library_builds_and_exports_exactly_the_api(built_library):
     path, seconds = built_library
     assert os.path.getsize(path) > 0
-    symbols = exported_symbols(path)
-    if symbols is None:
-        pytest.skip("nm is not available to list the exports")
-    ours = {s for s in symbols if s.lower().startswith("jodc")}
-    # every symbol the Python side binds is exported, and nothing else of ours leaks (-fvisibility=hidden works)
-    assert ours == set(_cuda.EXPORTED_SYMBOLS), (sorted(set(_cuda.EXPORTED_SYMBOLS) - ours),
-                                                 sorted(ours - set(_cuda.EXPORTED_SYMBOLS)))
+    assert_exports_exactly(path, _cuda.EXPORTED_SYMBOLS)
 
 
 def test_library_loads_and_reports_errors_without_a_gpu(built_library):
@@ -148,12 +152,7 @@ def test_nvshmem_library_exports_exactly_the_api():
     if not path:
         pytest.skip(f"built and checked by `make cuda-check` ({NVSHMEM_CHECK_ENV} unset)")
     assert os.path.isfile(path), f"{NVSHMEM_CHECK_ENV}={path} does not exist: run `make cuda-check`"
-    symbols = exported_symbols(path)
-    if symbols is None:
-        pytest.skip("nm is not available to list the exports")
-    ours = {s for s in symbols if s.lower().startswith("jodc")}
-    assert ours == set(_nvshmem.EXPORTED_SYMBOLS), (sorted(set(_nvshmem.EXPORTED_SYMBOLS) - ours),
-                                                   sorted(ours - set(_nvshmem.EXPORTED_SYMBOLS)))
+    assert_exports_exactly(path, _nvshmem.EXPORTED_SYMBOLS)
     # linked against the wheel's host library, resolvable through the baked-in rpath
     ldd = shutil.which("ldd")
     if ldd is not None:

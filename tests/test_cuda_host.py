@@ -1,7 +1,9 @@
 """Host-side logic of the CUDA backend that runs without a GPU (and without nvcc): the PJRT client check (issue 15
-defect 8), the placement passed at heap creation (defect 2), and the consistency of the C API's declarations with
+defect 8), the placement passed at heap creation (defect 2), the refusal of meshes a GPU heap cannot serve (defect 1:
+a second axis of size > 1, devices of other processes), and the consistency of the C API's declarations with
 the sources. The kernels themselves run in tests/test_ops_cuda.py on GPU runners; the build in `make cuda-check`.
 """
+import dataclasses
 import os
 import re
 import types
@@ -15,8 +17,21 @@ from jodc.ops import heap as heap_module
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeGpu:
+    """What jodc reads of a jax GPU device (hashable, like one)."""
+
+    local_hardware_id: int
+    process_index: int = 0
+    platform: str = "gpu"
+
+    @property
+    def id(self):
+        return 100 + self.local_hardware_id
+
+
 def fake_gpu(hw_id, process=0):
-    return types.SimpleNamespace(platform="gpu", local_hardware_id=hw_id, process_index=process, id=100 + hw_id)
+    return FakeGpu(hw_id, process)
 
 
 class RecordingLibrary:
@@ -78,6 +93,124 @@ def test_placement_refuses_shared_or_unknown_gpus():
         _cuda.placement_of([fake_gpu(0), types.SimpleNamespace(platform="gpu")])
     with pytest.raises(ValueError, match="no local CUDA ordinal"):
         _cuda.placement_of([fake_gpu(-1)])
+
+
+# ---- defect 1: meshes a GPU heap cannot serve, refused through SymmetricHeap before the library is touched --------
+
+class FakeMesh:
+    """What SymmetricHeap reads of a jax Mesh (shape, devices, axis_names), over fake GPUs: a real GPU Mesh cannot be
+    built on a machine without GPUs."""
+
+    def __init__(self, devices, axis_names):
+        flat = np.array(devices, dtype=object)
+        self.devices = flat.reshape(flat.shape[:len(axis_names)])
+        self.axis_names = tuple(axis_names)
+        self.shape = dict(zip(self.axis_names, self.devices.shape))
+
+
+class PlacementLibrary(RecordingLibrary):
+    def heap_free(self, heap_id):
+        self.calls.append(("free", heap_id))
+
+
+@pytest.fixture
+def gpu_backend(monkeypatch):
+    """The CUDA library as a recorder, and target registration a no-op: the test sees exactly what reached them."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", raising=False)
+    lib = PlacementLibrary()
+    monkeypatch.setattr(_cuda, "library", lambda: lib)
+    monkeypatch.setattr(heap_module._native, "ensure_registered", lambda platform: lib.calls.append(("reg", platform)))
+    return lib
+
+
+def _grid(rows, cols, process=0):
+    return [[fake_gpu(r * cols + c, process) for c in range(cols)] for r in range(rows)]
+
+
+def test_gpu_heap_refuses_a_second_axis_of_size_above_one(gpu_backend):
+    """A 2-D GPU mesh: several GPUs would act as the same position (racing on its barrier counter, pushing each
+    gradient k times). Refused on the CUDA path as on CPU, before any library call."""
+    with pytest.raises(ValueError, match=r"shared by the replicas along \{'x': 2\}.*share barrier counters"):
+        heap_module.SymmetricHeap(FakeMesh(_grid(2, 2), ("d", "x")))
+    with pytest.raises(ValueError, match=r"replicas along \{'d': 4\}"):
+        heap_module.SymmetricHeap(FakeMesh(_grid(4, 1), ("d", "x")), axis_name="x")
+    assert gpu_backend.calls == []
+
+
+def test_gpu_heap_refuses_devices_of_other_processes(gpu_backend, monkeypatch):
+    monkeypatch.setattr(heap_module.jax, "process_index", lambda *a, **k: 0)
+    # every GPU belongs to process 1: one process, so no multi-process transport applies, and this process has none
+    with pytest.raises(ValueError, match=r"devices of process\(es\) \[1\], but this process is 0"):
+        heap_module.SymmetricHeap(FakeMesh([fake_gpu(0, 1), fake_gpu(1, 1)], ("d",)))
+    # GPUs of processes 0 and 1 cannot share an in-process heap
+    with pytest.raises(ValueError, match=r"transport='local' cannot serve a mesh over processes \[0, 1\]"):
+        heap_module.SymmetricHeap(FakeMesh([fake_gpu(0, 0), fake_gpu(0, 1)], ("d",)), transport="local")
+    assert gpu_backend.calls == []
+
+
+def test_gpu_heap_over_one_axis_reaches_the_library_with_its_placement(gpu_backend, monkeypatch):
+    """The accepted case on the same path: axes of size 1 besides the heap's are harmless, and position p's memory
+    goes on the GPU running position p."""
+    monkeypatch.setattr(heap_module.jax, "process_index", lambda *a, **k: 0)
+    devices = [[fake_gpu(2)], [fake_gpu(0)], [fake_gpu(1)]]
+    heap = heap_module.SymmetricHeap(FakeMesh(devices, ("d", "x")), deterministic=True, barrier_timeout_s=7.0)
+    assert heap.transport == "local" and heap.world == 3 and heap.platform == "gpu"
+    assert gpu_backend.calls == [("reg", "gpu"), (3, True, 7.0, [2, 0, 1])]
+    assert [heap.positions[d[0]] for d in devices] == [0, 1, 2]
+    heap.free()
+    assert gpu_backend.calls[-1] == ("free", 7)
+
+
+# ---- defect 5: every handler of a heap op aborts its heap when it fails -----------------------------------------------
+
+def _handler_functions(backend: str) -> dict[str, str]:
+    """{Camel op name: source of the function its JODC_<BACKEND>_HANDLER(Camel, impl) line names} of ffi/<backend>."""
+    folder = os.path.join(ROOT, "ffi", backend)
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".cu"):
+            continue
+        text = open(os.path.join(folder, name)).read()
+        for camel, impl in re.findall(rf"^JODC_{backend.upper()}_HANDLER\((\w+),\s*([\w:]+)\);", text, re.M):
+            func = impl.split("::")[-1]
+            start = re.search(rf"^ffi::Error {func}\(", text, re.M)
+            assert start, f"{name}: no definition of {func} (the handler of {camel})"
+            end = text.index("\n}\n", start.start())
+            found[camel] = text[start.start():end]
+    return found
+
+
+@pytest.mark.parametrize("backend", ["cuda", "nvshmem"])
+def test_every_heap_op_handler_aborts_its_heap_on_error(backend):
+    """Issue 15 defect 5: a handler that fails must poison its heap (peers spinning in a barrier for that device leave
+    at once): each heap op's handler runs inside RunOp or returns through AbortOnError. The GPU run checks that the
+    abort releases a waiting barrier (tests/test_ops_cuda.py, test_stress_c_a_handler_error_...)."""
+    from jodc.ops import _targets
+
+    handlers = _handler_functions(backend)
+    camel = {op: "".join(w.title() for w in op.split("_")) for op in _targets.HEAP_OPS}
+    assert set(camel.values()) <= set(handlers), sorted(set(camel.values()) - set(handlers))
+    for op, name in camel.items():
+        body = handlers[name]
+        assert re.search(r"\breturn (RunOp|AbortOnError)\(", body), f"{backend} {op}: errors do not abort the heap"
+
+
+def test_every_cuda_handler_selects_the_streams_gpu_before_launching():
+    """Issue 15 defect 6: after / depend_on did not select the stream's GPU. Heap ops do it in their preamble (RunOp,
+    or the barrier's Prepare); the token ops call SelectStreamDevice themselves, before any launch or copy."""
+    from jodc.ops import _targets
+
+    handlers = _handler_functions("cuda")
+    for op in _targets.ALL_OPS:
+        body = handlers["".join(w.title() for w in op.split("_"))]
+        if op in _targets.HEAP_OPS:
+            assert "RunOp(" in body or "Impl(" in body, op
+            continue
+        select = body.find("SelectStreamDevice(")
+        work = min(i for i in (body.find("<<<"), body.find("ForwardValues("), body.find("cudaMemcpy")) if i >= 0)
+        assert 0 <= select < work, f"{op}: launches before selecting the stream's GPU"
+    barrier = open(os.path.join(ROOT, "ffi", "cuda", "barrier.cu")).read()
+    assert re.search(r"BarrierImpl\([^)]*\) \{\n(.*\n){0,3}.*Prepare\(\"barrier\"", barrier)
 
 
 # ---- the C API as declared by the sources -------------------------------------------------------------------------

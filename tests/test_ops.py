@@ -3,11 +3,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
 
+import ops_checks
 from conftest import cpu_mesh, spmd
 from jodc import ops
 from jodc.ops import _native
@@ -18,88 +18,22 @@ WORLDS = [1, 2, 4, 8]
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("numel", [1, 17, 1000, 4096 + 3])
 def test_gather_is_exact(world, numel):
-    mesh = cpu_mesh(world)
-    values = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
-    with ops.SymmetricHeap(mesh) as heap:
-        b = heap.register(numel)
-        assert b.shard_numel * world >= numel
-        assert (b.shard_numel * 4) % 64 == 0
-        b.set_full(values)
-
-        def fn():
-            full, tok = ops.gather(b, ops.new_token())
-            full_bf16, tok = ops.gather(b, tok, dtype=jnp.bfloat16)
-            return full, full_bf16, tok
-
-        full, full_bf16, tok = spmd(mesh, fn)
-    np.testing.assert_array_equal(np.asarray(full), np.broadcast_to(values, (world, numel)))
-    np.testing.assert_array_equal(np.asarray(full_bf16), np.broadcast_to(values.astype(ml_dtypes.bfloat16),
-                                                                        (world, numel)))
-    np.testing.assert_array_equal(np.asarray(tok), 2)
+    ops_checks.check_gather_is_exact(cpu_mesh(world), numel)
 
 
 def test_gather_keeps_bucket_shape_and_bf16_master():
-    mesh = cpu_mesh(4)
-    values = np.random.default_rng(0).standard_normal((3, 5, 7)).astype(ml_dtypes.bfloat16)
-    with ops.SymmetricHeap(mesh) as heap:
-        b = heap.register((3, 5, 7), dtype=jnp.bfloat16)
-        assert b.master_dtype == "bfloat16" and (b.shard_numel * 2) % 64 == 0
-        b.set_full(values)
-
-        def fn():
-            full, tok = ops.gather(b, ops.new_token())
-            full32, tok = ops.gather(b, tok, dtype=jnp.float32)
-            return full, full32
-
-        full, full32 = spmd(mesh, fn)
-        np.testing.assert_array_equal(b.full(), values)
-    assert full.shape == (4, 3, 5, 7) and full.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(full)[2], values)
-    np.testing.assert_array_equal(np.asarray(full32)[3], values.astype(np.float32))
+    ops_checks.check_gather_keeps_shape_and_bf16_master(cpu_mesh(4), (3, 5, 7))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
 def test_scatter_accumulate_matches_numpy_sum(world, grad_dtype):
-    mesh = cpu_mesh(world)
-    numel = 3001
-    grads = np.random.default_rng(world).standard_normal((world, numel)).astype(np.float32)
-    grads = grads.astype(grad_dtype)
-    with ops.SymmetricHeap(mesh) as heap:
-        b = heap.register(numel)
-
-        def fn(g):
-            tok = ops.scatter_accumulate(b, g, ops.new_token())
-            tok = ops.barrier(heap, tok)
-            acc, tok = ops.read_accumulator(b, tok)
-            return acc, tok
-
-        acc, tok = spmd(mesh, fn, jnp.asarray(grads))
-        expected = np.asarray(grads, np.float64).sum(0)
-        assembled = np.asarray(acc).reshape(-1)[:numel]
-        np.testing.assert_allclose(assembled, expected, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(b.accumulated(), expected, rtol=1e-5, atol=1e-5)
-        # the padding of the last shard never receives anything
-        assert np.all(np.asarray(acc).reshape(-1)[numel:] == 0)
-        assert heap.generations() == [1] * world
+    ops_checks.check_scatter_accumulate_matches_numpy_sum(cpu_mesh(world), 3001, grad_dtype)
 
 
 def test_concurrent_pushes_from_every_device_in_a_loop():
     """All 8 devices push 20 times each into the same bucket at once; nothing is lost."""
-    mesh = cpu_mesh(8)
-    numel, rounds = 50_000, 20
-    with ops.SymmetricHeap(mesh) as heap:
-        b = heap.register(numel)
-
-        def fn(scale):
-            def body(i, tok):
-                return ops.scatter_accumulate(b, jnp.full((numel,), scale, jnp.float32), tok)
-
-            tok = lax.fori_loop(0, rounds, body, ops.new_token())
-            return ops.barrier(heap, tok)
-
-        spmd(mesh, fn, jnp.arange(1, 9, dtype=jnp.float32))
-        np.testing.assert_array_equal(b.accumulated(), np.full(numel, rounds * 36.0, np.float32))
+    ops_checks.check_concurrent_pushes_in_a_loop(cpu_mesh(8), 50_000, 20)
 
 
 def test_per_device_while_loop_trip_counts():
@@ -137,58 +71,17 @@ def test_deterministic_mode_is_bit_for_bit_repeatable():
     numel, rounds = 20_001, 5
     rng = np.random.default_rng(7)
     grads = (rng.standard_normal((8, rounds, numel)) * 10.0 ** rng.integers(-4, 4, (8, rounds, 1))).astype(np.float32)
-
-    def run(deterministic):
-        with ops.SymmetricHeap(mesh, deterministic=deterministic) as heap:
-            b = heap.register(numel)
-
-            def fn(g):
-                tok = lax.fori_loop(0, rounds, lambda i, t: ops.scatter_accumulate(b, g[i], t), ops.new_token())
-                tok = ops.barrier(heap, tok)
-                acc, _ = ops.read_accumulator(b, tok)
-                return acc
-
-            return np.asarray(spmd(mesh, fn, jnp.asarray(grads))).reshape(-1)[:numel]
-
-    first = run(True)
+    first = ops_checks.accumulate_rounds(mesh, grads, True)
     for _ in range(4):
-        assert first.tobytes() == run(True).tobytes()
-    # fixed order: per source, its pushes in program order; then sources 0..7
-    per_source = np.zeros((8, numel), np.float32)
-    for s in range(8):
-        for r in range(rounds):
-            per_source[s] += grads[s, r]
-    expected = np.zeros(numel, np.float32)
-    for s in range(8):
-        expected += per_source[s]
+        assert first.tobytes() == ops_checks.accumulate_rounds(mesh, grads, True).tobytes()
+    expected = ops_checks.source_order_sum(grads)
     assert first.tobytes() == expected.tobytes()
-    np.testing.assert_allclose(run(False), expected, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(ops_checks.accumulate_rounds(mesh, grads, False), expected, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_zero_accumulator_and_publish(deterministic):
-    mesh = cpu_mesh(4)
-    numel = 100
-    with ops.SymmetricHeap(mesh, deterministic=deterministic) as heap:
-        b = heap.register(numel)
-        b.set_full(np.zeros(numel, np.float32))
-
-        def step(dev_value):
-            tok = ops.scatter_accumulate(b, jnp.ones((numel,)), ops.new_token())
-            tok = ops.barrier(heap, tok)
-            acc, tok = ops.read_accumulator(b, tok)
-            tok = ops.zero_accumulator(b, tok)
-            tok = ops.publish(b, acc + dev_value, tok)  # new shard = grad (4) + device value
-            tok = ops.barrier(heap, tok)
-            full, tok = ops.gather(b, tok)
-            acc_after, tok = ops.read_accumulator(b, tok)
-            return full, acc_after
-
-        full, acc_after = spmd(mesh, step, jnp.arange(4, dtype=jnp.float32) * 100)
-        owner = np.arange(numel) // b.shard_numel
-        np.testing.assert_array_equal(np.asarray(full)[1], 4.0 + 100.0 * owner)
-        np.testing.assert_array_equal(np.asarray(acc_after), 0.0)
-        np.testing.assert_array_equal(b.full(), 4.0 + 100.0 * owner)
+    ops_checks.check_zero_accumulator_and_publish(cpu_mesh(4), 100, deterministic, dev_scale=100.0)
 
 
 def test_barrier_orders_publish_before_peer_gather():
@@ -229,18 +122,8 @@ def test_barrier_timeout_names_missing_devices():
 def test_heaps_are_released():
     lib = _native.cpu_library()
     mesh = cpu_mesh(4)
-    base_heaps, base_bytes = lib.live_heaps(), lib.live_bytes()
-    for i in range(20):
-        heap = ops.SymmetricHeap(mesh, deterministic=i % 2 == 0)
-        buckets = [heap.register(1000 * (j + 1)) for j in range(3)]
-        assert lib.live_bytes() > base_bytes
-        buckets[0].free()
-        with pytest.raises(ValueError, match="freed"):
-            buckets[0].full()
-        heap.free()
-        heap.free()  # idempotent
-    assert lib.live_heaps() == base_heaps
-    assert lib.live_bytes() == base_bytes
+    base_bytes = lib.live_bytes()
+    ops_checks.check_heaps_are_released(mesh, lib, 20)
     # a heap dropped without free() is released by its finalizer
     heap = ops.SymmetricHeap(mesh)
     heap.register(10_000)

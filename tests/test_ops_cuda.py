@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import ops_checks
 from conftest import cpu_mesh, spmd
 from jodc import ops
 from jodc.ops import _native
@@ -74,87 +75,23 @@ def gpu_mesh(n: int, axis: str = "d"):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("numel", [1, 17, 1000, 4096 + 3, 1 << 20])
 def test_gather_is_exact(world, numel):
-    mesh = gpu_mesh(world)
-    values = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
-    with ops.SymmetricHeap(mesh) as heap:
-        b = heap.register(numel)
-        b.set_full(values)
-        np.testing.assert_array_equal(b.full(), values)
-
-        def fn():
-            full, tok = ops.gather(b, ops.new_token())
-            full_bf16, tok = ops.gather(b, tok, dtype=jnp.bfloat16)
-            return full, full_bf16, tok
-
-        full, full_bf16, tok = spmd(mesh, fn)
-    np.testing.assert_array_equal(np.asarray(full), np.broadcast_to(values, (world, numel)))
-    np.testing.assert_array_equal(np.asarray(full_bf16),
-                                  np.broadcast_to(values.astype(ml_dtypes.bfloat16), (world, numel)))
-    np.testing.assert_array_equal(np.asarray(tok), 2)
+    ops_checks.check_gather_is_exact(gpu_mesh(world), numel)
 
 
 def test_gather_bf16_master_matches_the_cpu_conversion():
-    mesh = gpu_mesh(N_GPUS)
-    values = np.random.default_rng(0).standard_normal((3, 5, 77)).astype(ml_dtypes.bfloat16)
-    with ops.SymmetricHeap(mesh) as heap:
-        b = heap.register((3, 5, 77), dtype=jnp.bfloat16)
-        b.set_full(values)
-
-        def fn():
-            full, tok = ops.gather(b, ops.new_token())
-            full32, tok = ops.gather(b, tok, dtype=jnp.float32)
-            return full, full32
-
-        full, full32 = spmd(mesh, fn)
-        np.testing.assert_array_equal(b.full(), values)
-    assert full.shape == (N_GPUS, 3, 5, 77) and full.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(full)[-1], values)
-    np.testing.assert_array_equal(np.asarray(full32)[0], values.astype(np.float32))
+    ops_checks.check_gather_keeps_shape_and_bf16_master(gpu_mesh(N_GPUS), (3, 5, 77))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_scatter_accumulate_matches_numpy_sum(world, grad_dtype, deterministic):
-    mesh = gpu_mesh(world)
-    numel = 30_001
-    grads = np.random.default_rng(world).standard_normal((world, numel)).astype(np.float32).astype(grad_dtype)
-    with ops.SymmetricHeap(mesh, deterministic=deterministic) as heap:
-        b = heap.register(numel)
-
-        def fn(g):
-            tok = ops.scatter_accumulate(b, g, ops.new_token())
-            tok = ops.barrier(heap, tok)
-            acc, tok = ops.read_accumulator(b, tok)
-            return acc, tok
-
-        acc, tok = spmd(mesh, fn, jnp.asarray(grads))
-        expected = np.asarray(grads, np.float64).sum(0)
-        assembled = np.asarray(acc).reshape(-1)[:numel]
-        np.testing.assert_allclose(assembled, expected, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(b.accumulated(), expected, rtol=1e-5, atol=1e-5)
-        assert np.all(np.asarray(acc).reshape(-1)[numel:] == 0)  # padding never receives anything
-        np.testing.assert_array_equal(np.asarray(tok), 3)
-        assert heap.generations() == [1] * world
+    ops_checks.check_scatter_accumulate_matches_numpy_sum(gpu_mesh(world), 30_001, grad_dtype, deterministic)
 
 
 def test_concurrent_pushes_from_every_gpu_in_a_loop():
     """Every GPU pushes 20 times into the same bucket at once (atomics or landing slots); nothing is lost."""
-    mesh = gpu_mesh(N_GPUS)
-    numel, rounds = 1 << 18, 20
-    with ops.SymmetricHeap(mesh) as heap:
-        b = heap.register(numel)
-
-        def fn(scale):
-            def body(i, tok):
-                return ops.scatter_accumulate(b, jnp.full((numel,), scale, jnp.float32), tok)
-
-            tok = lax.fori_loop(0, rounds, body, ops.new_token())
-            return ops.barrier(heap, tok)
-
-        spmd(mesh, fn, jnp.arange(1, N_GPUS + 1, dtype=jnp.float32))
-        total = rounds * N_GPUS * (N_GPUS + 1) / 2
-        np.testing.assert_array_equal(b.accumulated(), np.full(numel, total, np.float32))
+    ops_checks.check_concurrent_pushes_in_a_loop(gpu_mesh(N_GPUS), 1 << 18, 20)
 
 
 def test_deterministic_mode_is_bit_for_bit_repeatable_and_equals_the_cpu_backend():
@@ -163,66 +100,22 @@ def test_deterministic_mode_is_bit_for_bit_repeatable_and_equals_the_cpu_backend
     rng = np.random.default_rng(7)
     grads = (rng.standard_normal((world, rounds, numel)) *
              10.0 ** rng.integers(-4, 4, (world, rounds, 1))).astype(np.float32)
-
-    def run(mesh, deterministic):
-        with ops.SymmetricHeap(mesh, deterministic=deterministic) as heap:
-            b = heap.register(numel)
-
-            def fn(g):
-                tok = lax.fori_loop(0, rounds, lambda i, t: ops.scatter_accumulate(b, g[i], t), ops.new_token())
-                tok = ops.barrier(heap, tok)
-                acc, _ = ops.read_accumulator(b, tok)
-                return acc
-
-            out = np.asarray(spmd(mesh, fn, jnp.asarray(grads))).reshape(-1)[:numel]
-            assert out.tobytes() == b.accumulated().tobytes()  # host-side reduction: same order, same bits
-            return out
-
-    first = run(gpu_mesh(world), True)
+    first = ops_checks.accumulate_rounds(gpu_mesh(world), grads, True)
     for _ in range(3):
-        assert first.tobytes() == run(gpu_mesh(world), True).tobytes()
-    # fixed order: per source, its pushes in program order; then sources 0, 1, ...
-    per_source = np.zeros((world, numel), np.float32)
-    for s in range(world):
-        for r in range(rounds):
-            per_source[s] += grads[s, r]
-    expected = np.zeros(numel, np.float32)
-    for s in range(world):
-        expected += per_source[s]
+        assert first.tobytes() == ops_checks.accumulate_rounds(gpu_mesh(world), grads, True).tobytes()
+    expected = ops_checks.source_order_sum(grads)
     assert first.tobytes() == expected.tobytes()
-    if world <= len(jax.devices("cpu")):
-        assert first.tobytes() == run(cpu_mesh(world), True).tobytes()  # the CPU backend agrees bit for bit
-    np.testing.assert_allclose(run(gpu_mesh(world), False), expected, rtol=1e-4, atol=1e-3)
+    if world <= len(jax.devices("cpu")):  # the CPU backend agrees bit for bit
+        assert first.tobytes() == ops_checks.accumulate_rounds(cpu_mesh(world), grads, True).tobytes()
+    np.testing.assert_allclose(ops_checks.accumulate_rounds(gpu_mesh(world), grads, False), expected, rtol=1e-4,
+                               atol=1e-3)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("master", [jnp.float32, jnp.bfloat16])
 def test_zero_accumulator_and_publish(deterministic, master):
-    mesh = gpu_mesh(N_GPUS)
-    numel = 1000
-    with ops.SymmetricHeap(mesh, deterministic=deterministic) as heap:
-        b = heap.register(numel, dtype=master)
-        b.set_full(np.zeros(numel, np.float32))
-
-        def step(dev_value):
-            tok = ops.scatter_accumulate(b, jnp.ones((numel,)), ops.new_token())
-            tok = ops.barrier(heap, tok)
-            acc, tok = ops.read_accumulator(b, tok)
-            tok = ops.zero_accumulator(b, tok)
-            tok = ops.publish(b, acc + dev_value, tok)  # new shard = summed grad + device value
-            tok = ops.barrier(heap, tok)
-            full, tok = ops.gather(b, tok, dtype=jnp.float32)
-            acc_after, tok = ops.read_accumulator(b, tok)
-            return full, acc_after
-
-        # device values stay small so every new shard value is exact in bf16 too
-        full, acc_after = spmd(mesh, step, jnp.arange(N_GPUS, dtype=jnp.float32) * 0.5)
-        owner = np.arange(numel) // b.shard_numel
-        expected = float(N_GPUS) + 0.5 * owner
-        np.testing.assert_array_equal(np.asarray(full)[-1], expected)
-        np.testing.assert_array_equal(np.asarray(acc_after), 0.0)
-        np.testing.assert_array_equal(b.full().astype(np.float32), expected)
-        assert heap.generations() == [2] * N_GPUS
+    # device values stay small (dev_scale 0.5) so every new shard value is exact in bf16 too
+    ops_checks.check_zero_accumulator_and_publish(gpu_mesh(N_GPUS), 1000, deterministic, master, dev_scale=0.5)
 
 
 @pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs for a mesh barrier (the raw test below covers one GPU)")
@@ -263,17 +156,7 @@ def test_oversized_buckets_are_refused_naming_the_bytes():
 
 
 def test_heaps_are_released():
-    mesh = gpu_mesh(N_GPUS)
-    base_heaps, base_bytes = LIB.live_heaps(), LIB.live_bytes()
-    for i in range(6):
-        heap = ops.SymmetricHeap(mesh, deterministic=i % 2 == 0)
-        buckets = [heap.register(1000 * (j + 1)) for j in range(3)]
-        assert LIB.live_bytes() > base_bytes
-        buckets[0].free()
-        heap.free()
-        heap.free()  # idempotent
-    assert LIB.live_heaps() == base_heaps
-    assert LIB.live_bytes() == base_bytes
+    ops_checks.check_heaps_are_released(gpu_mesh(N_GPUS), LIB, 6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,6 +294,12 @@ def test_native_handlers_return_errors_instead_of_crashing():
             "gradient has 65 elements")
     failing(lambda h, ids, n: h.call("jodc_publish", (TOKEN,), 0, jnp.zeros(n, jnp.bfloat16), jnp.int32(0), **ids),
             "master dtype float32")
+    failing(lambda h, ids, n: h.call("jodc_read_accumulator", (jax.ShapeDtypeStruct((n + 1,), jnp.float32), TOKEN), 0,
+                                     jnp.int32(0), **ids), f"read_accumulator: output has {n + 1} elements")
+    failing(lambda h, ids, n: h.call("jodc_zero_accumulator", (TOKEN,), 0, jnp.int32(0), heap=h.id, bucket=424242),
+            "zero_accumulator: bucket 424242 is not registered")
+    failing(lambda h, ids, n: h.call("jodc_barrier", (TOKEN,), 0, jnp.zeros(2, jnp.int32), heap=h.id),
+            "barrier: operand 'token' must be an int32 scalar, got 2 elements")
     failing(lambda h, ids, n: h.call("jodc_barrier", (TOKEN,), 5, jnp.int32(0), heap=h.id),  # seen by the kernel
             r"device index 5 outside \[0, 2\)")
     heap = RawHeap(2)
@@ -743,6 +632,53 @@ def test_stress_c_abort_releases_waiting_devices_at_once():
         assert time.perf_counter() - start < 0.5 + 1.0
         timer.join()
     finally:
+        heap.free()
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter_accumulate", "publish", "read_accumulator", "zero_accumulator"])
+def test_stress_c_a_handler_error_releases_waiting_devices_at_once(op):
+    """(c, defect 5) Device 1's op fails in its handler (here: an unregistered bucket) while device 0 waits in a
+    barrier with a 60 s timeout: the failure aborts the heap, so device 0 is released within a second, with device
+    1's error as the cause (raw handlers on one GPU: device 0 of a 2-device heap waits on another thread)."""
+    heap = RawHeap(2, timeout_s=60.0)
+    n = LIB.bucket_shard_numel(heap.id, heap.register(64))
+    waited = {}
+
+    def wait():
+        start = time.perf_counter()
+        try:
+            heap.call("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
+        except Exception as e:  # noqa: BLE001 - the expected abort, checked below
+            waited["error"] = str(e)
+        waited["seconds"] = time.perf_counter() - start
+
+    full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
+    calls = {
+        "gather": lambda: heap.call("jodc_gather", (full_t, TOKEN), 1, jnp.int32(0), heap=heap.id, bucket=999999),
+        "scatter_accumulate": lambda: heap.call("jodc_scatter_accumulate", (TOKEN,), 1, jnp.zeros(64), jnp.int32(0),
+                                                heap=heap.id, bucket=999999),
+        "publish": lambda: heap.call("jodc_publish", (TOKEN,), 1, jnp.zeros(n), jnp.int32(0), heap=heap.id,
+                                     bucket=999999),
+        "read_accumulator": lambda: heap.call("jodc_read_accumulator", (jax.ShapeDtypeStruct((n,), jnp.float32), TOKEN),
+                                              1, jnp.int32(0), heap=heap.id, bucket=999999),
+        "zero_accumulator": lambda: heap.call("jodc_zero_accumulator", (TOKEN,), 1, jnp.int32(0), heap=heap.id,
+                                              bucket=999999),
+    }
+    waiter = threading.Thread(target=wait)
+    try:
+        waiter.start()
+        time.sleep(1.0)  # device 0's barrier kernel is spinning now
+        assert waiter.is_alive(), f"the barrier did not wait: {waited}"
+        failed_at = time.perf_counter()
+        with pytest.raises(Exception, match=f"jodc {op}: bucket 999999 is not registered"):
+            calls[op]()
+        waiter.join(timeout=30)
+        released_after = time.perf_counter() - failed_at
+        assert not waiter.is_alive() and released_after < 1.0, f"released {released_after:.2f} s after the failure"
+        assert "bucket 999999 is not registered" in waited.get("error", ""), waited
+    finally:
+        LIB.heap_abort(heap.id, "test over")
+        waiter.join(timeout=70)
         heap.free()
 
 

@@ -10,15 +10,13 @@
 
 #include "common/bindings.h"
 #include "common/error.h"
+#include "common/operands.h"
 
 namespace jodc {
 
 // An int32 scalar operand in host memory (device index, token); an error unless it holds exactly one element.
 inline ErrorOr<int32_t> ReadScalar(const char* op, const char* what, const Scalar& buf) {
-  if (buf.element_count() != 1) {
-    return Fail(InvalidArgument(std::string("jodc ") + op + ": operand '" + what + "' must be an int32 scalar, got " +
-                                std::to_string(buf.element_count()) + " elements"));
-  }
+  if (Error e = CheckScalar(op, what, buf); e.failure()) return Fail(std::move(e));
   return buf.typed_data()[0];
 }
 

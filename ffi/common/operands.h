@@ -6,11 +6,26 @@
 #include <cstdint>
 #include <string>
 
+#include "common/bindings.h"
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/layout.h"
 
 namespace jodc {
+
+// An int32 scalar operand (device index, token): an error naming the op and the operand unless it holds exactly one
+// element. (On GPUs the values stay on the device: only the count can be checked on the host.)
+inline Error CheckScalar(const char* op, const char* what, const Scalar& buf) {
+  if (buf.element_count() == 1) return Error::Success();
+  return InvalidArgument(std::string("jodc ") + op + ": operand '" + what + "' must be an int32 scalar, got " +
+                         std::to_string(buf.element_count()) + " elements");
+}
+
+// The (device, token) operands every heap op starts with.
+inline Error CheckScalars(const char* op, const Scalar& device, const Scalar& token) {
+  if (Error e = CheckScalar(op, "device", device); e.failure()) return e;
+  return CheckScalar(op, "token", token);
+}
 
 // The jodc dtype of an XLA element type: float32 and bfloat16 only.
 inline bool ToDtype(ffi::DataType t, Dtype* out) {

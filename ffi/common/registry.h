@@ -1,5 +1,5 @@
-// The process-wide table of a backend's heaps by id, and the lookup of a bucket in a heap: one implementation for
-// the CPU, MPI and CUDA heaps (their Heap types differ; each has `id`, `mu` and `buckets`). Ids are never reused,
+// The process-wide table of a backend's heaps by id (with their bucket ids), and the lookup of a bucket in a heap:
+// one implementation for the CPU, MPI, CUDA and NVSHMEM heaps (their Heap types differ; each has `id`, `mu` and `buckets`). Ids are never reused,
 // so a stale id fails with a message instead of reaching another heap.
 #ifndef JODC_FFI_COMMON_REGISTRY_H_
 #define JODC_FFI_COMMON_REGISTRY_H_
@@ -47,6 +47,9 @@ class HeapRegistry {
     return heap;
   }
 
+  // A new bucket id, unique among the buckets of every heap of this registry (never reused either).
+  int64_t NewBucketId() { return next_bucket_id_++; }
+
   int64_t Count() const {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(heaps_.size());
@@ -70,9 +73,18 @@ class HeapRegistry {
 
   const std::string kind_;
   std::atomic<int64_t> next_id_{1};
+  std::atomic<int64_t> next_bucket_id_{1};
   mutable std::mutex mu_;
   std::unordered_map<int64_t, std::shared_ptr<Heap>> heaps_;
 };
+
+// The registry of a library's heaps of type Heap, `kind` naming them in messages: created on first use and never
+// destroyed (handlers may still run during exit). Each backend wraps it in its Heaps() with its fixed kind.
+template <typename Heap>
+HeapRegistry<Heap>& RegistryOf(const char* kind) {
+  static auto* heaps = new HeapRegistry<Heap>(kind);
+  return *heaps;
+}
 
 }  // namespace jodc
 

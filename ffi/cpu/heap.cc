@@ -6,21 +6,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
 
+#include "common/bucket_plan.h"
 #include "common/registry.h"
 
 namespace jodc::cpu {
 namespace {
 
 std::atomic<int64_t> g_live_bytes{0};
-std::atomic<int64_t> g_next_bucket_id{1};
 
-HeapRegistry<Heap>& Heaps() {
-  static auto* heaps = new HeapRegistry<Heap>("heap");  // never destroyed: handlers may run during exit
-  return *heaps;
-}
+HeapRegistry<Heap>& Heaps() { return RegistryOf<Heap>("heap"); }
 
 }  // namespace
 
@@ -98,19 +94,13 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
   auto found = FindHeap(heap_id);
   if (!found.has_value()) return Fail(found.error());
   const std::shared_ptr<Heap>& heap = *found;
-  if (numel < 1) return Fail(InvalidArgument("bucket size must be >= 1 element, got " + std::to_string(numel)));
-  const std::string what = "a bucket of " + std::to_string(numel) + " " + DtypeName(master) + " elements over " +
-                           std::to_string(heap->world) + " devices in heap " + std::to_string(heap_id);
+  auto plan = PlanBucket(numel, master, heap->world, heap->deterministic, heap_id);
+  if (!plan.has_value()) return Fail(plan.error());
+  const std::string& what = plan->what;
   auto b = std::make_shared<Bucket>();
   b->master = master;
-  b->layout = MakeLayout(numel, heap->world, DtypeBytes(master));
-  if (b->layout.shard_numel < 1 || !CheckedBucketBytes(b->layout, heap->deterministic, &b->bytes)) {
-    std::ostringstream msg;
-    const double per_element = DtypeBytes(master) + 4.0 + (heap->deterministic ? 4.0 * heap->world : 0.0);
-    msg << what << " is too large: its memory (about " << static_cast<double>(numel) * per_element
-        << " bytes) overflows 64-bit byte counts";
-    return Fail(InvalidArgument(msg.str()));
-  }
+  b->layout = plan->layout;
+  b->bytes = plan->bytes;
   const int64_t available = AvailableHostBytes();
   if (b->bytes.total > available) {
     return Fail(OutOfMemory("out of host memory: " + what + " needs " + std::to_string(b->bytes.total) +
@@ -127,7 +117,7 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
     return Fail(OutOfMemory("out of host memory: allocating " + what + " (" + std::to_string(b->bytes.total) +
                             " bytes, " + std::to_string(padded) + " padded elements) failed"));
   }
-  b->id = g_next_bucket_id++;
+  b->id = Heaps().NewBucketId();
   for (int32_t o = 0; o < heap->world; ++o) b->owner_locks.push_back(std::make_unique<std::mutex>());
   std::lock_guard<std::mutex> lock(heap->mu);
   if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));

@@ -15,33 +15,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   int32_t device;
   const BucketLayout& l = view.layout;
   if (!ValidDevice(device_operand, l.world, control, OpCode::kReadAccumulator, token_in, token_out, &device)) return;
-  const float* acc = view.accumulator[device];
-  const int64_t n = l.shard_numel;
-  if (!view.landing_slots) {
-    CopyRange(out, acc, n, vectorized);
-  } else {
-    const float* slots = view.landing[device];
-    const int64_t start = StrideStart(), step = StrideStep();
-    int64_t done = 0;
-    if (vectorized) {
-      const int64_t packs = n / kPack;
-      for (int64_t k = start; k < packs; k += step) {
-        Pack<float> sum = LoadPack(acc + k * kPack);
-        for (int32_t s = 0; s < l.world; ++s) {
-          const Pack<float> slot = LoadPack(slots + s * n + k * kPack);
-#pragma unroll
-          for (int j = 0; j < kPack; ++j) sum.v[j] += slot.v[j];
-        }
-        StorePack(out + k * kPack, sum);
-      }
-      done = packs * kPack;
-    }
-    for (int64_t i = done + start; i < n; i += step) {
-      float sum = acc[i];
-      for (int32_t s = 0; s < l.world; ++s) sum += slots[s * n + i];
-      out[i] = sum;
-    }
-  }
+  SumInSourceOrder(out, view.accumulator[device], view.landing[device], view.landing_slots ? l.world : 0,
+                   l.shard_numel, vectorized);
   AdvanceToken(token_in, token_out);
 }
 
@@ -53,12 +28,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   int32_t device;
   const BucketLayout& l = view.layout;
   if (!ValidDevice(device_operand, l.world, control, OpCode::kZeroAccumulator, token_in, token_out, &device)) return;
-  const int64_t n = l.shard_numel;
-  float* region = blockIdx.y == 0 ? view.accumulator[device] : view.landing[device] + (blockIdx.y - 1) * n;
-  float4* region4 = reinterpret_cast<float4*>(region);
-  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int64_t i = StrideStart(); i < n / 4; i += StrideStep()) region4[i] = zero;
-  FenceWritesForPeers();  // peers' next pushes must land on zeros, not be overwritten by them
+  ZeroRegions(view.accumulator[device], view.landing[device], l.shard_numel, /*vectorized=*/true);
   AdvanceToken(token_in, token_out);
 }
 

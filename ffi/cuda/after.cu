@@ -11,7 +11,7 @@ __global__ void AfterKernel(const int32_t* token_in, int32_t* token_out) { Advan
 
 ffi::Error After(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::RemainingArgs values,
                  ffi::Result<ffi::Buffer<ffi::S32>> token_out) {
-  if (token.element_count() != 1) return InvalidArgument("jodc after: the token must be an int32 scalar");
+  if (ffi::Error e = CheckToken("after", token); e.failure()) return e;
   int32_t gpu = -1;
   if (ffi::Error e = SelectStreamDevice("after", stream, &gpu); e.failure()) return e;
   AfterKernel<<<1, 1, 0, stream>>>(token.typed_data(), token_out->typed_data());

@@ -13,8 +13,6 @@
 //           may already spin).
 // The handler then synchronises its stream (the one blocking host wait of the ODC ops, once per minibatch) and turns
 // the report into success or an ffi::Error naming the missing devices; a timeout poisons the heap like on CPU.
-#include <sstream>
-
 #include "cuda/device_util.cuh"
 #include "cuda/handler_util.cuh"
 #include "cuda/handlers.cuh"
@@ -25,40 +23,13 @@ namespace {
 __global__ void __launch_bounds__(kMaxWorld)
     BarrierKernel(HeapControl* control, int32_t world, const int32_t* device_operand, const int32_t* token_in,
                   int32_t* token_out, uint64_t timeout_ns, BarrierReport* report) {
-  __shared__ int32_t device;
-  __shared__ uint64_t generation;
-  __shared__ unsigned long long missing;
-  __shared__ int32_t aborted;
-  __shared__ uint64_t start_ns;
-  if (threadIdx.x == 0) {
-    device = *device_operand;
-    missing = 0;
-    aborted = 0;
-    generation = 0;
-    start_ns = GlobalTimerNs();
-    if (device >= 0 && device < world) {
-      __threadfence_system();  // earlier kernels' writes (peer accumulators, published shard) before the arrival
-      generation = LoadRelaxedSystem(&control->arrivals[device]) + 1;  // only this device ever writes its counter
-      StoreReleaseSystem(&control->arrivals[device], generation);
-    }
-  }
-  __syncthreads();
-  AwaitArrivals(control->arrivals, &control->abort, world, device, generation, start_ns, timeout_ns, token_in,
-                token_out, report, &missing, &aborted);
-}
-
-std::string DeviceList(uint64_t mask, int32_t world) {
-  std::ostringstream out;
-  out << "[";
-  bool first = true;
-  for (int32_t d = 0; d < world; ++d) {
-    if ((mask >> d) & 1u) {
-      out << (first ? "" : ", ") << d;
-      first = false;
-    }
-  }
-  out << "]";
-  return out.str();
+  RunBarrier(control->arrivals, &control->abort, world, device_operand, token_in, token_out, timeout_ns, report,
+             [control](int32_t device) {
+               __threadfence_system();  // earlier kernels' writes (peer accumulators, published shard) first
+               const uint64_t generation = LoadRelaxedSystem(&control->arrivals[device]) + 1;  // only d writes it
+               StoreReleaseSystem(&control->arrivals[device], generation);
+               return generation;
+             });
 }
 
 ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
@@ -68,26 +39,13 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
   Heap& h = *t.heap;
   std::string why;
   // A report of the heap's own, borrowed for this call (the handler waits for its kernel before returning it).
-  BarrierReport* report = h.AcquireReport();
-  if (report == nullptr) {
-    return ffi::Error::Internal("jodc barrier: more than " + std::to_string(h.world) + " barriers of heap " +
-                                std::to_string(heap_id) + " are in flight at once (one per device is the most a "
-                                "program can have); is the same computation running twice concurrently?");
-  }
-  struct Return {
-    Heap& heap;
-    BarrierReport* report;
-    ~Return() { heap.ReleaseReport(report); }
-  } give_back{h, report};
-  volatile BarrierReport* seen = report;
+  BarrierReports::Lease report = h.reports.Borrow();
+  if (report == nullptr) return TooManyBarriers(h.world, heap_id);
+  volatile BarrierReport* seen = report.get();
   seen->outcome = kPending;
   const double timeout_s = h.barrier_timeout_s.load();
-  // Saturating conversion: +inf and timeouts beyond int64 nanoseconds become kForeverNs (about 292 years), which
-  // the kernel's elapsed-time comparison never reaches.
-  const int64_t timeout_ns = TimeoutNanos(timeout_s);
-  const uint64_t timeout_ticks = timeout_ns > 0 ? static_cast<uint64_t>(timeout_ns) : uint64_t{1};
   BarrierKernel<<<1, kMaxWorld, 0, stream>>>(h.control_dev, h.world, device.typed_data(), token.typed_data(),
-                                             token_out->typed_data(), timeout_ticks, report);
+                                             token_out->typed_data(), BarrierTimeoutTicks(timeout_s), report.get());
   // No Launched(): this handler waits for its kernel below, so the heap never has to.
   if (ffi::Error e = LaunchResult("barrier"); e.failure()) return e;
   // The one host wait of the ODC ops: it makes a timeout an error of this very call instead of a silent hang.
@@ -108,13 +66,10 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
       return InvalidArgument("jodc barrier: device index " + std::to_string(me) + " outside [0, " +
                              std::to_string(h.world) + ") of heap " + std::to_string(heap_id));
     case kTimedOut: {
-      std::ostringstream msg;
-      msg << "jodc barrier timed out after " << timeout_s << " s in generation " << seen->generation << " of heap "
-          << heap_id << ": device(s) " << DeviceList(seen->missing, h.world) << " never arrived (device " << me
-          << " waited); the heap is now unusable: free and re-create it";
+      const std::string msg = BarrierTimeoutMessage(timeout_s, *report, h.world, heap_id);
       std::lock_guard<std::mutex> lock(h.mu);
-      PoisonLocked(h, msg.str());
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());
+      PoisonLocked(h, msg);
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
     }
     case kAborted: {
       std::lock_guard<std::mutex> lock(h.mu);

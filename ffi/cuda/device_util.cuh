@@ -17,27 +17,42 @@ namespace jodc::cuda {
 using Bf16Bits = uint16_t;
 
 template <typename T>
-__device__ __forceinline__ float ToF32(T v);
-template <>
-__device__ __forceinline__ float ToF32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float ToF32<Bf16Bits>(Bf16Bits v) { return Bf16ToF32(v); }
+inline constexpr bool kIsElement = std::is_same_v<T, float> || std::is_same_v<T, Bf16Bits>;
 
-template <typename T>
-__device__ __forceinline__ T FromF32(float v);
-template <>
-__device__ __forceinline__ float FromF32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ Bf16Bits FromF32<Bf16Bits>(float v) { return F32ToBf16(v); }
-
-// Element conversion; same-type "conversion" is a bit copy (NaN payloads survive untouched).
+// Element conversion between fp32 and bf16 bits, with the CPU side's rounding; same-type "conversion" is a bit copy
+// (NaN payloads survive untouched).
 template <typename Dst, typename Src>
 __device__ __forceinline__ Dst Convert(Src v) {
+  static_assert(kIsElement<Dst> && kIsElement<Src>, "jodc moves float32 and bfloat16 only");
   if constexpr (std::is_same_v<Dst, Src>) {
     return v;
+  } else if constexpr (std::is_same_v<Dst, float>) {
+    return Bf16ToF32(v);
   } else {
-    return FromF32<Dst>(ToF32<Src>(v));
+    return F32ToBf16(v);
   }
+}
+
+// A kernel's element type for a bucket's or operand's Dtype, on the host: fn(ElementTag<float>{}) or
+// fn(ElementTag<Bf16Bits>{}); fn reads the type as `typename decltype(tag)::type`. The one place handlers pick
+// which instantiation of a kernel template to launch.
+template <typename T>
+struct ElementTag {
+  using type = T;
+};
+template <typename Fn>
+void WithElement(Dtype dtype, Fn&& fn) {
+  if (dtype == Dtype::kF32) {
+    fn(ElementTag<float>{});
+  } else {
+    fn(ElementTag<Bf16Bits>{});
+  }
+}
+
+// An element as fp32 (what accumulators hold).
+template <typename T>
+__device__ __forceinline__ float ToF32(T v) {
+  return Convert<float>(v);
 }
 
 // Eight consecutive elements: one 16-byte transaction for bf16, two for fp32.
@@ -73,44 +88,87 @@ __device__ __forceinline__ int64_t StrideStart() {
 }
 __device__ __forceinline__ int64_t StrideStep() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
+// The loop shape of every copy / add kernel: this thread's share of a grid-stride loop over [0, n), as whole groups
+// of `width` consecutive elements, group(i) for the group starting at element i (only when `vectorized`: the pointers
+// involved are 16-byte aligned), then the elements after the last whole group one by one, element(i). Consecutive
+// threads take consecutive groups, so a warp's loads and stores are contiguous.
+template <int width, typename Group, typename Element>
+__device__ __forceinline__ void ForEachStrided(int64_t n, bool vectorized, Group group, Element element) {
+  const int64_t start = StrideStart(), step = StrideStep();
+  int64_t done = 0;
+  if (vectorized) {
+    const int64_t groups = n / width;
+    for (int64_t k = start; k < groups; k += step) group(k * width);
+    done = groups * width;
+  }
+  for (int64_t i = done + start; i < n; i += step) element(i);
+}
+
 // dst[0, n) = convert(src[0, n)), shared by the threads of grid dimension x. `vectorized`: both pointers are 16-byte
 // aligned, so whole packs move with 16-byte loads and stores and only the tail goes element by element.
 template <typename Dst, typename Src>
 __device__ void CopyRange(Dst* __restrict__ dst, const Src* __restrict__ src, int64_t n, bool vectorized) {
-  const int64_t start = StrideStart(), step = StrideStep();
-  int64_t done = 0;
-  if (vectorized) {
-    const int64_t packs = n / kPack;
-    for (int64_t k = start; k < packs; k += step) {
-      const Pack<Src> in = LoadPack(src + k * kPack);
-      Pack<Dst> out;
+  ForEachStrided<kPack>(
+      n, vectorized,
+      [=](int64_t i) {
+        const Pack<Src> in = LoadPack(src + i);
+        Pack<Dst> out;
 #pragma unroll
-      for (int j = 0; j < kPack; ++j) out.v[j] = Convert<Dst>(in.v[j]);
-      StorePack(dst + k * kPack, out);
-    }
-    done = packs * kPack;
-  }
-  for (int64_t i = done + start; i < n; i += step) dst[i] = Convert<Dst>(src[i]);
+        for (int j = 0; j < kPack; ++j) out.v[j] = Convert<Dst>(in.v[j]);
+        StorePack(dst + i, out);
+      },
+      [=](int64_t i) { dst[i] = Convert<Dst>(src[i]); });
 }
 
 // acc[0, n) += fp32(src[0, n)) with plain loads and stores: only for memory that no other device writes meanwhile
 // (a landing slot belongs to exactly one source, and one device's kernels run in stream order).
 template <typename Src>
 __device__ void AddRange(float* __restrict__ acc, const Src* __restrict__ src, int64_t n, bool vectorized) {
-  const int64_t start = StrideStart(), step = StrideStep();
-  int64_t done = 0;
-  if (vectorized) {
-    const int64_t packs = n / kPack;
-    for (int64_t k = start; k < packs; k += step) {
-      const Pack<Src> in = LoadPack(src + k * kPack);
-      Pack<float> sum = LoadPack(acc + k * kPack);
+  ForEachStrided<kPack>(
+      n, vectorized,
+      [=](int64_t i) {
+        const Pack<Src> in = LoadPack(src + i);
+        Pack<float> sum = LoadPack(acc + i);
 #pragma unroll
-      for (int j = 0; j < kPack; ++j) sum.v[j] += ToF32(in.v[j]);
-      StorePack(acc + k * kPack, sum);
-    }
-    done = packs * kPack;
-  }
-  for (int64_t i = done + start; i < n; i += step) acc[i] += ToF32(src[i]);
+        for (int j = 0; j < kPack; ++j) sum.v[j] += ToF32(in.v[j]);
+        StorePack(acc + i, sum);
+      },
+      [=](int64_t i) { acc[i] += ToF32(src[i]); });
+}
+
+// read_accumulator's fixed-order reduction in fp32: out[0, n) = acc + slot 0 + slot 1 + ... + slot count-1, in that
+// order whatever the timing of the pushes (the CPU backend's order: deterministic heaps give the same bits on every
+// backend). Slot s is slots + s * n; count 0 makes it a copy of acc. `vectorized`: out, acc and slots are 16-byte
+// aligned (shards are whole multiples of 64 bytes).
+__device__ __forceinline__ void SumInSourceOrder(float* __restrict__ out, const float* acc, const float* slots,
+                                                 int32_t count, int64_t n, bool vectorized) {
+  ForEachStrided<kPack>(
+      n, vectorized,
+      [=](int64_t i) {
+        Pack<float> sum = LoadPack(acc + i);
+        for (int32_t s = 0; s < count; ++s) {
+          const Pack<float> slot = LoadPack(slots + s * n + i);
+#pragma unroll
+          for (int j = 0; j < kPack; ++j) sum.v[j] += slot.v[j];
+        }
+        StorePack(out + i, sum);
+      },
+      [=](int64_t i) {
+        float sum = acc[i];
+        for (int32_t s = 0; s < count; ++s) sum += slots[s * n + i];
+        out[i] = sum;
+      });
+}
+
+// zero_accumulator's stores: grid row y = 0 zeroes acc[0, n), row y = 1 + s landing slot s (landing + s * n), with
+// 16-byte stores when `vectorized` (both 16-byte aligned). Then fences, so peers' next pushes land on the zeros
+// instead of being overwritten by them.
+__device__ __forceinline__ void ZeroRegions(float* acc, float* landing, int64_t n, bool vectorized) {
+  float* region = blockIdx.y == 0 ? acc : landing + (blockIdx.y - 1) * n;
+  ForEachStrided<4>(
+      n, vectorized, [=](int64_t i) { *reinterpret_cast<float4*>(region + i) = make_float4(0.f, 0.f, 0.f, 0.f); },
+      [=](int64_t i) { region[i] = 0.f; });
+  __threadfence_system();
 }
 
 // Four consecutive source elements as fp32 (src 8-byte aligned for bf16, 16-byte aligned for fp32).
@@ -233,16 +291,31 @@ __device__ __forceinline__ void AdvanceToken(const int32_t* token_in, int32_t* t
 // What a barrier kernel tells its handler (BarrierReport::outcome), in both GPU backends (CUDA, NVSHMEM).
 enum BarrierOutcome : int32_t { kPending = 0, kPassed = 1, kTimedOut = 2, kAborted = 3, kBadDevice = 4 };
 
-// The waiting half of a barrier kernel (one block of kMaxWorld threads; every thread calls it, after thread 0 set
-// `device` and, for a valid device, recorded its arrival as `generation`, all in shared memory, and a __syncthreads):
-// thread p < world waits until peer p's arrival counter reaches `generation`, the abort flag is set or `timeout_ns`
-// passed since `start_ns`; thread 0 then writes the report and the token. A device outside [0, world) touched nothing
-// and is reported as kBadDevice (the heap stays usable). `missing` / `aborted` are the kernel's zeroed shared words.
-__device__ __forceinline__ void AwaitArrivals(const uint64_t* arrivals, const int32_t* abort, int32_t world,
-                                              int32_t device, uint64_t generation, uint64_t start_ns,
-                                              uint64_t timeout_ns, const int32_t* token_in, int32_t* token_out,
-                                              BarrierReport* report, unsigned long long* missing, int32_t* aborted) {
+// A barrier kernel of either GPU backend (one block of kMaxWorld threads; every thread calls it). Thread 0 reads the
+// device operand and, for a device in [0, world), calls arrive(device), which makes this device's earlier writes
+// visible to its peers, publishes its arrival (a store into the host-mapped counter for CUDA, puts to every PE for
+// NVSHMEM) and returns the new generation. Then thread p < world waits until peer p's arrival counter reaches that
+// generation, the abort flag is set or `timeout_ns` passed, backing off with __nanosleep; thread 0 finally writes the
+// report and the token. A device outside [0, world) touches nothing and is reported as kBadDevice.
+template <typename Arrive>
+__device__ __forceinline__ void RunBarrier(const uint64_t* arrivals, const int32_t* abort, int32_t world,
+                                           const int32_t* device_operand, const int32_t* token_in, int32_t* token_out,
+                                           uint64_t timeout_ns, BarrierReport* report, Arrive arrive) {
+  __shared__ int32_t device;
+  __shared__ uint64_t generation;
+  __shared__ unsigned long long missing;
+  __shared__ int32_t aborted;
+  __shared__ uint64_t start_ns;
   const int32_t p = static_cast<int32_t>(threadIdx.x);
+  if (p == 0) {
+    device = *device_operand;
+    missing = 0;
+    aborted = 0;
+    generation = 0;
+    start_ns = GlobalTimerNs();
+    if (device >= 0 && device < world) generation = arrive(device);
+  }
+  __syncthreads();
   if (device < 0 || device >= world) {
     if (p == 0) {
       report->device = device;
@@ -256,12 +329,12 @@ __device__ __forceinline__ void AwaitArrivals(const uint64_t* arrivals, const in
     unsigned sleep_ns = 64;
     while (LoadAcquireSystem(&arrivals[p]) < generation) {
       if (LoadRelaxedSystem(abort) != 0) {
-        *aborted = 1;
-        atomicOr(missing, 1ull << p);
+        aborted = 1;
+        atomicOr(&missing, 1ull << p);
         break;
       }
       if (GlobalTimerNs() - start_ns > timeout_ns) {
-        atomicOr(missing, 1ull << p);
+        atomicOr(&missing, 1ull << p);
         break;
       }
       __nanosleep(sleep_ns);
@@ -273,8 +346,8 @@ __device__ __forceinline__ void AwaitArrivals(const uint64_t* arrivals, const in
   if (p == 0) {
     report->device = device;
     report->generation = generation;
-    report->missing = *missing;
-    report->outcome = *missing == 0 ? kPassed : (*aborted ? kAborted : kTimedOut);
+    report->missing = missing;
+    report->outcome = missing == 0 ? kPassed : (aborted ? kAborted : kTimedOut);
     token_out[0] = token_in[0] + 1;
     __threadfence_system();
   }

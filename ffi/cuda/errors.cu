@@ -1,5 +1,6 @@
 // Names and messages shared by every CUDA library of jodc (the CUDA backend and the NVSHMEM backend compile this
-// file): op names for device faults, CUDA error messages, the barrier timeout check.
+// file): op names for device faults, CUDA error messages, the barrier timeout check and message.
+#include <sstream>
 #include <string>
 
 #include "cuda/heap.cuh"
@@ -29,6 +30,21 @@ Error CheckBarrierTimeout(double seconds) {
                            std::to_string(seconds));
   }
   return Error::Success();
+}
+
+std::string BarrierTimeoutMessage(double timeout_s, const BarrierReport& report, int32_t world, int64_t heap_id) {
+  std::ostringstream msg;
+  msg << "jodc barrier timed out after " << timeout_s << " s in generation " << report.generation << " of heap "
+      << heap_id << ": device(s) [";
+  bool first = true;
+  for (int32_t d = 0; d < world; ++d) {
+    if ((report.missing >> d) & 1u) {
+      msg << (first ? "" : ", ") << d;
+      first = false;
+    }
+  }
+  msg << "] never arrived (device " << report.device << " waited); the heap is now unusable: free and re-create it";
+  return msg.str();
 }
 
 }  // namespace jodc::cuda

@@ -44,15 +44,11 @@ ffi::Error Gather(cudaStream_t stream, Scalar device, Scalar token, ffi::Result<
     const int32_t* tok = token.typed_data();
     int32_t* tok_out = token_out->typed_data();
     void* dst = out->untyped_data();
-    if (view.master == Dtype::kF32 && out_t == Dtype::kF32) {
-      LaunchGather<float, float>(stream, t, dev, tok, tok_out, dst);
-    } else if (view.master == Dtype::kF32) {
-      LaunchGather<float, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
-    } else if (out_t == Dtype::kF32) {
-      LaunchGather<Bf16Bits, float>(stream, t, dev, tok, tok_out, dst);
-    } else {
-      LaunchGather<Bf16Bits, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
-    }
+    WithElement(view.master, [&](auto src_t) {
+      WithElement(out_t, [&](auto dst_t) {
+        LaunchGather<typename decltype(src_t)::type, typename decltype(dst_t)::type>(stream, t, dev, tok, tok_out, dst);
+      });
+    });
     return ffi::Error::Success();
   });
 }

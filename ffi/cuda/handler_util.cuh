@@ -28,7 +28,6 @@ namespace ffi = xla::ffi;
 
 constexpr int kThreadsPerBlock = 256;
 
-inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 struct OpTarget {
   std::shared_ptr<Heap> heap;
@@ -47,14 +46,9 @@ inline bool CheckHealthy(const char* op, Heap& heap, std::string* err) {
 // The common preamble of every handler: the device and token operands are int32 scalars (their values stay on the
 // GPU: kernels read them, the host never does), the heap exists and is healthy, the bucket exists (bucket_id >= 0),
 // and the stream's GPU is the calling thread's current device so that launches go to it.
-inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer<ffi::S32>& device,
-                          const ffi::Buffer<ffi::S32>& token, int64_t heap_id, int64_t bucket_id, OpTarget* out) {
-  if (device.element_count() != 1 || token.element_count() != 1) {
-    const bool bad_device = device.element_count() != 1;
-    return InvalidArgument(std::string("jodc ") + op + ": operand '" + (bad_device ? "device" : "token") +
-                           "' must be an int32 scalar, got " +
-                           std::to_string(bad_device ? device.element_count() : token.element_count()) + " elements");
-  }
+inline ffi::Error Prepare(const char* op, cudaStream_t stream, const Scalar& device, const Scalar& token,
+                          int64_t heap_id, int64_t bucket_id, OpTarget* out) {
+  if (ffi::Error e = CheckScalars(op, device, token); e.failure()) return e;
   auto heap = FindHeap(heap_id);
   if (!heap.has_value()) return ForOp(op, heap.error());
   out->heap = *heap;
@@ -76,13 +70,6 @@ inline ffi::Error AbortOnError(int64_t heap_id, ffi::Error e) {
   return e;
 }
 
-// Turns a failed kernel launch (bad configuration, no kernel image for this GPU, ...) into an error.
-inline ffi::Error LaunchResult(const char* op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jodc ") + op + ": " + CudaMessage("launching the kernel", e));
-}
-
 // After a heap op's launch: the launch error, if any; else records the launch with the heap, so freeing the heap or a
 // bucket waits for exactly this heap's queued work.
 inline ffi::Error Launched(const char* op, cudaStream_t stream, const OpTarget& t) {
@@ -92,18 +79,15 @@ inline ffi::Error Launched(const char* op, cudaStream_t stream, const OpTarget& 
 }
 
 // Runs `body(const OpTarget&) -> Error` (checks operands, launches the op's kernel on `stream`) as op `op` on bucket
-// `bucket_id` (-1: a heap-level op) of heap `heap_id`, after the common preamble (Prepare) and followed by the launch
-// check and the launch's record with the heap (Launched). Any error aborts the heap (AbortOnError).
+// `bucket_id` of heap `heap_id` in the frame of every GPU heap op (RunGpuOp): the common preamble (Prepare) first,
+// then the launch check and the launch's record with the heap (Launched); any error aborts the heap (AbortOnError).
 template <typename Body>
 ffi::Error RunOp(const char* op, cudaStream_t stream, const Scalar& device, const Scalar& token, int64_t heap_id,
                  int64_t bucket_id, Body&& body) {
-  ffi::Error e = [&]() -> ffi::Error {
-    OpTarget t;
-    if (ffi::Error failed = Prepare(op, stream, device, token, heap_id, bucket_id, &t); failed.failure()) return failed;
-    if (ffi::Error failed = body(t); failed.failure()) return failed;
-    return Launched(op, stream, t);
-  }();
-  return AbortOnError(heap_id, std::move(e));
+  return RunGpuOp<OpTarget>(
+      [&](OpTarget* t) { return Prepare(op, stream, device, token, heap_id, bucket_id, t); }, body,
+      [&](const OpTarget& t) { return Launched(op, stream, t); },
+      [&](ffi::Error e) { return AbortOnError(heap_id, std::move(e)); });
 }
 
 // Streaming multiprocessors of `gpu`, cached (queried once per GPU).

@@ -8,18 +8,15 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/bucket_plan.h"
 #include "common/registry.h"
 
 namespace jodc::cuda {
 namespace {
 
 std::atomic<int64_t> g_live_bytes{0};
-std::atomic<int64_t> g_next_bucket_id{1};
 
-HeapRegistry<Heap>& Heaps() {
-  static auto* heaps = new HeapRegistry<Heap>("heap");  // never destroyed: handlers may run during exit
-  return *heaps;
-}
+HeapRegistry<Heap>& Heaps() { return RegistryOf<Heap>("heap"); }
 
 // Enables peer access in both directions between every pair of distinct GPUs in `gpus`. Sets *native_atomics to
 // whether every pair also supports native atomics over its link (NVLink: yes; PCIe: usually not).
@@ -218,17 +215,6 @@ Error DeviceBuffer::Allocate(int32_t gpu, int64_t bytes) {
 
 int64_t LiveHeapBytes() { return g_live_bytes.load(); }
 
-BarrierReport* Heap::AcquireReport() {
-  for (int32_t i = 0; i < world; ++i) {
-    if (!report_busy_[i].exchange(true, std::memory_order_acquire)) return reports + i;
-  }
-  return nullptr;
-}
-
-void Heap::ReleaseReport(BarrierReport* report) {
-  report_busy_[report - reports].store(false, std::memory_order_release);
-}
-
 Error Heap::NoteLaunch(cudaStream_t stream, int32_t gpu) {
   std::lock_guard<std::mutex> lock(launches_mu_);
   StreamEvent* slot = nullptr;
@@ -280,7 +266,6 @@ Heap::~Heap() {
       cudaFreeHost(control);
     }
   }
-  if (reports != nullptr) cudaFreeHost(reports);
   cudaGetLastError();  // at interpreter exit the runtime may already be unloading; nothing to report then
 }
 
@@ -359,20 +344,14 @@ ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_ti
   {
     ScopedDevice on(heap->placement[0]);
     void* control = nullptr;
-    void* reports = nullptr;
-    const unsigned flags = cudaHostAllocMapped | cudaHostAllocPortable;
-    cudaError_t e = on.ok() ? cudaHostAlloc(&control, sizeof(HeapControl), flags) : on.status();
-    if (e == cudaSuccess) e = cudaHostAlloc(&reports, sizeof(BarrierReport) * world, flags);
+    cudaError_t e = on.ok() ? AllocateMappedZeros(sizeof(HeapControl), &control) : on.status();
+    heap->control = static_cast<HeapControl*>(control);  // freed by ~Heap, also when the reports fail below
+    heap->control_dev = heap->control;                  // cudaHostAlloc'ed: one address for host and device (UVA)
+    if (e == cudaSuccess) e = heap->reports.Allocate(world);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      if (control != nullptr) cudaFreeHost(control);
       return Fail(Error::Internal(CudaMessage("allocating the heap's pinned control block and barrier reports", e)));
     }
-    std::memset(control, 0, sizeof(HeapControl));
-    std::memset(reports, 0, sizeof(BarrierReport) * world);
-    heap->control = static_cast<HeapControl*>(control);
-    heap->control_dev = heap->control;  // cudaHostAlloc'ed: one address for host and device (UVA)
-    heap->reports = static_cast<BarrierReport*>(reports);
   }
   return AddHeap(std::move(heap));
 }
@@ -412,10 +391,10 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
   auto found = FindHeap(heap_id);
   if (!found.has_value()) return Fail(found.error());
   const std::shared_ptr<Heap>& heap = *found;
-  if (numel < 1) return Fail(InvalidArgument("bucket size must be >= 1 element, got " + std::to_string(numel)));
   const int32_t world = heap->world;
-  const std::string what = "a bucket of " + std::to_string(numel) + " " + DtypeName(master) + " elements over " +
-                           std::to_string(world) + " devices in heap " + std::to_string(heap_id);
+  auto plan = PlanBucket(numel, master, world, heap->landing_slots, heap_id);
+  if (!plan.has_value()) return Fail(plan.error());
+  const std::string& what = plan->what;
   {
     std::lock_guard<std::mutex> lock(heap->mu);
     if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));
@@ -424,16 +403,10 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
   // never wait for these allocations.
   auto b = std::make_shared<Bucket>();
   BucketView& v = b->view;
-  v.layout = MakeLayout(numel, world, DtypeBytes(master));
+  v.layout = plan->layout;
   v.master = master;
   v.landing_slots = heap->landing_slots;
-  if (v.layout.shard_numel < 1 || !CheckedBucketBytes(v.layout, v.landing_slots, &b->bytes)) {
-    std::ostringstream msg;
-    const double per_element = DtypeBytes(master) + 4.0 + (v.landing_slots ? 4.0 * world : 0.0);
-    msg << what << " is too large: its memory (about " << static_cast<double>(numel) * per_element
-        << " bytes) overflows 64-bit byte counts";
-    return Fail(InvalidArgument(msg.str()));
-  }
+  b->bytes = plan->bytes;
   // Refuse up front what a GPU cannot hold (positions sharing a GPU add up), naming the bytes asked for.
   std::map<int32_t, int64_t> per_gpu;
   for (int32_t p = 0; p < world; ++p) {
@@ -478,7 +451,7 @@ ErrorOr<int64_t> RegisterBucket(int64_t heap_id, int64_t numel, Dtype master) {
   std::lock_guard<std::mutex> lock(heap->mu);
   // Poisoned or freed while we allocated: no kernel ever saw `b`.
   if (!heap->poisoned.empty()) return Fail(InvalidArgument(heap->poisoned));
-  b->id = g_next_bucket_id++;
+  b->id = Heaps().NewBucketId();
   if (heap->local.empty()) {
     heap->buckets[b->id] = b;
   } else {

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,6 +52,82 @@ struct BarrierReport {
   uint64_t generation;
   uint64_t missing;  // bit p: device p had not arrived when this device stopped waiting
 };
+
+// Zero-filled pinned host memory mapped into every context (cudaHostAllocMapped | cudaHostAllocPortable; with unified
+// addressing the host pointer is also the device pointer): control blocks and barrier reports. Free with cudaFreeHost.
+inline cudaError_t AllocateMappedZeros(size_t bytes, void** out) {
+  *out = nullptr;
+  const cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *out = nullptr;
+    return e;
+  }
+  std::memset(*out, 0, bytes);
+  return cudaSuccess;
+}
+
+// A heap's barrier reports (one per position; the CUDA and NVSHMEM heaps each own one pool): allocated with the heap,
+// so no barrier allocates (cudaHostAlloc synchronises) while peers may already spin, and freed with it. A barrier
+// handler borrows a free report for the duration of its call.
+class BarrierReports {
+ public:
+  BarrierReports() = default;
+  BarrierReports(const BarrierReports&) = delete;
+  BarrierReports& operator=(const BarrierReports&) = delete;
+  ~BarrierReports() {
+    if (reports_ != nullptr) cudaFreeHost(reports_);
+    cudaGetLastError();  // at interpreter exit the runtime may already be unloading
+  }
+
+  // Allocates `count` (<= kMaxWorld) zeroed reports in the current device's context.
+  cudaError_t Allocate(int32_t count) {
+    void* p = nullptr;
+    const cudaError_t e = AllocateMappedZeros(sizeof(BarrierReport) * count, &p);
+    if (e == cudaSuccess) {
+      reports_ = static_cast<BarrierReport*>(p);
+      count_ = count;
+    }
+    return e;
+  }
+
+  struct Return {
+    BarrierReports* pool;
+    void operator()(BarrierReport* r) const { pool->busy_[r - pool->reports_].store(false, std::memory_order_release); }
+  };
+  using Lease = std::unique_ptr<BarrierReport, Return>;
+
+  // A free report, given back when the lease ends; null when all are in use (more barriers of the heap in flight at
+  // once than it has positions, which a correct program never does).
+  Lease Borrow() {
+    for (int32_t i = 0; i < count_; ++i) {
+      if (!busy_[i].exchange(true, std::memory_order_acquire)) return Lease(reports_ + i, Return{this});
+    }
+    return Lease(nullptr, Return{this});
+  }
+
+ private:
+  BarrierReport* reports_ = nullptr;
+  int32_t count_ = 0;
+  std::atomic<bool> busy_[kMaxWorld] = {};
+};
+
+// The message of a barrier that timed out (the CPU backend's wording): the missing devices, the one that waited.
+std::string BarrierTimeoutMessage(double timeout_s, const BarrierReport& report, int32_t world, int64_t heap_id);
+
+// The barrier kernel's timeout in %globaltimer nanoseconds from the heap's seconds: saturating (+inf and timeouts
+// beyond int64 nanoseconds become about 292 years, which the kernel's elapsed-time comparison never reaches), >= 1.
+inline uint64_t BarrierTimeoutTicks(double seconds) {
+  const int64_t ns = TimeoutNanos(seconds);
+  return ns > 0 ? static_cast<uint64_t>(ns) : uint64_t{1};
+}
+
+// A barrier handler found every report of its heap borrowed.
+inline Error TooManyBarriers(int32_t world, int64_t heap_id) {
+  return Error::Internal("jodc barrier: more than " + std::to_string(world) + " barriers of heap " +
+                         std::to_string(heap_id) + " are in flight at once (one per device is the most a program can "
+                         "have); is the same computation running twice concurrently?");
+}
 
 // Per-heap state shared by the host and every GPU of the heap: pinned host memory mapped into all contexts
 // (cudaHostAllocMapped | cudaHostAllocPortable; with unified addressing the host pointer is the device pointer).
@@ -140,7 +217,7 @@ struct Heap {
   // the node maps the same pages), so barriers, aborts and faults are shared by all processes without any copy.
   std::string shm_name;
   size_t shm_bytes = 0;
-  BarrierReport* reports = nullptr;  // pinned, mapped: `world` reports, borrowed by barrier handlers
+  BarrierReports reports;  // `world` reports, borrowed by barrier handlers
 
   std::atomic<double> barrier_timeout_s{300.0};
 
@@ -151,11 +228,6 @@ struct Heap {
   // Multi-process heaps: buckets registered here whose remote positions are not all imported yet (no op sees them).
   std::map<int64_t, std::shared_ptr<Bucket>> pending;
   std::string poisoned;  // non-empty once a barrier timed out or a kernel faulted: every later op fails with it
-
-  // Borrows a free barrier report (nullptr when all `world` are in use: more barriers of this heap in flight at once
-  // than it has devices, which a correct program never does); ReleaseReport returns it.
-  BarrierReport* AcquireReport();
-  void ReleaseReport(BarrierReport* report);
 
   // Records that a handler queued work for this heap on `stream` (of GPU `gpu`): an event per stream, re-recorded
   // after each launch. Freeing waits for these events only, i.e. for this heap's own work, never for unrelated
@@ -169,7 +241,6 @@ struct Heap {
   ~Heap();
 
  private:
-  std::atomic<bool> report_busy_[kMaxWorld] = {};
   struct StreamEvent {
     cudaStream_t stream;
     int32_t gpu;

@@ -118,17 +118,11 @@ ErrorOr<int64_t> CreateIpcHeap(int32_t world, bool deterministic, bool landing_s
   }
   heap->shm_name = shm_name;
   ScopedDevice on(local_gpu);
-  void* reports = nullptr;
-  cudaError_t e = on.ok() ? cudaHostAlloc(&reports, sizeof(BarrierReport) * world,
-                                          cudaHostAllocMapped | cudaHostAllocPortable)
-                          : on.status();
-  if (e != cudaSuccess) {
+  if (cudaError_t e = on.ok() ? heap->reports.Allocate(world) : on.status(); e != cudaSuccess) {
     cudaGetLastError();
     // ~Heap releases the shared control block
     return Fail(Error::Internal(CudaMessage("allocating the heap's barrier reports", e)));
   }
-  std::memset(reports, 0, sizeof(BarrierReport) * world);
-  heap->reports = static_cast<BarrierReport*>(reports);
   return AddHeap(std::move(heap));
 }
 

@@ -27,16 +27,12 @@ ffi::Error Publish(cudaStream_t stream, Scalar device, ffi::AnyBuffer shard, Sca
     if (ffi::Error e = CheckShard(shard, view.layout, view.master); e.failure()) return e;
     const void* src = shard.untyped_data();
     const dim3 grid(BlocksFor((view.layout.shard_numel + kPack - 1) / kPack, t.gpu, 1));
-    if (view.master == Dtype::kF32) {
-      PublishKernel<float><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device.typed_data(),
-                                                                   token.typed_data(), token_out->typed_data(),
-                                                                   static_cast<const float*>(src), Aligned16(src));
-    } else {
-      PublishKernel<Bf16Bits><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device.typed_data(),
-                                                                      token.typed_data(), token_out->typed_data(),
-                                                                      static_cast<const Bf16Bits*>(src),
-                                                                      Aligned16(src));
-    }
+    WithElement(view.master, [&](auto master_t) {
+      using T = typename decltype(master_t)::type;
+      PublishKernel<T><<<grid, kThreadsPerBlock, 0, stream>>>(view, t.heap->control_dev, device.typed_data(),
+                                                               token.typed_data(), token_out->typed_data(),
+                                                               static_cast<const T*>(src), Aligned16(src));
+    });
     return ffi::Error::Success();
   });
 }

@@ -51,13 +51,10 @@ ffi::Error ScatterAccumulate(cudaStream_t stream, Scalar device, ffi::AnyBuffer 
   return RunOp("scatter_accumulate", stream, device, token, heap_id, bucket_id, [&](const OpTarget& t) -> ffi::Error {
     ErrorOr<Dtype> grad_t = CheckFullBucket("scatter_accumulate", "gradient", grad, t.bucket->view.layout, bucket_id);
     if (!grad_t.has_value()) return grad_t.error();
-    if (*grad_t == Dtype::kF32) {
-      LaunchScatter<float>(stream, t, device.typed_data(), token.typed_data(), token_out->typed_data(),
-                           grad.untyped_data());
-    } else {
-      LaunchScatter<Bf16Bits>(stream, t, device.typed_data(), token.typed_data(), token_out->typed_data(),
-                              grad.untyped_data());
-    }
+    WithElement(*grad_t, [&](auto src_t) {
+      LaunchScatter<typename decltype(src_t)::type>(stream, t, device.typed_data(), token.typed_data(),
+                                                    token_out->typed_data(), grad.untyped_data());
+    });
     return ffi::Error::Success();
   });
 }

@@ -43,35 +43,24 @@ void Launch(cudaStream_t stream, const Target& t, const int32_t* dev, const int3
   GatherKernel<Src, Dst><<<grid, kThreads, 0, stream>>>(v, t.heap->control, dev, tok, tok_out, static_cast<Dst*>(out));
 }
 
-ffi::Error GatherImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
-                      int64_t bucket_id) {
-  Target t;
-  if (ffi::Error e = Prepare("gather", stream, device, token, heap_id, bucket_id, &t); e.failure()) return e;
-  const SymBucketView& v = t.bucket->view;
-  const bool out_f32 = out->element_type() == ffi::DataType::F32;
-  if (!out_f32 && out->element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("jodc gather: output must be float32 or bfloat16");
-  if (static_cast<int64_t>(out->element_count()) != v.layout.numel)
-    return ffi::Error::InvalidArgument("jodc gather: output has " + std::to_string(out->element_count()) +
-                                       " elements, bucket " + std::to_string(bucket_id) + " has " +
-                                       std::to_string(v.layout.numel));
-  const int32_t* dev = device.typed_data();
-  const int32_t* tok = token.typed_data();
-  int32_t* tok_out = token_out->typed_data();
-  void* dst = out->untyped_data();
-  using cuda::Bf16Bits;
-  if (v.master == Dtype::kF32 && out_f32) Launch<float, float>(stream, t, dev, tok, tok_out, dst);
-  else if (v.master == Dtype::kF32) Launch<float, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
-  else if (out_f32) Launch<Bf16Bits, float>(stream, t, dev, tok, tok_out, dst);
-  else Launch<Bf16Bits, Bf16Bits>(stream, t, dev, tok, tok_out, dst);
-  return Launched("gather");
-}
-
-ffi::Error Gather(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::Buffer<ffi::S32> token,
-                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
-                  int64_t bucket_id) {
-  return AbortOnError(heap_id, GatherImpl(stream, device, token, out, token_out, heap_id, bucket_id));
+// Any error poisons the heap on every PE (RunOp), so their barriers stop waiting for this one.
+ffi::Error Gather(cudaStream_t stream, Scalar device, Scalar token, ffi::Result<ffi::AnyBuffer> out,
+                  TokenOut token_out, int64_t heap_id, int64_t bucket_id) {
+  return RunOp("gather", stream, device, token, heap_id, bucket_id, [&](const Target& t) -> ffi::Error {
+    const SymBucketView& v = t.bucket->view;
+    ErrorOr<Dtype> out_dtype = CheckFullBucket("gather", "output", *out, v.layout, bucket_id);
+    if (!out_dtype.has_value()) return out_dtype.error();
+    const int32_t* dev = device.typed_data();
+    const int32_t* tok = token.typed_data();
+    int32_t* tok_out = token_out->typed_data();
+    void* dst = out->untyped_data();
+    cuda::WithElement(v.master, [&](auto src_t) {
+      cuda::WithElement(*out_dtype, [&](auto dst_t) {
+        Launch<typename decltype(src_t)::type, typename decltype(dst_t)::type>(stream, t, dev, tok, tok_out, dst);
+      });
+    });
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace

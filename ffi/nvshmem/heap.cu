@@ -3,11 +3,11 @@
 // calls in the same order), host access to this PE's own memory, poisoning, and the handler table. Conventions as
 // ffi/cuda/management.cu (common/c_api.h): 0 on success, 1 with a message in `err` (2: out of memory).
 #include <cstring>
-#include <sstream>
 #include <unordered_map>
 #include <vector>
 
 #include "common/c_api.h"
+#include "common/bucket_plan.h"
 #include "common/registry.h"
 #include "nvshmem/handlers.cuh"
 #include "nvshmem/heap.cuh"
@@ -16,15 +16,11 @@ namespace jodc::nvshmem_backend {
 namespace {
 
 std::mutex g_mu;  // guards g_initialized
-std::atomic<int64_t> g_next_bucket_id{1};
 bool g_initialized = false;
 
 }  // namespace
 
-HeapRegistry<NvHeap>& Heaps() {
-  static auto* heaps = new HeapRegistry<NvHeap>("NVSHMEM heap");  // never destroyed: handlers may run during exit
-  return *heaps;
-}
+HeapRegistry<NvHeap>& Heaps() { return RegistryOf<NvHeap>("NVSHMEM heap"); }
 
 namespace {
 
@@ -56,7 +52,6 @@ NvHeap::~NvHeap() {
   if (arrivals != nullptr) nvshmem_free(arrivals);
   if (abort != nullptr) nvshmem_free(abort);
   if (control != nullptr) cudaFreeHost(control);
-  if (reports != nullptr) cudaFreeHost(reports);
   cudaGetLastError();
 }
 
@@ -98,14 +93,12 @@ void Poison(NvHeap& heap, const std::string& message) {
 // No `using namespace jodc`: it would make jodc::cuda visible next to libcu++'s ::cuda, which NVSHMEM's device
 // headers name unqualified (`cuda::std::...`), and their templates instantiated here would become ambiguous.
 using namespace jodc::nvshmem_backend;
-using jodc::CheckedBucketBytes;
 using jodc::Dtype;
 using jodc::DtypeBytes;
 using jodc::CopyText;
 using jodc::Error;
 using jodc::InvalidArgument;
 using jodc::Report;
-using jodc::MakeLayout;
 using jodc::ParseDtype;
 namespace jcuda = jodc::cuda;
 
@@ -192,19 +185,11 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_create(int32_t deterministic, doub
   if (!abort.has_value()) return Report(abort.error(), err, err_capacity);
   heap->abort = static_cast<int32_t*>(*abort);
   void* control = nullptr;
-  void* reports = nullptr;
-  const unsigned flags = cudaHostAllocMapped | cudaHostAllocPortable;
-  cudaError_t e = cudaHostAlloc(&control, sizeof(HeapControl), flags);
-  if (e == cudaSuccess) e = cudaHostAlloc(&reports, sizeof(BarrierReport) * heap->world, flags);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    if (control != nullptr) cudaFreeHost(control);
+  cudaError_t e = jcuda::AllocateMappedZeros(sizeof(HeapControl), &control);
+  heap->control = static_cast<HeapControl*>(control);  // freed by ~NvHeap, also when the reports fail below
+  if (e == cudaSuccess) e = heap->reports.Allocate(heap->world);
+  if (e != cudaSuccess)
     return Report(Error::Internal(jcuda::CudaMessage("allocating pinned control memory", e)), err, err_capacity);
-  }
-  std::memset(control, 0, sizeof(HeapControl));
-  std::memset(reports, 0, sizeof(BarrierReport) * heap->world);
-  heap->control = static_cast<HeapControl*>(control);
-  heap->reports = static_cast<BarrierReport*>(reports);
   nvshmem_barrier_all();  // every PE's arrivals and abort are zero before anyone's first barrier
   *heap_id = Heaps().Add(std::move(heap));
   return 0;
@@ -238,14 +223,13 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_register(int64_t heap_id, int64_
   if (!ParseDtype(dtype != nullptr ? dtype : "", &master))
     return Fail(std::string("master dtype must be float32 or bfloat16, got ") + (dtype ? dtype : ""), err,
                 err_capacity);
-  if (numel < 1) return Fail("bucket size must be >= 1 element, got " + std::to_string(numel), err, err_capacity);
+  auto plan = jodc::PlanBucket(numel, master, heap->world, heap->landing_slots, heap_id);
+  if (!plan.has_value()) return Report(plan.error(), err, err_capacity);
   auto b = std::make_shared<SymBucket>();
-  b->view.layout = MakeLayout(numel, heap->world, DtypeBytes(master));
+  b->view.layout = plan->layout;
   b->view.master = master;
   b->view.landing_slots = heap->landing_slots;
-  if (b->view.layout.shard_numel < 1 || !CheckedBucketBytes(b->view.layout, b->view.landing_slots, &b->bytes))
-    return Fail("a bucket of " + std::to_string(numel) + " elements is too large: its memory overflows 64-bit byte "
-                "counts", err, err_capacity);
+  b->bytes = plan->bytes;
   // Shard, accumulator, landing slots; after a failure nothing more is allocated (`b` frees what was).
   Error failed = Error::Success();
   auto allocate = [&](size_t bytes) -> void* {
@@ -261,11 +245,10 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_bucket_register(int64_t heap_id, int64_
   b->view.accumulator = static_cast<float*>(allocate(b->bytes.accumulator));
   if (b->view.landing_slots) b->view.landing = static_cast<float*>(allocate(b->bytes.landing));
   if (failed.failure()) {
-    return Report(Error(jodc::CodeOf(failed), "registering a bucket of " + std::to_string(numel) + " elements: " +
-                                                  failed.message()),
-                  err, err_capacity);
+    return Report(Error(jodc::CodeOf(failed), "registering " + plan->what + ": " + failed.message()), err,
+                  err_capacity);
   }
-  b->id = g_next_bucket_id++;
+  b->id = Heaps().NewBucketId();
   std::lock_guard<std::mutex> lock(heap->mu);
   heap->buckets[b->id] = b;
   *bucket_id = b->id;

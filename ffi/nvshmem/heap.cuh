@@ -61,8 +61,7 @@ struct NvHeap {
   uint64_t* arrivals = nullptr;  // symmetric, kMaxWorld: arrivals[p] on every PE is written only by PE p
   int32_t* abort = nullptr;      // symmetric: set (remotely too) when the heap is poisoned anywhere
   HeapControl* control = nullptr;  // pinned, local: the fault word of this PE's kernels
-  BarrierReport* reports = nullptr;
-  std::atomic<bool> report_busy[kMaxWorld] = {};
+  cuda::BarrierReports reports;  // `world` reports, borrowed by barrier handlers
   std::mutex mu;  // guards buckets and poisoned (never held across a CUDA or NVSHMEM call)
   std::map<int64_t, std::shared_ptr<SymBucket>> buckets;
   std::string poisoned;

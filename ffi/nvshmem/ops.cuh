@@ -1,10 +1,13 @@
-// Host and device helpers shared by the NVSHMEM op files: the handler preamble (operands, heap, bucket, poison),
-// abort-on-error, launch checks, grid sizing. Kernels reuse ffi/cuda/device_util.cuh (conversions, device checks).
+// Host and device helpers shared by the NVSHMEM op files: the handler frame (RunOp: operands, heap, bucket, poison,
+// launch check, abort-on-error) and grid sizing. Kernels reuse ffi/cuda/device_util.cuh (conversions, device checks).
 #ifndef JODC_FFI_NVSHMEM_OPS_CUH_
 #define JODC_FFI_NVSHMEM_OPS_CUH_
 
 #include <string>
+#include <utility>
 
+#include "common/bindings.h"
+#include "common/operands.h"
 #include "cuda/device_util.cuh"
 #include "cuda/stream_device.cuh"
 #include "nvshmem/heap.cuh"
@@ -21,10 +24,9 @@ struct Target {
   std::shared_ptr<SymBucket> bucket;
 };
 
-inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer<ffi::S32>& device,
-                          const ffi::Buffer<ffi::S32>& token, int64_t heap_id, int64_t bucket_id, Target* t) {
-  if (device.element_count() != 1 || token.element_count() != 1)
-    return ffi::Error::InvalidArgument(std::string("jodc ") + op + ": device and token must be int32 scalars");
+inline ffi::Error Prepare(const char* op, cudaStream_t stream, const Scalar& device, const Scalar& token,
+                          int64_t heap_id, int64_t bucket_id, Target* t) {
+  if (ffi::Error e = CheckScalars(op, device, token); e.failure()) return e;
   auto heap = FindHeap(heap_id);
   if (!heap.has_value()) return ForOp(op, heap.error());
   t->heap = *heap;
@@ -44,12 +46,6 @@ inline ffi::Error Prepare(const char* op, cudaStream_t stream, const ffi::Buffer
   return cuda::SelectStreamDevice(op, stream, &gpu);
 }
 
-inline ffi::Error Launched(const char* op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jodc ") + op + ": " + cuda::CudaMessage("launching the kernel", e));
-}
-
 // Any error of a handler poisons the heap on every PE, so their barriers stop waiting for this one.
 inline ffi::Error AbortOnError(int64_t heap_id, ffi::Error e) {
   if (e.failure()) {
@@ -58,6 +54,18 @@ inline ffi::Error AbortOnError(int64_t heap_id, ffi::Error e) {
     }
   }
   return e;
+}
+
+// Runs `body(const Target&) -> Error` (checks the op's other operands, launches its kernel on `stream`) as op `op` on
+// bucket `bucket_id` of heap `heap_id` in the frame of every GPU heap op (cuda::RunGpuOp): Prepare first, then the
+// launch check; any error poisons the heap on every PE (AbortOnError).
+template <typename Body>
+ffi::Error RunOp(const char* op, cudaStream_t stream, const Scalar& device, const Scalar& token, int64_t heap_id,
+                 int64_t bucket_id, Body&& body) {
+  return cuda::RunGpuOp<Target>(
+      [&](Target* t) { return Prepare(op, stream, device, token, heap_id, bucket_id, t); }, body,
+      [&](const Target&) { return cuda::LaunchResult(op); },
+      [&](ffi::Error e) { return AbortOnError(heap_id, std::move(e)); });
 }
 
 inline unsigned Blocks(int64_t items) {

@@ -33,35 +33,22 @@ __global__ void __launch_bounds__(kThreads)
   cuda::AdvanceToken(token_in, token_out);
 }
 
-ffi::Error ScatterImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad,
-                       ffi::Buffer<ffi::S32> token, ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id,
-                       int64_t bucket_id) {
-  Target t;
-  if (ffi::Error e = Prepare("scatter_accumulate", stream, device, token, heap_id, bucket_id, &t); e.failure())
-    return e;
-  const SymBucketView& v = t.bucket->view;
-  if (static_cast<int64_t>(grad.element_count()) != v.layout.numel)
-    return ffi::Error::InvalidArgument("jodc scatter_accumulate: gradient has " +
-                                       std::to_string(grad.element_count()) + " elements, bucket " +
-                                       std::to_string(bucket_id) + " has " + std::to_string(v.layout.numel));
-  const dim3 grid(Blocks(v.layout.shard_numel / 4 + 1), v.layout.world);
-  if (grad.element_type() == ffi::DataType::F32) {
-    ScatterKernel<float><<<grid, kThreads, 0, stream>>>(v, t.heap->control, device.typed_data(), token.typed_data(),
-                                                         token_out->typed_data(),
-                                                         static_cast<const float*>(grad.untyped_data()));
-  } else if (grad.element_type() == ffi::DataType::BF16) {
-    ScatterKernel<cuda::Bf16Bits><<<grid, kThreads, 0, stream>>>(
-        v, t.heap->control, device.typed_data(), token.typed_data(), token_out->typed_data(),
-        static_cast<const cuda::Bf16Bits*>(grad.untyped_data()));
-  } else {
-    return ffi::Error::InvalidArgument("jodc scatter_accumulate: gradient must be float32 or bfloat16");
-  }
-  return Launched("scatter_accumulate");
-}
-
-ffi::Error Scatter(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> token,
-                   ffi::Result<ffi::Buffer<ffi::S32>> token_out, int64_t heap_id, int64_t bucket_id) {
-  return AbortOnError(heap_id, ScatterImpl(stream, device, grad, token, token_out, heap_id, bucket_id));
+// Any error poisons the heap on every PE (RunOp), so their barriers stop waiting for this one.
+ffi::Error Scatter(cudaStream_t stream, Scalar device, ffi::AnyBuffer grad, Scalar token, TokenOut token_out,
+                   int64_t heap_id, int64_t bucket_id) {
+  return RunOp("scatter_accumulate", stream, device, token, heap_id, bucket_id, [&](const Target& t) -> ffi::Error {
+    const SymBucketView& v = t.bucket->view;
+    ErrorOr<Dtype> grad_t = CheckFullBucket("scatter_accumulate", "gradient", grad, v.layout, bucket_id);
+    if (!grad_t.has_value()) return grad_t.error();
+    const dim3 grid(Blocks(v.layout.shard_numel / 4 + 1), v.layout.world);
+    cuda::WithElement(*grad_t, [&](auto grad_elem) {
+      using T = typename decltype(grad_elem)::type;
+      ScatterKernel<T><<<grid, kThreads, 0, stream>>>(v, t.heap->control, device.typed_data(), token.typed_data(),
+                                                      token_out->typed_data(),
+                                                      static_cast<const T*>(grad.untyped_data()));
+    });
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
