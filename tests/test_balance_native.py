@@ -110,6 +110,12 @@ def test_exact_sums_match_fsum_through_refinement_and_search():
         native, python = both(improve_by_search, costs, lpt(costs, k), node_budget=200)
         assert native == python, r
     assert differs > 10  # the instances do exercise the exact sums
+    # a naive left-to-right part sum picks another exchange here (found by comparing the Python loop with
+    # math.fsum replaced by sum): the compiled loop must round like fsum
+    h = 2.0 ** 52
+    costs = np.array([0.2 * h, 0.3 * h, h, h, 0.1 * h, 0.1 * h, 0.2 * h])
+    native, python = both(refine_by_swaps, costs, [[3, 2, 0, 4], [6, 5, 1]])
+    assert native == python == [[0, 3, 4, 6], [1, 2, 5]]
 
 
 def test_disabled_native_path_runs_the_python_loops(monkeypatch):
