@@ -127,3 +127,51 @@ def test_disabled_native_path_runs_the_python_loops(monkeypatch):
     costs = np.array([5.0, 4.0, 3.0, 3.0, 2.0, 1.0])
     native, python = both(refine_by_swaps, costs, [[0, 1, 2], [3, 4, 5]])
     assert native == python and calls  # only the Python run called the reference's method
+
+
+def _run(code, **env):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_planners_use_the_loops_without_importing_jax():
+    out = _run("""
+import sys
+import numpy as np
+from jodc.balance import _native, partition
+partition(np.arange(1.0, 30.0), 4)
+assert _native.module() is not None, "compiled loops not found"
+assert "jax" not in sys.modules, "the planners imported jax"
+print("ok")
+""")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_another_build_named_by_jodc_ffi_library_is_not_pinned(tmp_path):
+    # with JODC_FFI_LIBRARY (make bazel-test) planning before jodc.ops loads the named build must not import the
+    # setuptools build as jodc._ffi (jodc.ops would then refuse the named one); once it is loaded the loops use it
+    import glob
+    import os
+    import shutil
+
+    built = glob.glob(os.path.join(os.path.dirname(_native.__file__), "..", "_ffi.*so"))
+    if not built:
+        pytest.skip("no setuptools build of jodc._ffi")
+    copy = tmp_path / "_ffi.so"
+    shutil.copy(built[0], copy)
+    out = _run(f"""
+import importlib.util, sys
+import numpy as np
+from jodc.balance import _native, partition
+partition(np.arange(1.0, 30.0), 4)
+assert "jodc._ffi" not in sys.modules and _native.module() is None
+spec = importlib.util.spec_from_file_location("jodc._ffi", {str(copy)!r})  # what jodc.ops._native does
+lib = importlib.util.module_from_spec(spec); spec.loader.exec_module(lib); sys.modules["jodc._ffi"] = lib
+assert _native.module() is lib
+print("ok")
+""", JODC_FFI_LIBRARY=str(copy))
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
