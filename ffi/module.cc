@@ -10,6 +10,7 @@
 
 #include "cpu/handlers.h"
 #include "cpu/heap.h"
+#include "cpu/balance_descent.h"
 #include "cpu/balance_refine.h"
 #include "cpu/balance_search.h"
 #include "cpu/memcpy_bench.h"
@@ -234,4 +235,25 @@ PYBIND11_MODULE(_ffi, m) {
       py::arg("allow_moves"), py::arg("max_group"), py::arg("max_rounds"), py::arg("max_pair_table"),
       py::arg("lower_bound_tolerance"),
       "jodc.balance.refine's pairwise refinement after its argument checks: the refined parts, indices ascending.");
+  m.def(
+      "balance_descend",
+      [](const std::vector<double>& cost, std::vector<int64_t> assign, int64_t k, int64_t max_rounds, double bound,
+         double tol, bool small, bool equal_counts, double bound_tolerance, int64_t partner_parts) {
+        if (assign.size() != cost.size())
+          Raise("balance_descend: assign has " + std::to_string(assign.size()) + " entries for " +
+                std::to_string(cost.size()) + " costs");
+        for (int64_t a : assign)
+          if (a < 0 || a >= k) Raise("balance_descend: part " + std::to_string(a) + " outside [0, " +
+                                     std::to_string(k) + ")");
+        if (partner_parts < 1) Raise("balance_descend: partner_parts must be >= 1");
+        {
+          py::gil_scoped_release release;
+          balance::Descend(cost, k, max_rounds, bound, tol, small, equal_counts, bound_tolerance, partner_parts,
+                           &assign);
+        }
+        return assign;
+      },
+      py::arg("cost"), py::arg("assign"), py::arg("k"), py::arg("max_rounds"), py::arg("bound"), py::arg("tol"),
+      py::arg("small"), py::arg("equal_counts"), py::arg("bound_tolerance"), py::arg("partner_parts"),
+      "jodc.balance.descent's descend loop after its argument preparation: the new assignment (item -> part).");
 }

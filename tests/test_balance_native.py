@@ -82,6 +82,31 @@ def test_search_matches_the_python_loops(seed):
         assert native == python, (seed, r, kwargs)
 
 
+@pytest.mark.parametrize("seed", [5, 6])
+def test_descent_matches_the_python_loop(seed):
+    # free and equal counts, small exchanges on and off, round limits, a zero bound (never stops early), and more
+    # than PARTNER_PARTS parts (exchanges only with the lightest parts)
+    from jodc.balance.descent import PARTNER_PARTS, descend
+    from jodc.balance.partition import _snake
+
+    changed = 0
+    for r, (costs, _, k) in enumerate(instances(seed, 100)):
+        if r % 5 == 4:
+            k = PARTNER_PARTS + 2 + r % 5
+            costs = np.concatenate([costs] * 3)
+        n = costs.size
+        for equal in (False, True):
+            start = _snake(costs, k) if equal else np.random.default_rng(r).integers(0, k, n)
+            kwargs = {"max_rounds": [10 * n + 100, 3, 1][r % 3], "equal_counts": equal,
+                      "small": [None, False, True][(r // 2) % 3]}
+            if r % 4 == 1:
+                kwargs["bound"] = 0.0
+            native, python = both(descend, costs, start, k, **kwargs)
+            assert np.array_equal(native, python), (seed, r, k, kwargs)
+            changed += not np.array_equal(python, start)
+    assert changed > 100  # the descents do move items
+
+
 def test_planners_match_on_golden_minibatches():
     # the golden setting of bench/balance.py: 8 devices x 4 LongAlign-like sequences, FLOP costs, T = 64K
     planner = get_planner("lb_mini")

@@ -1,10 +1,11 @@
-"""The compiled refinement and search loops of the planners (jodc._ffi's ``balance_refine`` / ``balance_search``).
+"""The compiled loops of the planners: jodc._ffi's ``balance_refine`` / ``balance_search`` / ``balance_descend``.
 
-:mod:`jodc.balance.refine` and :mod:`jodc.balance.search` are the reference implementations: the C++ loops visit the
-same exchanges and nodes in the same order with the same IEEE-754 double arithmetic and node budgets, so the plans
-are identical with or without them (``tests/test_balance_native.py`` checks it). Only the pybind11 module is imported
-here, never jax: the planners stay JAX-free. Without the extension (or with ``JODC_BALANCE_NATIVE=0``) the planners
-run the Python loops.
+:mod:`jodc.balance.refine`, :mod:`jodc.balance.search` and :func:`jodc.balance.descent.descend` are the reference
+implementations: the C++ loops visit the same exchanges and nodes in the same order with the same IEEE-754 double
+arithmetic and node budgets, so the plans are identical with or without them (``tests/test_balance_native.py``
+checks it). Only the pybind11 module is imported here, never jax: the planners stay JAX-free. Without the extension
+(or with ``JODC_BALANCE_NATIVE=0``) the planners run the Python loops; ``JODC_BALANCE_NATIVE_DESCENT=0`` turns off
+only the compiled descent.
 
 When ``JODC_FFI_LIBRARY`` names another build of jodc._ffi (``make bazel-test``), this module never imports the
 extension itself (that would pin the setuptools build before jodc.ops loads the named one): it uses the named build
@@ -53,3 +54,12 @@ def set_enabled(enabled: bool) -> bool:
     was = module() is not None
     _enabled = bool(enabled)
     return was
+
+
+_descend_enabled = os.environ.get("JODC_BALANCE_NATIVE_DESCENT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def descend_module():
+    """:func:`module` when it also has the compiled descent (``balance_descend``) and that is enabled, else None."""
+    lib = module()
+    return lib if _descend_enabled and lib is not None and hasattr(lib, "balance_descend") else None
