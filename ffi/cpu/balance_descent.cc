@@ -52,12 +52,16 @@ void Descend(const std::vector<double>& cost, int64_t k, int64_t max_rounds, dou
   std::vector<int64_t> qr, gap;
   std::vector<char> partner(k);
   std::vector<Option> options;
+  // The product is rounded before the addition, as Python does: volatile keeps a compiler from contracting the two
+  // into one fused multiply-add (GCC does by default where the target has one, e.g. aarch64), which rounds once.
+  volatile double scaled = bound * (1.0 + bound_tolerance);
+  const double stop = scaled + tol;
   for (int64_t round = 0; round < max_rounds; ++round) {
     int64_t p = 0;
     for (int64_t q = 1; q < k; ++q)
       if (sums[q] > sums[p]) p = q;  // np.argmax: the first largest
     const double top = sums[p];
-    if (top <= bound * (1.0 + bound_tolerance) + tol) break;
+    if (top <= stop) break;
     const double limit = top - tol;
     mine.clear();
     cp.clear();
