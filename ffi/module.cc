@@ -6,9 +6,13 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cpu/handlers.h"
 #include "cpu/heap.h"
+#include "cpu/balance_descent.h"
+#include "cpu/balance_refine.h"
+#include "cpu/balance_search.h"
 #include "cpu/memcpy_bench.h"
 
 namespace py = pybind11;
@@ -177,4 +181,79 @@ PYBIND11_MODULE(_ffi, m) {
         return MemcpyBandwidth(bytes, threads, iters);
       },
       py::arg("bytes"), py::arg("threads"), py::arg("iters"));
+
+  // The planners' compiled loops (jodc/balance/_native.py binds them; jodc/balance/refine.py and search.py are the
+  // reference implementations they must match exactly).
+  m.def(
+      "balance_search",
+      [](const std::vector<double>& ordered_cost, const std::vector<double>& ordered_size,
+         const std::vector<double>& remaining_after, int64_t k, double best_max, double tolerance,
+         double lower_bound, int64_t node_budget, bool free_search, bool equal_sizes, int64_t count_cap,
+         int64_t count_floor, double cap) -> py::object {
+        const size_t n = ordered_cost.size();
+        if (k < 1) Raise("balance_search: k must be >= 1, got " + std::to_string(k));
+        if (remaining_after.size() != n + 1 || (!free_search && ordered_size.size() != n))
+          Raise("balance_search: ordered_size needs n and remaining_after n + 1 entries for n = " +
+                std::to_string(n) + " items");
+        std::vector<int64_t> assignment;
+        bool found;
+        {
+          py::gil_scoped_release release;
+          found = balance::SearchPartition(ordered_cost, ordered_size, remaining_after, k, best_max, tolerance,
+                                           lower_bound, node_budget, free_search, equal_sizes, count_cap,
+                                           count_floor, cap, &assignment);
+        }
+        if (!found) return py::none();
+        return py::cast(assignment);
+      },
+      py::arg("ordered_cost"), py::arg("ordered_size"), py::arg("remaining_after"), py::arg("k"),
+      py::arg("best_max"), py::arg("tolerance"), py::arg("lower_bound"), py::arg("node_budget"),
+      py::arg("free_search"), py::arg("equal_sizes"), py::arg("count_cap"), py::arg("count_floor"), py::arg("cap"),
+      "jodc.balance.search's item-wise search loop: the assignment (position -> part) found, or None.");
+  m.def(
+      "balance_refine",
+      [](const std::vector<double>& cost, const std::vector<double>& size, bool has_capacity, double capacity,
+         std::vector<std::vector<int64_t>> parts, bool allow_moves, int64_t max_group, int64_t max_rounds,
+         int64_t max_pair_table, double lower_bound_tolerance) {
+        const int64_t n = static_cast<int64_t>(cost.size());
+        if (has_capacity && static_cast<int64_t>(size.size()) != n)
+          Raise("balance_refine: sizes has " + std::to_string(size.size()) + " entries for " + std::to_string(n) +
+                " costs");
+        if (max_group != 1 && max_group != 2) Raise("balance_refine: max_group must be 1 or 2");
+        for (const auto& part : parts)
+          for (int64_t i : part)
+            if (i < 0 || i >= n) Raise("balance_refine: item " + std::to_string(i) + " outside [0, " +
+                                       std::to_string(n) + ")");
+        {
+          py::gil_scoped_release release;
+          balance::RefineBySwaps(cost, size, has_capacity, capacity, allow_moves, max_group, max_rounds,
+                                 max_pair_table, lower_bound_tolerance, &parts);
+        }
+        return parts;
+      },
+      py::arg("cost"), py::arg("size"), py::arg("has_capacity"), py::arg("capacity"), py::arg("parts"),
+      py::arg("allow_moves"), py::arg("max_group"), py::arg("max_rounds"), py::arg("max_pair_table"),
+      py::arg("lower_bound_tolerance"),
+      "jodc.balance.refine's pairwise refinement after its argument checks: the refined parts, indices ascending.");
+  m.def(
+      "balance_descend",
+      [](const std::vector<double>& cost, std::vector<int64_t> assign, int64_t k, int64_t max_rounds, double bound,
+         double tol, bool small, bool equal_counts, double bound_tolerance, int64_t partner_parts) {
+        if (assign.size() != cost.size())
+          Raise("balance_descend: assign has " + std::to_string(assign.size()) + " entries for " +
+                std::to_string(cost.size()) + " costs");
+        for (int64_t a : assign)
+          if (a < 0 || a >= k) Raise("balance_descend: part " + std::to_string(a) + " outside [0, " +
+                                     std::to_string(k) + ")");
+        if (partner_parts < 1) Raise("balance_descend: partner_parts must be >= 1");
+        {
+          py::gil_scoped_release release;
+          balance::Descend(cost, k, max_rounds, bound, tol, small, equal_counts, bound_tolerance, partner_parts,
+                           &assign);
+        }
+        return assign;
+      },
+      py::arg("cost"), py::arg("assign"), py::arg("k"), py::arg("max_rounds"), py::arg("bound"), py::arg("tol"),
+      py::arg("small"), py::arg("equal_counts"), py::arg("bound_tolerance"), py::arg("partner_parts"),
+      "jodc.balance.descent's descend loop after its argument preparation: the new assignment (item -> part).");
 }

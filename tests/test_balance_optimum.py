@@ -333,10 +333,12 @@ LENGTH_LISTS = st.one_of(st.lists(st.integers(1, 12), min_size=2, max_size=40),
 def test_refinement_plain_python_scan_matches_the_numpy_tables(lengths, k, equal, capped, kind):
     # small give x take tables are scanned in plain Python, larger ones with numpy: both must give the same
     # partition (the never-worse guarantee compares against the previous refinement, exchange for exchange)
+    from jodc.balance import _native
     from jodc.balance import refine as refine_module
 
     costs = FLOPS(lengths) if kind == "flops" else np.asarray(lengths, dtype=np.float64)
     start = karmarkar_karp(costs, k, equal_sizes=True) if equal else lpt(costs, k)
+    was = _native.set_enabled(False)  # the Python reference's two scans (the compiled loop: test_balance_native.py)
     kwargs = {"allow_moves": not equal}
     if capped:
         sizes = np.asarray(lengths, dtype=np.float64)
@@ -345,6 +347,7 @@ def test_refinement_plain_python_scan_matches_the_numpy_tables(lengths, k, equal
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(refine_module, "PYTHON_TABLE", 0)  # numpy tables only
         tables = refine_by_swaps(costs, start, **kwargs)
+    _native.set_enabled(was)
     assert fast == tables
 
 

@@ -24,6 +24,8 @@ import math
 
 import numpy as np
 
+from jodc.balance import _native
+
 # Instances up to this many items also try 2-item exchanges and 3-cycles (their candidate tables grow as n^2).
 SMALL_ITEMS = 160
 # With more parts than this, exchanges look only at the items of the this many lightest parts (per round cost
@@ -81,6 +83,11 @@ def descend(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds: int, bo
     cost, assign, bound, tol = prepared
     n = cost.size
     small = n <= SMALL_ITEMS if small is None else small
+    native = _native.descend_module()
+    if native is not None:  # the same loop compiled: the same exchanges, the same answer
+        return np.array(native.balance_descend(cost.tolist(), assign.tolist(), k, int(max_rounds), float(bound),
+                                               tol, bool(small), bool(equal_counts), BOUND_TOLERANCE,
+                                               PARTNER_PARTS), dtype=np.int64)
     sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
     counts = np.bincount(assign, minlength=k) if equal_counts else None
     ids = np.arange(n)

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from jodc.balance import _native
 from jodc.balance.descent import pair_indices
 from jodc.balance.validation import check_partition, costs_array
 
@@ -256,8 +257,14 @@ def refine_by_swaps(
         raise ValueError(f"sizes has {size.size} entries for {cost.size} costs")
     if max_group not in (1, 2) or isinstance(max_group, bool):
         raise ValueError(f"max_group must be 1 or 2, got {max_group!r}")
-    refiner = _Refiner(cost, size, capacity, parts, allow_moves, max_group)
     rounds = 10 * cost.size + 100 if max_rounds is None else max_rounds
+    native = _native.module()
+    if native is not None:  # the same loop compiled: the same exchanges, the same answer
+        return native.balance_refine(cost.tolist(), size.tolist() if size is not None else [], capacity is not None,
+                                     float(capacity) if capacity is not None else 0.0,
+                                     [[int(i) for i in part] for part in parts], bool(allow_moves), max_group,
+                                     int(rounds), MAX_PAIR_TABLE, LOWER_BOUND_TOLERANCE)
+    refiner = _Refiner(cost, size, capacity, parts, allow_moves, max_group)
     lower_bound = max(float(cost.max(initial=0.0)), math.fsum(cost) / max(len(parts), 1))
     for _ in range(rounds):
         if refiner.sums().max(initial=0.0) <= lower_bound * (1.0 + LOWER_BOUND_TOLERANCE):

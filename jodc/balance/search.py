@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from jodc.balance import _native
 from jodc.balance.validation import check_partition, costs_array
 
 DEFAULT_NODE_BUDGET = 3_000
@@ -69,7 +70,12 @@ def improve_by_search(costs, parts: list[list[int]], *, equal_sizes: bool = Fals
     count_floor = n // k if equal_sizes else 0
     cap = math.inf if capacity is None else float(capacity)
 
-    if not equal_sizes and capacity is None:
+    native = _native.module()
+    if native is not None:  # the same loops compiled: the same nodes, the same answer
+        found = native.balance_search(ordered_cost, ordered_size, remaining_after, k, best_max, tolerance,
+                                      lower_bound, node_budget, not equal_sizes and capacity is None, equal_sizes,
+                                      count_cap, count_floor, cap)
+    elif not equal_sizes and capacity is None:
         found = _search_free(ordered_cost, remaining_after, k, best_max, tolerance, lower_bound, node_budget)
     else:
         found = _search_general(ordered_cost, ordered_size, remaining_after, k, best_max, tolerance, lower_bound,

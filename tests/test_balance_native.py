@@ -1,0 +1,202 @@
+"""The compiled refinement and search loops (jodc._ffi's balance_refine / balance_search, bound in
+jodc/balance/_native.py) give exactly the partitions of the Python reference loops (jodc/balance/refine.py and
+search.py), on random instances where ties are common and on golden-setting minibatches, and so do the planners
+built on them."""
+import math
+
+import numpy as np
+import pytest
+
+from jodc.balance import (
+    DEEPSEEK_R1_DISTILL_QWEN_1_5B,
+    FlopsCost,
+    get_planner,
+    improve_by_search,
+    karmarkar_karp,
+    lpt,
+    partition,
+    refine_by_swaps,
+)
+from jodc.balance import _native
+from jodc.sim import LONGALIGN_SFT
+
+FLOPS = DEEPSEEK_R1_DISTILL_QWEN_1_5B.sequence_forward_flops
+
+pytestmark = pytest.mark.skipif(_native.module() is None, reason="jodc._ffi without the balance loops")
+
+
+def both(fn, *args, **kwargs):
+    """(native result, Python result) of fn(*args, **kwargs)."""
+    assert _native.set_enabled(True)
+    try:
+        native = fn(*args, **kwargs)
+        _native.set_enabled(False)
+        python = fn(*args, **kwargs)
+    finally:
+        _native.set_enabled(True)
+    return native, python
+
+
+def instances(seed, count):
+    """(costs, sizes, k): small integer lengths (many ties), wide integer lengths and golden-like LongAlign lengths,
+    as tokens or FLOPs."""
+    rng = np.random.default_rng(seed)
+    for r in range(count):
+        kind = r % 3
+        n = int(rng.integers(2, 41))
+        if kind == 0:
+            lengths = rng.integers(1, 13, size=n)
+        elif kind == 1:
+            lengths = rng.integers(1, 65537, size=n)
+        else:
+            lengths = np.asarray(LONGALIGN_SFT.sample(n, seed=seed * 1000 + r))
+        costs = FLOPS(lengths) if r % 2 else lengths.astype(np.float64)
+        yield costs, lengths.astype(np.float64), int(rng.integers(2, 9))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_refinement_matches_the_python_loop(seed):
+    for r, (costs, sizes, k) in enumerate(instances(seed, 100)):
+        equal = r % 4 == 0
+        start = karmarkar_karp(costs, k, equal_sizes=True) if equal else lpt(costs, k)
+        kwargs = {"allow_moves": not equal, "max_group": 1 + (r % 5 != 1)}
+        if r % 3 == 0:
+            kwargs.update(sizes=sizes, capacity=float(max(sizes[p].sum() for p in start)))
+        if r % 7 == 0:
+            kwargs["max_rounds"] = int(r % 4)
+        native, python = both(refine_by_swaps, costs, start, **kwargs)
+        assert native == python, (seed, r, kwargs)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_search_matches_the_python_loops(seed):
+    for r, (costs, sizes, k) in enumerate(instances(seed, 100)):
+        start = lpt(costs, k) if r % 2 else karmarkar_karp(costs, k, equal_sizes=True)
+        kwargs = {"node_budget": [0, 1, 7, 50, 400, 3000][r % 6]}
+        if r % 3 == 1:
+            kwargs["equal_sizes"] = True
+            start = karmarkar_karp(costs, k, equal_sizes=True)
+        if r % 4 == 2:
+            kwargs.update(sizes=sizes, capacity=float(max(sizes[p].sum() for p in start)))
+        native, python = both(improve_by_search, costs, start, **kwargs)
+        assert native == python, (seed, r, kwargs)
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_descent_matches_the_python_loop(seed):
+    # free and equal counts, small exchanges on and off, round limits, a zero bound (never stops early), and more
+    # than PARTNER_PARTS parts (exchanges only with the lightest parts)
+    from jodc.balance.descent import PARTNER_PARTS, descend
+    from jodc.balance.partition import _snake
+
+    changed = 0
+    for r, (costs, _, k) in enumerate(instances(seed, 100)):
+        if r % 5 == 4:
+            k = PARTNER_PARTS + 2 + r % 5
+            costs = np.concatenate([costs] * 3)
+        n = costs.size
+        for equal in (False, True):
+            start = _snake(costs, k) if equal else np.random.default_rng(r).integers(0, k, n)
+            kwargs = {"max_rounds": [10 * n + 100, 3, 1][r % 3], "equal_counts": equal,
+                      "small": [None, False, True][(r // 2) % 3]}
+            if r % 4 == 1:
+                kwargs["bound"] = 0.0
+            native, python = both(descend, costs, start, k, **kwargs)
+            assert np.array_equal(native, python), (seed, r, k, kwargs)
+            changed += not np.array_equal(python, start)
+    assert changed > 100  # the descents do move items
+
+
+def test_planners_match_on_golden_minibatches():
+    # the golden setting of bench/balance.py: 8 devices x 4 LongAlign-like sequences, FLOP costs, T = 64K
+    planner = get_planner("lb_mini")
+    cost_model = FlopsCost(DEEPSEEK_R1_DISTILL_QWEN_1_5B)
+    for r in range(12):
+        lengths = LONGALIGN_SFT.sample(32, seed=7919 * 8 + r)
+        native, python = both(planner, lengths, 8, 65536, cost_model=cost_model)
+        assert native == python, r
+        costs = FLOPS(np.asarray(lengths))
+        for equal in (False, True):
+            native, python = both(partition, costs, 8, equal_sizes=equal)
+            assert native == python, (r, equal)
+
+
+def test_exact_sums_match_fsum_through_refinement_and_search():
+    # part sums decide which exchange wins: mixed magnitudes, where a naive left-to-right sum differs from math.fsum's
+    # exactly rounded one, must steer the compiled loops the same way
+    rng = np.random.default_rng(5)
+    differs = 0
+    for r in range(60):
+        costs = rng.choice([1e16, 1e16 + 2.0, 1.0, 3.0, 0.5, 1e-3, 7.0], size=int(rng.integers(4, 25)))
+        differs += math.fsum(costs) != sum(costs.tolist())
+        k = int(rng.integers(2, 6))
+        native, python = both(refine_by_swaps, costs, lpt(costs, k))
+        assert native == python, r
+        native, python = both(improve_by_search, costs, lpt(costs, k), node_budget=200)
+        assert native == python, r
+    assert differs > 10  # the instances do exercise the exact sums
+    # a naive left-to-right part sum picks another exchange here (found by comparing the Python loop with
+    # math.fsum replaced by sum): the compiled loop must round like fsum
+    h = 2.0 ** 52
+    costs = np.array([0.2 * h, 0.3 * h, h, h, 0.1 * h, 0.1 * h, 0.2 * h])
+    native, python = both(refine_by_swaps, costs, [[3, 2, 0, 4], [6, 5, 1]])
+    assert native == python == [[0, 3, 4, 6], [1, 2, 5]]
+
+
+def test_disabled_native_path_runs_the_python_loops(monkeypatch):
+    from jodc.balance import refine as refine_module
+
+    calls = []
+    original = refine_module._Refiner.next_exchange
+    monkeypatch.setattr(refine_module._Refiner, "next_exchange", lambda self, m: calls.append(m) or original(self, m))
+    costs = np.array([5.0, 4.0, 3.0, 3.0, 2.0, 1.0])
+    native, python = both(refine_by_swaps, costs, [[0, 1, 2], [3, 4, 5]])
+    assert native == python and calls  # only the Python run called the reference's method
+
+
+def _run(code, **env):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_planners_use_the_loops_without_importing_jax():
+    out = _run("""
+import sys
+import numpy as np
+from jodc.balance import _native, partition
+partition(np.arange(1.0, 30.0), 4)
+assert _native.module() is not None, "compiled loops not found"
+assert "jax" not in sys.modules, "the planners imported jax"
+print("ok")
+""")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_another_build_named_by_jodc_ffi_library_is_not_pinned(tmp_path):
+    # with JODC_FFI_LIBRARY (make bazel-test) planning before jodc.ops loads the named build must not import the
+    # setuptools build as jodc._ffi (jodc.ops would then refuse the named one); once it is loaded the loops use it
+    import glob
+    import os
+    import shutil
+
+    built = glob.glob(os.path.join(os.path.dirname(_native.__file__), "..", "_ffi.*so"))
+    if not built:
+        pytest.skip("no setuptools build of jodc._ffi")
+    copy = tmp_path / "_ffi.so"
+    shutil.copy(built[0], copy)
+    out = _run(f"""
+import importlib.util, sys
+import numpy as np
+from jodc.balance import _native, partition
+partition(np.arange(1.0, 30.0), 4)
+assert "jodc._ffi" not in sys.modules and _native.module() is None
+spec = importlib.util.spec_from_file_location("jodc._ffi", {str(copy)!r})  # what jodc.ops._native does
+lib = importlib.util.module_from_spec(spec); spec.loader.exec_module(lib); sys.modules["jodc._ffi"] = lib
+assert _native.module() is lib
+print("ok")
+""", JODC_FFI_LIBRARY=str(copy))
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
