@@ -211,6 +211,9 @@ def e2e_worker(args) -> None:
                 progress(f"timed {len(out)} steps ({1e3 * float(np.median(out)):.0f} ms median)")
             return out
 
+        def per_process(self, value):
+            return comm.allgather(value)
+
     e2e_args = e2e.parse_args(["--devices", str(jax.device_count())] + (["--quick"] if args.quick else []))
     contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective", "xla_spmd")]
     r = e2e.run(e2e_args, MPISync(), contenders)

@@ -1,0 +1,67 @@
+"""bench/e2e.py's measurement pieces (also used across processes by bench/multiprocess.py)."""
+import os
+import sys
+import time
+import types
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import e2e  # noqa: E402
+
+
+def _calibrator(grad):
+    cal = object.__new__(e2e.BusyCalibrator)  # no model: `grad` stands in for forward + backward
+    cal.params, cal.grad, cal.cache = {}, grad, {}
+    return cal
+
+
+def _microbatch(n=8):
+    return {"tokens": np.zeros(n, np.int32), "segment_ids": np.ones(n, np.int32)}
+
+
+def _burn(seconds):
+    t0 = time.process_time()
+    while time.process_time() - t0 < seconds:
+        pass
+
+
+def test_busy_calibrator_counts_cpu_time_not_wall_time():
+    """A microbatch's busy time is the CPU it costs, not the wall it took: time spent descheduled (a loaded machine,
+    here a sleep) is not compute. Before, wall time was counted, and calibrations taken under heavier load than the
+    steps overstated compute (negative bubble rates across processes)."""
+    sleeping = _calibrator(lambda params, mb: time.sleep(0.05))
+    assert sleeping.seconds(_microbatch()) < 0.025
+    burning = _calibrator(lambda params, mb: _burn(0.02))
+    assert burning.seconds(_microbatch()) >= 0.019
+
+
+def test_run_contender_reports_this_process_wall_and_cpu():
+    """run_contender returns the slowest process's per-step walls and this process's own wall and CPU over the timed
+    pass (compile pass excluded), from which the benchmark splits a process's time into compute, other CPU and
+    time not running."""
+    steps = []
+
+    class Engine:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def step(self, batch):
+            steps.append(batch)
+            t0 = time.perf_counter()
+            _burn(0.01)
+            time.sleep(0.03)
+            return types.SimpleNamespace(seconds=time.perf_counter() - t0)
+
+        def close(self):
+            pass
+
+    class Sync(e2e.LocalSync):
+        def slowest(self, seconds):
+            return np.asarray(seconds) * 2  # another process was slower
+
+    walls, own = e2e.run_contender(Engine, None, None, None, ["a", "b"], None, None, Sync())
+    assert steps == ["a", "b", "a", "b"]  # a compile pass, then the timed one
+    assert len(walls) == 2 and np.allclose(walls, 2 * own["wall_s"] / 2, rtol=0.5)
+    assert own["wall_s"] >= 0.08 and 0.019 <= own["cpu_s"] < own["wall_s"] - 0.04
+    assert e2e.LocalSync().per_process({"x": 1}) == [{"x": 1}]
