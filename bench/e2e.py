@@ -6,7 +6,7 @@ distribution scaled to CPU size and (b) perfectly balanced minibatches (all sequ
 
 Every engine runs a microbatch at the smallest of T/4, T/2, T that holds it: ODC per device and microbatch (its
 devices never meet inside the step), the lock-step engines per round (the longest any device needs). Busy time is
-calibrated, not guessed: every microbatch a plan contains is timed alone (forward + backward on one
+calibrated, not guessed: every microbatch a plan contains is timed alone in CPU seconds (forward + backward on one
 device, no communication). A plan's ideal step time is its total busy time / devices; an engine's efficiency is
 ideal / measured, and its bubble rate 1 - busy / (devices x wall). The same calibration gives each schedule's
 compute-only wall for its plans (lock-step: sum over rounds of the slowest device's microbatch at the round's
