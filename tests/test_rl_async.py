@@ -207,3 +207,16 @@ def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward
             assert x[key] == y[key], (x["step"], key)
     for x, y in zip(engine_state(out, STEPS), engine_state(str(tmp_path), STEPS)):
         assert np.array_equal(x, y)
+
+
+def test_only_a_sampler_with_other_numerics_runs_the_mismatch_pass():
+    """An fp32 sampler (synchronous or stale) computes the trainer's numbers at the same weights: the extra fp32
+    forward of the mismatch metrics runs only for a bf16 sampler (it used to run for every stale rollout, costing
+    about as much as the sampling inside the asynchronous regime's timed steps)."""
+    from jodc.train.rl.config import RolloutConfig
+    from jodc.train.rl.sampler import measures_mismatch
+
+    assert not measures_mismatch(RolloutConfig())
+    assert not measures_mismatch(RolloutConfig(max_staleness=2))
+    assert measures_mismatch(RolloutConfig(dtype="bfloat16"))
+    assert measures_mismatch(RolloutConfig(max_staleness=2, dtype="bfloat16"))

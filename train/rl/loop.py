@@ -45,7 +45,7 @@ from .metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics,
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
 from .rollout import sample_rollout, sampling_params
-from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
+from .sampler import RolloutSampler, ScoredRollout, measures_mismatch, trainer_logprobs
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
 from ..core.tokenizer import load_tokenizer
@@ -128,7 +128,7 @@ class RLRun(Trainer):
                                       tokenizer=self.tokenizer, sampling=self.sampling, reward_fn=self.reward_fn,
                                       temperature=r.temperature, prompt_bucket=r.prompt_bucket, dtype=r.dtype,
                                       key_fn=self.rollout_key,
-                                      measure_mismatch=bool(r.max_staleness) or r.dtype != "float32")
+                                      measure_mismatch=measures_mismatch(r))
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         k = self.config.rollout.max_staleness
