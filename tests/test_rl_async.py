@@ -220,3 +220,16 @@ def test_only_a_sampler_with_other_numerics_runs_the_mismatch_pass():
     assert not measures_mismatch(RolloutConfig(max_staleness=2))
     assert measures_mismatch(RolloutConfig(dtype="bfloat16"))
     assert measures_mismatch(RolloutConfig(max_staleness=2, dtype="bfloat16"))
+
+
+def test_the_summary_line_of_stale_fp32_rollouts_has_no_mismatch():
+    """Stale fp32 rollouts measure no mismatch (None): the summary says so instead of failing to format it."""
+    from jodc.train.rl.loop import overlap_lines
+
+    base = {"max_staleness": 2, "rollout_dtype": "float32", "trainer_idle_fraction": 0.0,
+            "sampler_idle_fraction": 0.25, "logprob_mismatch": None}
+    assert overlap_lines(base) == ["rollouts: max_staleness 2, sampler float32; trainer idle 0%, sampler idle 25% "
+                                   "of the step"]
+    bf16 = overlap_lines({**base, "rollout_dtype": "bfloat16", "logprob_mismatch": 0.004})
+    assert bf16[0].endswith("; log-prob mismatch 4.00e-03 per token")
+    assert overlap_lines({**base, "max_staleness": 0}) == []

@@ -299,13 +299,19 @@ def format_summary(summary: dict[str, Any]) -> str:
                    f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
                   if summary["final_eval_accuracy"] is not None else [])
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    overlap = []
-    if summary.get("trainer_idle_fraction") is not None and (summary.get("max_staleness")
-                                                             or summary.get("rollout_dtype") != "float32"):
-        overlap = [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
-                   f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} "
-                   f"of the step; log-prob mismatch {summary['logprob_mismatch']:.2e} per token"]
-    return summary_text(summary, done, evaluation + overlap, curves)
+    return summary_text(summary, done, evaluation + overlap_lines(summary), curves)
+
+
+def overlap_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's line on asynchronous / mismatched rollouts (none for synchronous fp32 ones); the log-prob
+    mismatch only where it was measured (a sampler with other numerics than the trainer's)."""
+    if summary.get("trainer_idle_fraction") is None or not (summary.get("max_staleness")
+                                                            or summary.get("rollout_dtype") != "float32"):
+        return []
+    mismatch = summary.get("logprob_mismatch")
+    return [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
+            f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} of the "
+            "step" + (f"; log-prob mismatch {mismatch:.2e} per token" if mismatch is not None else "")]
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,
