@@ -27,7 +27,11 @@ Prints a table and one JSON line (also written to bench/results/rl.json unless -
 `dppo_final_accuracy`, `ppo_final_accuracy`, `dppo_unstable_steps` and `ppo_unstable_steps` (the sync regime),
 `initial_sampled_reward` (the shared warm start's held-out sampled reward), `<loss>_<regime>_final_sampled_reward`
 for every loss and regime run, and `async_speedup`: the wall time of the sync regime over the stale2 regime for
-the same rollouts and updates (steps 2.., summed step times, mean over the losses run in both).
+the same rollouts and updates (steps 2.., summed step times, mean over the losses run in both). Per run also the
+CPU use (process CPU seconds per wall second) of the rollout calls, the engine updates and whole steps
+(`rollout_cpu_utilisation`, `train_cpu_utilisation`, `step_cpu_utilisation`; the split is meaningful for the
+sync regime, where the phases do not overlap). One engine per objective is compiled once and reused by every run
+(`EnginePool`), so a run costs its steps, not recompilations.
 """
 from __future__ import annotations
 
