@@ -27,7 +27,11 @@ Prints a table and one JSON line (also written to bench/results/rl.json unless -
 `dppo_final_accuracy`, `ppo_final_accuracy`, `dppo_unstable_steps` and `ppo_unstable_steps` (the sync regime),
 `initial_sampled_reward` (the shared warm start's held-out sampled reward), `<loss>_<regime>_final_sampled_reward`
 for every loss and regime run, and `async_speedup`: the wall time of the sync regime over the stale2 regime for
-the same rollouts and updates (steps 2.., summed step times, mean over the losses run in both).
+the same rollouts and updates (steps 2.., summed step times, mean over the losses run in both). Per run also the
+CPU use (process CPU seconds per wall second) of the rollout calls, the engine updates and whole steps
+(`rollout_cpu_utilisation`, `train_cpu_utilisation`, `step_cpu_utilisation`; the split is meaningful for the
+sync regime, where the phases do not overlap). One engine per objective is compiled once and reused by every run
+(`EnginePool`), so a run costs its steps, not recompilations.
 """
 from __future__ import annotations
 
@@ -43,6 +47,9 @@ import time
 DEVICES = 2
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
 
+#: CPU seconds per wall second of the rollout (sampler) calls, the engine updates and whole steps (steps 2..);
+#: the rollout / train split is meaningful for the synchronous regime only (see `PhaseClock`)
+PHASE_KEYS = ("rollout_cpu_utilisation", "train_cpu_utilisation", "step_cpu_utilisation")
 KL_THRESHOLDS = (0.05, 0.1, 0.2, 0.5)  # also counted: steps whose largest per-update KL exceeds each
 
 VARIANTS = {
@@ -64,6 +71,104 @@ REGIMES = {
 }
 
 
+class EnginePool:
+    """One engine per objective, reused by every run of the benchmark (seeds and regimes), reset to the shared warm
+    start before each run.
+
+    Why: an engine's compiled step cannot be shared between engines (the ODC step's custom calls name the engine's
+    own heap, so even JAX's persistent cache misses), and compiling it costs 2-3 compilations per run (one per
+    padded microbatch count), 10-40 s each on the loaded 2-core machine: more than a 12-step run's training. A
+    reused engine computes exactly what a fresh one does: `load_state_dict` puts back the warm start's parameters,
+    the fresh optimizer state and the step count (the learning-rate schedule's position), and the objective (the
+    compiled head loss) is part of the key. Step 1 of a run (excluded from every timing) no longer compiles.
+    """
+
+    def __init__(self):
+        self.engines: dict[tuple, tuple[object, dict]] = {}
+        self.key: tuple = ()
+
+    def make(self, settings, model, groups):
+        import copy
+
+        key = (self.key, repr(settings.optimizer), repr(settings.engine))
+        if key not in self.engines:
+            engine = self.original(settings, model, groups)
+            engine.close = lambda: None  # released by `close_all` when the benchmark ends
+            self.engines[key] = (engine, copy.deepcopy(engine.state_dict()))
+        engine, initial = self.engines[key]
+        engine.load_state_dict(initial)
+        return engine
+
+    def __enter__(self):
+        import jodc.train.rl.loop as loop
+
+        self.original, loop.make_engine = loop.make_engine, self.make
+        return self
+
+    def __exit__(self, *exc):
+        import jodc.train.rl.loop as loop
+
+        loop.make_engine = self.original
+        for engine, _ in self.engines.values():
+            type(engine).close(engine)
+        self.engines.clear()
+
+
+class PhaseClock:
+    """Process CPU time and wall time of the rollout and training phases (steps 2..), from which the CPU
+    utilisation (CPU seconds per wall second: 2.0 = both cores busy) of each phase. Process-wide CPU time: in the
+    synchronous regime the phases do not overlap, so each phase's CPU time is its own; asynchronous runs report
+    the whole step's utilisation only."""
+
+    def __init__(self):
+        self.totals: dict[str, list[float]] = {}
+        self.step = 0
+
+    def wrap(self, phase: str, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if self.step >= 1:  # 0-based: step 1 compiles
+                    t = self.totals.setdefault(phase, [0.0, 0.0])
+                    t[0] += time.perf_counter() - wall
+                    t[1] += time.process_time() - cpu
+        return timed
+
+    def __enter__(self):
+        from jodc.train.rl.loop import RLRun
+        from jodc.train.rl.sampler import RolloutSampler
+
+        self.saved = RLRun.train_step, RLRun.update, RolloutSampler.__call__
+        clock = self
+        train_step = self.wrap("step", RLRun.train_step)
+
+        def step(run, i):
+            clock.step = i
+            return train_step(run, i)
+
+        RLRun.train_step, RLRun.update = step, self.wrap("train", RLRun.update)
+        RolloutSampler.__call__ = self.wrap("rollout", RolloutSampler.__call__)
+        return self
+
+    def __exit__(self, *exc):
+        from jodc.train.rl.loop import RLRun
+        from jodc.train.rl.sampler import RolloutSampler
+
+        RLRun.train_step, RLRun.update, RolloutSampler.__call__ = self.saved
+
+    def utilisation(self) -> dict[str, float]:
+        return {f"{phase}_cpu_utilisation": cpu / wall if wall > 0 else 0.0
+                for phase, (wall, cpu) in self.totals.items()}
+
+
+ENGINES = EnginePool()
+
+
 def common_overrides(args, out_dir: str) -> list[str]:
     """The settings every run shares (model, task, rollout, optimizer, budget)."""
     return ["--preset", "small", "--max_digits", "1", "--max_terms", "3", "--pool_size", "256",
@@ -81,13 +186,17 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str, regime: str
     from jodc.train.core.metrics import read_metrics
     from jodc.train.rl.loop import run_rl
     from jodc.train.rl.config import load_rl_config
+    from jodc.train.rl.loss import build_objective
 
     out_dir = os.path.join(work, f"{name}_{regime}_seed{seed}")
     # every run starts from the same warm-started model (its HF export), whatever its seed
     config = load_rl_config(None, common_overrides(args, out_dir) + VARIANTS[name] + REGIMES[regime] +
                             ["--seed", str(seed), "--hf_path", warm_hf, "--sft_steps", "0"])
+    # the compiled objective: the loss, and whether it reads recomputed old / proximal log-probs
+    ENGINES.key = (name, build_objective(config.loss, config.rollout).recompute)
     started = time.perf_counter()
-    summary = run_rl(config, log=lambda _: None)
+    with PhaseClock() as clock:
+        summary = run_rl(config, log=lambda _: None)
     wall = time.perf_counter() - started
     records = read_metrics(summary["metrics"])
     tail = records[-args.tail:]
@@ -110,8 +219,10 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str, regime: str
         "sampler_idle_fraction": statistics.fmean(r["sampler_idle_fraction"] for r in records[1:]),
         # measured only where the sampler differs from the trainer (async or bf16); sync fp32: 0 by construction
         "logprob_mismatch": statistics.fmean(r.get("logprob_mismatch", 0.0) for r in records),
+        "logprob_mismatch_max": max(r.get("logprob_mismatch_max", 0.0) for r in records),
         "mismatch_kl": statistics.fmean(r.get("mismatch_kl", 0.0) for r in records),
         "wall_seconds": wall,
+        **{k: clock.utilisation().get(k, 0.0) for k in PHASE_KEYS},
     }
 
 
@@ -152,7 +263,7 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     results: dict[str, dict[str, dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="jodc_bench_rl_") as work:
+    with tempfile.TemporaryDirectory(prefix="jodc_bench_rl_") as work, ENGINES:
         warm_hf = warm_start(args, work)
         warm_seconds = time.perf_counter() - started
         for regime in regimes:
@@ -163,11 +274,14 @@ def main(argv=None) -> int:
                 r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in runs]
                 r["final_accuracy_per_seed"] = [run["final_accuracy"] for run in runs]
                 results[regime][name] = r
-                print(f"  {regime} {name}: done ({r['wall_seconds']:.0f} s per run)", file=sys.stderr)
+                print(f"  {regime} {name}: done ({r['wall_seconds']:.0f} s per run; CPU use rollout "
+                      f"{r['rollout_cpu_utilisation']:.2f}, train {r['train_cpu_utilisation']:.2f}, step "
+                      f"{r['step_cpu_utilisation']:.2f} of 2 cores)", file=sys.stderr, flush=True)
+                print(json.dumps({"partial": [regime, name], **r}), file=sys.stderr, flush=True)
 
     header = (f"{'regime':<8} {'loss':<13} {'greedy acc':>13} {'held-out reward':>15} {'train reward':>13} "
               f"{'KL>0.1':>6} {'max KL':>7} {'masked':>7} {'mismatch':>8} {'rollout s':>9} {'train s':>8} "
-              f"{'step s':>7} {'idle T/S':>9}")
+              f"{'step s':>7} {'idle T/S':>9} {'CPU R/T/step':>14}")
     print(header)
     print("-" * len(header))
     for regime, by_loss in results.items():
@@ -177,7 +291,8 @@ def main(argv=None) -> int:
                   f"{r['initial_reward']:>6.3f}>{r['final_reward']:<6.3f} {r['steps_kl_over_0.1']:>6.1f} "
                   f"{r['policy_kl_max']:>7.3f} {r['masked_fraction']:>7.4f} {r['logprob_mismatch']:>8.4f} "
                   f"{r['rollout_seconds']:>9.1f} {r['train_seconds']:>8.1f} {r['step_seconds']:>7.1f} "
-                  f"{r['trainer_idle_fraction']:>4.2f}/{r['sampler_idle_fraction']:<4.2f}")
+                  f"{r['trainer_idle_fraction']:>4.2f}/{r['sampler_idle_fraction']:<4.2f} "
+                  f"{r['rollout_cpu_utilisation']:>4.2f}/{r['train_cpu_utilisation']:.2f}/{r['step_cpu_utilisation']:.2f}")
     line = {"bench": "rl", "steps": args.steps, "seeds": args.seeds, "updates_per_step": args.updates_per_step,
             "learning_rate": args.learning_rate, "prompts_per_step": args.prompts, "group_size": 8,
             "unstable_kl": args.unstable_kl, "warm_start_seconds": round(warm_seconds, 1),

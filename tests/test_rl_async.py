@@ -207,3 +207,29 @@ def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward
             assert x[key] == y[key], (x["step"], key)
     for x, y in zip(engine_state(out, STEPS), engine_state(str(tmp_path), STEPS)):
         assert np.array_equal(x, y)
+
+
+def test_only_a_sampler_with_other_numerics_runs_the_mismatch_pass():
+    """An fp32 sampler (synchronous or stale) computes the trainer's numbers at the same weights: the extra fp32
+    forward of the mismatch metrics runs only for a bf16 sampler (it used to run for every stale rollout, costing
+    about as much as the sampling inside the asynchronous regime's timed steps)."""
+    from jodc.train.rl.config import RolloutConfig
+    from jodc.train.rl.sampler import measures_mismatch
+
+    assert not measures_mismatch(RolloutConfig())
+    assert not measures_mismatch(RolloutConfig(max_staleness=2))
+    assert measures_mismatch(RolloutConfig(dtype="bfloat16"))
+    assert measures_mismatch(RolloutConfig(max_staleness=2, dtype="bfloat16"))
+
+
+def test_the_summary_line_of_stale_fp32_rollouts_has_no_mismatch():
+    """Stale fp32 rollouts measure no mismatch (None): the summary says so instead of failing to format it."""
+    from jodc.train.rl.loop import overlap_lines
+
+    base = {"max_staleness": 2, "rollout_dtype": "float32", "trainer_idle_fraction": 0.0,
+            "sampler_idle_fraction": 0.25, "logprob_mismatch": None}
+    assert overlap_lines(base) == ["rollouts: max_staleness 2, sampler float32; trainer idle 0%, sampler idle 25% "
+                                   "of the step"]
+    bf16 = overlap_lines({**base, "rollout_dtype": "bfloat16", "logprob_mismatch": 0.004})
+    assert bf16[0].endswith("; log-prob mismatch 4.00e-03 per token")
+    assert overlap_lines({**base, "max_staleness": 0}) == []

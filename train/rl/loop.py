@@ -45,7 +45,7 @@ from .metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics,
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
 from .rollout import sample_rollout, sampling_params
-from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
+from .sampler import RolloutSampler, ScoredRollout, measures_mismatch, trainer_logprobs
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
 from ..core.tokenizer import load_tokenizer
@@ -128,7 +128,7 @@ class RLRun(Trainer):
                                       tokenizer=self.tokenizer, sampling=self.sampling, reward_fn=self.reward_fn,
                                       temperature=r.temperature, prompt_bucket=r.prompt_bucket, dtype=r.dtype,
                                       key_fn=self.rollout_key,
-                                      measure_mismatch=bool(r.max_staleness) or r.dtype != "float32")
+                                      measure_mismatch=measures_mismatch(r))
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         k = self.config.rollout.max_staleness
@@ -299,13 +299,19 @@ def format_summary(summary: dict[str, Any]) -> str:
                    f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
                   if summary["final_eval_accuracy"] is not None else [])
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    overlap = []
-    if summary.get("trainer_idle_fraction") is not None and (summary.get("max_staleness")
-                                                             or summary.get("rollout_dtype") != "float32"):
-        overlap = [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
-                   f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} "
-                   f"of the step; log-prob mismatch {summary['logprob_mismatch']:.2e} per token"]
-    return summary_text(summary, done, evaluation + overlap, curves)
+    return summary_text(summary, done, evaluation + overlap_lines(summary), curves)
+
+
+def overlap_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's line on asynchronous / mismatched rollouts (none for synchronous fp32 ones); the log-prob
+    mismatch only where it was measured (a sampler with other numerics than the trainer's)."""
+    if summary.get("trainer_idle_fraction") is None or not (summary.get("max_staleness")
+                                                            or summary.get("rollout_dtype") != "float32"):
+        return []
+    mismatch = summary.get("logprob_mismatch")
+    return [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
+            f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} of the "
+            "step" + (f"; log-prob mismatch {mismatch:.2e} per token" if mismatch is not None else "")]
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,

@@ -110,6 +110,15 @@ def logprob_mismatch(behaviour: Sequence[np.ndarray], trainer: Sequence[np.ndarr
             "mismatch_kl": float(np.mean(np.exp(log_ratio) - 1.0 - log_ratio))}
 
 
+def measures_mismatch(rollout) -> bool:
+    """Whether the sampler runs the trainer's fp32 forward at the sampling weights (the mismatch metrics): only
+    when the sampler's numerics differ from the trainer's (`rollout.dtype` other than float32). An fp32 sampler,
+    synchronous or stale, computes what the trainer computes at the same weights (the difference is kernel
+    rounding, ~1e-6), so the pass would cost about as much as the sampling for nothing; stale rollouts' old /
+    proximal log-probs are recomputed by the trainer at its own, newer weights, not at the sampling ones."""
+    return rollout.dtype != "float32"
+
+
 def sampler_weights(config: DecoderConfig, params, dtype: str) -> tuple[DecoderConfig, Any]:
     """The sampler's model config and parameters: the trainer's for float32, else cast (parameters and compute)."""
     if dtype not in SAMPLER_DTYPES:
