@@ -334,6 +334,10 @@ def resplit_heaviest(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds
     if prepared is None:
         return np.array(assign, dtype=np.int64)
     cost, assign, bound, tol = prepared
+    native = _native.op("balance_resplit")
+    if native is not None:  # the same re-splits compiled: the same answer
+        return np.array(native.balance_resplit(cost.tolist(), assign.tolist(), k, int(max_rounds), float(bound), tol,
+                                               bool(equal_counts), BOUND_TOLERANCE, RESPLIT_ITEMS), dtype=np.int64)
     sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
     for _ in range(max_rounds):
         p = int(np.argmax(sums))

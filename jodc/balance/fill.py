@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from jodc.balance import _native
+
 # Largest number of candidate subsets tabulated for one part (the subset size shrinks until the table fits).
 MAX_SUBSETS = 6_000
 
@@ -53,6 +55,10 @@ def fill_parts(cost: np.ndarray, k: int, target: float, *, max_others: int = 4) 
     """An assignment (item -> part) filling parts 0 .. k-2 toward ``target`` as in the module docstring; part
     ``k - 1`` takes the rest (it may exceed ``target``)."""
     cost = np.asarray(cost, dtype=np.float64)
+    native = _native.op("balance_fill")
+    if native is not None:  # the same fill compiled: the same answer
+        return np.array(native.balance_fill(cost.tolist(), int(k), float(target), int(max_others), MAX_SUBSETS),
+                        dtype=np.int64)
     n = cost.size
     remaining = np.lexsort((np.arange(n), -cost))  # heaviest first, ties by index
     assign = np.full(n, k - 1, dtype=np.int64)
