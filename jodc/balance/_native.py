@@ -8,7 +8,8 @@ one call).
 arithmetic and node budgets, so the plans are identical with or without them (``tests/test_balance_native.py``
 checks it). Only the pybind11 module is imported here, never jax: the planners stay JAX-free. Without the extension
 (or with ``JODC_BALANCE_NATIVE=0``) the planners run the Python loops; ``JODC_BALANCE_NATIVE_DESCENT=0`` turns off
-only the compiled descent.
+only the compiled descent (and with it ``balance_small_stage``, which calls it: the free partition's small-instance
+step then runs as the Python loop over the compiled re-splits and fills).
 
 When ``JODC_FFI_LIBRARY`` names another build of jodc._ffi (``make bazel-test``), this module never imports the
 extension itself (that would pin the setuptools build before jodc.ops loads the named one): it uses the named build
