@@ -140,6 +140,22 @@ def test_resplits_fills_and_the_small_stage_match_the_python_loops(seed):
     assert moved > 30 and 0 < reached < 60  # the re-splits move items; some instances reach the target, some not
 
 
+def test_small_stage_without_the_compiled_descent_runs_the_loop_over_the_compiled_steps(monkeypatch):
+    # JODC_BALANCE_NATIVE_DESCENT=0: the Python loop with the compiled re-splits and fills, the same answer
+    from jodc.balance.partition import FILL_STEPS, _fast_path, _resplit_and_fill
+
+    for r in range(12):
+        costs = FLOPS(np.asarray(LONGALIGN_SFT.sample(32, seed=7919 * 8 + r)))
+        _, best, _, bound = _fast_path(costs, 8, equal=False)
+        args = (costs, 8, best, bound, bound * (1.0 + 1e-4), 420, FILL_STEPS)
+        whole = _resplit_and_fill(*args)
+        monkeypatch.setattr(_native, "_descend_enabled", False)
+        assert _native.descend_module() is None and _native.op("balance_resplit") is not None
+        loop = _resplit_and_fill(*args)
+        monkeypatch.setattr(_native, "_descend_enabled", True)
+        assert np.array_equal(whole[0], loop[0]) and whole[1] == loop[1], r
+
+
 def test_compiled_balance_ops_reject_bad_assignments():
     lib = _native.module()
     with pytest.raises(ValueError, match="balance_resplit: part 3 outside"):
