@@ -11,8 +11,11 @@
 #include "cpu/handlers.h"
 #include "cpu/heap.h"
 #include "cpu/balance_descent.h"
+#include "cpu/balance_fill.h"
 #include "cpu/balance_refine.h"
+#include "cpu/balance_resplit.h"
 #include "cpu/balance_search.h"
+#include "cpu/balance_small.h"
 #include "cpu/memcpy_bench.h"
 
 namespace py = pybind11;
@@ -56,6 +59,16 @@ std::shared_ptr<Bucket> Lookup(int64_t heap_id, int64_t bucket_id, std::shared_p
 void CheckDevice(const Bucket& b, int32_t device) {
   if (device < 0 || device >= b.layout.world)
     Raise("device " + std::to_string(device) + " outside [0, " + std::to_string(b.layout.world) + ")");
+}
+
+// The item -> part assignment a balance op takes: one entry per cost, every part in [0, k).
+void CheckAssignment(const char* op, const std::vector<double>& cost, const std::vector<int64_t>& assign, int64_t k) {
+  if (k < 1) Raise(std::string(op) + ": k must be >= 1, got " + std::to_string(k));
+  if (assign.size() != cost.size())
+    Raise(std::string(op) + ": assign has " + std::to_string(assign.size()) + " entries for " +
+          std::to_string(cost.size()) + " costs");
+  for (int64_t a : assign)
+    if (a < 0 || a >= k) Raise(std::string(op) + ": part " + std::to_string(a) + " outside [0, " + std::to_string(k) + ")");
 }
 
 }  // namespace
@@ -256,4 +269,57 @@ PYBIND11_MODULE(_ffi, m) {
       py::arg("cost"), py::arg("assign"), py::arg("k"), py::arg("max_rounds"), py::arg("bound"), py::arg("tol"),
       py::arg("small"), py::arg("equal_counts"), py::arg("bound_tolerance"), py::arg("partner_parts"),
       "jodc.balance.descent's descend loop after its argument preparation: the new assignment (item -> part).");
+  m.def(
+      "balance_resplit",
+      [](const std::vector<double>& cost, std::vector<int64_t> assign, int64_t k, int64_t max_rounds, double bound,
+         double tol, bool equal_counts, double bound_tolerance, int64_t resplit_items) {
+        CheckAssignment("balance_resplit", cost, assign, k);
+        if (resplit_items < 0 || resplit_items > 30) Raise("balance_resplit: resplit_items must be in [0, 30]");
+        {
+          py::gil_scoped_release release;
+          balance::ResplitHeaviest(cost, k, max_rounds, bound, tol, equal_counts, bound_tolerance, resplit_items,
+                                   &assign);
+        }
+        return assign;
+      },
+      py::arg("cost"), py::arg("assign"), py::arg("k"), py::arg("max_rounds"), py::arg("bound"), py::arg("tol"),
+      py::arg("equal_counts"), py::arg("bound_tolerance"), py::arg("resplit_items"),
+      "jodc.balance.descent's resplit_heaviest after its argument preparation: the new assignment (item -> part).");
+  m.def(
+      "balance_fill",
+      [](const std::vector<double>& cost, int64_t k, double target, int64_t max_others, int64_t max_subsets) {
+        if (k < 1) Raise("balance_fill: k must be >= 1, got " + std::to_string(k));
+        if (max_others < 0 || max_subsets < 1) Raise("balance_fill: max_others must be >= 0 and max_subsets >= 1");
+        py::gil_scoped_release release;
+        return balance::FillParts(cost, k, target, max_others, max_subsets);
+      },
+      py::arg("cost"), py::arg("k"), py::arg("target"), py::arg("max_others"), py::arg("max_subsets"),
+      "jodc.balance.fill's fill_parts: the assignment (item -> part) of a fill toward target.");
+  m.def(
+      "balance_small_stage",
+      [](const std::vector<double>& cost, std::vector<int64_t> assign, int64_t k,
+         const std::vector<double>& fill_targets, double bound, double target, double tol, int64_t rounds,
+         bool small, double bound_tolerance, int64_t partner_parts, int64_t resplit_rounds, int64_t resplit_items,
+         int64_t fill_others, int64_t max_subsets) {
+        CheckAssignment("balance_small_stage", cost, assign, k);
+        if (partner_parts < 1) Raise("balance_small_stage: partner_parts must be >= 1");
+        if (resplit_items < 0 || resplit_items > 30) Raise("balance_small_stage: resplit_items must be in [0, 30]");
+        if (fill_others < 0 || max_subsets < 1)
+          Raise("balance_small_stage: fill_others must be >= 0 and max_subsets >= 1");
+        const balance::SmallStageOptions options{bound,           target,        tol,
+                                                 rounds,          small,         bound_tolerance,
+                                                 partner_parts,   resplit_rounds, resplit_items,
+                                                 fill_others,     max_subsets};
+        bool reached;
+        {
+          py::gil_scoped_release release;
+          reached = balance::SmallStage(cost, k, fill_targets, options, &assign);
+        }
+        return py::make_tuple(assign, reached);
+      },
+      py::arg("cost"), py::arg("assign"), py::arg("k"), py::arg("fill_targets"), py::arg("bound"),
+      py::arg("target"), py::arg("tol"), py::arg("rounds"), py::arg("small"), py::arg("bound_tolerance"),
+      py::arg("partner_parts"), py::arg("resplit_rounds"), py::arg("resplit_items"), py::arg("fill_others"),
+      py::arg("max_subsets"),
+      "Step 2 of jodc.balance.partition's _free_partition (re-splits, fills, descents): (assignment, reached).");
 }

@@ -107,11 +107,70 @@ def test_descent_matches_the_python_loop(seed):
     assert changed > 100  # the descents do move items
 
 
+@pytest.mark.parametrize("seed", [8, 9])
+def test_resplits_fills_and_the_small_stage_match_the_python_loops(seed):
+    # the small-instance step of the free partition (re-splits, fills toward targets, descents) compiled as separate
+    # ops and as one call (balance_small_stage), from the fast path's start as _free_partition runs it
+    from jodc.balance.descent import lower_bound, resplit_heaviest
+    from jodc.balance.fill import fill_parts
+    from jodc.balance.partition import FILL_OTHERS, FILL_STEPS, RESPLIT_ROUNDS, _fast_path, _resplit_and_fill
+
+    moved = reached = 0
+    for r, (costs, _, k) in enumerate(instances(seed, 60)):
+        n = costs.size
+        bound = lower_bound(costs, k)
+        for step in (0.0, *FILL_STEPS[::2]):
+            native, python = both(fill_parts, costs, k, bound * (1.0 + step), max_others=FILL_OTHERS - r % 3)
+            assert np.array_equal(native, python), (seed, r, step)
+        start = np.random.default_rng(r).integers(0, k, n)
+        for equal in (False, True):
+            if equal:
+                start = np.arange(n) % k
+            kwargs = {"max_rounds": [RESPLIT_ROUNDS, 1, 20][r % 3], "equal_counts": equal,
+                      "bound": [None, 0.0][r % 2]}
+            native, python = both(resplit_heaviest, costs, start, k, **kwargs)
+            assert np.array_equal(native, python), (seed, r, kwargs)
+            moved += not np.array_equal(python, start)
+        _, best, _, bound = _fast_path(costs, k, equal=False)
+        steps = FILL_STEPS if r % 4 else FILL_STEPS[:2]
+        target = bound * (1.0 + [1e-4, 0.0][r % 2])  # 0.0: never reached early, every fill runs
+        native, python = both(_resplit_and_fill, costs, k, best, bound, target, 10 * n + 100, steps)
+        assert np.array_equal(native[0], python[0]) and native[1] == python[1], (seed, r)
+        reached += python[1]
+    assert moved > 30 and 0 < reached < 60  # the re-splits move items; some instances reach the target, some not
+
+
+def test_small_stage_without_the_compiled_descent_runs_the_loop_over_the_compiled_steps(monkeypatch):
+    # JODC_BALANCE_NATIVE_DESCENT=0: the Python loop with the compiled re-splits and fills, the same answer
+    from jodc.balance.partition import FILL_STEPS, _fast_path, _resplit_and_fill
+
+    for r in range(12):
+        costs = FLOPS(np.asarray(LONGALIGN_SFT.sample(32, seed=7919 * 8 + r)))
+        _, best, _, bound = _fast_path(costs, 8, equal=False)
+        args = (costs, 8, best, bound, bound * (1.0 + 1e-4), 420, FILL_STEPS)
+        whole = _resplit_and_fill(*args)
+        monkeypatch.setattr(_native, "_descend_enabled", False)
+        assert _native.descend_module() is None and _native.op("balance_resplit") is not None
+        loop = _resplit_and_fill(*args)
+        monkeypatch.setattr(_native, "_descend_enabled", True)
+        assert np.array_equal(whole[0], loop[0]) and whole[1] == loop[1], r
+
+
+def test_compiled_balance_ops_reject_bad_assignments():
+    lib = _native.module()
+    with pytest.raises(ValueError, match="balance_resplit: part 3 outside"):
+        lib.balance_resplit([1.0, 2.0], [0, 3], 2, 5, 0.0, 0.0, False, 1e-4, 14)
+    with pytest.raises(ValueError, match="balance_small_stage: assign has 1 entries for 2 costs"):
+        lib.balance_small_stage([1.0, 2.0], [0], 2, [], 0.0, 0.0, 0.0, 1, True, 1e-4, 32, 5, 14, 4, 6000)
+    with pytest.raises(ValueError, match="balance_fill: k must be >= 1"):
+        lib.balance_fill([1.0], 0, 1.0, 4, 6000)
+
+
 def test_planners_match_on_golden_minibatches():
     # the golden setting of bench/balance.py: 8 devices x 4 LongAlign-like sequences, FLOP costs, T = 64K
     planner = get_planner("lb_mini")
     cost_model = FlopsCost(DEEPSEEK_R1_DISTILL_QWEN_1_5B)
-    for r in range(12):
+    for r in range(24):
         lengths = LONGALIGN_SFT.sample(32, seed=7919 * 8 + r)
         native, python = both(planner, lengths, 8, 65536, cost_model=cost_model)
         assert native == python, r

@@ -52,6 +52,7 @@ void Descend(const std::vector<double>& cost, int64_t k, int64_t max_rounds, dou
   std::vector<int64_t> qr, gap;
   std::vector<char> partner(k);
   std::vector<Option> options;
+  std::vector<std::pair<int64_t, int64_t>> mine_pairs;
   // The product is rounded before the addition, as Python does: volatile keeps a compiler from contracting the two
   // into one fused multiply-add (GCC does by default where the target has one, e.g. aarch64), which rounds once.
   volatile double scaled = bound * (1.0 + bound_tolerance);
@@ -123,13 +124,14 @@ void Descend(const std::vector<double>& cost, int64_t k, int64_t max_rounds, dou
       }
     }
     if (small && nr) {
+      // pairs of p's items in np.triu_indices order: the 2-for-1 and the 2-for-2 exchanges' rows
+      mine_pairs.clear();
+      for (int64_t a = 0; a < m; ++a)
+        for (int64_t b = a + 1; b < m; ++b) mine_pairs.emplace_back(a, b);
       if (m >= 2) {  // 2-for-1
         Best best;
         int64_t g = 0;
-        std::vector<std::pair<int64_t, int64_t>> pairs;
-        for (int64_t a = 0; a < m; ++a)
-          for (int64_t b = a + 1; b < m; ++b) pairs.emplace_back(a, b);
-        for (const auto& [a, b] : pairs) {
+        for (const auto& [a, b] : mine_pairs) {
           const double pair = cp[a] + cp[b];
           for (int64_t j = 0; j < nr; ++j) {
             const double d = pair - cr[j];
@@ -138,7 +140,7 @@ void Descend(const std::vector<double>& cost, int64_t k, int64_t max_rounds, dou
           }
           ++g;
         }
-        const auto& [a, b] = pairs[best.row];
+        const auto& [a, b] = mine_pairs[best.row];
         options.push_back({best.value, 3, mine[a], mine[b], rest[best.col], -1});
       }
       if (nr >= 2) {
@@ -162,9 +164,6 @@ void Descend(const std::vector<double>& cost, int64_t k, int64_t max_rounds, dou
           if (equal_counts && m >= 2) {  // 2-for-2
             Best both;
             int64_t h = 0;
-            std::vector<std::pair<int64_t, int64_t>> mine_pairs;
-            for (int64_t a = 0; a < m; ++a)
-              for (int64_t b = a + 1; b < m; ++b) mine_pairs.emplace_back(a, b);
             for (const auto& [a, b] : mine_pairs) {
               const double give = cp[a] + cp[b];
               for (int64_t g = 0; g < ns; ++g) {

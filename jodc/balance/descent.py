@@ -308,14 +308,19 @@ def balance_pairs(cost: np.ndarray, assign: np.ndarray, k: int, *, max_passes: i
 
 # Pair re-splits enumerate every subset of the two parts' items: at most this many items together (2^14 subsets).
 RESPLIT_ITEMS = 14
-_MASKS: dict[int, np.ndarray] = {}
-
-
-def _masks(u: int) -> np.ndarray:
-    """float64 [2^u, u]: row s has 1 where bit j of s is set (every subset of u items); cached."""
-    if u not in _MASKS:
-        _MASKS[u] = ((np.arange(2 ** u)[:, None] >> np.arange(u)[None, :]) & 1).astype(np.float64)
-    return _MASKS[u]
+def subset_sums(values: np.ndarray) -> np.ndarray:
+    """float64 [rows, 2^u] for ``values`` [rows, u]: entry ``s`` of a row is the sum of the row's values at the set
+    bits of ``s``, added in a fixed order (from 0.0, bit 0 first, each further bit added last), so the same on every
+    host: ``s`` with highest bit ``j`` is ``(s without bit j) + values[j]``, one elementwise addition per bit. A
+    matrix product with a 0/1 mask table would compute the same sums, but BLAS builds choose their own summation
+    order (blocking, SIMD lanes, fused multiply-adds), so the plan could differ between hosts."""
+    values = np.asarray(values, dtype=np.float64)
+    rows, u = values.shape
+    out = np.zeros((rows, 1 << u), dtype=np.float64)
+    for j in range(u):
+        width = 1 << j
+        np.add(out[:, :width], values[:, j:j + 1], out=out[:, width:2 * width])
+    return out
 
 
 def resplit_heaviest(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds: int,
@@ -329,6 +334,10 @@ def resplit_heaviest(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds
     if prepared is None:
         return np.array(assign, dtype=np.int64)
     cost, assign, bound, tol = prepared
+    native = _native.op("balance_resplit")
+    if native is not None:  # the same re-splits compiled: the same answer
+        return np.array(native.balance_resplit(cost.tolist(), assign.tolist(), k, int(max_rounds), float(bound), tol,
+                                               bool(equal_counts), BOUND_TOLERANCE, RESPLIT_ITEMS), dtype=np.int64)
     sums = np.bincount(assign, weights=cost, minlength=k).astype(np.float64)
     for _ in range(max_rounds):
         p = int(np.argmax(sums))
@@ -346,11 +355,11 @@ def resplit_heaviest(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds
             union = np.concatenate([mine, np.flatnonzero(assign == q)])
             members[row, :union.size] = union
         values = np.where(members >= 0, cost[np.maximum(members, 0)], 0.0)
-        side = values @ _masks(u).T  # [others, subsets]: cost of the side that keeps the subset
+        side = subset_sums(values)  # [others, subsets]: cost of the side that keeps the subset (fixed order)
         pair = (sums[p] + sums[others])[:, None]
         heavier = np.maximum(side, pair - side)
         if equal_counts:  # the side keeping the subset must end with p's or q's size
-            size = (members >= 0).astype(np.float64) @ _masks(u).T
+            size = subset_sums((members >= 0).astype(np.float64))  # item counts (exact)
             keep = (size == counts[p]) | (size == counts[others][:, None])
             heavier = np.where(keep, heavier, np.inf)
         flat = int(np.argmin(heavier))
@@ -358,8 +367,9 @@ def resplit_heaviest(cost: np.ndarray, assign: np.ndarray, k: int, *, max_rounds
         if not heavier[row, subset] < top - tol:
             break
         q = others[row]
-        chosen = members[row][(_masks(u)[subset] > 0) & (members[row] >= 0)]
-        rest = members[row][(_masks(u)[subset] == 0) & (members[row] >= 0)]
+        bits = ((subset >> np.arange(u)) & 1).astype(bool)
+        chosen = members[row][bits & (members[row] >= 0)]
+        rest = members[row][~bits & (members[row] >= 0)]
         assign[chosen], assign[rest] = p, q
         sums[p] = math.fsum(cost[chosen])
         sums[q] = math.fsum(cost[rest])

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from jodc.balance import _native
+
 # Largest number of candidate subsets tabulated for one part (the subset size shrinks until the table fits).
 MAX_SUBSETS = 6_000
 
@@ -40,10 +42,23 @@ def _table(m: int, max_others: int) -> np.ndarray:
     return _combinations(m, size)
 
 
+def _row_sums(values: np.ndarray) -> np.ndarray:
+    """Each row's sum, its columns added left to right (one elementwise addition per column): a fixed order on every
+    host, as the plan must be identical everywhere (the padding columns add 0.0, which changes no sum)."""
+    sums = values[:, 0].copy()
+    for column in range(1, values.shape[1]):
+        sums += values[:, column]
+    return sums
+
+
 def fill_parts(cost: np.ndarray, k: int, target: float, *, max_others: int = 4) -> np.ndarray:
     """An assignment (item -> part) filling parts 0 .. k-2 toward ``target`` as in the module docstring; part
     ``k - 1`` takes the rest (it may exceed ``target``)."""
     cost = np.asarray(cost, dtype=np.float64)
+    native = _native.op("balance_fill")
+    if native is not None:  # the same fill compiled: the same answer
+        return np.array(native.balance_fill(cost.tolist(), int(k), float(target), int(max_others), MAX_SUBSETS),
+                        dtype=np.int64)
     n = cost.size
     remaining = np.lexsort((np.arange(n), -cost))  # heaviest first, ties by index
     assign = np.full(n, k - 1, dtype=np.int64)
@@ -57,7 +72,7 @@ def fill_parts(cost: np.ndarray, k: int, target: float, *, max_others: int = 4) 
         m = others.size
         if m:
             table = _table(m, max_others)
-            sums = np.append(cost[others], 0.0)[table].sum(axis=1)
+            sums = _row_sums(np.append(cost[others], 0.0)[table])
             best = int(np.argmax(np.where(sums <= room, sums, -1.0)))
             assign[others[table[best][table[best] < m]]] = part
         remaining = remaining[1:][assign[remaining[1:]] == k - 1]

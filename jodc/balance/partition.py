@@ -24,9 +24,12 @@ import math
 
 import numpy as np
 
+from jodc.balance import _native
 from jodc.balance.completion import complete_bins
 from jodc.balance.descent import (
     BOUND_TOLERANCE,
+    PARTNER_PARTS,
+    RESPLIT_ITEMS,
     SMALL_ITEMS,
     balance_pairs,
     descend,
@@ -34,7 +37,7 @@ from jodc.balance.descent import (
     lower_bound,
     resplit_heaviest,
 )
-from jodc.balance.fill import fill_parts
+from jodc.balance.fill import MAX_SUBSETS, fill_parts
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import DEFAULT_NODE_BUDGET, improve_by_search
 from jodc.balance.validation import costs_array, positive_int
@@ -204,7 +207,31 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
         return _as_parts(best, k)
     # fills complete a part with at most FILL_OTHERS items besides its opening one: only for parts that small
     steps = FILL_STEPS if cost.size <= k * (1 + FILL_OTHERS) else ()
+    best, reached = _resplit_and_fill(cost, k, best, bound, target, rounds, steps)
+    if reached:
+        return _as_parts(best, k)
+    parts = _never_worse(cost, k, _as_parts(best, k), kk)
+    best_max = float(part_sums(cost, parts).max())
+    if best_max <= target:
+        return parts
+    found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
+    return found if found is not None else parts
+
+
+def _resplit_and_fill(cost: np.ndarray, k: int, best: np.ndarray, bound: float, target: float, rounds: int,
+                      steps) -> tuple[np.ndarray, bool]:
+    """Step 2 of :func:`_free_partition`: (the lightest assignment found, whether its heaviest part is within
+    ``target``). One call of the compiled ``balance_small_stage`` when built (the same steps, each the compiled op the
+    Python step calls, so the same answer), else this loop."""
+    native = _native.op("balance_small_stage")
+    if native is not None and _native.descend_module() is not None:
+        assign, reached = native.balance_small_stage(
+            cost.tolist(), best.tolist(), k, [bound * (1.0 + step) for step in steps], bound, target,
+            1e-12 * max(math.fsum(cost), 1e-300), rounds, cost.size <= SMALL_ITEMS, BOUND_TOLERANCE, PARTNER_PARTS,
+            RESPLIT_ROUNDS, RESPLIT_ITEMS, FILL_OTHERS, MAX_SUBSETS)
+        return np.array(assign, dtype=np.int64), bool(reached)
     starts = (fill_parts(cost, k, bound * (1.0 + step), max_others=FILL_OTHERS) for step in steps)
+    best_max = 0.0
     for index, assign in enumerate(itertools.chain([best], starts)):
         if index:
             assign = descend(cost, assign, k, max_rounds=rounds, bound=bound)
@@ -213,13 +240,8 @@ def _free_partition(cost: np.ndarray, k: int, search_nodes: int) -> list[list[in
         if span < best_max or not index:
             best, best_max = assign, span
         if best_max <= target:
-            return _as_parts(best, k)
-    parts = _never_worse(cost, k, _as_parts(best, k), kk)
-    best_max = float(part_sums(cost, parts).max())
-    if best_max <= target:
-        return parts
-    found = complete_bins(cost, k, best_max, bound=bound, node_budget=search_nodes)
-    return found if found is not None else parts
+            return best, True
+    return best, False
 
 
 def _never_worse(cost: np.ndarray, k: int, parts: list[list[int]], kk: list[list[int]] | None) -> list[list[int]]:
