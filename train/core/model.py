@@ -9,11 +9,10 @@ import numpy as np
 
 from jodc.balance import FlopsCost, LinearCost, ModelShape
 from jodc.models import DecoderConfig, init_params, load_pretrained, split_params
-from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer
+from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
 from .config import ModelConfig
 from .presets import MODEL_PRESETS
-from .tokenizer import model_vocab_size
 
 
 def preset_config(name: str, tokenizer: Tokenizer, *, max_length: int, compute_dtype: str = "float32",
