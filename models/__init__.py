@@ -2,10 +2,11 @@
 
 - `DecoderConfig` / `RopeScaling`: the model description (config.py).
 - `Decoder`: the NNX model; `split_params` / `merge_params` convert to and from per-group arrays (decoder.py).
-- The layer-wise functional view used by the FSDP engines (layerwise.py, layout.py): `param_groups`,
-  `group_param_shapes`, `group_layout` / `GroupLayout`, `embed_apply`, `layer_apply`, `head_apply`, `forward`.
+- The layer-wise functional view used by the FSDP engines (layerwise.py): `param_groups`, `group_param_shapes`,
+  `embed_apply`, `layer_apply`, `head_apply`, `forward` (flat buckets of a group: `jodc.fsdp.GroupLayout`).
 - Segment-aware attention (attention.py): `attention`, `blockwise_attention`, `dense_attention`.
-- HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`; tokenizers (tokenizer.py): `load_tokenizer`.
+- HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`; tokenizers (tokenizer.py): `load_tokenizer`,
+  `save_tokenizer`, the built-in `byte_level_tokenizer`.
 - Sampling with a KV cache for rollouts (generate.py): `generate`, `SamplingParams`, `Generation`.
 """
 from .attention import attention, blockwise_attention, dense_attention
@@ -19,7 +20,6 @@ from .layerwise import (
     check_group_params,
     embed_apply,
     forward,
-    group_layout,
     group_param_shapes,
     head_apply,
     init_params,
@@ -28,14 +28,13 @@ from .layerwise import (
     param_groups,
     positions_from_segment_ids,
 )
-from .layout import GroupLayout
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
-    "EMBED", "HEAD", "Decoder", "DecoderConfig", "Generation", "GroupLayout", "ParamGroup", "RopeScaling",
-    "SamplingParams", "Tokenizer", "attention", "blockwise_attention", "check_group_params", "config_from_hf",
-    "config_to_hf", "dense_attention", "embed_apply", "forward", "generate", "group_layout", "group_param_shapes",
-    "head_apply", "init_params", "layer_apply", "layer_group_name", "load_pretrained", "load_tokenizer",
-    "merge_params", "param_groups", "positions_from_segment_ids", "sampling_logprobs", "save_pretrained",
-    "split_params",
+    "EMBED", "HEAD", "Decoder", "DecoderConfig", "Generation", "ParamGroup", "RopeScaling",
+    "SamplingParams", "Tokenizer", "attention", "blockwise_attention", "byte_level_tokenizer",
+    "check_group_params", "config_from_hf", "config_to_hf", "dense_attention", "embed_apply", "forward",
+    "generate", "group_param_shapes", "head_apply", "init_params", "layer_apply",
+    "layer_group_name", "load_pretrained", "load_tokenizer", "merge_params", "param_groups",
+    "positions_from_segment_ids", "sampling_logprobs", "save_pretrained", "save_tokenizer", "split_params",
 ]

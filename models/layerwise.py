@@ -4,8 +4,8 @@
 Parameter groups, in order: "embed" (token embedding), "layer_0" ... "layer_{L-1}" (one per decoder layer),
 "head" (final norm, plus the lm_head matrix when embeddings are untied; with tied embeddings the head
 computation takes the embedding group as an extra argument). Each group is a flat dict name -> array; the names,
-shapes and their order are given by `group_param_shapes` and are the order of the group's flat vector
-(`group_layout`). Matrices are stored [in, out] so a projection is `x @ w`.
+shapes and their order are given by `group_param_shapes` (an engine that moves a group as one flat vector uses
+`jodc.fsdp.GroupLayout`). Matrices are stored [in, out] so a projection is `x @ w`.
 
 Every function here is pure jnp (no Python-side state) and can be traced under jit, vjp and shard_map.
 Parameters may be stored in any float dtype (fp32 masters, bf16 copies); they are cast to
@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from .attention import attention
 from .config import DecoderConfig
-from .layout import GroupLayout
 from .norm import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -95,11 +94,6 @@ def group_param_shapes(config: DecoderConfig, name: str) -> dict[str, tuple[int,
         if config.mlp_bias:
             shapes[f"{proj}_bias"] = (shape[1],)
     return shapes
-
-
-def group_layout(config: DecoderConfig, name: str) -> GroupLayout:
-    """Flat 1-D layout of group `name` (see `GroupLayout`)."""
-    return GroupLayout.from_shapes(group_param_shapes(config, name))
 
 
 def check_group_params(config: DecoderConfig, name: str, params: Params) -> None:

@@ -111,7 +111,7 @@ def test_bad_batches_are_rejected():
 
 @pytest.mark.parametrize("engine_cls", [ODCEngine, CollectiveEngine])
 def test_timeline_records_every_stage_of_every_microbatch(engine_cls):
-    from jodc.train.core.timeline import bubble_rate
+    from jodc.fsdp.timeline_analysis import bubble_rate
 
     model, groups = fsdp_toy.make_model(num_layers=2)
     counts = [3, 1]

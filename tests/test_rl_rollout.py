@@ -12,7 +12,7 @@ from jodc.models.tokenizer import Tokenizer
 from jodc.train.rl.batch import minibatch_normalizer, pack_minibatch, split_minibatches, training_sequences
 from jodc.train.rl.reference import ReferencePolicy
 from jodc.train.rl.rollout import encode_prompts, sample_rollout, sampling_params, stop_token_ids
-from jodc.train.core.tokenizer import byte_level_tokenizer
+from jodc.models.tokenizer import byte_level_tokenizer
 
 TOKENIZER = byte_level_tokenizer()
 CONFIG = DecoderConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

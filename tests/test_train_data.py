@@ -8,7 +8,7 @@ import pytest
 from jodc.train.sft import data as D
 from jodc.train.sft import embedded
 from jodc.train.sft.sampler import MinibatchSampler
-from jodc.train.core.tokenizer import (BOS, EOS, PAD, ROLE_TOKENS, byte_level_tokenizer, load_tokenizer,
+from jodc.models.tokenizer import (BOS, EOS, PAD, ROLE_TOKENS, byte_level_tokenizer, load_tokenizer,
                                   model_vocab_size, save_tokenizer)
 
 TOK = byte_level_tokenizer()

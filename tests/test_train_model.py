@@ -6,7 +6,7 @@ from jodc.balance import FlopsCost, LinearCost
 from jodc.train.core.config import ModelConfig
 from jodc.train.core.model import build_decoder, cost_model, model_shape, preset_config
 from jodc.train.core.presets import MODEL_PRESETS
-from jodc.train.core.tokenizer import byte_level_tokenizer
+from jodc.models.tokenizer import byte_level_tokenizer
 
 TOK = byte_level_tokenizer()
 

@@ -11,7 +11,7 @@ import pytest
 
 from jodc.balance import get_planner
 from jodc.train.core import metrics as M
-from jodc.train.core import timeline as TL
+from jodc.fsdp import timeline_analysis as TL
 from jodc.train.core.checkpoint import CheckpointStore, export_hf
 from jodc.train.core.timers import Timers
 
@@ -216,7 +216,7 @@ def test_restoring_into_another_model_is_refused(tmp_path):
 
 def test_hf_export_replaces_an_earlier_export_only_when_complete(tmp_path):
     from jodc.models import DecoderConfig, init_params, load_pretrained, load_tokenizer
-    from jodc.train.core.tokenizer import byte_level_tokenizer
+    from jodc.models.tokenizer import byte_level_tokenizer
 
     config = DecoderConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                            num_kv_heads=1)

@@ -14,7 +14,7 @@ from jodc.train.core import metrics
 from jodc.train.core.checkpoint import CheckpointStore
 from jodc.train.core.config import load_config
 from jodc.train.core.metrics import read_metrics
-from jodc.train.core.timeline import events_from_plan
+from jodc.fsdp.timeline_analysis import events_from_plan
 from jodc.train.core.timers import Timers, step_times, timing_lines, timing_summary
 from jodc.train.core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from jodc.train.rl.config import load_rl_config

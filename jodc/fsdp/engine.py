@@ -81,6 +81,21 @@ class Engine(abc.ABC):
         self.tx = make_optimizer(optimizer)
         self._compiled: dict[Any, Any] = {}
 
+    def _place_state(self, flats: dict[str, Any], param_sharding, opt_sharding) -> None:
+        """Places the parameters (`param_sharding`) and a fresh optimizer state (`opt_sharding`, made on device)
+        exactly as `_jit_step`'s program returns them: a state placed otherwise (e.g. an uncommitted optimizer
+        count) would make the second step of every shape compile the whole program again. The shardings may be
+        pytree prefixes (one sharding for every leaf)."""
+        self._state_shardings = (param_sharding, opt_sharding)
+        self.flats = jax.device_put(flats, param_sharding)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=opt_sharding)(self.flats)
+
+    def _jit_step(self, fn: Callable, scalar_sharding) -> Callable:
+        """`fn(flats, opt_state, ...) -> (flats, opt_state, loss, norm, metrics, applied)` compiled with the state
+        donated and returned with the shardings `_place_state` gave it (the rest on `scalar_sharding`), so a
+        minibatch shape compiles once."""
+        return jax.jit(fn, donate_argnums=(0, 1), out_shardings=(*self._state_shardings, *[scalar_sharding] * 4))
+
     def _cached(self, key, build: Callable[[], Any]):
         """The compiled step for `key` (shapes, lengths, timeline or not), built once by `build()`."""
         fn = self._compiled.get(key)

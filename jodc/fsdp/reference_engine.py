@@ -25,11 +25,9 @@ class ReferenceEngine(Engine):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
         self._num_devices = num_devices
         self.device = device or jax.devices("cpu")[0]
-        self.flats = jax.device_put({g: jnp.asarray(v) for g, v in model.flatten_groups(groups).items()}, self.device)
-        # Committed to the device like the step's outputs: an uncommitted leaf (the optimizer's step count) would make
-        # the second step compile the program again for the changed argument shardings.
-        self.opt_state = jax.device_put(jax.jit(self.tx.init)(self.flats), self.device)
-        self._step = jax.jit(self._full_step, donate_argnums=(0, 1))
+        on_device = jax.sharding.SingleDeviceSharding(self.device)
+        self._place_state({g: jnp.asarray(v) for g, v in model.flatten_groups(groups).items()}, on_device, on_device)
+        self._step = self._jit_step(self._full_step, on_device)
 
     @property
     def num_devices(self) -> int:

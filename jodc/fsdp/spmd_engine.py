@@ -38,12 +38,8 @@ class SPMDEngine(Engine):
                        for g, n in sharding.shard_numels(self.numels, self.num_devices).items()}
         self.param_sharding = NamedSharding(mesh, P("d"))
         flats = model.flatten_groups(groups)
-        self.flats = {g: jax.device_put(np.pad(flats[g], (0, self.padded[g] - self.numels[g])), self.param_sharding)
-                      for g in model.group_names}
-        # the step's outputs keep exactly these shardings (out_shardings): a state whose shardings changed after
-        # the first step made every minibatch shape compile twice (once more for the second step of that shape)
-        self.opt_sharding = self._opt_shardings(jax.eval_shape(self.tx.init, self.flats))
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.flats)
+        flats = {g: np.pad(flats[g], (0, self.padded[g] - self.numels[g])) for g in model.group_names}
+        self._place_state(flats, self.param_sharding, self._opt_shardings(jax.eval_shape(self.tx.init, flats)))
         self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
 
     def _opt_shardings(self, opt_state):
@@ -100,11 +96,8 @@ class SPMDEngine(Engine):
         arrays = jax.device_put(arrays, self.batch_sharding)
         lengths = self.bucket_lengths(batch.token_cap)
         round_bucket = self.bucket_indices(batch)[:, :m].max(axis=0)
-        replicated = NamedSharding(self.mesh, P())
-        out_shardings = ({g: self.param_sharding for g in self.flats}, self.opt_sharding, replicated, replicated,
-                         replicated, replicated)
-        step = self._cached(lengths, lambda: jax.jit(functools.partial(self._full_step, lengths=lengths),
-                                                     donate_argnums=(0, 1), out_shardings=out_shardings))
+        step = self._cached(lengths, lambda: self._jit_step(functools.partial(self._full_step, lengths=lengths),
+                                                            NamedSharding(self.mesh, P())))
         self.flats, self.opt_state, loss, norm, metrics, applied = step(
             self.flats, self.opt_state, arrays, sharding.put_replicated(self.mesh, round_bucket),
             sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))

@@ -126,4 +126,4 @@ class TimelineRecorder:
         return self.stage_names[index] if 0 <= index < len(self.stage_names) else f"stage{index}"
 
 
-__all__ = ["TimelineRecorder"]  # bubble rates and plots: jodc.train.core.timeline
+__all__ = ["TimelineRecorder"]  # bubble rates, plan estimates and plots: jodc.fsdp.timeline_analysis

@@ -24,9 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jodc.models import DecoderConfig, merge_params, save_pretrained
-from jodc.models.tokenizer import Tokenizer
-
-from .tokenizer import save_tokenizer
+from jodc.models.tokenizer import Tokenizer, save_tokenizer
 
 ENGINE_ITEM, TRAINER_ITEM = "engine", "trainer"
 

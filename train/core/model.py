@@ -7,13 +7,12 @@ import os
 import jax
 import numpy as np
 
-from jodc.balance import FlopsCost, LinearCost, ModelShape
+from jodc.balance import ModelShape, make_cost_model
 from jodc.models import DecoderConfig, init_params, load_pretrained, split_params
-from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer
+from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
 from .config import ModelConfig
 from .presets import MODEL_PRESETS
-from .tokenizer import model_vocab_size
 
 
 def preset_config(name: str, tokenizer: Tokenizer, *, max_length: int, compute_dtype: str = "float32",
@@ -72,8 +71,4 @@ def model_shape(config: DecoderConfig) -> ModelShape:
 def cost_model(name: str, config: DecoderConfig):
     """The planner's cost model: 'flops' (forward FLOPs of this decoder: attention makes it quadratic) or
     'linear' (token count)."""
-    if name == "flops":
-        return FlopsCost(model_shape(config))
-    if name == "linear":
-        return LinearCost()
-    raise ValueError(f"unknown cost model {name!r}; choose flops or linear")
+    return make_cost_model(name, **({"shape": model_shape(config)} if name == "flops" else {}))

@@ -24,12 +24,12 @@ import jax
 import numpy as np
 
 from jodc.fsdp import NonFiniteStepError
+from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
 from .checkpoint import CheckpointStore, export_hf
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import TENSORBOARD_DIR, MetricsLogger
 from .run_common import check_data_fingerprint, pin_schedule_length
-from .timeline import events_from_plan, plot_timeline, save_events
 from .timers import Timers, step_times, timing_lines, timing_summary
 
 CHECKPOINT_DIR, HF_DIR, TIMELINE_DIR, CONFIG_FILE = "checkpoints", "hf", "timeline", "config.yaml"

@@ -32,6 +32,7 @@ import numpy as np
 from jodc.balance import get_planner
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
+from jodc.models.tokenizer import load_tokenizer
 
 from ..core import distributed
 from ..core.config import ConfigError, DataConfig, RunConfig, SftConfig
@@ -48,7 +49,6 @@ from .rollout import sample_rollout, sampling_params
 from .sampler import RolloutSampler, ScoredRollout, measures_mismatch, trainer_logprobs
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
-from ..core.tokenizer import load_tokenizer
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from ..sft.loop import make_engine, optimizer_config
 

@@ -16,8 +16,7 @@ import os
 from typing import Callable
 
 from ..core import distributed
-from ..core.config import (CheckpointConfig, DataConfig, EngineConfig, LoggingConfig, OptimizerConfig, RunConfig,
-                           SftConfig)
+from ..core.config import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig, SftConfig
 from .config import RLConfig
 from .tasks import Task, warmstart_records
 
@@ -40,9 +39,7 @@ def warmstart_sft_config(config: RLConfig, directory: str) -> SftConfig:
                         sequences_per_minibatch=w.sft_sequences_per_minibatch),
         optimizer=OptimizerConfig(learning_rate=w.sft_learning_rate, schedule="cosine",
                                   warmup_steps=min(10, w.sft_steps // 10)),
-        engine=EngineConfig(name=e.name, devices=e.devices, platform=e.platform, cost_model=e.cost_model,
-                            compute_dtype=e.compute_dtype, deterministic=e.deterministic,
-                            barrier_timeout_s=e.barrier_timeout_s),
+        engine=dataclasses.replace(e, planner=None, token_cap=None, length_buckets=None),  # SFT's defaults for these
         run=RunConfig(steps=w.sft_steps, seed=config.run.seed, out_dir=directory),
         checkpoint=CheckpointConfig(save_every=0, keep_checkpoints=1, export_hf=True),
         logging=LoggingConfig(timeline_every=0, progress=config.logging.progress))

@@ -20,10 +20,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from jodc.models.tokenizer import Tokenizer
+from jodc.models.tokenizer import ROLE_TOKENS, Tokenizer
 
 from ..core.jsonl import JsonlError, iter_jsonl
-from ..core.tokenizer import ROLE_TOKENS
 
 ROLES = tuple(ROLE_TOKENS)
 

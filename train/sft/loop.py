@@ -20,11 +20,11 @@ from jodc.balance import get_planner, lb_mini
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.fsdp.optim import learning_rate_schedule
+from jodc.models.tokenizer import load_tokenizer
 
 from ..core.config import EMBEDDED, SFTConfig, parse_length_buckets
 from ..core.metrics import step_metrics
 from ..core.model import build_decoder, cost_model, hf_tokenizer_path
-from ..core.tokenizer import load_tokenizer
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .batching import minibatch_arrays
 from .data import Example, LoadReport, fingerprint_examples, load_jsonl, load_records

@@ -1,4 +1,6 @@
-"""Per-device timelines of one training step: the bubble rate, and a PNG with one lane per device.
+"""Per-device timelines of one step, as data: the bubble rate, an estimate from a plan, and a PNG with one lane per
+device. Library code: any engine user who asks `Engine.step(batch, record_timeline=True)` reads its events with
+these (the trainer draws them every `logging.timeline_every` steps).
 
 An event is `{"device": int, "start": s, "end": s, "kind": "busy" | "wait", "label": str}` (times in seconds,
 any origin). The engines record them when asked (`Engine.step(batch, record_timeline=True)`); when an engine
