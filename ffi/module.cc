@@ -274,7 +274,7 @@ PYBIND11_MODULE(_ffi, m) {
       [](const std::vector<double>& cost, std::vector<int64_t> assign, int64_t k, int64_t max_rounds, double bound,
          double tol, bool equal_counts, double bound_tolerance, int64_t resplit_items) {
         CheckAssignment("balance_resplit", cost, assign, k);
-        if (resplit_items < 0 || resplit_items > 30) Raise("balance_resplit: resplit_items must be in [0, 30]");
+        if (resplit_items < 0 || resplit_items > 24) Raise("balance_resplit: resplit_items must be in [0, 24] (2^items subset sums are held in memory)");
         {
           py::gil_scoped_release release;
           balance::ResplitHeaviest(cost, k, max_rounds, bound, tol, equal_counts, bound_tolerance, resplit_items,
@@ -303,7 +303,7 @@ PYBIND11_MODULE(_ffi, m) {
          int64_t fill_others, int64_t max_subsets) {
         CheckAssignment("balance_small_stage", cost, assign, k);
         if (partner_parts < 1) Raise("balance_small_stage: partner_parts must be >= 1");
-        if (resplit_items < 0 || resplit_items > 30) Raise("balance_small_stage: resplit_items must be in [0, 30]");
+        if (resplit_items < 0 || resplit_items > 24) Raise("balance_small_stage: resplit_items must be in [0, 24] (2^items subset sums are held in memory)");
         if (fill_others < 0 || max_subsets < 1)
           Raise("balance_small_stage: fill_others must be >= 0 and max_subsets >= 1");
         const balance::SmallStageOptions options{bound,           target,        tol,

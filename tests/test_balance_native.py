@@ -164,6 +164,11 @@ def test_compiled_balance_ops_reject_bad_assignments():
         lib.balance_small_stage([1.0, 2.0], [0], 2, [], 0.0, 0.0, 0.0, 1, True, 1e-4, 32, 5, 14, 4, 6000)
     with pytest.raises(ValueError, match="balance_fill: k must be >= 1"):
         lib.balance_fill([1.0], 0, 1.0, 4, 6000)
+    # the re-split holds 2^resplit_items subset sums: more than 24 items is refused, not an 8 GiB allocation
+    with pytest.raises(ValueError, match=r"balance_resplit: resplit_items must be in \[0, 24\]"):
+        lib.balance_resplit([1.0, 2.0], [0, 1], 2, 5, 0.0, 0.0, False, 1e-4, 25)
+    with pytest.raises(ValueError, match=r"balance_small_stage: resplit_items must be in \[0, 24\]"):
+        lib.balance_small_stage([1.0, 2.0], [0, 1], 2, [], 0.0, 0.0, 0.0, 1, True, 1e-4, 32, 5, 25, 4, 6000)
 
 
 def test_planners_match_on_golden_minibatches():

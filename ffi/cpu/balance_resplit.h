@@ -11,7 +11,7 @@ namespace jodc::balance {
 
 // Re-splits the heaviest part of `assign` (item -> part, updated in place) with another part, at most `max_rounds`
 // times. `bound` and `tol` as resplit_heaviest computes them; `bound_tolerance` and `resplit_items` are descent.py's
-// BOUND_TOLERANCE and RESPLIT_ITEMS (at most 30).
+// BOUND_TOLERANCE and RESPLIT_ITEMS (at most 24: 2^items subset sums are held in memory).
 void ResplitHeaviest(const std::vector<double>& cost, int64_t k, int64_t max_rounds, double bound, double tol,
                      bool equal_counts, double bound_tolerance, int64_t resplit_items, std::vector<int64_t>* assign);
 
