@@ -6,24 +6,6 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
-# One persistent XLA compilation cache per test session (a fresh directory, removed at exit), shared through the
-# environment with every subprocess and mpirun worker the tests start: a program compiled once (an engine's step
-# built again by the next test, a resumed run's step, the second launch of a stop/resume test) is loaded, not
-# compiled again. It holds only what this session compiled, so a run never reuses programs of another checkout.
-# Compile-counting tests count its hits as compilations too. JODC_TEST_COMPILATION_CACHE=0 turns it off.
-if os.environ.get("JODC_TEST_COMPILATION_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    _cache_dir = tempfile.mkdtemp(prefix="jodc-test-xla-cache-")
-    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-                      # a size bound turns on the cache's file lock: concurrent processes never read a half-written
-                      # entry (mpirun's workers compile the same programs at the same time)
-                      JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30))
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -34,6 +16,23 @@ settings.register_profile("jodc", derandomize=True)
 settings.load_profile("jodc")
 
 jax.config.update("jax_enable_x64", False)
+
+# One persistent XLA compilation cache for this test process (a fresh directory, removed at exit): a program
+# compiled once (an engine's step built again by the next test, a resumed or repeated run's step) is loaded, not
+# compiled again. It holds only what this session compiled, so a run never reuses programs of another checkout or
+# version. Set through jax.config, not the environment: subprocesses and mpirun workers compile for themselves (no
+# two processes write one entry at once). Compile-counting tests count its hits as compilations too.
+# JODC_TEST_COMPILATION_CACHE=0 turns it off.
+if os.environ.get("JODC_TEST_COMPILATION_CACHE", "1") != "0" and not jax.config.jax_compilation_cache_dir:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="jodc-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @pytest.fixture(autouse=True)
