@@ -17,6 +17,23 @@ settings.load_profile("jodc")
 
 jax.config.update("jax_enable_x64", False)
 
+# One persistent XLA compilation cache for this test process (a fresh directory, removed at exit): a program
+# compiled once (an engine's step built again by the next test, a resumed or repeated run's step) is loaded, not
+# compiled again. It holds only what this session compiled, so a run never reuses programs of another checkout or
+# version. Set through jax.config, not the environment: subprocesses and mpirun workers compile for themselves (no
+# two processes write one entry at once). Compile-counting tests count its hits as compilations too.
+# JODC_TEST_COMPILATION_CACHE=0 turns it off.
+if os.environ.get("JODC_TEST_COMPILATION_CACHE", "1") != "0" and not jax.config.jax_compilation_cache_dir:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="jodc-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
 
 @pytest.fixture(autouse=True)
 def _sigint_handler_is_left_as_found():

@@ -152,11 +152,17 @@ def test_no_engine_compiles_its_step_twice():
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
+    def count_cache_hit(event, **_):  # a program loaded from the suite's persistent compilation cache (conftest)
+        if event == "/jax/compilation_cache/cache_hits":
+            compiles.append(event)
+
     jax.monitoring.register_event_duration_secs_listener(count)
+    jax.monitoring.register_event_listener(count_cache_hit)
     try:
         _check_second_steps_compile_nothing(compiles)
-    finally:  # the listener would otherwise run on every later compilation of the suite
+    finally:  # the listeners would otherwise run on every later compilation of the suite
         jax.monitoring.unregister_event_duration_listener(count)
+        jax.monitoring.unregister_event_listener(count_cache_hit)
 
 
 def _check_second_steps_compile_nothing(compiles):

@@ -180,14 +180,18 @@ def test_odc_engine_across_processes(tmp_path, nprocs, local):
     nprocs x local devices."""
     rc, out, _ = run_mpi(nprocs, "engine_cases.py", str(local), str(tmp_path), timeout=480)
     assert rc == 0 and f"PASS engine world={nprocs * local}" in out, out[-6000:]
-    env = mpi_env()
-    proc = subprocess.run([sys.executable, os.path.join(WORKERS, "engine_cases.py"), "single", str(nprocs * local),
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     import numpy as np
 
-    mp, single = np.load(tmp_path / "mp.npz"), np.load(tmp_path / "single.npz")
-    assert sorted(mp.files) == sorted(single.files)
+    from conftest import cpu_mesh
+
+    sys.path.insert(0, WORKERS)
+    try:
+        import engine_cases
+    finally:
+        sys.path.remove(WORKERS)
+    single = engine_cases.single_process_run(cpu_mesh(nprocs * local))  # here: no third interpreter start
+    mp = np.load(tmp_path / "mp.npz")
+    assert sorted(mp.files) == sorted(single)
     for k in mp.files:
         assert mp[k].tobytes() == single[k].tobytes(), (k, float(np.abs(mp[k] - single[k]).max()))
 
@@ -244,7 +248,8 @@ def _sft_args(out_dir, steps):
 def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
     """`mpirun -np 2 jodc-train sft` (2 processes x 1 device, ODC over the MPI transport): stopped after step 2 and
     resumed to step 4, its exported parameters equal bit for bit those of one process driving both devices
-    uninterrupted; only process 0 prints and writes the run's files."""
+    uninterrupted (this one, as in the RL test: no third interpreter start); only process 0 prints and writes the
+    run's files."""
     env = mpi_env()
     mp_dir = tmp_path / "mp"
     for steps in (2, 4):
@@ -253,10 +258,10 @@ def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
         assert rc == 0, out[-6000:]
         assert out.count("done: ") == 1, out[-3000:]  # one process prints
     assert "resumed from" in out and "(step 2)" in out, out[-3000:]
+    from jodc.train.cli import main as train_main
+
     single_dir = tmp_path / "single"
-    proc = subprocess.run([sys.executable, "-m", "jodc.train", *_sft_args(single_dir, 4)], capture_output=True,
-                          text=True, env=env, timeout=420)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert train_main(_sft_args(single_dir, 4)) == 0  # this process, 2 of its CPU devices
     mp_files = sorted(p.name for p in (mp_dir / "hf").glob("*.safetensors"))
     assert mp_files and mp_files == sorted(p.name for p in (single_dir / "hf").glob("*.safetensors"))
     for name in mp_files:
