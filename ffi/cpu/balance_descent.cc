@@ -2,6 +2,8 @@
 // operation for operation; keep them in step.
 #include "cpu/balance_descent.h"
 
+#include "cpu/balance_parts.h"
+
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -43,8 +45,7 @@ void Descend(const std::vector<double>& cost, int64_t k, int64_t max_rounds, dou
   std::vector<int64_t>& assign = *assign_ptr;
   const int64_t n = static_cast<int64_t>(cost.size());
   if (n == 0 || k < 2) return;
-  std::vector<double> sums(k, 0.0);
-  for (int64_t i = 0; i < n; ++i) sums[assign[i]] += cost[i];  // np.bincount(weights=): item order
+  std::vector<double> sums = PartSums(cost, assign, k);
   std::vector<int64_t> counts(k, 0);
   for (int64_t i = 0; i < n; ++i) counts[assign[i]] += 1;
   std::vector<int64_t> mine, rest, light, order(k);
@@ -53,14 +54,9 @@ void Descend(const std::vector<double>& cost, int64_t k, int64_t max_rounds, dou
   std::vector<char> partner(k);
   std::vector<Option> options;
   std::vector<std::pair<int64_t, int64_t>> mine_pairs;
-  // The product is rounded before the addition, as Python does: volatile keeps a compiler from contracting the two
-  // into one fused multiply-add (GCC does by default where the target has one, e.g. aarch64), which rounds once.
-  volatile double scaled = bound * (1.0 + bound_tolerance);
-  const double stop = scaled + tol;
+  const double stop = StopThreshold(bound, bound_tolerance, tol);
   for (int64_t round = 0; round < max_rounds; ++round) {
-    int64_t p = 0;
-    for (int64_t q = 1; q < k; ++q)
-      if (sums[q] > sums[p]) p = q;  // np.argmax: the first largest
+    const int64_t p = Heaviest(sums);
     const double top = sums[p];
     if (top <= stop) break;
     const double limit = top - tol;

@@ -2,6 +2,8 @@
 // keep them in step.
 #include "cpu/balance_resplit.h"
 
+#include "cpu/balance_parts.h"
+
 #include <algorithm>
 #include <cstddef>
 #include <limits>
@@ -15,17 +17,12 @@ void ResplitHeaviest(const std::vector<double>& cost, int64_t k, int64_t max_rou
   std::vector<int64_t>& assign = *assign_ptr;
   const int64_t n = static_cast<int64_t>(cost.size());
   if (n == 0 || k < 2) return;
-  std::vector<double> sums(k, 0.0);
-  for (int64_t i = 0; i < n; ++i) sums[assign[i]] += cost[i];  // np.bincount(weights=): item order
-  // Rounded before the addition, as Python does (volatile: no fused multiply-add, see balance_descent.cc).
-  volatile double scaled = bound * (1.0 + bound_tolerance);
-  const double stop = scaled + tol;
+  std::vector<double> sums = PartSums(cost, assign, k);
+  const double stop = StopThreshold(bound, bound_tolerance, tol);
   std::vector<int64_t> counts(k), mine, members;
   std::vector<double> side;
   for (int64_t round = 0; round < max_rounds; ++round) {
-    int64_t p = 0;
-    for (int64_t q = 1; q < k; ++q)
-      if (sums[q] > sums[p]) p = q;  // np.argmax: the first largest
+    const int64_t p = Heaviest(sums);
     const double top = sums[p];
     if (top <= stop) break;
     std::fill(counts.begin(), counts.end(), 0);
