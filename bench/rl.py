@@ -198,6 +198,7 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str, regime: str
     with PhaseClock() as clock:
         summary = run_rl(config, log=lambda _: None)
     wall = time.perf_counter() - started
+    utilisation = clock.utilisation()
     records = read_metrics(summary["metrics"])
     tail = records[-args.tail:]
     return {
@@ -222,7 +223,7 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str, regime: str
         "logprob_mismatch_max": max(r.get("logprob_mismatch_max", 0.0) for r in records),
         "mismatch_kl": statistics.fmean(r.get("mismatch_kl", 0.0) for r in records),
         "wall_seconds": wall,
-        **{k: clock.utilisation().get(k, 0.0) for k in PHASE_KEYS},
+        **{k: utilisation.get(k, 0.0) for k in PHASE_KEYS},
     }
 
 
