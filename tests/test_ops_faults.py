@@ -391,8 +391,7 @@ def test_odc_engine_step_fails_at_once_when_a_device_fails():
 def test_trainer_configs_set_the_barrier_timeout():
     from jodc.train.rl import config as rl_config
     from jodc.train.core.config import ConfigError, load_config
-    from jodc.train.rl.loop import engine_settings
-    from jodc.train.sft.loop import make_engine
+    from jodc.train.core.model import make_engine
 
     assert load_config().engine.barrier_timeout_s == 300.0
     model, groups = fsdp_toy.make_model(num_layers=1)
@@ -409,5 +408,8 @@ def test_trainer_configs_set_the_barrier_timeout():
             load_config(None, ["--barrier_timeout_s", bad])
         with pytest.raises(ConfigError, match=refused):
             rl_config.load_rl_config(None, ["--barrier_timeout_s", bad])
-    rl = rl_config.load_rl_config(None, ["--barrier_timeout_s", "42"])
-    assert engine_settings(rl).engine.barrier_timeout_s == 42.0
+    engine = make_engine(rl_config.load_rl_config(None, ["--barrier_timeout_s", "42"]), model, groups)  # RL's too
+    try:
+        assert engine.heap.barrier_timeout_s == 42.0
+    finally:
+        engine.close()

@@ -11,7 +11,7 @@ from jodc.train.rl.cli import main
 
 def test_defaults_are_valid_and_dppo_is_the_default_loss():
     cfg = C.load_rl_config()
-    assert cfg.loss.name == "dppo" and cfg.loss.options() == {} and not cfg.loss.uses_topk
+    assert cfg.loss.name == "dppo" and cfg.loss.options() == {}
     assert cfg.engine.name == "odc" and cfg.engine.planner_name == "lb_mini"
     assert cfg.total_steps == cfg.run.steps * cfg.run.updates_per_step
     assert cfg.rollout.rollout_size == cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -36,12 +36,6 @@ def test_yaml_then_overrides(tmp_path):
     assert core.config_from_dict(core.to_dict(cfg), C.RLConfig) == cfg
     core.save_yaml(cfg, str(tmp_path / "saved.yaml"))
     assert C.load_rl_config(str(tmp_path / "saved.yaml")) == cfg
-
-
-def test_topk_is_needed_by_the_topk_approximation_only():
-    assert C.load_rl_config(None, ["--loss.name", "dppo_topk"]).loss.uses_topk
-    assert C.load_rl_config(None, ["--loss.name", "dppo", "--approximation", "topk"]).loss.uses_topk
-    assert not C.load_rl_config(None, ["--loss.name", "dppo_topk", "--approximation", "binary"]).loss.uses_topk
 
 
 # The RL sections' own checks (the override syntax and the shared sections' checks: tests/test_train_config.py).

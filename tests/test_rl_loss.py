@@ -159,6 +159,7 @@ def test_metadata_decides_the_arrays_and_the_advantage_estimator():
     from jodc.losses import reinforce_pp_advantages, rloo_advantages
     from jodc.train.rl.loss import build_advantages
     assert objective("--loss.name", "decoupled_ppo").behaviour_arrays == ("behaviour_logprobs",)
+    assert objective("--loss.name", "dppo_topk").uses_topk and not objective("--loss.name", "dppo").uses_topk
     assert objective("--loss.name", "dppo", "--approximation", "topk").uses_topk
     assert not objective("--loss.name", "dppo_topk", "--approximation", "binary").uses_topk
     rewards, lengths = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 0.5]), np.array([3, 1, 4, 2, 2, 5])

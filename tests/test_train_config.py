@@ -169,7 +169,7 @@ def test_length_buckets_and_spmd_engine_are_configurable():
 def test_lb_mini_is_told_the_engines_length_buckets():
     from jodc.balance import QuadraticCost, lb_micro, lb_mini
     from jodc.train.core.config import load_config
-    from jodc.train.sft.loop import make_planner
+    from jodc.train.core.model import make_planner
 
     assert make_planner(load_config(None, ["--engine", "odc"])) is lb_mini
     assert make_planner(load_config(None, ["--engine", "collective", "--engine.length_buckets", "256"])) is lb_micro

@@ -66,8 +66,11 @@ def assert_all_finite(out_dir):
     return saved
 
 
-def poison_model(monkeypatch, module):
-    """The trainer's decoder gets a NaN backward pass for microbatches marked by `fsdp_toy.poison`."""
+def poison_model(monkeypatch):
+    """The trainer's decoder (both trainers build it in `Trainer.build_engine`) gets a NaN backward pass for
+    microbatches marked by `fsdp_toy.poison`."""
+    from jodc.train.core import trainer as module
+
     build = module.decoder_staged_model
 
     def poisoned(*args, **kwargs):
@@ -79,7 +82,7 @@ def poison_model(monkeypatch, module):
 
 def poison_sft_step(monkeypatch, bad_step):
     """0-based SFT step `bad_step` gets a NaN gradient on device 1 only (its loss stays finite)."""
-    poison_model(monkeypatch, sft_module)
+    poison_model(monkeypatch)
     minibatch = sft_module.SFTRun.minibatch
 
     def poisoned(self, step):
@@ -129,7 +132,7 @@ def test_sft_skips_and_counts_a_non_finite_step_and_resumes_exactly_after_it(tmp
 
 def poison_rl_update(monkeypatch, bad_call):
     """The `bad_call`-th (0-based) RL optimizer update gets a NaN gradient on one device only."""
-    poison_model(monkeypatch, rl_module)
+    poison_model(monkeypatch)
     pack = rl_module.pack_minibatch
     calls = []
 
@@ -308,7 +311,7 @@ def test_fingerprints_and_schedule_pinning_helpers():
     """The pure helpers behind the resume checks, without a run."""
     from jodc.train.sft.data import Example, fingerprint_examples
     from jodc.train.rl.tasks import Problem, fingerprint_task
-    from jodc.train.core.run_common import check_data_fingerprint, pin_schedule_length
+    from jodc.train.core.trainer import check_data_fingerprint, pin_schedule_length
 
     def ex(tokens, mask):
         return Example(np.array(tokens, np.int32), np.array(mask, bool))

@@ -47,7 +47,7 @@ def engine_state_template(config):
     from jodc.fsdp import ReferenceEngine
     from jodc.fsdp.decoder import decoder_staged_model
     from jodc.train.core.model import build_decoder
-    from jodc.train.sft.loop import optimizer_config
+    from jodc.train.core.model import optimizer_config
     from jodc.models.tokenizer import byte_level_tokenizer
 
     decoder_config, groups = build_decoder(config.model, byte_level_tokenizer(), max_length=config.data.max_length,

@@ -12,6 +12,7 @@ time; the trainer is imported only after the flags are set.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import sys
@@ -36,23 +37,12 @@ def set_host_device_count(count: int, environ=os.environ) -> None:
     environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
 
 
-def _sft_trainer():
-    from .sft.loop import run_sft
-
-    return run_sft
-
-
-def _rl_trainer():
-    from .rl.loop import run_rl
-
-    return run_rl
-
-
-# name: (config class, load, trainer, label of its messages, runs across processes, help, description)
+# name: (config class, load, the trainer as module:function (imported after the XLA flags are set), label of its
+# messages, help, description)
 COMMANDS = {
-    "sft": (SftConfig, load_config, _sft_trainer, "jodc-train", True, "supervised fine-tuning",
+    "sft": (SftConfig, load_config, ".sft.loop:run_sft", "jodc-train", "supervised fine-tuning",
             "Supervised fine-tuning with the ODC, collective, XLA-SPMD or reference engine."),
-    "rl": (RLConfig, load_rl_config, _rl_trainer, "jodc-train rl", True, "RL post-training (DPPO by default)",
+    "rl": (RLConfig, load_rl_config, ".rl.loop:run_rl", "jodc-train rl", "RL post-training (DPPO by default)",
            "RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference engine, on a "
            "verifiable task or your own reward function."),
 }
@@ -71,30 +61,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, trainer,
-                multiprocess: bool = False) -> int:
+def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, trainer: str) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
-    then import the trainer (`trainer()`: only now, JAX comes with it) and run it. A config error, also one only the
-    trainer can detect (some checks need JAX), is printed and gives exit status 2; any other error prints its
-    traceback and then, as the last line, `<label>: error: <type>: <message>`, with exit status 1."""
+    then import the trainer (`trainer`, 'module:function': only now, JAX comes with it) and run it, under mpirun
+    in every process on its share of the devices. A config error, also one only the trainer can detect (some checks
+    need JAX), is printed and gives exit status 2; any other error prints its traceback and then, as the last line,
+    `<label>: error: <type>: <message>`, with exit status 1."""
     try:
         config = load(args.config, overrides)
         if args.print_config:
             print(dump(config), end="")
             return 0
         processes = distributed.launched_processes()
-        local = config.engine.devices
-        if processes > 1:  # mpirun -np N: each process drives its share of the devices
-            if not multiprocess:
-                raise ConfigError(f"{label} does not run across processes yet (launched as {processes}); run it "
-                                  "as one process")
-            try:
-                local = distributed.local_device_count(config.engine.devices, processes)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        try:
+            local = distributed.local_device_count(config.engine.devices, processes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if config.engine.platform == "cpu" and local > 1:
             set_host_device_count(local)
-        run = trainer()
+        module, _, function = trainer.partition(":")
+        run = getattr(importlib.import_module(module, __package__), function)
         if processes > 1:
             distributed.initialize()
         run(config)
@@ -112,8 +98,8 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     args, overrides = _parser().parse_known_args(argv)
-    _, load, trainer, label, multiprocess, *_ = COMMANDS[args.command]
-    return run_command(args, overrides, label=label, load=load, trainer=trainer, multiprocess=multiprocess)
+    _, load, trainer, label, *_ = COMMANDS[args.command]
+    return run_command(args, overrides, label=label, load=load, trainer=trainer)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
@@ -82,13 +82,20 @@ def truncate_metrics(path: str, last_step: int) -> int:
     return len(records) - len(kept)
 
 
+#: The record fields the progress bar shows by default: (record key, label, format).
+BAR_FIELDS = (("loss", "loss", ".4f"), ("tokens_per_s", "tok_s", ".0f"))
+
+
 class MetricsLogger:
     """Writes step records to out_dir/metrics.jsonl and out_dir/tb/, and drives the progress bar.
 
-    start_step: steps already done (a resumed run); total_steps: the run's length (for the bar's ETA).
+    start_step: steps already done (a resumed run); total_steps: the run's length (for the bar's ETA);
+    bar_fields: what the bar shows of each logged record, (key, label, format) for the keys it has.
     """
 
-    def __init__(self, out_dir: str, *, total_steps: int, start_step: int = 0, progress: bool = True):
+    def __init__(self, out_dir: str, *, total_steps: int, start_step: int = 0, progress: bool = True,
+                 bar_fields: Sequence[tuple[str, str, str]] = BAR_FIELDS):
+        self.bar_fields = bar_fields
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, METRICS_FILE)
         self.dropped_on_resume = truncate_metrics(self.path, start_step)
@@ -105,7 +112,8 @@ class MetricsLogger:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._tb.add_scalar(f"train/{key}", value, step)
-        self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self._bar.set_postfix({label: f"{record[key]:{spec}}" for key, label, spec in self.bar_fields if key in record},
+                              refresh=False)
 
     def advance(self, steps: int = 1) -> None:
         """Moves the progress bar (called every step, logged or not)."""

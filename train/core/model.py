@@ -1,17 +1,21 @@
-"""The decoder a run trains: a built-in preset initialised from the seed, or a local HF checkpoint; plus the
-planner's cost model for that decoder's shape."""
+"""What both trainers build from their config: the decoder (a built-in preset initialised from the seed, or a local
+HF checkpoint), the planner and its cost model for that decoder's shape, and the engine with its optimizer."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jodc.balance import ModelShape, make_cost_model
+from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
 from jodc.models import DecoderConfig, init_params, load_pretrained, split_params
 from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
-from .config import ModelConfig
+from .config import ModelConfig, parse_length_buckets
 from .presets import MODEL_PRESETS
 
 
@@ -72,3 +76,45 @@ def cost_model(name: str, config: DecoderConfig):
     """The planner's cost model: 'flops' (forward FLOPs of this decoder: attention makes it quadratic) or
     'linear' (token count)."""
     return make_cost_model(name, **({"shape": model_shape(config)} if name == "flops" else {}))
+
+
+def optimizer_config(config) -> OptimizerConfig:
+    """The engines' OptimizerConfig: the optimizer section with the schedule's length in effect (`total_steps`)."""
+    return dataclasses.replace(config.optimizer, total_steps=config.total_steps)
+
+
+def mesh_devices(platform: str, count: int) -> list:
+    """The first `count` devices of `platform`; a clear error when there are fewer."""
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError as e:
+        raise RuntimeError(f"engine.platform={platform!r} has no devices here: {e}") from None
+    if len(devices) < count:
+        hint = (f" On a CPU host, set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX is "
+                "imported (the jodc-train CLI does this).") if platform == "cpu" else ""
+        raise RuntimeError(f"engine.devices={count} but only {len(devices)} {platform} device(s) exist.{hint}")
+    return devices[:count]
+
+
+def make_engine(config, model, groups):
+    """The engine of `engine.name` on a 1-D mesh of `engine.devices` devices (an SFT or RL config)."""
+    e = config.engine
+    common = {"optimizer": optimizer_config(config), "compute_dtype": jnp.dtype(e.compute_dtype)}
+    if e.name == "reference":
+        return ReferenceEngine(model, groups, num_devices=e.devices, device=mesh_devices(e.platform, 1)[0], **common)
+    mesh = jax.sharding.Mesh(np.array(mesh_devices(e.platform, e.devices)), ("d",))
+    common["length_buckets"] = parse_length_buckets(e.length_buckets) if e.length_buckets else None
+    if e.name == "odc":
+        timeout = float("inf") if e.barrier_timeout_s is None else e.barrier_timeout_s
+        return ODCEngine(model, groups, mesh, deterministic=e.deterministic, barrier_timeout_s=timeout, **common)
+    return {"xla_spmd": SPMDEngine, "collective": CollectiveEngine}[e.name](model, groups, mesh, **common)
+
+
+def make_planner(config):
+    """The planner of `engine.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
+    microbatches cost at their padded lengths)."""
+    e = config.engine
+    planner = get_planner(e.planner_name)
+    if planner is lb_mini and e.length_buckets:
+        return functools.partial(lb_mini, length_buckets=parse_length_buckets(e.length_buckets))
+    return planner

@@ -7,7 +7,8 @@ count), step timers, per-device timelines, evaluation, the HF export and the end
 supplies the hooks:
 
 * `load_data()` -> the data fingerprint (checked against the checkpoint before the model is built);
-* `build()`: tokenizer, model, planner, engine (`self.engine`, `self.model_config`, `self.tokenizer`);
+* `build()`: tokenizer, model, planner, engine (`self.engine`, `self.model_config`, `self.tokenizer`), the
+  shared part through `build_engine`;
 * `train_step(step)` -> the step's metrics record (it calls `self.update(...)` for each optimizer update);
 * `checkpoint_state(done)` and `restored(step, state)` -> the engine's applied-update count;
 * `evaluate(step)` (runs when the config has `eval_every`), `summary_fields(...)`, `format_summary(summary)`.
@@ -16,6 +17,7 @@ Under mpirun only process 0 prints and writes outputs; every process runs the sa
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable
@@ -24,12 +26,14 @@ import jax
 import numpy as np
 
 from jodc.fsdp import NonFiniteStepError
+from jodc.fsdp.decoder import decoder_staged_model
+from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
 from .checkpoint import CheckpointStore, export_hf
 from .config import resume_mismatches, save_yaml, to_dict
-from .metrics import TENSORBOARD_DIR, MetricsLogger
-from .run_common import check_data_fingerprint, pin_schedule_length
+from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
+from .model import build_decoder, cost_model, make_engine, make_planner, optimizer_config
 from .timers import Timers, step_times, timing_lines, timing_summary
 
 CHECKPOINT_DIR, HF_DIR, TIMELINE_DIR, CONFIG_FILE = "checkpoints", "hf", "timeline", "config.yaml"
@@ -42,6 +46,7 @@ class Trainer:
     skipped_key = "skipped_steps"  # the count of non-finite updates not applied, in checkpoints and records
     written_for = "another run"    # what a refused checkpoint was written for, in the error
     logger_class = MetricsLogger
+    bar_fields = BAR_FIELDS  # what the progress bar shows of a step's record
 
     def __init__(self, config, *, log: Callable[[str], None] = print):
         self.config = config
@@ -89,6 +94,20 @@ class Trainer:
 
     def format_summary(self, summary: dict[str, Any]) -> str:
         return summary_text(summary, None)
+
+    def build_engine(self, model, *, max_length: int, **head) -> dict:
+        """What `build` makes the same way in both trainers: the decoder of `model` (a ModelConfig) for
+        `self.tokenizer`, staged with `head` (`decoder_staged_model`'s head_loss / metric_names), the planner (timed:
+        plan_ms), its cost model, the learning-rate schedule and the engine; returns the staged group parameters."""
+        config, seed = self.config, self.config.run.seed
+        self.model_config, groups = build_decoder(model, self.tokenizer, max_length=max_length,
+                                                  compute_dtype=config.engine.compute_dtype, seed=seed)
+        self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed, **head)
+        self.planner = self.timers.timed("plan", make_planner(config))
+        self.cost_model = cost_model(config.engine.cost_model, self.model_config)
+        self.lr_schedule = learning_rate_schedule(optimizer_config(config))
+        self.engine = make_engine(config, self.model, groups)
+        return groups
 
     # -- resume and checkpoints ------------------------------------------------------------------------------------
     def _restore(self, step: int) -> int:
@@ -138,7 +157,8 @@ class Trainer:
         last = steps if stop_at_step is None else min(steps, stop_at_step)
         started = time.perf_counter()
         self.logger = logger = (self.logger_class(self.out_dir, total_steps=steps, start_step=self.start_step,
-                                                  progress=logs.progress) if self.primary else _SilentLogger())
+                                                  progress=logs.progress, bar_fields=self.bar_fields)
+                                if self.primary else _SilentLogger())
         done, consistent = self.start_step, True
         try:
             for step in range(self.start_step, last):
@@ -173,6 +193,8 @@ class Trainer:
             with self.timers("eval"):
                 record.update(self.evaluate(step + 1))
         record.update(self.train_step(step))
+        if self.timeline and self.timeline["step"] == step + 1:  # the step drew one
+            record["bubble_rate"] = self.timeline["bubble_rate"]
         times = step_times(self.timers.take())
         record.update({k: v for k, v in times.items() if k not in record})  # what the step set itself wins
         self.records.append(record)
@@ -232,11 +254,13 @@ class Trainer:
             params = self.engine.params()  # every process: it gathers from all of them
             if self.primary:
                 hf_path = export_hf(self.model_config, params, self.tokenizer, os.path.join(self.out_dir, HF_DIR))
+        timeline = self.timeline or {}
         summary = {
             "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done, "seconds": seconds,
             "checkpoint": self.store.step_dir(done) if done in self.store.steps() else None,
             "metrics": self.logger.path, "tensorboard": os.path.join(self.out_dir, TENSORBOARD_DIR),
-            "hf_export": hf_path, **timing_summary(self.records), **self.summary_fields(done, final_eval),
+            "hf_export": hf_path, "timeline": timeline.get("path"), "bubble_rate": timeline.get("bubble_rate"),
+            **timing_summary(self.records), **self.summary_fields(done, final_eval),
         }
         if self.primary:  # the others' summaries lack what only process 0 writes (metrics, exports)
             self.log(self.format_summary(summary))
@@ -250,6 +274,42 @@ def run(trainer_class, config, *, stop_at_step: int | None = None, **kwargs) -> 
         return trainer.train(stop_at_step=stop_at_step)
     finally:
         trainer.close()
+
+
+def pin_schedule_length(config, saved: dict[str, Any], log: Callable[[str], None]):
+    """`config` with the learning-rate schedule's length of the run it resumes (`saved`: the checkpoint's trainer
+    state). Raising `run.steps` to train longer must not move the schedule under the steps already taken (a
+    cosine decay would jump back up): unless `optimizer.total_steps` is set, the schedule keeps the original
+    run's length (and stays at its final value past it). Setting `optimizer.total_steps` changes it, said aloud."""
+    original = saved.get("schedule_steps")
+    if original is None:
+        return config
+    now = config.total_steps
+    if config.optimizer.total_steps is not None:
+        if now != original:
+            log(f"note: the learning-rate schedule's length changes from {original} to {now} optimizer updates "
+                "(optimizer.total_steps)")
+        return config
+    if now != original:
+        log(f"note: the learning-rate schedule keeps the original run's length of {original} optimizer updates "
+            f"(the new run.steps would make it {now}); set optimizer.total_steps to change it")
+    return dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, total_steps=original))
+
+
+def check_data_fingerprint(saved: dict | None, now: dict, *, accept: bool, where: str,
+                           log: Callable[[str], None]) -> None:
+    """Refuses to resume on data other than the checkpoint's (`saved`, from `data.fingerprint_examples`), or only
+    says so with `accept` (checkpoint.accept_changed_data). Checkpoints without a fingerprint are accepted."""
+    if saved is None or now is None or saved == now:  # None: an older checkpoint, or a generated RL task
+        return
+    change = (f"the data differ from those checkpoint {where} was trained on ({saved.get('examples')} examples, "
+              f"sha256 {str(saved.get('sha256'))[:16]}... then; {now['examples']} examples, sha256 "
+              f"{now['sha256'][:16]}... now)")
+    if accept:
+        log(f"warning: {change}; resuming anyway (checkpoint.accept_changed_data)")
+        return
+    raise RuntimeError(f"{change}: resuming would silently continue on other data. Restore the data, use another "
+                       "run.out_dir for a new run, or set checkpoint.accept_changed_data=true to resume anyway")
 
 
 class _SilentLogger:
@@ -275,7 +335,8 @@ def nonfinite_message(what: str, result, latest_checkpoint: int | None, *, skip:
 
 def summary_text(summary: dict[str, Any], done_line: str | None, extra=(), outputs=()) -> str:
     """The lines printed at the end of a run: `done_line` (what the steps achieved; None: only how many), `extra`,
-    the planning time, then where everything is: checkpoint, metrics, the run's own `outputs`, HF export."""
+    the planning time, then where everything is: checkpoint, metrics, the last timeline, the run's own `outputs`,
+    HF export."""
     if done_line is None:
         done_line = (f"done: {summary['steps_done'] - summary['start_step']} steps (now at step "
                      f"{summary['steps_done']}) in {summary['seconds']:.1f} s")
@@ -284,6 +345,8 @@ def summary_text(summary: dict[str, Any], done_line: str | None, extra=(), outpu
                      "(raise run.steps to go on, or choose another run.out_dir for a new run)")
     lines = [done_line, *extra, *timing_lines(summary), f"checkpoint: {summary['checkpoint']}",
              f"metrics:    {summary['metrics']} (TensorBoard: {summary['tensorboard']})", *outputs]
+    if summary.get("timeline"):
+        lines.append(f"timeline:   {summary['timeline']} (bubble rate {summary['bubble_rate']:.1%})")
     if summary["hf_export"]:
         lines.append(f"HF export:  {summary['hf_export']}")
     return "\n".join(lines)

@@ -102,21 +102,19 @@ class AsyncRollouts:
             try:
                 out = self.produce(step, params, version)
             except BaseException as e:  # noqa: BLE001 (handed to the trainer when it asks for this step)
-                with self._cond:
-                    self._errors[step] = e
-                    self._busy.append((self._busy_since, time.perf_counter()))
-                    self._busy_since = None
-                    self._cond.notify_all()
-                return
+                out = e
             with self._cond:
-                self._ready[step] = out
-                self._next = step + 1
                 self._busy.append((self._busy_since, time.perf_counter()))
                 self._busy_since = None
+                self._cond.notify_all()  # the waiters wake once the lock is released, after the updates below
+                if isinstance(out, BaseException):
+                    self._errors[step] = out
+                    return
+                self._ready[step] = out
+                self._next = step + 1
                 needed = behaviour_version(self._next, self.max_staleness)
                 for v in [v for v in self._params if v < needed]:
                     del self._params[v]
-                self._cond.notify_all()
 
     # -- the trainer's side -------------------------------------------------------------------------------------
     def publish(self, version: int, params) -> None:

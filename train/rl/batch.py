@@ -45,13 +45,6 @@ class TrainingSequences:
         return [len(x) for x in self.inputs]
 
 
-def _place(prompt_length: int, values: np.ndarray, length: int) -> np.ndarray:
-    """`values` of the response tokens at their predicting positions (prompt_length - 1 ...), zeros before."""
-    out = np.zeros((length,) + values.shape[1:], values.dtype)
-    out[prompt_length - 1:] = values
-    return out
-
-
 def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: bool = False,
                        ref_logprobs: Sequence[np.ndarray] | None = None,
                        trainer_logprobs: Sequence[np.ndarray] | None = None) -> TrainingSequences:
@@ -63,29 +56,26 @@ def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: b
         raise ValueError(f"advantages must have shape ({n},), got {advantages.shape}")
     if with_topk and rollout.topk_ids is None:
         raise ValueError("the objective needs the behaviour top-k, but the rollout did not store it")
-    inputs, targets, masks = [], [], []
-    extras: dict[str, list[np.ndarray]] = {"behaviour_logprobs": [], "advantages": []}
-    if with_topk:
-        extras["topk_ids"], extras["topk_logprobs"] = [], []
-    named = {k: v for k, v in (("ref_logprobs", ref_logprobs), ("trainer_logprobs", trainer_logprobs))
-             if v is not None}
-    for name in named:
-        extras[name] = []
-    for i in range(n):
-        prompt, response = rollout.prompt_ids[i], rollout.response_ids[i]
-        tokens = np.concatenate([prompt, response]).astype(np.int32)
-        length = len(tokens) - 1
-        inputs.append(tokens[:-1])
-        targets.append(tokens[1:])
-        masks.append(_place(len(prompt), np.ones(len(response), np.float32), length))
-        extras["behaviour_logprobs"].append(_place(len(prompt), rollout.logprobs[i], length))
-        extras["advantages"].append(_place(len(prompt), np.full(len(response), advantages[i], np.float32), length))
-        if with_topk:
-            extras["topk_ids"].append(_place(len(prompt), rollout.topk_ids[i], length))
-            extras["topk_logprobs"].append(_place(len(prompt), rollout.topk_logprobs[i], length))
-        for name, values in named.items():
-            extras[name].append(_place(len(prompt), np.asarray(values[i], np.float32), length))
-    return TrainingSequences(inputs, targets, masks, extras)
+    responses = rollout.response_ids
+    per_token = {"behaviour_logprobs": rollout.logprobs,  # each extra's values at the response tokens
+                 "advantages": [np.full(len(r), a) for r, a in zip(responses, advantages)],
+                 "topk_ids": rollout.topk_ids if with_topk else None,
+                 "topk_logprobs": rollout.topk_logprobs if with_topk else None,
+                 "ref_logprobs": ref_logprobs, "trainer_logprobs": trainer_logprobs}
+    tokens = [np.concatenate([p, r]).astype(np.int32) for p, r in zip(rollout.prompt_ids, responses)]
+
+    def placed(values, dtype=np.float32) -> list[np.ndarray]:
+        """Per sequence, the response tokens' `values` at their predicting positions (len(prompt) - 1 ...), zeros
+        before."""
+        arrays = [np.asarray(v, dtype) for v in values]
+        return [np.concatenate([np.zeros((len(p) - 1,) + v.shape[1:], dtype), v])
+                for p, v in zip(rollout.prompt_ids, arrays)]
+
+    return TrainingSequences(
+        inputs=[t[:-1] for t in tokens], targets=[t[1:] for t in tokens],
+        loss_masks=placed([np.ones(len(r)) for r in responses]),
+        extras={name: placed(v, np.int32 if name == "topk_ids" else np.float32) for name, v in per_token.items()
+                if v is not None})
 
 
 def sequences_digest(sequences: TrainingSequences) -> np.ndarray:

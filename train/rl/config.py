@@ -129,11 +129,6 @@ class LossConfig(Section):
                 out[name] = None if (name in ZERO_MEANS_OFF and value == 0) else value
         return out
 
-    @property
-    def uses_topk(self) -> bool:
-        """Whether the loss is DPPO's Top-K approximation (the rollout must then store the behaviour top-k)."""
-        return (self.approximation or ("topk" if self.name == "dppo_topk" else "binary")) == "topk"
-
 
 @dataclasses.dataclass
 class WarmstartConfig(Section):

@@ -29,39 +29,64 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jodc.balance import get_planner
-from jodc.fsdp.decoder import decoder_staged_model
-from jodc.fsdp.optim import learning_rate_schedule
 from jodc.models.tokenizer import load_tokenizer
 
 from ..core import distributed
-from ..core.config import ConfigError, DataConfig, RunConfig, SftConfig
+from ..core.config import ConfigError
 from ..core.metrics import read_metrics
-from ..core.model import build_decoder, cost_model, hf_tokenizer_path
+from ..core.model import hf_tokenizer_path
+from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .async_rollouts import AsyncRollouts, check_staleness
 from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
 from .loss import build_advantages, build_objective, summarize_metrics
-from .metrics import CURVES_FILE, RLMetricsLogger, plot_curves, rollout_metrics, update_metrics
+from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, rollout_metrics, update_metrics
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
 from .rollout import sample_rollout, sampling_params
-from .sampler import RolloutSampler, ScoredRollout, measures_mismatch, trainer_logprobs
+from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
-from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
-from ..sft.loop import make_engine, optimizer_config
 
-__all__ = ["CHECKPOINT_DIR", "RLRun", "engine_settings", "format_summary", "run_rl"]
+__all__ = ["CHECKPOINT_DIR", "RLRun", "format_summary", "run_rl"]
 EVAL_SAMPLES = 4  # sampled responses per evaluation problem
 
 
-def engine_settings(config: RLConfig) -> SftConfig:
-    """The RL run's engine and optimizer sections as an SFT config, so the engine is built exactly as the SFT
-    trainer builds it (`sft.make_engine`); the learning-rate schedule spans the run's optimizer updates."""
-    return SftConfig(optimizer=dataclasses.replace(config.optimizer, total_steps=config.total_steps),
-                     engine=config.engine, data=DataConfig(max_length=config.engine.token_cap),
-                     run=RunConfig(seed=config.run.seed))
+def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
+    """Means over this invocation's steps after the first (which compiles) of the rollout/trainer overlap and
+    mismatch: `max_staleness`, `rollout_dtype`, `trainer_idle_fraction`, `sampler_idle_fraction`,
+    `logprob_mismatch` (None without such steps)."""
+    steady = records[1:] or records
+    out: dict[str, Any] = {"max_staleness": rollout.max_staleness, "rollout_dtype": rollout.dtype}
+    for key in ("trainer_idle_fraction", "sampler_idle_fraction", "logprob_mismatch"):
+        values = [r[key] for r in steady if key in r]
+        out[key] = float(np.mean(values)) if values else None
+    return out
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The lines printed at the end of a run: what was done and where everything is."""
+    ran = summary["steps_done"] - summary["start_step"]
+    done = (f"done: {ran} RL steps (now at step {summary['steps_done']}) in {summary['seconds']:.1f} s, mean reward "
+            f"{summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, {summary['unstable_steps']} unstable "
+            "step(s)" if ran else None)
+    evaluation = ([f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
+                   f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
+                  if summary["final_eval_accuracy"] is not None else [])
+    curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
+    return summary_text(summary, done, evaluation + overlap_lines(summary), curves)
+
+
+def overlap_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's line on asynchronous / mismatched rollouts (none for synchronous fp32 ones); the log-prob
+    mismatch only where it was measured (a sampler with other numerics than the trainer's)."""
+    if summary.get("trainer_idle_fraction") is None or not (summary.get("max_staleness")
+                                                            or summary.get("rollout_dtype") != "float32"):
+        return []
+    mismatch = summary.get("logprob_mismatch")
+    return [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
+            f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} of the "
+            "step" + (f"; log-prob mismatch {mismatch:.2e} per token" if mismatch is not None else "")]
 
 
 class RLRun(Trainer):
@@ -69,7 +94,8 @@ class RLRun(Trainer):
     step; the loop, resume and outputs are the `Trainer`'s."""
 
     skipped_key = "skipped_updates"  # optimizer updates not applied for a non-finite value
-    logger_class = RLMetricsLogger
+    bar_fields = BAR_FIELDS
+    format_summary = staticmethod(format_summary)
 
     def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
                  log: Callable[[str], None] = print):
@@ -106,11 +132,8 @@ class RLRun(Trainer):
         if config.warmstart.sft_steps:
             model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))
         self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
-        self.model_config, groups = build_decoder(model_section, self.tokenizer, max_length=e.token_cap,
-                                                  compute_dtype=e.compute_dtype, seed=seed)
-        self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed,
-                                                  head_loss=self.objective.head_loss,
-                                                  metric_names=self.objective.metric_names)
+        groups = self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
+                                   metric_names=self.objective.metric_names)
         self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
                                           bucket=r.prompt_bucket) if config.loss.kl_coef else None)
         self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,
@@ -118,17 +141,9 @@ class RLRun(Trainer):
                                         prompt_bucket=r.prompt_bucket)
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k_logprobs=0)
         self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
-        self.planner = self.timers.timed("plan", get_planner(e.planner_name))  # its wall time is plan_ms
-        self.cost_model = cost_model(e.cost_model, self.model_config)
-        settings = engine_settings(config)
-        self.lr_schedule = learning_rate_schedule(optimizer_config(settings))
-        self.engine = make_engine(settings, self.model, groups)
-        self.sampler = RolloutSampler(task=self.task, seed=seed, pool=self.pool, prompts_per_step=r.prompts_per_step,
-                                      group_size=r.group_size, model_config=self.model_config,
-                                      tokenizer=self.tokenizer, sampling=self.sampling, reward_fn=self.reward_fn,
-                                      temperature=r.temperature, prompt_bucket=r.prompt_bucket, dtype=r.dtype,
-                                      key_fn=self.rollout_key,
-                                      measure_mismatch=measures_mismatch(r))
+        self.sampler = RolloutSampler(task=self.task, seed=seed, pool=self.pool, rollout=r,
+                                      model_config=self.model_config, tokenizer=self.tokenizer,
+                                      sampling=self.sampling, reward_fn=self.reward_fn)
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         k = self.config.rollout.max_staleness
@@ -164,10 +179,6 @@ class RLRun(Trainer):
             super().close()
 
     # -- the step ----------------------------------------------------------------------------------------------
-    def rollout_key(self, step: int) -> jax.Array:
-        """The sampling key of 0-based step `step`."""
-        return jax.random.fold_in(jax.random.PRNGKey(self.config.run.seed), step)
-
     def evaluate(self, step: int) -> dict[str, float]:
         """The current policy on the fixed held-out evaluation set: `eval_accuracy` (greedy decoding) and
         `eval_sampled_reward` (mean reward of `EVAL_SAMPLES` responses per problem at the rollout temperature,
@@ -272,46 +283,6 @@ class RLRun(Trainer):
                 "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
                 "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves,
                 **overlap_summary(ran, self.config.rollout)}
-
-    def format_summary(self, summary: dict[str, Any]) -> str:
-        return format_summary(summary)
-
-
-def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
-    """Means over this invocation's steps after the first (which compiles) of the rollout/trainer overlap and
-    mismatch: `max_staleness`, `rollout_dtype`, `trainer_idle_fraction`, `sampler_idle_fraction`,
-    `logprob_mismatch` (None without such steps)."""
-    steady = records[1:] or records
-    out: dict[str, Any] = {"max_staleness": rollout.max_staleness, "rollout_dtype": rollout.dtype}
-    for key in ("trainer_idle_fraction", "sampler_idle_fraction", "logprob_mismatch"):
-        values = [r[key] for r in steady if key in r]
-        out[key] = float(np.mean(values)) if values else None
-    return out
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The lines printed at the end of a run: what was done and where everything is."""
-    ran = summary["steps_done"] - summary["start_step"]
-    done = (f"done: {ran} RL steps (now at step {summary['steps_done']}) in {summary['seconds']:.1f} s, mean reward "
-            f"{summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, {summary['unstable_steps']} unstable "
-            "step(s)" if ran else None)
-    evaluation = ([f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
-                   f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
-                  if summary["final_eval_accuracy"] is not None else [])
-    curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return summary_text(summary, done, evaluation + overlap_lines(summary), curves)
-
-
-def overlap_lines(summary: dict[str, Any]) -> list[str]:
-    """The summary's line on asynchronous / mismatched rollouts (none for synchronous fp32 ones); the log-prob
-    mismatch only where it was measured (a sampler with other numerics than the trainer's)."""
-    if summary.get("trainer_idle_fraction") is None or not (summary.get("max_staleness")
-                                                            or summary.get("rollout_dtype") != "float32"):
-        return []
-    mismatch = summary.get("logprob_mismatch")
-    return [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
-            f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} of the "
-            "step" + (f"; log-prob mismatch {mismatch:.2e} per token" if mismatch is not None else "")]
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,

@@ -176,11 +176,13 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
         raise ConfigError(f"loss.name: {e}") from None
     aggregation = loss.aggregation or fn.default_aggregation
     options = loss.options()
+    arrays = _provided_arrays(fn, options)
+    # the loss reads old / proximal log-probs, and they differ from the behaviour's (stale or non-fp32 rollouts)
+    off_policy = rollout.max_staleness > 0 or rollout.dtype != "float32"
     objective = PolicyObjective(
         name=loss.name, loss_fn=fn, options=options, aggregation=aggregation, temperature=rollout.temperature,
-        norm_length=rollout.max_new_tokens, arrays=_provided_arrays(fn, options), kl_coef=loss.kl_coef,
-        kl_estimator=loss.kl_estimator, loss_metric_names=(),
-        recompute=needs_recompute(fn, options, rollout))
+        norm_length=rollout.max_new_tokens, arrays=arrays, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
+        loss_metric_names=(), recompute=off_policy and bool(set(TRAINER_ARRAYS) & set(arrays)))
     try:
         metrics = jax.eval_shape(lambda mb: objective.policy_loss(mb["logits"], mb)[1], _dummy_microbatch(rollout))
     except (TypeError, ValueError) as e:
@@ -188,13 +190,6 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
                           f"(aggregation {aggregation!r}): {e}") from None
     names = tuple(sorted(m for m, v in metrics.items() if v.shape == () and not m.endswith("_max")))
     return dataclasses.replace(objective, loss_metric_names=names)
-
-
-def needs_recompute(fn, options: dict, rollout: RolloutConfig) -> bool:
-    """Whether the trainer must recompute the loss's old / proximal log-probs: the loss reads them
-    (`required_arrays`) and they differ from the behaviour log-probs (stale or non-fp32 rollouts)."""
-    off_policy = getattr(rollout, "max_staleness", 0) > 0 or getattr(rollout, "dtype", "float32") != "float32"
-    return off_policy and bool(set(TRAINER_ARRAYS) & set(fn.required_arrays(**options)))
 
 
 def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray]:

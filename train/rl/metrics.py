@@ -1,8 +1,8 @@
-"""Per-step RL metrics: the record of one step (rollout, rewards, the updates' diagnostics, time split), the
-progress bar that shows reward instead of loss, and the PNG of reward and trust-region masked fraction vs step.
+"""Per-step RL metrics: the record of one step (rollout, rewards, the updates' diagnostics, time split), what the
+progress bar shows (reward instead of loss), and the PNG of reward and trust-region masked fraction vs step.
 
-Records go to `metrics.jsonl` and TensorBoard through the SFT trainer's `MetricsLogger` (same files, same
-resume behaviour: records after the restored checkpoint are dropped).
+Records go to `metrics.jsonl` and TensorBoard through the trainers' `MetricsLogger` (same files, same resume
+behaviour: records after the restored checkpoint are dropped).
 """
 from __future__ import annotations
 
@@ -11,20 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core.metrics import MetricsLogger
-
 CURVES_FILE = "rl_curves.png"
-
-
-class RLMetricsLogger(MetricsLogger):
-    """`MetricsLogger` whose progress bar shows mean reward, accuracy and the trust-region masked fraction."""
-
-    def log(self, record: dict[str, Any]) -> None:
-        super().log(record)
-        postfix = {"reward": f"{record['reward_mean']:.3f}", "acc": f"{record['accuracy']:.2f}"}
-        if "trust_region_fraction" in record:
-            postfix["masked"] = f"{record['trust_region_fraction']:.3f}"
-        self._bar.set_postfix(postfix, refresh=False)
+#: The progress bar's fields: mean reward, accuracy and the trust-region masked fraction (`MetricsLogger`).
+BAR_FIELDS = (("reward_mean", "reward", ".3f"), ("accuracy", "acc", ".2f"), ("trust_region_fraction", "masked", ".3f"))
 
 
 def rollout_metrics(rewards: np.ndarray, group_size: int, response_lengths: np.ndarray, finished: np.ndarray, *,

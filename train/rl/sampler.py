@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +24,11 @@ import numpy as np
 from jodc.models import DecoderConfig, SamplingParams
 from jodc.models.tokenizer import Tokenizer
 
+from .config import RolloutConfig
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, score
 from .rollout import Rollout, sample_rollout
 from .tasks import Problem, Task, step_problems
-
-#: Dtypes the sampler may run in (`rollout.dtype`).
-SAMPLER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass
@@ -59,42 +57,34 @@ class ScoredRollout:
         return self.rollout.seconds + self.reward_seconds + self.mismatch_seconds
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (`from_json` restores it bit for bit)."""
-        r = self.rollout
+        """A JSON-serialisable dict of every field (`from_json` restores it bit for bit)."""
+        def plain(value):
+            """Arrays, also in lists, as nested lists."""
+            if isinstance(value, list):
+                return [plain(v) for v in value]
+            return value.tolist() if isinstance(value, np.ndarray) else value
 
-        def arrays(xs):
-            return None if xs is None else [np.asarray(x).tolist() for x in xs]
-
-        return {"step": self.step, "versions": self.versions.tolist(), "rewards": self.rewards.tolist(),
-                "trainer_logprobs": arrays(self.trainer_logprobs), "mismatch": dict(self.mismatch),
-                "reward_seconds": self.reward_seconds, "mismatch_seconds": self.mismatch_seconds,
-                "rollout": {"prompts": list(r.prompts), "prompt_ids": arrays(r.prompt_ids),
-                            "response_ids": arrays(r.response_ids), "logprobs": arrays(r.logprobs),
-                            "topk_ids": arrays(r.topk_ids), "topk_logprobs": arrays(r.topk_logprobs),
-                            "responses": list(r.responses), "finished": r.finished.tolist(),
-                            "group_size": r.group_size, "seconds": r.seconds}}
+        return {**{f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)},
+                "rollout": {f.name: plain(getattr(self.rollout, f.name)) for f in dataclasses.fields(Rollout)}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ScoredRollout":
         r = data["rollout"]
+        k = len(r["topk_ids"][0][0]) if r["topk_ids"] and r["topk_ids"][0] else 0
 
         def arrays(xs, dtype, shape_tail=()):
-            if xs is None:
-                return None
-            return [np.asarray(x, dtype).reshape((-1,) + shape_tail) for x in xs]
+            return None if xs is None else [np.asarray(x, dtype).reshape((-1,) + shape_tail) for x in xs]
 
-        k = len(r["topk_ids"][0][0]) if r["topk_ids"] and r["topk_ids"][0] else 0
-        topk_tail = (k,) if k else ()
-        rollout = Rollout(prompts=list(r["prompts"]), prompt_ids=arrays(r["prompt_ids"], np.int32),
-                          response_ids=arrays(r["response_ids"], np.int32), logprobs=arrays(r["logprobs"], np.float32),
-                          topk_ids=arrays(r["topk_ids"], np.int32, topk_tail),
-                          topk_logprobs=arrays(r["topk_logprobs"], np.float32, topk_tail),
-                          responses=list(r["responses"]), finished=np.asarray(r["finished"], bool),
-                          group_size=int(r["group_size"]), seconds=float(r["seconds"]))
-        return cls(step=int(data["step"]), rollout=rollout, rewards=np.asarray(data["rewards"], np.float64),
-                   versions=np.asarray(data["versions"], np.int64),
-                   trainer_logprobs=arrays(data["trainer_logprobs"], np.float32), mismatch=dict(data["mismatch"]),
-                   reward_seconds=float(data["reward_seconds"]), mismatch_seconds=float(data["mismatch_seconds"]))
+        tail = (k,) if k else ()
+        rollout = Rollout(**{**r, "prompt_ids": arrays(r["prompt_ids"], np.int32),
+                             "response_ids": arrays(r["response_ids"], np.int32),
+                             "logprobs": arrays(r["logprobs"], np.float32),
+                             "topk_ids": arrays(r["topk_ids"], np.int32, tail),
+                             "topk_logprobs": arrays(r["topk_logprobs"], np.float32, tail),
+                             "finished": np.asarray(r["finished"], bool)})
+        return cls(**{**data, "rollout": rollout, "rewards": np.asarray(data["rewards"], np.float64),
+                      "versions": np.asarray(data["versions"], np.int64),
+                      "trainer_logprobs": arrays(data["trainer_logprobs"], np.float32)})
 
 
 def logprob_mismatch(behaviour: Sequence[np.ndarray], trainer: Sequence[np.ndarray]) -> dict[str, float]:
@@ -120,9 +110,8 @@ def measures_mismatch(rollout) -> bool:
 
 
 def sampler_weights(config: DecoderConfig, params, dtype: str) -> tuple[DecoderConfig, Any]:
-    """The sampler's model config and parameters: the trainer's for float32, else cast (parameters and compute)."""
-    if dtype not in SAMPLER_DTYPES:
-        raise ValueError(f"sampler dtype must be one of {SAMPLER_DTYPES}, got {dtype!r}")
+    """The sampler's model config and parameters (`rollout.dtype`): the trainer's for float32, else cast (parameters
+    and compute)."""
     if dtype == "float32":  # the trainer's own numerics (today's synchronous sampler)
         return config, params
     return (config.replace(param_dtype=dtype, compute_dtype=dtype),
@@ -131,46 +120,37 @@ def sampler_weights(config: DecoderConfig, params, dtype: str) -> tuple[DecoderC
 
 @dataclasses.dataclass
 class RolloutSampler:
-    """Produces step s's `ScoredRollout` from the weights of a given policy version (see the module docstring).
+    """Produces step s's `ScoredRollout` from the weights of a given policy version (see the module docstring), as
+    the `rollout` section says (prompts per step, group size, temperature, prompt bucket, sampler dtype).
 
     Thread-safe as long as `reward_fn` is: it holds no state between calls."""
 
     task: Task
     seed: int
     pool: list[Problem] | None
-    prompts_per_step: int
-    group_size: int
+    rollout: RolloutConfig
     model_config: DecoderConfig
     tokenizer: Tokenizer
     sampling: SamplingParams
     reward_fn: RewardFunction
-    temperature: float
-    prompt_bucket: int
-    dtype: str = "float32"
-    key_fn: Callable[[int], jax.Array] | None = None
-    measure_mismatch: bool = True  # run the trainer's forward at the sampling weights (the mismatch metrics)
-
-    def __post_init__(self):
-        self.sampler_config, _ = sampler_weights(self.model_config, {}, self.dtype)
 
     def rollout_key(self, step: int) -> jax.Array:
         """The sampling key of 0-based step `step` (a pure function of (seed, step))."""
-        if self.key_fn is not None:
-            return self.key_fn(step)
         return jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
 
     def __call__(self, step: int, params, version: int) -> ScoredRollout:
         """Step `step`'s scored rollout, sampled with `params` (host fp32 group pytrees) of policy `version`."""
-        problems = step_problems(self.task, self.seed, step, self.prompts_per_step, pool=self.pool)
-        config, weights = sampler_weights(self.model_config, params, self.dtype)
+        r = self.rollout
+        problems = step_problems(self.task, self.seed, step, r.prompts_per_step, pool=self.pool)
+        config, weights = sampler_weights(self.model_config, params, r.dtype)
         rollout = sample_rollout(config, weights, self.tokenizer, [p.prompt for p in problems],
-                                 group_size=self.group_size, sampling=self.sampling, key=self.rollout_key(step))
+                                 group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step))
         started = time.perf_counter()
         rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
         reward_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        trainer = (trainer_logprobs(self.model_config, params, rollout, temperature=self.temperature,
-                                    bucket=self.prompt_bucket) if self.measure_mismatch else None)
+        trainer = (trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
+                                    bucket=r.prompt_bucket) if measures_mismatch(r) else None)
         mismatch_seconds = time.perf_counter() - started
         return ScoredRollout(step=step, rollout=rollout, rewards=rewards,
                              versions=np.full(len(rollout), version, np.int64), trainer_logprobs=trainer,
