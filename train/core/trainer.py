@@ -333,13 +333,12 @@ def nonfinite_message(what: str, result, latest_checkpoint: int | None, *, skip:
             "Lower the learning rate or check the data; run.skip_nonfinite_steps=true skips such steps instead")
 
 
-def summary_text(summary: dict[str, Any], done_line: str | None, extra=(), outputs=()) -> str:
-    """The lines printed at the end of a run: `done_line` (what the steps achieved; None: only how many), `extra`,
-    the planning time, then where everything is: checkpoint, metrics, the last timeline, the run's own `outputs`,
-    HF export."""
-    if done_line is None:
-        done_line = (f"done: {summary['steps_done'] - summary['start_step']} steps (now at step "
-                     f"{summary['steps_done']}) in {summary['seconds']:.1f} s")
+def summary_text(summary: dict[str, Any], achieved: str | None, extra=(), outputs=(), *, unit: str = "steps") -> str:
+    """The lines printed at the end of a run: how many `unit` ran and `achieved` (what they achieved, if given),
+    `extra`, the planning time, then where everything is: checkpoint, metrics, the last timeline, the run's own
+    `outputs`, HF export."""
+    done_line = (f"done: {summary['steps_done'] - summary['start_step']} {unit} (now at step {summary['steps_done']}) "
+                 f"in {summary['seconds']:.1f} s" + (f", {achieved}" if achieved else ""))
     if summary["steps_done"] == summary["start_step"]:
         done_line = (f"nothing to do: the run in {summary['out_dir']} is already at step {summary['steps_done']} "
                      "(raise run.steps to go on, or choose another run.out_dir for a new run)")

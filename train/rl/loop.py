@@ -66,15 +66,13 @@ def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The lines printed at the end of a run: what was done and where everything is."""
-    ran = summary["steps_done"] - summary["start_step"]
-    done = (f"done: {ran} RL steps (now at step {summary['steps_done']}) in {summary['seconds']:.1f} s, mean reward "
-            f"{summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, {summary['unstable_steps']} unstable "
-            "step(s)" if ran else None)
+    rewards = (f"mean reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, "
+               f"{summary['unstable_steps']} unstable step(s)" if summary["first_reward"] is not None else None)
     evaluation = ([f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
                    f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
                   if summary["final_eval_accuracy"] is not None else [])
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return summary_text(summary, done, evaluation + overlap_lines(summary), curves)
+    return summary_text(summary, rewards, evaluation + overlap_lines(summary), curves, unit="RL steps")
 
 
 def overlap_lines(summary: dict[str, Any]) -> list[str]:

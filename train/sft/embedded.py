@@ -17,7 +17,9 @@ import numpy as np
 
 from jodc.sim.lengths import LengthDistribution
 
-TASKS = ("copy", "reverse", "sort", "upper")
+_SOLVERS = {"copy": " ".join, "reverse": lambda words: " ".join(reversed(words)),
+            "sort": lambda words: " ".join(sorted(words)), "upper": lambda words: " ".join(words).upper()}
+TASKS = tuple(_SOLVERS)
 MIN_TOKENS, MAX_TOKENS, MEAN_TOKENS, SIGMA = 32, 2048, 110.0, 1.0
 _SYLLABLES = ("ka", "lo", "mi", "nu", "re", "sa", "to", "vi", "ze", "po", "da", "fe", "gu", "hi", "ja", "wo")
 _VOCAB_SEED = 20240601  # fixed: the made-up language is the same whatever the dataset seed
@@ -44,15 +46,9 @@ def vocabulary(size: int = 64) -> list[str]:
 
 def solve(task: str, words: list[str]) -> str:
     """The completion of `task` on `words`."""
-    if task == "copy":
-        return " ".join(words)
-    if task == "reverse":
-        return " ".join(reversed(words))
-    if task == "sort":
-        return " ".join(sorted(words))
-    if task == "upper":
-        return " ".join(words).upper()
-    raise ValueError(f"unknown task {task!r}; tasks are {', '.join(TASKS)}")
+    if task not in _SOLVERS:
+        raise ValueError(f"unknown task {task!r}; tasks are {', '.join(TASKS)}")
+    return _SOLVERS[task](words)
 
 
 def _words_of_length(rng: np.random.Generator, vocab: list[str], chars: int) -> list[str]:

@@ -36,10 +36,8 @@ def load_dataset(config: SFTConfig, tokenizer) -> tuple[list[Example], LoadRepor
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The lines printed at the end of a run: what was done and where everything is."""
-    done = (f"done: {summary['steps_done'] - summary['start_step']} steps (now at step {summary['steps_done']}) in "
-            f"{summary['seconds']:.1f} s, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
-            if summary["losses"] else None)
-    return summary_text(summary, done)
+    losses = f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}" if summary["losses"] else None
+    return summary_text(summary, losses)
 
 
 class SFTRun(Trainer):
