@@ -14,12 +14,12 @@ import os
 import numpy as np
 
 # Process-count variables of the common MPI launchers (Open MPI, MPICH/Hydra, PMIx).
-_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 
 
 def launched_processes(environ=os.environ) -> int:
     """How many processes an MPI launcher started for this job (1 when not launched by one)."""
-    for key in _SIZE_VARIABLES[:3]:
+    for key in _SIZE_VARIABLES:
         value = environ.get(key)
         if value and value.isdigit():
             return int(value)

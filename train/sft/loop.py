@@ -17,21 +17,11 @@ from ..core.metrics import step_metrics
 from ..core.model import hf_tokenizer_path
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .batching import minibatch_arrays
-from .data import Example, LoadReport, fingerprint_examples, load_jsonl, load_records
+from .data import fingerprint_examples, load_jsonl, load_records
 from .embedded import generate_records
 from .sampler import MinibatchSampler
 
 __all__ = ["CHECKPOINT_DIR", "SFTRun", "format_summary", "run_sft"]
-
-
-def load_dataset(config: SFTConfig, tokenizer) -> tuple[list[Example], LoadReport]:
-    """The run's examples: the generated default dataset or a JSONL file."""
-    data = config.data
-    if data.path == EMBEDDED:
-        records = generate_records(data.embedded_examples, seed=data.embedded_seed)
-        return load_records(records, tokenizer, max_length=data.max_length, overlong=data.overlong,
-                            source=f"the embedded dataset (seed {data.embedded_seed})")
-    return load_jsonl(data.path, tokenizer, max_length=data.max_length, overlong=data.overlong)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -48,9 +38,17 @@ class SFTRun(Trainer):
     format_summary = staticmethod(format_summary)
 
     def load_data(self) -> dict:
-        config = self.config
-        self.tokenizer = load_tokenizer(config.data.tokenizer or hf_tokenizer_path(config.model))
-        self.examples, report = load_dataset(config, self.tokenizer)
+        """The tokenizer and the examples (the generated default dataset or a JSONL file); their fingerprint."""
+        data = self.config.data
+        self.tokenizer = load_tokenizer(data.tokenizer or hf_tokenizer_path(self.config.model))
+        if data.path == EMBEDDED:
+            records = generate_records(data.embedded_examples, seed=data.embedded_seed)
+            self.examples, report = load_records(records, self.tokenizer, max_length=data.max_length,
+                                                 overlong=data.overlong,
+                                                 source=f"the embedded dataset (seed {data.embedded_seed})")
+        else:
+            self.examples, report = load_jsonl(data.path, self.tokenizer, max_length=data.max_length,
+                                               overlong=data.overlong)
         self.log(f"data: {report.summary()}")
         return fingerprint_examples(self.examples)
 
