@@ -280,6 +280,7 @@ def main(argv=None) -> int:
                 r = {key: round(statistics.fmean(run[key] for run in runs), 4) for key in runs[0]}
                 r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in runs]
                 r["final_accuracy_per_seed"] = [run["final_accuracy"] for run in runs]
+                r["final_sampled_reward_per_seed"] = [run["final_eval_sampled_reward"] for run in runs]
                 results[regime][name] = r
                 print(f"  {regime} {name}: done ({r['wall_seconds']:.0f} s per run; CPU use rollout "
                       f"{r['rollout_cpu_utilisation']:.2f}, train {r['train_cpu_utilisation']:.2f}, step "
