@@ -1,0 +1,54 @@
+"""bench/rl.py's engine reuse: a run on a reused engine computes exactly what a run on a fresh engine does."""
+import os
+import sys
+
+from jodc.train.core.metrics import read_metrics
+from jodc.train.rl import loop
+from jodc.train.rl.config import load_rl_config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import rl as bench_rl  # noqa: E402
+
+#: Metrics that depend only on the computation, not on timing
+EXACT_KEYS = ("reward_mean", "loss", "grad_norm", "policy_kl", "policy_kl_max", "entropy", "tokens")
+
+
+def _config(out_dir):
+    return load_rl_config(None, [
+        "--preset", "tiny", "--attention_block_size", "16", "--token_cap", "64", "--prompt_bucket", "8",
+        "--max_new_tokens", "4", "--max_digits", "1", "--max_terms", "2", "--sft_steps", "0",
+        "--prompts_per_step", "4", "--group_size", "4", "--updates_per_step", "2", "--learning_rate", "1e-3",
+        "--steps", "2", "--devices", "2", "--deterministic", "--no-progress", "--save_every", "0",
+        "--eval_every", "0", "--eval_problems", "4", "--no-export_hf", "--out_dir", str(out_dir)])
+
+
+def _parity_reward(prompt, response):
+    """A reward with signal for an untrained model (the task's exact match would be 0 for every response)."""
+    return float(len(response) % 2)
+
+
+def _records(summary):
+    return [{k: r[k] for k in EXACT_KEYS} for r in read_metrics(summary["metrics"])]
+
+
+def test_engine_pool_builds_once_and_a_reused_engine_repeats_a_fresh_run(tmp_path, monkeypatch):
+    """The second run reuses the first run's engine (no second build) after `load_state_dict` put back the initial
+    parameters, optimizer state and step count; its records equal the first run's, which had a fresh engine. Had
+    the reset missed the optimizer state or the step (the learning-rate schedule's position), the second run's
+    losses and gradient norms would differ. Leaving the pool restores the trainer's own `make_engine`."""
+    built = []
+    make = loop.make_engine
+
+    def counting(*args):
+        built.append(args)
+        return make(*args)
+
+    monkeypatch.setattr(loop, "make_engine", counting)
+    with bench_rl.EnginePool() as pool:
+        pool.key = ("test",)
+        first = _records(loop.run_rl(_config(tmp_path / "a"), reward_fn=_parity_reward, log=lambda _: None))
+        second = _records(loop.run_rl(_config(tmp_path / "b"), reward_fn=_parity_reward, log=lambda _: None))
+        assert len(built) == 1
+    assert loop.make_engine is counting
+    assert len(first) == 2 and first == second
+    assert first[0]["loss"] != first[1]["loss"]  # the steps did change the policy
