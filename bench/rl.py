@@ -104,15 +104,15 @@ class EnginePool:
         return engine
 
     def __enter__(self):
-        import jodc.train.rl.loop as loop
+        import jodc.train.core.trainer as trainer
 
-        self.original, loop.make_engine = loop.make_engine, self.make
+        self.original, trainer.make_engine = trainer.make_engine, self.make
         return self
 
     def __exit__(self, *exc):
-        import jodc.train.rl.loop as loop
+        import jodc.train.core.trainer as trainer
 
-        loop.make_engine = self.original
+        trainer.make_engine = self.original
         for engine, _ in self.engines.values():
             type(engine).close(engine)
         self.engines.clear()
@@ -144,10 +144,11 @@ class PhaseClock:
         return timed
 
     def __enter__(self):
+        from jodc.train.core.trainer import Trainer
         from jodc.train.rl.loop import RLRun
         from jodc.train.rl.sampler import RolloutSampler
 
-        self.saved = RLRun.train_step, RLRun.update, RolloutSampler.__call__
+        self.saved = RLRun.train_step, Trainer.update, RolloutSampler.__call__
         clock = self
         train_step = self.wrap("step", RLRun.train_step)
 
@@ -155,15 +156,16 @@ class PhaseClock:
             clock.step = i
             return train_step(run, i)
 
-        RLRun.train_step, RLRun.update = step, self.wrap("train", RLRun.update)
+        RLRun.train_step, Trainer.update = step, self.wrap("train", Trainer.update)
         RolloutSampler.__call__ = self.wrap("rollout", RolloutSampler.__call__)
         return self
 
     def __exit__(self, *exc):
+        from jodc.train.core.trainer import Trainer
         from jodc.train.rl.loop import RLRun
         from jodc.train.rl.sampler import RolloutSampler
 
-        RLRun.train_step, RLRun.update, RolloutSampler.__call__ = self.saved
+        RLRun.train_step, Trainer.update, RolloutSampler.__call__ = self.saved
 
     def utilisation(self) -> dict[str, float]:
         return {f"{phase}_cpu_utilisation": cpu / wall if wall > 0 else 0.0

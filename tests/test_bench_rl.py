@@ -3,6 +3,7 @@ import os
 import sys
 
 from jodc.train.core.metrics import read_metrics
+from jodc.train.core import trainer
 from jodc.train.rl import loop
 from jodc.train.rl.config import load_rl_config
 
@@ -37,18 +38,18 @@ def test_engine_pool_builds_once_and_a_reused_engine_repeats_a_fresh_run(tmp_pat
     the reset missed the optimizer state or the step (the learning-rate schedule's position), the second run's
     losses and gradient norms would differ. Leaving the pool restores the trainer's own `make_engine`."""
     built = []
-    make = loop.make_engine
+    make = trainer.make_engine
 
     def counting(*args):
         built.append(args)
         return make(*args)
 
-    monkeypatch.setattr(loop, "make_engine", counting)
+    monkeypatch.setattr(trainer, "make_engine", counting)
     with bench_rl.EnginePool() as pool:
         pool.key = ("test",)
         first = _records(loop.run_rl(_config(tmp_path / "a"), reward_fn=_parity_reward, log=lambda _: None))
         second = _records(loop.run_rl(_config(tmp_path / "b"), reward_fn=_parity_reward, log=lambda _: None))
         assert len(built) == 1
-    assert loop.make_engine is counting
+    assert trainer.make_engine is counting
     assert len(first) == 2 and first == second
     assert first[0]["loss"] != first[1]["loss"]  # the steps did change the policy
