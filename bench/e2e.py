@@ -1,8 +1,9 @@
 """End-to-end minibatch throughput: ODC + LB-Mini against collective FSDP and XLA-SPMD with LB-Micro.
 
-The same decoder, data and optimizer under each engine on 2 simulated CPU devices with one compute thread each
-(so a waiting device really idles), on (a) imbalanced minibatches drawn from a LongAlign-like long-tailed length
-distribution scaled to CPU size and (b) perfectly balanced minibatches (all sequences the same length).
+The same decoder, data and optimizer under each engine on 2 simulated CPU devices with the fewest intra-op
+threads XLA keeps (`NPROC=1`; 2 on jax 0.10.2, which the devices share), on (a) imbalanced minibatches drawn from
+a LongAlign-like long-tailed length distribution scaled to CPU size and (b) perfectly balanced minibatches (all
+sequences the same length).
 
 Every engine runs a microbatch at the smallest of T/4, T/2, T that holds it: ODC per device and microbatch (its
 devices never meet inside the step), the lock-step engines per round (the longest any device needs). Busy time is
@@ -51,9 +52,9 @@ if ARGS is not None:
                                f" --xla_force_host_platform_device_count={ARGS.devices}"
                                " --xla_cpu_multi_thread_eigen=false").strip()
     # XLA's CPU client sizes the intra-op pool that its thunk executor spreads independent work over from NPROC
-    # (default: all cores). Left at 2, a device that waits lends its core to the other one, which hides exactly
-    # the idling this benchmark is about, and the calibration of busy time runs on two cores (measured: 1.6 cores
-    # busy for one device's step). 1 gives every device one compute thread.
+    # (default: all cores): a device that waits lends its core to the other one, which hides the idling this
+    # benchmark is about. NPROC=1 asks for one thread, but jax 0.10.2 keeps 2 (measured: 2 `tf_XLAEigen` threads,
+    # one microbatch alone 1.9 CPU seconds per wall second on 2 cores), so there the devices still share both cores.
     os.environ.setdefault("NPROC", "1")
 
 import jax  # noqa: E402
@@ -95,12 +96,12 @@ def scenario_lengths(kind: str, args, rng) -> list[np.ndarray]:
 class BusyCalibrator:
     """Times forward + backward of single microbatches on one device (memoised by layout), in CPU seconds.
 
-    Busy time is the CPU time of the calling process while one microbatch runs (one compute thread per device, see
-    NPROC above), not its wall time: on a shared machine the load changes between the moments each layout is timed
-    and the moments the engines run, and wall-time calibrations taken under heavier load than the steps overstated
-    compute (measured across 2 processes: calibrated busy time 1.8x the ODC step's wall, bubble rates of -0.81; the
-    cost model fitted 6x the single-process one). CPU time is what the computation costs wherever it runs; the
-    steps' walls then also count time a device spent descheduled as bubble, which is what it is to the step.
+    Busy time is the CPU time of the calling process while one microbatch runs (see NPROC above), not its wall time:
+    on a shared machine the load changes between the moments each layout is timed and the moments the engines run,
+    and wall-time calibrations taken under heavier load than the steps overstated compute (measured across 2
+    processes: calibrated busy time 1.8x the ODC step's wall, bubble rates of -0.81; the cost model fitted 6x the
+    single-process one). CPU time is what the computation costs wherever it runs; the steps' walls then also count
+    time a device spent descheduled as bubble, which is what it is to the step.
     """
 
     clock = staticmethod(time.process_time)

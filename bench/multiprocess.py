@@ -18,7 +18,7 @@ XLA's per-execution buffers of many MiB are reused instead of being mmapped and 
 (on this VM a fresh 8 MiB buffer costs ~17 ms of page faults, more than the transfer). Both contenders run in the
 same processes with the same setting; --default-malloc measures without it.
 
-End to end (`mpirun -np 2`, 2 processes x 1 CPU device, one compute thread each as in bench/e2e.py): bench/e2e.py's
+End to end (`mpirun -np 2`, 2 processes x 1 CPU device, `NPROC=1` as in bench/e2e.py): bench/e2e.py's
 `run` itself (same decoder, LongAlign-like imbalanced and perfectly balanced SFT minibatches, length buckets,
 calibration, planners: ODC + LB-Mini for the buckets vs the collective engine and XLA-SPMD with LB-Micro) on a mesh
 whose devices live in different processes: ODC over the MPI transport, the lock-step engines over gloo. The
@@ -171,7 +171,7 @@ def worker(args) -> None:
 
 
 def e2e_worker(args) -> None:
-    # as bench/e2e.py: one compute thread per device, so a device that waits really idles
+    # as bench/e2e.py: NPROC=1 (the fewest intra-op threads XLA keeps: 2 on jax 0.10.2)
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false"
     os.environ.setdefault("NPROC", "1")
     from mpi4py import MPI
