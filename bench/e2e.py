@@ -53,8 +53,8 @@ if ARGS is not None:
                                " --xla_cpu_multi_thread_eigen=false").strip()
     # XLA's CPU client sizes the intra-op pool that its thunk executor spreads independent work over from NPROC
     # (default: all cores): a device that waits lends its core to the other one, which hides the idling this
-    # benchmark is about. NPROC=1 asks for one thread, but jax 0.10.2 keeps 2 (measured: 2 `tf_XLAEigen` threads,
-    # one microbatch alone 1.9 CPU seconds per wall second on 2 cores), so there the devices still share both cores.
+    # benchmark is about. NPROC=1 asks for one thread, but jax 0.10.2 keeps 2 (the `tf_XLAEigen` entries of
+    # /proc/<pid>/task, both busy while one device computes), so there the devices still share both cores.
     os.environ.setdefault("NPROC", "1")
 
 import jax  # noqa: E402
