@@ -1,4 +1,5 @@
-"""bench/rl.py's engine reuse: a run on a reused engine computes exactly what a run on a fresh engine does."""
+"""bench/rl.py's engine reuse (a run on a reused engine computes exactly what a run on a fresh engine does) and its
+warm step time (the steps during which the process compiled are found and left out)."""
 import os
 import sys
 
@@ -53,3 +54,28 @@ def test_engine_pool_builds_once_and_a_reused_engine_repeats_a_fresh_run(tmp_pat
     assert trainer.make_engine is counting
     assert len(first) == 2 and first == second
     assert first[0]["loss"] != first[1]["loss"]  # the steps did change the policy
+
+
+def test_the_steps_that_compile_are_found(tmp_path):
+    """The first run compiles in its first steps (the sampler, the engine's step, the evaluation), a second
+    identical run on a reused engine compiles nothing: `PhaseClock.compiled_steps` tells them apart, which is
+    what keeps the warm step time (and `async_speedup`) independent of which regime ran first."""
+    import jax
+    import jax.numpy as jnp
+
+    bench_rl.count_compiles()
+    bench_rl.count_compiles()  # registered once: a second call does not double the count
+    x = jnp.ones(7).block_until_ready()
+    before = bench_rl.COMPILES[0]
+    triple = jax.jit(lambda x: x * 3.0 + 1.0)
+    triple(x).block_until_ready()
+    triple(x).block_until_ready()  # cached: no second compilation
+    assert bench_rl.COMPILES[0] == before + 1
+    compiled = []
+    with bench_rl.EnginePool() as pool:
+        pool.key = ("compiles",)
+        for run in range(2):
+            with bench_rl.PhaseClock() as clock:
+                loop.run_rl(_config(tmp_path / f"run{run}"), reward_fn=_parity_reward, log=lambda _: None)
+            compiled.append(sorted(clock.compiled_steps))
+    assert 0 in compiled[0] and compiled[1] == []

@@ -22,6 +22,7 @@ from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
 
 from test_rl import EXACT_KEYS, engine_state
 from test_rl_loss import microbatch
+from test_rl_sampler_process import running
 
 STEPS = 6
 
@@ -207,6 +208,67 @@ def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward
             assert x[key] == y[key], (x["step"], key)
     for x, y in zip(engine_state(out, STEPS), engine_state(str(tmp_path), STEPS)):
         assert np.array_equal(x, y)
+
+
+def test_a_sampler_process_samples_what_the_thread_samples(straight, reward_file, tmp_path):
+    """Steps 1-3 with the sampler in a child process (its checkpoint holds rollouts 4 and 5, also sampled there),
+    then resumed to 6 with the sampler thread: the same rollouts and updates as the thread-only run, bit for bit
+    (the child loads the `task.reward_fn` file again and computes with the trainer's XLA flags)."""
+    out, _ = straight
+    assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", "3", "--rollout.sampler",
+                                              "process")]) == 0
+    assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", str(STEPS))]) == 0
+    a, b = read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b):
+        for key in EXACT_KEYS + ("staleness", "policy_version", "logprob_mismatch", "loss_behaviour_weight_mean"):
+            assert x[key] == y[key], (x["step"], key)
+    for x, y in zip(engine_state(out, STEPS), engine_state(str(tmp_path), STEPS)):
+        assert np.array_equal(x, y)
+
+
+def test_ctrl_c_stops_the_trainer_and_its_sampler_process(reward_file, tmp_path):
+    """Ctrl-C reaches the trainer and the sampler process (one process group, as in a terminal): the child ignores
+    it and keeps sampling, so the trainer can checkpoint the rollouts sampled ahead before it stops, and the child
+    is gone when the trainer has exited."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "jodc.train", "rl",
+               *async_overrides(tmp_path, reward_file, "--steps", "400", "--log_every", "1", "--save_every", "2",
+                                "--rollout.sampler", "process")]
+    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, cwd=ROOT)
+    metrics = os.path.join(tmp_path, "metrics.jsonl")
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and trainer.poll() is None and (
+                not os.path.exists(metrics) or len(read_metrics(metrics)) < 3):
+            time.sleep(0.2)
+        children = _children(trainer.pid)
+        assert trainer.poll() is None and children, "the run did not reach step 3 with a sampler process"
+        os.killpg(trainer.pid, signal.SIGINT)
+        output, _ = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    assert trainer.returncode != 0 and "interrupted; the latest checkpoint is" in output, output[-3000:]
+    assert "multiprocessing" not in output, output[-3000:]  # no traceback of the child: it ignored Ctrl-C
+    deadline = time.monotonic() + 30  # a child may still be tearing down (state R, empty cmdline) for a moment
+    while time.monotonic() < deadline and any(running(pid) for pid in children):
+        time.sleep(0.2)
+    assert not any(running(pid) for pid in children), f"processes {children} outlived the interrupted trainer"
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (the sampler process and the multiprocessing resource tracker)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
 
 
 def test_only_a_sampler_with_other_numerics_runs_the_mismatch_pass():

@@ -73,7 +73,7 @@ class RolloutConfig(Section):
 
     name_in_config = "rollout"
     minimum = {"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 1, "top_k": 1, "prompt_bucket": 1,
-               "max_staleness": 0}
+               "max_staleness": 0, "sampler_nice": 0}
     prompts_per_step: int = 16  # prompts per step
     group_size: int = 8  # responses per prompt (GRPO group)
     max_new_tokens: int = 8  # generation budget per response
@@ -82,6 +82,8 @@ class RolloutConfig(Section):
     prompt_bucket: int = 16  # prompt width is rounded up to a multiple (fewer compiles)
     max_staleness: int = 0  # k > 0: a sampler thread samples step s's rollout with the weights of step s - k
     dtype: Literal["float32", "bfloat16"] = "float32"  # the sampler's parameters and compute (training: fp32)
+    sampler: Literal["thread", "process"] = "thread"  # max_staleness > 0: where the sampler computes
+    sampler_nice: int = 19  # sampler: process: the child's OS priority (19: only the cycles the trainer leaves)
 
     @property
     def rollout_size(self) -> int:
@@ -92,6 +94,11 @@ class RolloutConfig(Section):
         if not self.temperature > 0:
             raise ConfigError(f"rollout.temperature must be > 0 (RL samples; the losses' ratios need the sampling "
                               f"distribution), got {self.temperature}")
+        if self.sampler_nice > 19:
+            raise ConfigError(f"rollout.sampler_nice must be in 0..19, got {self.sampler_nice}")
+        if self.sampler == "process" and not self.max_staleness:
+            raise ConfigError("rollout.sampler=process needs rollout.max_staleness >= 1 (synchronous rollouts are "
+                              "sampled by the trainer itself)")
 
 
 @dataclasses.dataclass
@@ -167,8 +174,11 @@ class RLConfig(TrainingConfig):
     loss: LossConfig
     warmstart: WarmstartConfig
     # What a checkpoint means: resuming with other values would silently continue a different run (another
-    # model, task, reward, warm start, prompt stream or rollout shape).
-    RESUME_KEYS = ("model", "task", "warmstart", "rollout", "run.seed", "run.updates_per_step")
+    # model, task, reward, warm start, prompt stream or rollout shape). Where the sampler computes (thread or
+    # process, its priority) does not change a rollout, so it may change.
+    RESUME_KEYS = ("model", "task", "warmstart", *(f"rollout.{f.name}" for f in dataclasses.fields(RolloutConfig)
+                                                   if f.name not in ("sampler", "sampler_nice")),
+                   "run.seed", "run.updates_per_step")
     # The shared sections with RL's defaults: a small constant learning rate (total_steps: null = the run's
     # optimizer updates, run.steps x run.updates_per_step), 2 devices and a 256-token buffer (>= the longest prompt +
     # response), checkpoints every 10 steps.

@@ -13,9 +13,10 @@ the model on the task's solutions with the SFT trainer (`warmstart.py`) and star
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy.
 
 With `rollout.max_staleness: k > 0` the rollouts come from a sampler thread (`async_rollouts.py`) that samples
-step s from the weights of step max(0, s - k) while the trainer trains; a checkpoint also holds the k rollouts
-sampled ahead, so a resumed asynchronous run continues exactly too. With `rollout.dtype: bfloat16` the sampler
-runs in bf16 (`sampler.py`), and every step logs its per-token log-prob mismatch with the fp32 trainer at the same
+step s from the weights of step max(0, s - k) while the trainer trains (computing them itself, or in a child
+process at a low OS priority with `rollout.sampler: process`, `sampler_process.py`); a checkpoint also holds the
+k rollouts sampled ahead, so a resumed asynchronous run continues exactly too. With `rollout.dtype: bfloat16` the
+sampler runs in bf16 (`sampler.py`), and every step logs its per-token log-prob mismatch with the fp32 trainer at the same
 weights. Losses that read old / proximal log-probs get them recomputed (one forward pass per rollout) whenever the
 rollouts are stale or mismatched (`loss.py`).
 """
@@ -37,6 +38,7 @@ from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .async_rollouts import AsyncRollouts, check_staleness
+from .sampler_process import SamplerProcess
 from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
 from .loss import build_advantages, build_objective, summarize_metrics
@@ -99,6 +101,7 @@ class RLRun(Trainer):
                  log: Callable[[str], None] = print):
         self.reward_fn = reward_fn
         self.async_rollouts: AsyncRollouts | None = None  # the sampler thread (rollout.max_staleness > 0)
+        self.sampler_process: SamplerProcess | None = None  # computes the thread's rollouts (sampler: process)
         self.restored_rollouts: dict[int, ScoredRollout] = {}  # rollouts sampled ahead, from the checkpoint
         super().__init__(config, log=log)
 
@@ -119,8 +122,9 @@ class RLRun(Trainer):
         if len(self.eval_set) < config.task.eval_problems:
             self.log(f"evaluating on the {len(self.eval_set)} distinct problems outside the training pool "
                      f"(task.eval_problems={config.task.eval_problems})")
+        reward_spec = None  # the reward function's `task.reward_fn` spec, if it came from there
         if self.reward_fn is None and config.task.reward_fn:
-            self.reward_fn = load_reward_function(config.task.reward_fn)
+            self.reward_fn, reward_spec = load_reward_function(config.task.reward_fn), config.task.reward_fn
         elif self.reward_fn is None and config.task.name == "jsonl":
             raise ConfigError("task.name=jsonl has no built-in reward: set task.reward_fn ('module:function' "
                               "or 'file.py:function'), or pass reward_fn= to run_rl")
@@ -142,6 +146,11 @@ class RLRun(Trainer):
         self.sampler = RolloutSampler(task=self.task, seed=seed, pool=self.pool, rollout=r,
                                       model_config=self.model_config, tokenizer=self.tokenizer,
                                       sampling=self.sampling, reward_fn=self.reward_fn)
+        if r.max_staleness and r.sampler == "process":  # started now: its imports overlap the engine's compile
+            try:
+                self.sampler_process = SamplerProcess(self.sampler, nice=r.sampler_nice, reward_spec=reward_spec)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         k = self.config.rollout.max_staleness
@@ -168,13 +177,18 @@ class RLRun(Trainer):
         return state
 
     def close(self) -> None:
-        """Stops the sampler thread, then releases the engine and the checkpoint manager."""
+        """Stops the sampler thread and process, then releases the engine and the checkpoint manager."""
         try:
             rollouts, self.async_rollouts = getattr(self, "async_rollouts", None), None
             if rollouts is not None:
                 rollouts.close()
         finally:
-            super().close()
+            try:
+                process, self.sampler_process = getattr(self, "sampler_process", None), None
+                if process is not None:
+                    process.close()
+            finally:
+                super().close()
 
     # -- the step ----------------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
@@ -204,8 +218,8 @@ class RLRun(Trainer):
             check_staleness(scored.versions, step, 0)
             return scored, scored.seconds
         if self.async_rollouts is None:
-            self.async_rollouts = AsyncRollouts(self.sampler, max_staleness=k, start_step=step,
-                                                pending=self.restored_rollouts)
+            self.async_rollouts = AsyncRollouts(self.sampler_process or self.sampler, max_staleness=k,
+                                                start_step=step, pending=self.restored_rollouts)
             self.restored_rollouts = {}
         self.async_rollouts.publish(step, params)
         return self.async_rollouts.get(step)
