@@ -22,16 +22,23 @@ KL(behaviour || policy) of the step above `--unstable-kl`), the fraction of toke
 clipped, and the wall time split between rollout and training (steps 2.., after compilation).
 
 Regimes (`--regimes`), each run for every loss: `sync` (synchronous fp32 rollouts, as above), `stale2` /
-`stale4` (asynchronous rollouts sampled by a separate thread from weights 2 / 4 versions old:
-`rollout.max_staleness`), `mismatch` (a bf16 sampler against the fp32 trainer: `rollout.dtype: bfloat16`) and
+`stale4` (asynchronous rollouts sampled from weights 2 / 4 versions old, `rollout.max_staleness`, by a child
+process: `--sampler`), `mismatch` (a bf16 sampler against the fp32 trainer: `rollout.dtype: bfloat16`) and
 `both` (stale2 and bf16). Losses that read old / proximal log-probs (PPO, GRPO, decoupled PPO, TIS) get them
 recomputed by the trainer off-policy; DPPO's trust region is around the behaviour policy itself.
 
 Prints a table and one JSON line (also written to bench/results/rl.json unless --no-save) with at least
 `dppo_final_accuracy`, `ppo_final_accuracy`, `dppo_unstable_steps` and `ppo_unstable_steps` (the sync regime),
 `initial_sampled_reward` (the shared warm start's held-out sampled reward), `<loss>_<regime>_final_sampled_reward`
-for every loss and regime run, and `async_speedup`: the wall time of the sync regime over the stale2 regime for
-the same rollouts and updates (steps 2.., summed step times, mean over the losses run in both). Per run also the
+for every loss and regime run, and `async_speedup`: the step time of the sync regime over the stale2 regime for
+the same rollouts and updates, for the default loss (DPPO; if it did not run, the mean over the losses), from the
+steps 2.. during which the process compiled nothing (`warm_step_seconds`: which regime runs first compiles the
+padded shapes it meets, which made the summed times depend on the order), as the mean over seeds of the ratio of
+the two runs of a seed (a loss's regimes run back to back, their order reversed every other seed, so that the
+machine's drift cancels); per loss in `async_speedup_by_loss`,
+their mean in `async_speedup_mean_over_losses`, and the summed-time ratio in `async_speedup_all_steps`. `--sampler
+process` computes the asynchronous regimes' rollouts in a child process at `--sampler-nice` (the default:
+`rollout.sampler: process`, as configs/rl_async.yaml). Per run also the
 CPU use (process CPU seconds per wall second) of the rollout calls, the engine updates and whole steps
 (`rollout_cpu_utilisation`, `train_cpu_utilisation`, `step_cpu_utilisation`; the split is meaningful for the
 sync regime, where the phases do not overlap). One engine per objective is compiled once and reused by every run
@@ -287,9 +294,9 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated losses among {', '.join(VARIANTS)}")
     parser.add_argument("--regimes", default=",".join(REGIMES), help="comma-separated subset of the regimes")
-    parser.add_argument("--sampler", choices=("thread", "process"), default="thread",
+    parser.add_argument("--sampler", choices=("thread", "process"), default="process",
                         help="where the asynchronous regimes' sampler computes (rollout.sampler)")
-    parser.add_argument("--sampler-nice", type=int, default=19, help="rollout.sampler_nice of --sampler process")
+    parser.add_argument("--sampler-nice", type=int, default=10, help="rollout.sampler_nice of --sampler process")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (10 steps, one seed)")
     parser.add_argument("--no-save", action="store_true", help="do not write bench/results/rl.json")
     args = parser.parse_args(argv)
@@ -308,23 +315,33 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="jodc_bench_rl_") as work, ENGINES:
         warm_hf = warm_start(args, work)
         warm_seconds = time.perf_counter() - started
+        # every loss's regimes run back to back, in reversed order every other seed, so that the machine's
+        # drift over the half hour (whole-run speed varies by 1.5x on this VM) cancels in the regimes' ratios
+        runs: dict[str, dict[str, list[dict]]] = {regime: {name: [] for name in names} for regime in regimes}
+        for name in names:
+            for seed in range(args.seeds):
+                for regime in (regimes if seed % 2 == 0 else regimes[::-1]):
+                    run = run_variant(name, seed, args, work, warm_hf, regime)
+                    runs[regime][name].append(run)
+                    print(f"  {regime} {name} seed {seed}: {run['wall_seconds']:.0f} s, warm step "
+                          f"{1000 * run['warm_step_seconds']:.0f} ms; CPU use rollout "
+                          f"{run['rollout_cpu_utilisation']:.2f}, train {run['train_cpu_utilisation']:.2f}, step "
+                          f"{run['step_cpu_utilisation']:.2f} of 2 cores", file=sys.stderr, flush=True)
+                    print(json.dumps({"partial": [regime, name, seed], **run}), file=sys.stderr, flush=True)
         for regime in regimes:
             results[regime] = {}
             for name in names:
-                runs = [run_variant(name, seed, args, work, warm_hf, regime) for seed in range(args.seeds)]
-                r = {key: round(statistics.fmean(run[key] for run in runs), 4) for key in runs[0]}
-                r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in runs]
-                r["final_accuracy_per_seed"] = [run["final_accuracy"] for run in runs]
-                r["final_sampled_reward_per_seed"] = [run["final_eval_sampled_reward"] for run in runs]
+                done = runs[regime][name]
+                r = {key: round(statistics.fmean(run[key] for run in done), 4) for key in done[0]}
+                r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in done]
+                r["final_accuracy_per_seed"] = [run["final_accuracy"] for run in done]
+                r["final_sampled_reward_per_seed"] = [run["final_eval_sampled_reward"] for run in done]
+                r["warm_step_seconds_per_seed"] = [round(run["warm_step_seconds"], 4) for run in done]
                 results[regime][name] = r
-                print(f"  {regime} {name}: done ({r['wall_seconds']:.0f} s per run; CPU use rollout "
-                      f"{r['rollout_cpu_utilisation']:.2f}, train {r['train_cpu_utilisation']:.2f}, step "
-                      f"{r['step_cpu_utilisation']:.2f} of 2 cores)", file=sys.stderr, flush=True)
-                print(json.dumps({"partial": [regime, name], **r}), file=sys.stderr, flush=True)
 
     header = (f"{'regime':<8} {'loss':<13} {'greedy acc':>13} {'held-out reward':>15} {'train reward':>13} "
               f"{'KL>0.1':>6} {'max KL':>7} {'masked':>7} {'mismatch':>8} {'rollout s':>9} {'train s':>8} "
-              f"{'step s':>7} {'idle T/S':>9} {'CPU R/T/step':>14}")
+              f"{'step s':>7} {'warm ms':>7} {'idle T/S':>9} {'CPU R/T/step':>14}")
     print(header)
     print("-" * len(header))
     for regime, by_loss in results.items():
@@ -334,6 +351,7 @@ def main(argv=None) -> int:
                   f"{r['initial_reward']:>6.3f}>{r['final_reward']:<6.3f} {r['steps_kl_over_0.1']:>6.1f} "
                   f"{r['policy_kl_max']:>7.3f} {r['masked_fraction']:>7.4f} {r['logprob_mismatch']:>8.4f} "
                   f"{r['rollout_seconds']:>9.1f} {r['train_seconds']:>8.1f} {r['step_seconds']:>7.1f} "
+                  f"{1000 * r['warm_step_seconds']:>7.0f} "
                   f"{r['trainer_idle_fraction']:>4.2f}/{r['sampler_idle_fraction']:<4.2f} "
                   f"{r['rollout_cpu_utilisation']:>4.2f}/{r['train_cpu_utilisation']:.2f}/{r['step_cpu_utilisation']:.2f}")
     line = {"bench": "rl", "steps": args.steps, "seeds": args.seeds, "updates_per_step": args.updates_per_step,
@@ -351,13 +369,21 @@ def main(argv=None) -> int:
             line[f"{name}_{regime}_final_accuracy"] = r["final_accuracy"]
     if "sync" in results and "stale2" in results:
         common = [n for n in results["sync"] if n in results["stale2"]]
-        line["async_speedup"] = round(statistics.fmean(results["sync"][n]["warm_step_seconds"] /
-                                                       results["stale2"][n]["warm_step_seconds"] for n in common), 3)
+        by_loss = {n: round(statistics.fmean(a / b for a, b in zip(results["sync"][n]["warm_step_seconds_per_seed"],
+                                                                   results["stale2"][n]["warm_step_seconds_per_seed"])),
+                            3) for n in common}  # per seed (runs back to back), then the mean
+        # the default loss's (DPPO's) when it ran: the others that read old / proximal log-probs pay one extra
+        # forward pass per stale rollout in the trainer, which the synchronous loop does not (docs/rl.md)
+        line["async_speedup"] = by_loss.get("dppo", round(statistics.fmean(by_loss.values()), 3))
+        line["async_speedup_by_loss"] = by_loss
+        line["async_speedup_mean_over_losses"] = round(statistics.fmean(by_loss.values()), 3)
         line["async_speedup_all_steps"] = round(statistics.fmean(results["sync"][n]["step_seconds"] /
                                                                  results["stale2"][n]["step_seconds"]
                                                                  for n in common), 3)
-        print(f"async speedup (sync / stale2 step time, steps 2.. that compiled nothing; sampler "
-              f"{args.sampler}): {line['async_speedup']:.2f} (all steps 2..: {line['async_speedup_all_steps']:.2f})")
+        print(f"async speedup (sync / stale2 step time, steps 2.. that compiled nothing; sampler {args.sampler}): "
+              + ", ".join(f"{n} {v:.2f}" for n, v in by_loss.items())
+              + f"; async_speedup {line['async_speedup']:.2f}, mean over losses "
+                f"{line['async_speedup_mean_over_losses']:.2f} (all steps 2..: {line['async_speedup_all_steps']:.2f})")
     line.update(sampler=args.sampler, sampler_nice=args.sampler_nice)
     line["by_regime"] = results
     line["by_loss"] = results.get("sync", {})
@@ -366,8 +392,12 @@ def main(argv=None) -> int:
     print(json.dumps(line))
     if not args.no_save:
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rl.json")
+        if os.path.exists(path):  # the runs of the previous default settings stay (docs/rl.md quotes them)
+            with open(path) as f:
+                kept = {k: v for k, v in json.load(f).items() if k == "previous_setting_runs"}
+            line.update(kept)
         with open(path, "w") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(line, indent=1) + "\n")
     return 0
 
 

@@ -175,7 +175,7 @@ def reward_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, reward_file):
     out = tmp_path_factory.mktemp("rl_async")
-    args = async_overrides(out, reward_file, "--steps", str(STEPS))
+    args = async_overrides(out, reward_file, "--steps", str(STEPS), "--rollout.sampler", "thread")
     summary = run_rl(load_rl_config(args[1], args[2:]), log=quiet)
     return str(out), summary
 
@@ -197,7 +197,8 @@ def test_an_async_bf16_run_records_versions_overlap_and_mismatch(straight):
 
 def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward_file, tmp_path):
     """Stopped after 3 steps (its checkpoint holds rollouts 4 and 5, sampled from versions 1 and 2) and run again
-    to 6: the same rollouts and updates as the uninterrupted run, bit for bit."""
+    to 6, with the config's sampler process: the same rollouts and updates as the uninterrupted run (sampler
+    thread), bit for bit."""
     out, _ = straight
     assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", "3")]) == 0
     assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", str(STEPS))]) == 0
@@ -217,7 +218,8 @@ def test_a_sampler_process_samples_what_the_thread_samples(straight, reward_file
     out, _ = straight
     assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", "3", "--rollout.sampler",
                                               "process")]) == 0
-    assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", str(STEPS))]) == 0
+    assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", str(STEPS), "--rollout.sampler",
+                                              "thread")]) == 0
     a, b = read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for x, y in zip(a, b):

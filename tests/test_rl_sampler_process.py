@@ -71,7 +71,7 @@ def test_a_sampler_that_cannot_be_sent_is_refused_before_a_child_starts():
 
 
 def test_the_config_refuses_a_process_sampler_without_asynchrony_and_a_bad_priority():
-    assert RolloutConfig(max_staleness=2, sampler="process").sampler_nice == 19
+    assert RolloutConfig(max_staleness=2, sampler="process").sampler_nice == 10
     with pytest.raises(ConfigError, match="rollout.sampler=process needs rollout.max_staleness >= 1"):
         RolloutConfig(sampler="process")
     with pytest.raises(ConfigError, match="rollout.sampler_nice must be in 0..19, got 20"):

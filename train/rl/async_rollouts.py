@@ -16,7 +16,9 @@ Devices: on CPU the simulated devices of `--xla_force_host_platform_device_count
 there is nothing to partition: the sampler computes on the default device with its own host copy of the weights,
 the trainer's engine on all its devices, and the two overlap because JAX dispatch and XLA execution release the
 GIL (the only Python work in the sampler thread, tokenizing and the reward function, holds it briefly). On an
-accelerator the same thread overlaps the sampler's kernels with the trainer's on the default device.
+accelerator the same thread overlaps the sampler's kernels with the trainer's on the default device. With
+`rollout.sampler: process` the thread hands each rollout to a `SamplerProcess` (a child at a lower OS priority,
+`sampler_process.py`) instead of computing it; everything else here is unchanged.
 
 Checkpoints: `pending(done)` waits until the rollouts of steps done .. done + k - 1 (sampled from versions up to
 done - 1, all published by then) exist and returns them; the trainer stores them in its checkpoint, and a resumed

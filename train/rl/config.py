@@ -83,7 +83,7 @@ class RolloutConfig(Section):
     max_staleness: int = 0  # k > 0: a sampler thread samples step s's rollout with the weights of step s - k
     dtype: Literal["float32", "bfloat16"] = "float32"  # the sampler's parameters and compute (training: fp32)
     sampler: Literal["thread", "process"] = "thread"  # max_staleness > 0: where the sampler computes
-    sampler_nice: int = 19  # sampler: process: the child's OS priority (19: only the cycles the trainer leaves)
+    sampler_nice: int = 10  # sampler: process: the child's OS priority (higher: less taken from the trainer)
 
     @property
     def rollout_size(self) -> int:

@@ -3,8 +3,8 @@
 Why a process: the sampler thread (`async_rollouts.py`) computes on the trainer's own XLA CPU client, so its
 kernels run on the same worker threads as the engine's, at the same priority, and every core they take is
 taken from the trainer (bench/rl_contention.py measures that cost). A child process is scheduled by the OS on
-its own; at `nice` 19 (`rollout.sampler_nice`) it runs on the cycles the trainer leaves idle (the engine's
-simulated devices wait on each other, and Python dispatch leaves gaps) and yields the rest.
+its own; at a higher `nice` (`rollout.sampler_nice`, 10) it runs mostly on the cycles the trainer leaves idle (the
+engine's simulated devices wait on each other, and Python dispatch leaves gaps) and yields most of the rest.
 
 `SamplerProcess` is a drop-in `produce(step, params, version) -> ScoredRollout` for `AsyncRollouts`: the sampler
 thread keeps the schedule, the staleness bound and the checkpoints, and only the computation moves. The child
@@ -81,7 +81,7 @@ class SamplerProcess:
     Calls must come from one thread at a time (the `AsyncRollouts` sampler thread).
     """
 
-    def __init__(self, sampler: RolloutSampler, *, nice: int = 19, reward_spec: str | None = None,
+    def __init__(self, sampler: RolloutSampler, *, nice: int = 10, reward_spec: str | None = None,
                  poll_seconds: float = 1.0):
         if not 0 <= nice <= 19:
             raise ValueError(f"nice must be in 0..19, got {nice}")
