@@ -195,31 +195,16 @@ def test_an_async_bf16_run_records_versions_overlap_and_mismatch(straight):
     assert "rollouts: max_staleness 2, sampler bfloat16; trainer idle" in format_summary(summary)
 
 
-def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward_file, tmp_path):
-    """Stopped after 3 steps (its checkpoint holds rollouts 4 and 5, sampled from versions 1 and 2) and run again
-    to 6, with the config's sampler process: the same rollouts and updates as the uninterrupted run (sampler
-    thread), bit for bit."""
+@pytest.mark.parametrize("second", ["process", "thread"])
+def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward_file, tmp_path, second):
+    """Stopped after 3 steps with the config's sampler process (its checkpoint holds rollouts 4 and 5, sampled from
+    versions 1 and 2, also in the child) and run again to 6 with the process or the sampler thread: the same
+    rollouts and updates as the uninterrupted thread-only run, bit for bit (the child loads the `task.reward_fn`
+    file again and computes with the trainer's XLA flags)."""
     out, _ = straight
     assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", "3")]) == 0
-    assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", str(STEPS))]) == 0
-    a, b = read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
-    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
-    for x, y in zip(a, b):
-        for key in EXACT_KEYS + ("staleness", "policy_version", "logprob_mismatch", "loss_behaviour_weight_mean"):
-            assert x[key] == y[key], (x["step"], key)
-    for x, y in zip(engine_state(out, STEPS), engine_state(str(tmp_path), STEPS)):
-        assert np.array_equal(x, y)
-
-
-def test_a_sampler_process_samples_what_the_thread_samples(straight, reward_file, tmp_path):
-    """Steps 1-3 with the sampler in a child process (its checkpoint holds rollouts 4 and 5, also sampled there),
-    then resumed to 6 with the sampler thread: the same rollouts and updates as the thread-only run, bit for bit
-    (the child loads the `task.reward_fn` file again and computes with the trainer's XLA flags)."""
-    out, _ = straight
-    assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", "3", "--rollout.sampler",
-                                              "process")]) == 0
     assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", str(STEPS), "--rollout.sampler",
-                                              "thread")]) == 0
+                                              second)]) == 0
     a, b = read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for x, y in zip(a, b):
