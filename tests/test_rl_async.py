@@ -226,8 +226,11 @@ def test_ctrl_c_stops_the_trainer_and_its_sampler_process(reward_file, tmp_path)
     command = [sys.executable, "-m", "jodc.train", "rl",
                *async_overrides(tmp_path, reward_file, "--steps", "400", "--log_every", "1", "--save_every", "2",
                                 "--rollout.sampler", "process")]
+    # Ctrl-C's default action in the trainer even when this test runs with SIGINT ignored (`nohup make test &`: a
+    # process that starts with it ignored keeps it ignored, and Python then installs no KeyboardInterrupt handler)
     trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, cwd=ROOT)
+                               start_new_session=True, cwd=ROOT,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = os.path.join(tmp_path, "metrics.jsonl")
     try:
         deadline = time.monotonic() + 240
