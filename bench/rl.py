@@ -193,7 +193,7 @@ COUNTING: list = []  # the registered listener (registered once)
 def count_compiles() -> None:
     """Counts XLA backend compilations (jax.monitoring), so that steps which compiled are left out of the warm
     step time: the first run of a regime order compiles the padded microbatch counts it meets, in steps 2.. too,
-    which made `async_speedup` depend on which regime ran first (measured: 1.62 sync first, 0.49 stale2 first)."""
+    which made `async_speedup` depend on which regime ran first (docs/rl.md: 1.84 sync first, 0.51 stale2 first)."""
     import jax
 
     def listen(event: str, duration: float, **kwargs) -> None:

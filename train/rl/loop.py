@@ -16,9 +16,9 @@ With `rollout.max_staleness: k > 0` the rollouts come from a sampler thread (`as
 step s from the weights of step max(0, s - k) while the trainer trains (computing them itself, or in a child
 process at a low OS priority with `rollout.sampler: process`, `sampler_process.py`); a checkpoint also holds the
 k rollouts sampled ahead, so a resumed asynchronous run continues exactly too. With `rollout.dtype: bfloat16` the
-sampler runs in bf16 (`sampler.py`), and every step logs its per-token log-prob mismatch with the fp32 trainer at the same
-weights. Losses that read old / proximal log-probs get them recomputed (one forward pass per rollout) whenever the
-rollouts are stale or mismatched (`loss.py`).
+sampler runs in bf16 (`sampler.py`), and every step logs its per-token log-prob mismatch with the fp32 trainer at
+the same weights. Losses that read old / proximal log-probs get them recomputed (one forward pass per rollout)
+whenever the rollouts are stale or mismatched (`loss.py`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .async_rollouts import AsyncRollouts, check_staleness
-from .sampler_process import SamplerProcess
 from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
 from .loss import build_advantages, build_objective, summarize_metrics
@@ -47,6 +46,7 @@ from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
 from .rollout import sample_rollout, sampling_params
 from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
+from .sampler_process import SamplerProcess
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
 
