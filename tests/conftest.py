@@ -20,8 +20,10 @@ jax.config.update("jax_enable_x64", False)
 # One persistent XLA compilation cache for this test process (a fresh directory, removed at exit): a program
 # compiled once (an engine's step built again by the next test, a resumed or repeated run's step) is loaded, not
 # compiled again. It holds only what this session compiled, so a run never reuses programs of another checkout or
-# version. Set through jax.config, not the environment: subprocesses and mpirun workers compile for themselves (no
-# two processes write one entry at once). Compile-counting tests count its hits as compilations too.
+# version. The environment hands it to every subprocess the tests start (trainer CLIs, mpirun workers, sampler
+# processes), so a resumed launch loads what the first one compiled. Two processes may write one entry at once (the
+# workers of one mpirun compile the same programs): a reader that meets a half-written entry gets a decompression
+# error, which JAX turns into a warning and a compilation. Compile-counting tests count its hits as compilations too.
 # JODC_TEST_COMPILATION_CACHE=0 turns it off.
 if os.environ.get("JODC_TEST_COMPILATION_CACHE", "1") != "0" and not jax.config.jax_compilation_cache_dir:
     import atexit
@@ -33,6 +35,8 @@ if os.environ.get("JODC_TEST_COMPILATION_CACHE", "1") != "0" and not jax.config.
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 
 @pytest.fixture(autouse=True)
