@@ -5,6 +5,9 @@
 # make cuda-check - compile + link the CUDA library (sm_80, sm_90) without a GPU, check its exports and reductions
 # make test-gpu - on a GPU runner: own venv with the CUDA jax stack, CUDA build, report, whole suite + CUDA tests
 # make sanitize-gpu - on a GPU runner: compute-sanitizer memcheck + racecheck of the single-GPU CUDA tests
+# make gpu-check - on a GPU runner with a CUDA jax already installed (no venv, no index): build, every GPU check,
+#                  the GPU benchmarks and an SFT smoke run inside one time budget; summary.json + logs in GPU_CHECK_OUT
+# make gpu-wheels - (where a package index is reachable) the pure-Python wheels such a runner lacks, for Python 3.12
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +17,8 @@ INSTALLED := $(VENV)/.jodc-installed
 JODC_CUDA ?=
 NATIVE := $(VENV)/.jodc-native$(if $(filter-out 0,$(JODC_CUDA)),-cuda,)
 
-.PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test test-gpu sanitize-gpu gpu-setup
+.PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test test-gpu sanitize-gpu gpu-setup \
+	gpu-check gpu-wheels
 
 setup: $(NATIVE)
 
@@ -117,6 +121,35 @@ sanitize-gpu: gpu-setup
 		JODC_REQUIRE_GPU=1 $(COMPUTE_SANITIZER) --tool $$tool --error-exitcode 97 --kernel-name kns=jodc \
 			$(GPU_PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) || exit 1; \
 	done
+
+# The one command for a GPU runner that already has a CUDA jax and may have no network (tools/gpu_check.py): an overlay
+# environment on GPU_PYTHON (its packages as they are, jodc from this checkout, missing pure-Python packages from
+# GPU_WHEELS), the CPU extension and the CUDA library built file by file in parallel (GPU_ARCHS; NVSHMEM=1 adds the
+# NVSHMEM library), then every check cheapest first, each under its own limit, inside GPU_CHECK_BUDGET seconds.
+# summary.json, junit.xml and logs/ land in GPU_CHECK_OUT whatever happens. ONLY=step,step reruns chosen steps,
+# REUSE_BUILD=1 keeps the build of an earlier run (a warm machine). `python tools/gpu_check.py --list` shows the steps.
+GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= build/gpu-check
+GPU_ENV ?= build/gpu-env
+GPU_CHECK_BUDGET ?= 450
+GPU_WHEELS ?= build/gpu-wheels
+GPU_ARCHS ?= 90
+ONLY ?=
+REUSE_BUILD ?=
+NVSHMEM ?=
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --env-dir $(GPU_ENV) --budget-s $(GPU_CHECK_BUDGET) --archs $(GPU_ARCHS) \
+		$(if $(wildcard $(GPU_WHEELS)),--wheels $(GPU_WHEELS)) $(if $(ONLY),--only $(ONLY)) \
+		$(if $(filter-out 0,$(REUSE_BUILD)),--reuse-build) $(if $(filter-out 0,$(NVSHMEM)),--nvshmem)
+
+# What a CUDA jax image may lack (tools/gpu_check.py's PURE_PYTHON_NEEDS), as wheels for Python 3.12 on x86_64 Linux,
+# versions from constraints-cpu.txt where it pins them; bring the folder along (GPU_WHEELS) to a runner without network.
+GPU_WHEEL_PACKAGES := draccus mergedeep toml tensorboardX typing-inspect mypy-extensions protobuf
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --platform any \
+		-c constraints-cpu.txt -d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
+	ls -l $(GPU_WHEELS)
 
 # Bazel (the reference build stays setuptools: `make native`). bazel-configure writes the venv's header paths
 # (third_party/bazel/python_paths.bzl); bazel-test installs Bazel and GoogleTest with apt when missing, runs the
