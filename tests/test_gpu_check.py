@@ -218,14 +218,16 @@ def _wheel(folder, dist: str, module: str) -> None:
             z.writestr(path, text)
 
 
-def test_prepare_makes_jodc_importable_from_the_checkout_and_installs_missing_wheels(tmp_path, monkeypatch):
+@pytest.mark.parametrize("use_venv", [True, False], ids=["venv", "pythonpath-fallback"])
+def test_prepare_makes_jodc_importable_from_the_checkout_and_installs_missing_wheels(tmp_path, monkeypatch, use_venv):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(str(wheels), "jodc-fake-need", "jodc_fake_need")
     monkeypatch.setattr(gpu_check, "PURE_PYTHON_NEEDS", {"json": "stdlib", "jodc_fake_need": "jodc-fake-need"})
     env_dir = str(tmp_path / "env")
-    python = gpu_check.prepare(PY, env_dir, str(wheels))
+    python = gpu_check.prepare(PY, env_dir, str(wheels), use_venv=use_venv)
     assert python == gpu_check.env_python(env_dir)
+    assert os.path.exists(os.path.join(env_dir, "pyvenv.cfg")) == use_venv
     probe = subprocess.run(
         [python, "-c", "import jodc.train, jodc.models, jodc.ops, jodc_fake_need, jax; "
                        "print(jodc.train.__file__, jodc.models.__file__, jodc_fake_need.VALUE)"],
@@ -238,7 +240,7 @@ def test_prepare_makes_jodc_importable_from_the_checkout_and_installs_missing_wh
     probe = subprocess.run([python, "-m", "jodc.train", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert probe.returncode == 0, probe.stderr
     # again: idempotent
-    assert gpu_check.prepare(PY, env_dir, str(wheels)) == python
+    assert gpu_check.prepare(PY, env_dir, str(wheels), use_venv=use_venv) == python
 
 
 def test_prepare_names_what_is_missing_without_wheels(tmp_path, monkeypatch):

@@ -46,9 +46,11 @@ DEFAULT_OUT = os.path.join(ROOT, "build", "gpu-check")
 DEFAULT_ENV = os.path.join(ROOT, "build", "gpu-env")
 # "well inside 8 minutes" of runner wall time, machine start excluded
 DEFAULT_BUDGET_S = 450.0
-# What jodc imports that a CUDA jax image may lack (import name -> distribution name); `make gpu-wheels` fetches them.
+# What jodc imports (directly or through draccus / tensorboardX) that a CUDA jax image may lack: import name ->
+# distribution. All pure Python but protobuf; `make gpu-wheels` fetches them; only the missing ones are installed.
 PURE_PYTHON_NEEDS = {"draccus": "draccus", "mergedeep": "mergedeep", "toml": "toml", "tensorboardX": "tensorboardX",
-                     "typing_inspect": "typing-inspect", "mypy_extensions": "mypy-extensions"}
+                     "typing_inspect": "typing-inspect", "mypy_extensions": "mypy-extensions",
+                     "google.protobuf": "protobuf"}
 FINDER_MODULE = "_jodc_checkout_finder"
 
 
@@ -109,28 +111,69 @@ def env_python(env_dir: str) -> str:
     return os.path.join(env_dir, "bin", "python")
 
 
-def prepare(base_python: str, env_dir: str, wheels: str | None) -> str:
-    """Creates (or refreshes) the overlay environment and returns its python. Idempotent and quick (no index)."""
+def _venv_overlay(base_python: str, env_dir: str) -> str:
+    """A venv on `base_python` with its site-packages visible; returns the folder our files go to (its purelib).
+    A .pth file there adds every package folder of the base interpreter (user site included, which venvs hide) and
+    starts the finder."""
     py = env_python(env_dir)
-    stamp = os.path.join(env_dir, ".jodc-base-python")
-    base = os.path.realpath(base_python)
-    if os.path.exists(py) and (not os.path.exists(stamp) or open(stamp).read() != base):
-        shutil.rmtree(env_dir)  # made from another interpreter: start again
-    if not os.path.exists(py):
-        subprocess.run([base_python, "-m", "venv", "--system-site-packages", "--without-pip", env_dir], check=True)
-        with open(stamp, "w") as f:
-            f.write(base)
+    subprocess.run([base_python, "-m", "venv", "--system-site-packages", "--without-pip", env_dir], check=True,
+                   capture_output=True, text=True)
     site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "jodc_checkout.pth"), "w") as f:
+        # plain lines are appended to sys.path; an `import` line runs at start-up
+        f.write("".join(d + "\n" for d in base_site_dirs(base_python)) + f"import {FINDER_MODULE}\n")
+    return site
+
+
+def _path_overlay(base_python: str, env_dir: str) -> str:
+    """The fallback where `base_python` cannot make a venv: bin/python is a script that runs `base_python` with a
+    folder of ours first on PYTHONPATH (inherited by every subprocess), whose sitecustomize starts the finder and then
+    runs the sitecustomize it shadows, if any."""
+    site = os.path.join(env_dir, "site")
+    os.makedirs(site, exist_ok=True)
+    os.makedirs(os.path.dirname(env_python(env_dir)), exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(f"""import importlib.machinery, os, sys
+import {FINDER_MODULE}
+_here = os.path.dirname(os.path.abspath(__file__))
+_next = importlib.machinery.PathFinder.find_spec("sitecustomize", [p for p in sys.path if p and p != _here])
+if _next is not None and _next.loader is not None:
+    _next.loader.exec_module(type(sys)("sitecustomize"))
+""")
+    with open(env_python(env_dir), "w") as f:
+        f.write(f'#!/bin/sh\nexport PYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}"\nexec "{base_python}" "$@"\n')
+    os.chmod(env_python(env_dir), 0o755)
+    return site
+
+
+def prepare(base_python: str, env_dir: str, wheels: str | None, use_venv: bool = True) -> str:
+    """Creates (or refreshes) the overlay environment and returns its python. Idempotent and quick (no index).
+    `use_venv=False`, or a base interpreter that cannot make a venv, takes the PYTHONPATH fallback."""
+    py = env_python(env_dir)
+    stamp = os.path.join(env_dir, ".jodc-overlay")
+    base = os.path.realpath(base_python)
+    if os.path.exists(env_dir) and (not os.path.exists(stamp) or open(stamp).read().split("\n")[0] != base):
+        shutil.rmtree(env_dir)  # made from another interpreter, or half made: start again
+    if not os.path.exists(stamp):
+        site = None
+        if use_venv:
+            try:
+                site = _venv_overlay(base_python, env_dir)
+            except subprocess.CalledProcessError as e:
+                print(f"no venv from {base_python} ({(e.stderr or '').strip()[-300:]}): using the PYTHONPATH overlay")
+                shutil.rmtree(env_dir, ignore_errors=True)
+        site = site or _path_overlay(base_python, env_dir)
+        with open(stamp, "w") as f:
+            f.write(f"{base}\n{site}\n")
+    site = open(stamp).read().split("\n")[1]
     with open(os.path.join(site, FINDER_MODULE + ".py"), "w") as f:
         f.write(finder_source(ROOT, package_dirs()))
-    with open(os.path.join(site, "jodc_checkout.pth"), "w") as f:
-        # plain lines are added to sys.path; an `import` line runs at start-up
-        f.write("".join(d + "\n" for d in base_site_dirs(base_python)) + f"import {FINDER_MODULE}\n")
     missing = [dist for mod, dist in PURE_PYTHON_NEEDS.items() if not _importable(py, mod)]
     if missing and wheels:
-        subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", wheels,
-                        "--disable-pip-version-check", *missing], check=True)
+        # exactly the missing ones, no dependency resolution (it would look for what the runner has, in `wheels`)
+        subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--find-links", wheels,
+                        "--target", site, "--disable-pip-version-check", *missing], check=True)
         missing = [dist for mod, dist in PURE_PYTHON_NEEDS.items() if not _importable(py, mod)]
     if missing:
         raise SystemExit(f"missing Python packages {missing}: pass GPU_WHEELS=<folder of their wheels> "
