@@ -37,6 +37,7 @@ from jodc.losses import (
     rollout_is_weights,
     rollout_rejection_mask,
     tis_loss,
+    token_logprobs,
 )
 
 # ------------------------------------------------------------------------------------------------------------
@@ -334,3 +335,89 @@ def test_estimator_registry():
         get_advantage_estimator("rloo")(REWARDS, K, normalize_std=False)
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
         get_advantage_estimator("ppo")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# |log r| penalties exactly on policy (issue 32, defect 1): jnp.abs has gradient 1 at 0, torch's abs 0
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _on_policy(seed=7):
+    """A batch whose anchor is the policy's own log-probs, bit for bit (the same computation, under x64)."""
+    x0, f = fd_batch(seed)
+    with jax.enable_x64(True):
+        f["anchor"] = np.asarray(token_logprobs(jnp.asarray(x0), jnp.asarray(f["tokens"])))
+    return x0, f
+
+
+def test_kl_abs_penalty_has_no_gradient_exactly_on_policy():
+    x0, f = _on_policy()
+    with jax.enable_x64(True):
+        loss, grad = jax.value_and_grad(lambda x: kl_penalty(x, f["tokens"], f["anchor"], f["mask"],
+                                                             estimator="abs")[0])(jnp.asarray(x0))
+    assert float(loss) == 0.0
+    np.testing.assert_array_equal(grad, 0.0)  # jnp.abs: every valid token's d log pi
+    # away from the anchor it is |k1|'s gradient, sign(k1) d log pi (checked against a float64 reference above)
+
+
+def test_kl_cov_penalty_adds_no_gradient_exactly_on_policy():
+    """On policy the penalty |log r| is 0 and so is its gradient: KL-Cov's gradient is the surrogate's alone, the same
+    whatever kl_coef (with jnp.abs the penalised token got an extra kl_coef * d log pi)."""
+    x0, f = _on_policy()
+    with jax.enable_x64(True):
+        grads = {coef: jax.grad(lambda x: kl_cov_loss(x, f["tokens"], f["anchor"], f["adv"], f["mask"],
+                                                      kl_cov_ratio=0.3, kl_coef=coef)[0])(jnp.asarray(x0))
+                 for coef in (0.1, 1.0, 5.0)}
+        _, metrics = kl_cov_loss(jnp.asarray(x0), f["tokens"], f["anchor"], f["adv"], f["mask"], kl_cov_ratio=0.3)
+    assert float(metrics["kl_cov_fraction"]) > 0 and float(metrics["abs_kl"]) == 0.0
+    np.testing.assert_array_equal(grads[0.1], grads[1.0])
+    np.testing.assert_array_equal(grads[0.1], grads[5.0])
+    # = the float64 reference's central differences (which see |lr|'s zero slope at 0)
+    np.testing.assert_allclose(grads[1.0], numeric_grad(lambda x: np_kl_cov(x, x0, f, 0.3, 1.0), x0),
+                               rtol=1e-6, atol=1e-9)
+
+
+def test_kl_cov_default_coefficient_is_verls():
+    """verl's effective default (PolicyLossConfig.ppo_kl_coef) is 0.1."""
+    x0, f = fd_batch(3)
+    args = (x0, f["tokens"], f["anchor"], f["adv"], f["mask"])
+    with jax.enable_x64(True):
+        np.testing.assert_allclose(kl_cov_loss(*args, kl_cov_ratio=0.3)[0],
+                                   np_kl_cov(x0, x0, f, 0.3, 0.1), rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# several rejection criteria in one call (issue 32, defect 3)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_several_rejection_criteria_are_each_taken_on_the_original_mask_and_anded():
+    lp, mu, mask = _mismatch(5, b=6, t=9)
+    specs = [("token_k2", 0.08, None), ("seq_mean_k3", 0.1, None), ("seq_sum_k1", 3.0, 0.5)]
+    with jax.enable_x64(True):
+        alone = [rollout_rejection_mask(lp, mu, mask, criterion=c, upper=u, lower=lo) for c, u, lo in specs]
+        kept, metrics = rollout_rejection_mask(lp, mu, mask, criterion=[c for c, _, _ in specs],
+                                               upper=[u for _, u, _ in specs], lower=[lo for _, _, lo in specs])
+        chained = mask
+        for c, u, lo in specs:
+            chained = rollout_rejection_mask(lp, mu, chained, criterion=c, upper=u, lower=lo)[0]
+    expected = mask * np.prod([np.asarray(k) > 0 for k, _ in alone], axis=0)
+    np.testing.assert_array_equal(kept, expected)
+    assert not np.array_equal(np.asarray(chained), expected), "the test must tell ANDing from chaining apart"
+    valid = mask > 0
+    np.testing.assert_allclose(metrics["rejected_fraction"], np.mean(expected[valid] == 0), rtol=1e-12)
+    for (c, _, _), (_, m) in zip(specs, alone):
+        np.testing.assert_allclose(metrics[f"{c}/rejected_fraction"], m["rejected_fraction"], rtol=1e-12)
+        np.testing.assert_allclose(metrics[f"{c}/statistic_mean"], m["statistic_mean"], rtol=1e-12)
+        assert 0 < float(m["rejected_fraction"]) < 1, c
+    # upper as one number for several criteria, wrong lengths, repeated names: clear errors before any work
+    with pytest.raises(ValueError, match=r"upper must be a sequence of 2 values \(one per criterion\)"):
+        rollout_rejection_mask(lp, mu, mask, criterion=["token_k2", "token_k3"], upper=1.0)
+    with pytest.raises(ValueError, match=r"lower must be a sequence of 2 values"):
+        rollout_rejection_mask(lp, mu, mask, criterion=["token_k1", "token_k3"], upper=[2.0, 1.0], lower=[0.5])
+    with pytest.raises(ValueError, match="distinct names"):
+        rollout_rejection_mask(lp, mu, mask, criterion=["token_k2", "token_k2"], upper=[1.0, 2.0])
+    with pytest.raises(ValueError, match="lower applies to the k1 criteria only"):
+        rollout_rejection_mask(lp, mu, mask, criterion=["token_k1", "token_k3"], upper=[2.0, 1.0], lower=[0.5, 0.5])
+    with pytest.raises(ValueError, match="upper must be a number for one criterion"):
+        rollout_rejection_mask(lp, mu, mask, criterion="token_k2", upper=[1.0])

@@ -90,6 +90,15 @@ def clamped_exp(log_ratio: jax.Array) -> jax.Array:
     return jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
+def abs_zero_subgradient(x: jax.Array) -> jax.Array:
+    """|x| whose gradient at x = 0 is 0 (sign(x) everywhere), as torch's ``abs``; ``jnp.abs`` has gradient 1 at 0.
+
+    Where a penalty is |log r| the anchor often equals the policy exactly (the first step of a KL penalty to the
+    initial policy, the first minibatch after a bit-identical recompute): the penalty is 0 there and so must its
+    gradient be. sign(x) * x is |x| exactly in floating point and ``jnp.sign`` has a zero derivative."""
+    return jnp.sign(x) * x
+
+
 def straight_through(weight: jax.Array, logprobs: jax.Array) -> jax.Array:
     """``weight`` in value, ``weight * d log pi`` in gradient: sg(weight) * exp(log pi - sg(log pi)).
 

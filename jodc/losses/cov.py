@@ -12,7 +12,8 @@ and touch only a small fraction of tokens with a large covariance (verl's ``clip
   covariance lies in (cov_low, cov_high), ``max(1, floor(ratio * N_valid))`` chosen at random lose their
   gradient (their loss is 0).
 * ``kl_cov_loss``: the unclipped surrogate -A r; the ``max(1, floor(ratio * N_valid))`` tokens of largest
-  covariance get a penalty ``kl_coef * |log r|`` added.
+  covariance get a penalty ``kl_coef * |log r|`` added (``kl_coef`` 0.1 by default, verl's ``ppo_kl_coef``; the
+  gradient of |log r| is 0 where r = 1 exactly, as torch's).
 
 The selection is per call (per microbatch), as verl's is per micro-batch. The random choice of Clip-Cov uses
 ``key`` (default: a fixed key; pass a fresh one per step for a new draw, as verl's ``torch.randperm`` does).
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jodc.losses._checks import check_positive
-from jodc.losses._policy import TokenBatch, clamped_exp
+from jodc.losses._policy import TokenBatch, abs_zero_subgradient, clamped_exp
 from jodc.losses.aggregation import masked_mean
 from jodc.losses.ppo import _check_clip, _clipped_surrogate
 from jodc.losses.spec import policy_loss
@@ -78,7 +79,7 @@ def clip_cov_loss(
 
 
 @policy_loss("kl_cov_loss", anchor="old_logprobs")
-def kl_cov_loss(t: TokenBatch, *, kl_cov_ratio: float = 2e-4, kl_coef: float = 1.0):
+def kl_cov_loss(t: TokenBatch, *, kl_cov_ratio: float = 2e-4, kl_coef: float = 0.1):
     """KL-Cov loss from logits (arguments as ``ppo_loss``).
 
     Returns (loss, metrics): kl_cov_fraction (tokens penalised), abs_kl (mean |log r|), ratio_mean, entropy."""
@@ -89,5 +90,6 @@ def kl_cov_loss(t: TokenBatch, *, kl_cov_ratio: float = 2e-4, kl_coef: float = 1
     ratio = clamped_exp(log_ratio)
     per_token = -t.fields["advantages"] * ratio
     penalised = _first_k(-_covariance(t), t.valid, _count(kl_cov_ratio, t.valid))
-    per_token = jnp.where(penalised, per_token + kl_coef * jnp.abs(log_ratio), per_token)
-    return per_token, {"kl_cov_fraction": penalised, "abs_kl": jnp.abs(log_ratio), "ratio_mean": ratio}
+    abs_kl = abs_zero_subgradient(log_ratio)  # no gradient where the policy equals the anchor exactly
+    per_token = jnp.where(penalised, per_token + kl_coef * abs_kl, per_token)
+    return per_token, {"kl_cov_fraction": penalised, "abs_kl": abs_kl, "ratio_mean": ratio}

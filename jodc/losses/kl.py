@@ -5,7 +5,7 @@ With samples a_t ~ pi and k1 = log pi(a_t) - log pi_ref(a_t) (Schulman, "Approxi
 * ``k1`` = k1                        unbiased for KL(pi || ref), high variance, can be negative
 * ``k2`` = k1^2 / 2                  biased, low variance, always >= 0
 * ``k3`` = exp(-k1) + k1 - 1         unbiased, low variance, always >= 0 (GRPO's KL term, arXiv 2402.03300)
-* ``abs`` = |k1|                     verl's ``abs`` penalty
+* ``abs`` = |k1|                     verl's ``abs`` penalty (gradient sign(k1): 0 at k1 = 0, as torch's abs)
 
 The gradient flows through log pi as in the formula, except for the straight-through variants ``k1+`` and
 ``k3+`` (verl's names): the value of k1 / k3 with the gradient of k2, k2 - sg(k2) + sg(k_n). The expected
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jodc.losses._checks import check_choice
-from jodc.losses._policy import LOG_RATIO_CLAMP, TokenBatch
+from jodc.losses._policy import LOG_RATIO_CLAMP, TokenBatch, abs_zero_subgradient
 from jodc.losses.spec import policy_loss
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+")
@@ -43,7 +43,7 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str = "k3") -> jax.Array:
     if base == "k1":
         value = log_ratio
     elif base == "abs":
-        value = jnp.abs(log_ratio)
+        value = abs_zero_subgradient(log_ratio)
     elif base == "k2":
         value = 0.5 * jnp.square(log_ratio)
     else:

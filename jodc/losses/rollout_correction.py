@@ -23,6 +23,7 @@ mask (so rejected tokens also leave the loss's denominator, as in verl). Sequenc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,21 +96,17 @@ def rollout_is_weights(logprobs, rollout_logprobs, mask, *, level: str = "token"
                      "is_truncated_fraction": masked_mean(outside.astype(weights.dtype), valid)}
 
 
-def rollout_rejection_mask(logprobs, rollout_logprobs, mask, *, criterion: str = "token_k1", upper: float,
-                           lower: float | None = None, segment_ids=None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The mask with rejected tokens (or whole sequences) set to 0, in ``mask``'s dtype, and metrics.
-
-    ``criterion`` is one of ``REJECTION_CRITERIA``; thresholds as in the module docstring (k1 criteria take ratio
-    bounds ``lower`` / ``upper``; the others a divergence bound ``upper``). Metrics: rejected_fraction (of valid
-    tokens), statistic_mean (the criterion's statistic over valid tokens)."""
-    fn = "rollout_rejection_mask"
+def _check_criterion(fn, criterion, upper, lower):
     check_choice(fn, "criterion", criterion, REJECTION_CRITERIA)
     check_positive(fn, "upper", upper)
     if lower is not None and not criterion.endswith("k1"):
         raise ValueError(f"{fn}: lower applies to the k1 criteria only, got lower={lower!r} with {criterion!r}")
     if lower is not None:
         check_positive(fn, "lower", lower)
-    lr, valid = _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids)
+
+
+def _rejected(criterion, upper, lower, lr, valid, segment_ids):
+    """(rejected [B, T] bool, statistic [B, T]) of one criterion over the log-ratios ``lr`` of the ``valid`` tokens."""
     estimator = criterion[-2:]
     lr = jnp.clip(lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     token_stat = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": jnp.expm1(lr) - lr}[estimator]
@@ -121,8 +118,57 @@ def rollout_rejection_mask(logprobs, rollout_logprobs, mask, *, criterion: str =
         keep = (stat >= low) & (stat <= math.log(upper))
     else:
         keep = stat <= upper
-    rejected = valid & ~keep
+    return valid & ~keep, stat
+
+
+def rollout_rejection_mask(logprobs, rollout_logprobs, mask, *, criterion: str | Sequence[str] = "token_k1",
+                           upper: float | Sequence[float], lower: float | None | Sequence[float | None] = None,
+                           segment_ids=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The mask with rejected tokens (or whole sequences) set to 0, in ``mask``'s dtype, and metrics.
+
+    ``criterion`` is one of ``REJECTION_CRITERIA``; thresholds as in the module docstring (k1 criteria take ratio
+    bounds ``lower`` / ``upper``; the others a divergence bound ``upper``). Metrics: rejected_fraction (of valid
+    tokens), statistic_mean (the criterion's statistic over valid tokens).
+
+    Several criteria at once: ``criterion`` a sequence of names and ``upper`` (and ``lower``, if given) sequences
+    of the same length. Every criterion is evaluated on the *original* mask and a token is kept only if all keep
+    it. Feeding one call's output into the next is not the same: a sequence statistic (``seq_mean_*``) of the
+    second call would then be taken over the tokens the first one left. Metrics: rejected_fraction (by any
+    criterion), and ``<criterion>/rejected_fraction`` and ``<criterion>/statistic_mean`` for each."""
+    fn = "rollout_rejection_mask"
+    several = not isinstance(criterion, str)
+    criteria = list(criterion) if several else [criterion]
+    uppers = _per_criterion(fn, "upper", upper, criteria, several)
+    lowers = _per_criterion(fn, "lower", lower, criteria, several)
+    if several and (not criteria or len(set(criteria)) != len(criteria)):
+        raise ValueError(f"{fn}: criterion must be one name or a non-empty sequence of distinct names, "
+                         f"got {criterion!r}")
+    for name, up, low in zip(criteria, uppers, lowers):
+        _check_criterion(fn, name, up, low)
+    lr, valid = _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids)
+    rejected = jnp.zeros_like(valid)
+    metrics = {}
+    for name, up, low in zip(criteria, uppers, lowers):
+        rejected_by, stat = _rejected(name, up, low, lr, valid, segment_ids)
+        rejected = rejected | rejected_by
+        prefix = f"{name}/" if several else ""
+        metrics[prefix + "rejected_fraction"] = masked_mean(rejected_by.astype(lr.dtype), valid)
+        metrics[prefix + "statistic_mean"] = masked_mean(stat, valid)
+    if several:
+        metrics["rejected_fraction"] = masked_mean(rejected.astype(lr.dtype), valid)
     mask = jnp.asarray(mask)
-    return jnp.where(rejected, jnp.zeros_like(mask), mask), {
-        "rejected_fraction": masked_mean(rejected.astype(lr.dtype), valid),
-        "statistic_mean": masked_mean(stat, valid)}
+    return jnp.where(rejected, jnp.zeros_like(mask), mask), metrics
+
+
+def _per_criterion(fn, name, value, criteria, several):
+    """``value`` as one entry per criterion: a sequence of the same length when several criteria are given."""
+    if not several:
+        if isinstance(value, (list, tuple)):
+            raise ValueError(f"{fn}: {name} must be a number for one criterion, got {value!r}")
+        return [value]
+    if value is None:
+        return [None] * len(criteria)
+    if not isinstance(value, (list, tuple)) or len(value) != len(criteria):
+        raise ValueError(f"{fn}: with criteria {list(criteria)}, {name} must be a sequence of {len(criteria)} "
+                         f"values (one per criterion), got {value!r}")
+    return list(value)
