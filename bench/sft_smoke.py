@@ -110,6 +110,7 @@ def main(argv=None) -> dict:
     p.add_argument("--window", type=int, default=3, help="steps averaged at each end")
     p.add_argument("--min-drop", type=float, default=0.25, help="nats the loss must fall by")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/sft_smoke[_cpu].json)")
     args = p.parse_args(argv)
     from jodc.train.core.metrics import METRICS_FILE, read_metrics
 
@@ -129,7 +130,8 @@ def main(argv=None) -> dict:
     print_table(r)
     print(json.dumps(r))
     if not args.no_save:
-        out = os.path.join(REPO, "bench", "results", "sft_smoke_cpu.json" if platform == "cpu" else "sft_smoke.json")
+        out = args.out or os.path.join(REPO, "bench", "results",
+                                       "sft_smoke_cpu.json" if platform == "cpu" else "sft_smoke.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:
             json.dump(r, f, indent=1)
