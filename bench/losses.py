@@ -14,6 +14,11 @@ gradient of the loss with respect to the logits (what the LM head's backward pas
 Policy losses all use the chunked log-softmax (``--chunk-size``, default 128) and fp32 logits. The log-prob
 comparison runs ``token_logprobs`` with ``chunk_size=None`` (naive) and chunked, for fp32 and bf16 logits.
 
+On a GPU (JAX's default device), the process's CPU time measures the host thread that dispatches and waits, not
+the work: only wall time is taken (each call timed up to its results on the device, `jax.block_until_ready`), the
+``*_time`` ratios are wall-time ratios (``time_clock`` says which clock they use) and the JSON goes to
+bench/results/losses_gpu.json.
+
 Prints a table, then one JSON line (also written to bench/results/losses.json unless --no-save) with at least
 ``dppo_topk_vs_ppo_time`` and ``chunked_vs_naive_peak_memory`` (both at the largest V; the memory ratio is the
 larger of the fp32 and bf16 ones). Targets: DPPO Top-K <= 1.15x PPO; chunked <= 0.5x naive memory.
@@ -81,14 +86,20 @@ def memory_of(compiled) -> dict[str, float]:
     return {"temp_mib": temp / MiB, "total_mib": total / MiB}
 
 
-CLOCKS = ("cpu", "wall")
+def clocks_for(platform: str) -> tuple[str, ...]:
+    """The clocks that mean something for a device: ``cpu`` (this process's CPU time, all XLA threads: on the CPU
+    backend that is the work, and other jobs barely move it) and ``wall``; on an accelerator only ``wall`` (the
+    host thread only dispatches and waits). The first is the headline clock of the ``*_time`` ratios."""
+    return ("cpu", "wall") if platform == "cpu" else ("wall",)
 
 
-def time_round_robin(compiled: dict, logits, repeats: int, seed: int = 0) -> dict[str, dict[str, list[float]]]:
+def time_round_robin(compiled: dict, logits, repeats: int, seed: int = 0,
+                     clocks: tuple[str, ...] = ("cpu", "wall")) -> dict[str, dict[str, list[float]]]:
     """{clock: {name: seconds per call}} for every compiled function, one call each per round, ``repeats``
-    rounds. Clocks: ``cpu`` = this process's CPU time (all XLA threads), ``wall`` = elapsed time. The order within
-    a round is shuffled (seeded): with a fixed order the ratios were biased by up to ~7% by position alone."""
-    times = {clock: {name: [] for name in compiled} for clock in CLOCKS}
+    rounds. Clocks: ``cpu`` = this process's CPU time (all XLA threads), ``wall`` = elapsed time up to the results
+    (``jax.block_until_ready``: on a GPU, a device synchronisation). The order within a round is shuffled (seeded):
+    with a fixed order the ratios were biased by up to ~7% by position alone."""
+    times = {clock: {name: [] for name in compiled} for clock in clocks}
     order = list(compiled)
     rng = random.Random(seed)
     for _ in range(repeats):
@@ -96,8 +107,9 @@ def time_round_robin(compiled: dict, logits, repeats: int, seed: int = 0) -> dic
         for name in order:
             wall, cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(compiled[name](logits))
-            times["cpu"][name].append(time.process_time() - cpu)
-            times["wall"][name].append(time.perf_counter() - wall)
+            elapsed = {"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall}
+            for clock in clocks:
+                times[clock][name].append(elapsed[clock])
     return times
 
 
@@ -128,15 +140,17 @@ def bench_vocab(vocab: int, batch: int, seq: int, k: int, chunk_size: int, repea
 
     for fn in compiled.values():  # warm-up
         jax.block_until_ready(fn(logits))
-    times = time_round_robin(compiled, logits, repeats)
+    clocks = clocks_for(logits.devices().pop().platform)
+    times = time_round_robin(compiled, logits, repeats, clocks=clocks)
     del data, logits
     result = {
         "vocab": vocab,
-        "time_s": {clock: {name: statistics.median(t) for name, t in times[clock].items()} for clock in CLOCKS},
+        "time_clock": clocks[0],
+        "time_s": {clock: {name: statistics.median(t) for name, t in times[clock].items()} for clock in clocks},
         "memory": memory,
     }
     for key, (num, den) in TIME_RATIOS.items():
-        result[f"{key}_time"] = median_ratio(times["cpu"], num, den)
+        result[f"{key}_time"] = median_ratio(times[clocks[0]], num, den)
         result[f"{key}_wall_time"] = median_ratio(times["wall"], num, den)
     temp = {name: m["temp_mib"] for name, m in memory.items()}
     total = {name: m["total_mib"] for name, m in memory.items()}
@@ -169,7 +183,7 @@ def print_table(results: list[dict], batch: int, seq: int, chunk_size: int) -> N
         for name, mem_ref in rows:
             cells = []
             for clock, suffix in (("cpu", "_time"), ("wall", "_wall_time")):
-                if name not in res["time_s"][clock]:
+                if name not in res["time_s"].get(clock, {}):
                     cells.append(f"{'-':>8} {'':>7}")
                     continue
                 vs = res[ratio_key[name] + suffix] if name in ratio_key else 1.0
@@ -178,8 +192,9 @@ def print_table(results: list[dict], batch: int, seq: int, chunk_size: int) -> N
             print(f"{res['vocab']:>7} {name:<22} {' '.join(cells)} {mem[name]['temp_mib']:9.1f} {mem_vs:7.3f} "
                   f"{mem[name]['total_mib']:9.1f}")
     print("vs ref: ppo for the losses, logprobs_naive(_bf16) for log-probs; time ratios are medians over rounds "
-          "of within-round ratios;\ncpu = process CPU time (robust to other load), wall = elapsed; temp = XLA "
-          "temp buffers beyond the logits and their gradient; bf16 rows: memory only")
+          "of within-round ratios;\ncpu = process CPU time (robust to other load; not taken on accelerators), "
+          "wall = elapsed up to the results; temp = XLA temp buffers beyond the logits and their gradient; bf16 "
+          "rows: memory only")
 
 
 def main(argv=None) -> dict:
@@ -192,9 +207,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="2 rounds instead of --repeats")
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON file")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "losses.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/losses.json, or "
+                                                        "losses_gpu.json when JAX's default device is not the CPU)")
     args = parser.parse_args(argv)
+    on_cpu = jax.devices()[0].platform == "cpu"
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "losses.json" if on_cpu else "losses_gpu.json")
     if args.quick:
         args.repeats = 2
 
@@ -209,6 +228,7 @@ def main(argv=None) -> dict:
         "chunk_size": args.chunk_size,
         "repeats": args.repeats,
         "vocab": largest["vocab"],
+        "time_clock": largest["time_clock"],
         "dppo_topk_vs_ppo_time": round(largest["dppo_topk_vs_ppo_time"], 4),
         "dppo_topk_vs_ppo_wall_time": round(largest["dppo_topk_vs_ppo_wall_time"], 4),
         "dppo_binary_vs_ppo_time": round(largest["dppo_binary_vs_ppo_time"], 4),
@@ -226,11 +246,12 @@ def main(argv=None) -> dict:
             for r in results
         },
         "cpu_ms": {str(r["vocab"]): {k: round(v * 1e3, 1) for k, v in r["time_s"]["cpu"].items()}
-                   for r in results},
+                   for r in results if "cpu" in r["time_s"]},
         "wall_ms": {str(r["vocab"]): {k: round(v * 1e3, 1) for k, v in r["time_s"]["wall"].items()}
                     for r in results},
         "temp_mib": {str(r["vocab"]): {k: round(v["temp_mib"], 1) for k, v in r["memory"].items()}
                      for r in results},
+        "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),

@@ -1,5 +1,6 @@
-"""Model benchmark (CPU): our decoder's training step against transformers, and the cost of packed attention.
+"""Model benchmark: our decoder's training step against transformers + torch, on the CPU (default) or on one GPU.
 
+--device cpu (the committed bench/results/model.json):
 1. train_step_vs_transformers: forward+backward (next-token cross-entropy, gradients of every parameter) of the
    same Llama configuration and the same weights in jodc.models (jax.jit) and in transformers (PyTorch eager,
    default SDPA attention), fp32, same number of threads. Reported as our tokens/s over theirs.
@@ -12,6 +13,22 @@ Each timing is the median of repeats, with the two sides interleaved so load cha
 process CPU time per step is reported too (train_step_cpu_time_ratio), since wall time on a shared 2-core
 machine swings with other people's jobs. Prints a table and one JSON line, and writes the JSON to
 bench/results/model.json.
+
+--device gpu (bench/results/model_gpu.json): the same step in bf16 (parameters, activations and gradients; logits
+and loss fp32) at ~1B parameters (hidden 2048, 16 layers, SwiGLU 8192, 32 heads / 8 KV heads, vocabulary 32000,
+one 4096-token sequence) on one GPU: ours (jax.jit, the decoder's own blockwise attention, `--attention-block-size`)
+against transformers + torch (eager, SDPA attention, bf16) with the same shapes and the same weights (transformers
+initialises them, saves a checkpoint, jodc loads it; both losses are printed and must agree). Reported: tokens/s of
+both, their ratio (gpu_train_step_vs_transformers), and the model FLOP utilisation of both against the bf16 matmul
+ceiling measured in the same run (gpu_mfu). FLOPs per step are counted as 6 x (matmul parameters: every projection,
+the MLP and the lm_head; not the embedding lookup) x tokens, plus causal attention: 6 x T^2 x heads x head_dim per
+layer and sequence (the QK^T and PV products over the causal half, forward + backward).
+transformers runs in a child process, first and alone on the GPU: each framework gets the whole GPU with its own
+allocator (JAX preallocates 75% of it), and torch's CUDA libraries never meet the JAX plugin's in one process.
+Wall time up to the device's results (block_until_ready / torch.cuda.synchronize), warm-up excluded, medians.
+`--quick` (make gpu-check) takes 8 layers (0.6B parameters: XLA compiles a 16-layer step for most of a minute) and 5
+repeats; the JSON's `config`, `params` and `quick` say what ran.
+`--platform cpu` runs this GPU benchmark on the CPU at a tiny shape (the test of its code path; figures meaningless).
 """
 from __future__ import annotations
 
@@ -20,6 +37,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -31,7 +50,16 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from jodc.models import attention, forward, layer_apply, load_pretrained, split_params
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "model.json")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.path.join(RESULTS_DIR, "model.json")
+SHAPE_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq")
+QUICK_LAYERS = 8  # --device gpu --quick: half the layers, half the compile time (the step's shapes stay the same)
+DEFAULTS = {  # per --device: the model and batch shape, repeats, the blockwise attention's block
+    "cpu": dict(layers=4, hidden=256, intermediate=1024, heads=8, kv_heads=2, vocab=32000, batch=4, seq=1024,
+                repeats=5, attention_block_size=None),
+    "gpu": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=32000, batch=1, seq=4096,
+                repeats=10, attention_block_size=512),
+}
 
 
 def interleaved(fns: dict, repeats: int, warmup: int = 1) -> tuple[dict, dict]:
@@ -63,31 +91,37 @@ def next_token_loss(logits_btv, tokens_bt):
     return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * has_label) / (b * (t - 1))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--short", type=int, default=64, help="length of each packed sequence")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--out", default=RESULTS)
-    args = parser.parse_args()
+def hf_config(shape: dict) -> LlamaConfig:
+    """The transformers Llama configuration of a benchmark shape (untied embeddings, like ours)."""
+    return LlamaConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max(4096, shape["seq"]), tie_word_embeddings=False,
+    )
+
+
+def transformers_step(model, tokens):
+    """transformers' training step: forward with labels (its own shifted cross-entropy), backward; the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return loss.detach()
+
+
+def our_step_fn(config):
+    """Our training step: loss and gradients of every parameter, jitted."""
+    @jax.jit
+    def step(params, tokens_bt):
+        return jax.value_and_grad(lambda p: next_token_loss(forward(config, p, tokens_bt), tokens_bt))(params)
+    return step
+
+
+def cpu_benchmark(args):
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 
-    hf_config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(4096, args.seq), tie_word_embeddings=False,
-    )
     torch.manual_seed(0)
-    theirs = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_config(hf_config(vars(args)), dtype=torch.float32)
     theirs.train()
     with tempfile.TemporaryDirectory() as tmp:
         theirs.save_pretrained(tmp)
@@ -98,18 +132,13 @@ def main():
     tokens_jax, tokens_torch = jnp.asarray(tokens), torch.from_numpy(tokens.astype(np.int64))
 
     # 1. training step (loss + gradients)
-    @jax.jit
-    def our_step(params, tokens_bt):
-        return jax.value_and_grad(lambda p: next_token_loss(forward(config, p, tokens_bt), tokens_bt))(params)
+    our_step = our_step_fn(config)
 
     def run_ours():
         jax.block_until_ready(our_step(params, tokens_jax))
 
     def run_theirs():
-        theirs.zero_grad(set_to_none=True)
-        loss = theirs(input_ids=tokens_torch, labels=tokens_torch).loss
-        loss.backward()
-        return loss.detach()
+        return transformers_step(theirs, tokens_torch)
 
     our_loss = float(our_step(params, tokens_jax)[0])
     their_loss = float(run_theirs())
@@ -189,11 +218,226 @@ def main():
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value:>15}")
+    save(result, args)
+
+
+def save(result: dict, args) -> None:
+    """Prints the JSON line (the last line of output) and writes it to args.out unless --no-save."""
     line = json.dumps(result, sort_keys=True)
     print(line)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(line + "\n")
+    if not args.no_save:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --device gpu
+
+
+def step_flops(shape: dict) -> dict:
+    """Model FLOPs of one training step (forward + backward) of a benchmark shape: 6 x matmul parameters x tokens
+    (q, k, v, o, gate, up, down of every layer and the lm_head; the embedding lookup does no multiply-adds) plus
+    causal attention, 6 x T^2 x heads x head_dim per layer and sequence (QK^T and PV over the causal half, the
+    backward twice the forward)."""
+    d, f, layers, heads, kv = shape["hidden"], shape["intermediate"], shape["layers"], shape["heads"], shape["kv_heads"]
+    head_dim = d // heads
+    per_layer = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d + 3 * d * f
+    matmul_params = layers * per_layer + d * shape["vocab"]
+    tokens = shape["batch"] * shape["seq"]
+    dense = 6 * matmul_params * tokens
+    attention_flops = 6 * shape["batch"] * shape["seq"] ** 2 * heads * head_dim * layers
+    return {"matmul_params": matmul_params, "params": matmul_params + shape["vocab"] * d + (2 * layers + 1) * d,
+            "dense": dense, "attention": attention_flops, "total": dense + attention_flops}
+
+
+def last_json_line(text: str) -> dict:
+    """The last line of `text` that is a JSON object (how every benchmark here reports)."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                return value
+    raise ValueError("no JSON object line in the output")
+
+
+def run_transformers_worker(spec: dict, timeout_s: float) -> dict:
+    """Runs `transformers_worker` in a child process (see the module docstring for why); returns its JSON line."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--transformers-worker", f.name],
+                              capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the transformers worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return last_json_line(proc.stdout)
+
+
+def transformers_worker(spec_path: str) -> None:
+    """The child process: builds the transformers model (seeded, bf16, SDPA) on the device, saves its weights for
+    jodc, times its training step on the given tokens, prints one JSON line."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    device = torch.device(spec["device"])
+    torch.manual_seed(spec["seed"])
+    with device:
+        model = AutoModelForCausalLM.from_config(hf_config(spec["shape"]), dtype=getattr(torch, spec["dtype"]),
+                                                 attn_implementation="sdpa")
+    model.train()
+    model.save_pretrained(spec["weights_dir"])
+    tokens = torch.from_numpy(np.load(spec["tokens"]).astype(np.int64)).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds, loss = [], None
+    for i in range(spec["warmup"] + spec["repeats"]):
+        t0 = time.perf_counter()
+        loss = transformers_step(model, tokens)
+        sync()
+        if i >= spec["warmup"]:
+            seconds.append(time.perf_counter() - t0)
+    print(json.dumps({
+        "seconds": seconds, "loss": float(loss), "attention": model.config._attn_implementation,
+        "params": sum(p.numel() for p in model.parameters()),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+    }))
+
+
+def gpu_benchmark(args) -> dict:
+    from device_timing import interleaved_times, matmul_tflops  # bench/device_timing.py
+
+    shape = {k: getattr(args, k) for k in SHAPE_KEYS}
+    if shape["hidden"] % shape["heads"]:
+        raise SystemExit(f"--hidden {shape['hidden']} must be a multiple of --heads {shape['heads']}")
+    device = jax.devices(args.platform)[0]
+    tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq)).astype(np.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(os.path.join(tmp, "tokens.npy"), tokens)
+        theirs = run_transformers_worker({
+            "shape": shape, "dtype": "bfloat16", "device": "cuda" if args.platform == "gpu" else "cpu", "seed": 0,
+            "weights_dir": tmp, "tokens": os.path.join(tmp, "tokens.npy"), "warmup": 2, "repeats": args.repeats,
+        }, args.worker_timeout)
+        ours = load_pretrained(tmp, dtype="bfloat16", attention_block_size=args.attention_block_size)
+    config = ours.config
+    params = jax.device_put(split_params(ours), device)
+    del ours
+    tokens_dev = jax.device_put(jnp.asarray(tokens), device)
+    step = our_step_fn(config)
+    our_loss = float(step(params, tokens_dev)[0])
+    if not abs(our_loss - theirs["loss"]) <= 0.02 * abs(theirs["loss"]):
+        raise SystemExit(f"losses differ: ours {our_loss:.5f}, transformers {theirs['loss']:.5f}: not the same model "
+                         "or not the same weights, nothing to compare")
+    ours_s = float(np.median(interleaved_times({"ours": lambda: step(params, tokens_dev)}, args.repeats,
+                                               warmup=2)["ours"]))
+    theirs_s = float(np.median(theirs["seconds"]))
+    ceiling = matmul_tflops(args.matmul, 2 if args.quick else 4, args.repeats, device)
+    flops = step_flops(shape)
+    n_tokens = args.batch * args.seq
+    result = {
+        "bench": "model_gpu",
+        "device": device.device_kind,
+        "platform": device.platform,
+        "gpu_train_step_vs_transformers": round(theirs_s / ours_s, 4),
+        "gpu_mfu": round(flops["total"] / ours_s / (ceiling["tflops"] * 1e12), 4),
+        "transformers_mfu": round(flops["total"] / theirs_s / (ceiling["tflops"] * 1e12), 4),
+        "ours_tokens_per_s": round(n_tokens / ours_s, 1),
+        "transformers_tokens_per_s": round(n_tokens / theirs_s, 1),
+        "ours_step_ms": round(ours_s * 1e3, 3),
+        "transformers_step_ms": round(theirs_s * 1e3, 3),
+        "loss_ours": round(our_loss, 5),
+        "loss_transformers": round(theirs["loss"], 5),
+        "matmul_bf16_tflops": float(f"{ceiling['tflops']:.4g}"),
+        "matmul_n": ceiling["n"],
+        "flops_per_step": flops["total"],
+        "attention_flops_per_step": flops["attention"],
+        "params": flops["params"],
+        "params_transformers": theirs["params"],
+        "config": {**shape, "dtype": "bfloat16", "attention_impl": config.attention_impl,
+                   "attention_block_size": config.attention_block_size,
+                   "transformers_attention": theirs["attention"], "sequences_per_row": 1},
+        "quick": bool(args.quick),
+        "repeats": args.repeats,
+        "transformers_peak_gib": theirs["peak_gib"],
+        "transformers_device": theirs["device"],
+        "target": {"gpu_train_step_vs_transformers": 1.0},
+        "versions": {"jax": jax.__version__, "torch": theirs["torch"], "transformers": theirs["transformers"],
+                     "python": platform.python_version()},
+    }
+    rows = [
+        ("model", f"{flops['params'] / 1e9:.3f}B params, {args.layers} layers, hidden {args.hidden}"),
+        ("tokens per step", f"{args.batch} x {args.seq}"),
+        ("train step, ours (ms)", f"{ours_s * 1e3:.1f}"),
+        ("train step, transformers + torch SDPA (ms)", f"{theirs_s * 1e3:.1f}"),
+        ("ours (tokens/s)", f"{n_tokens / ours_s:,.0f}"),
+        ("transformers (tokens/s)", f"{n_tokens / theirs_s:,.0f}"),
+        ("gpu_train_step_vs_transformers (target >= 1.0)", f"{result['gpu_train_step_vs_transformers']:.3f}"),
+        (f"bf16 matmul ceiling {args.matmul}^3 (TFLOP/s)", f"{ceiling['tflops']:.1f}"),
+        ("MFU ours / transformers", f"{result['gpu_mfu']:.3f} / {result['transformers_mfu']:.3f}"),
+        ("loss ours / transformers", f"{our_loss:.5f} / {theirs['loss']:.5f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"training step, bf16, on {device.device_kind}")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:>30}")
+    save(result, args)
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu: the fp32 CPU benchmark; gpu: the bf16 benchmark at ~1B parameters on one GPU")
+    parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
+                        help="--device gpu only: where it runs (cpu: tiny smoke test of the code path)")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--intermediate", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--short", type=int, default=64, help="cpu: length of each packed sequence")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--attention-block-size", type=int, help="gpu: the blockwise attention's block (512)")
+    parser.add_argument("--matmul", type=int, help="gpu: n of the bf16 n^3 matmul ceiling (8192; 256 on --platform cpu)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"gpu: {QUICK_LAYERS} layers (0.6B parameters) unless --layers, 5 repeats: for make gpu-check")
+    parser.add_argument("--worker-timeout", type=float, default=600.0, help="gpu: seconds for the transformers side")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="cpu: threads of both sides")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/model.json or model_gpu.json)")
+    parser.add_argument("--no-save", action="store_true", help="do not write the JSON file")
+    parser.add_argument("--transformers-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick and args.device == "gpu" and args.layers is None:
+        args.layers = QUICK_LAYERS
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.matmul is None:
+        args.matmul = 8192 if args.platform == "gpu" else 256
+    if args.quick and args.device == "gpu":
+        args.repeats = min(args.repeats, 5)
+    if args.out is None:
+        args.out = RESULTS if args.device == "cpu" else os.path.join(RESULTS_DIR, "model_gpu.json")
+    if any(getattr(args, k) <= 0 for k in SHAPE_KEYS) or args.repeats < 1:
+        parser.error("shapes and --repeats must be positive")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.transformers_worker:
+        return transformers_worker(args.transformers_worker)
+    return cpu_benchmark(args) if args.device == "cpu" else gpu_benchmark(args)
 
 
 if __name__ == "__main__":

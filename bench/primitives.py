@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 
 def parse_args(argv=None):
@@ -52,23 +51,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jodc import ops  # noqa: E402
 from jodc.ops import _native  # noqa: E402
-
-
-def interleaved_times(contenders: dict, repeats: int) -> dict:
-    """Seconds per call of each zero-argument callable, `repeats` rounds each, timed round-robin so that drifts in
-    machine load hit every contender alike."""
-    for call in contenders.values():  # compile and warm up
-        for _ in range(3):
-            jax.block_until_ready(call())
-    times = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, call in contenders.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            times[name].append(time.perf_counter() - t0)
-    return {name: np.asarray(ts) for name, ts in times.items()}
-
-
+from device_timing import interleaved_times  # noqa: E402 (bench/device_timing.py)
 
 
 def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:

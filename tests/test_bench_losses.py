@@ -1,0 +1,31 @@
+"""bench/losses.py's clocks: CPU time and wall time on the CPU, wall time only on an accelerator (where the process's
+CPU time is the dispatching thread, not the work), and the headline ratios taken on the device's clock."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import losses  # noqa: E402
+
+TINY = ["--vocab", "256", "--batch", "1", "--seq", "32", "--repeats", "2", "--no-save"]
+
+
+def test_clocks_for_each_platform():
+    assert losses.clocks_for("cpu") == ("cpu", "wall")
+    assert losses.clocks_for("gpu") == ("wall",) == losses.clocks_for("tpu")
+
+
+def test_on_the_cpu_the_headline_ratios_use_cpu_time(capsys):
+    r = losses.main(TINY)
+    assert r["time_clock"] == "cpu" and r["cpu_ms"]
+    by_vocab = r["by_vocab"]["256"]
+    assert by_vocab["dppo_topk_vs_ppo_time"] != by_vocab["dppo_topk_vs_ppo_wall_time"]  # two clocks, two ratios
+
+
+def test_on_an_accelerator_only_wall_time_is_taken_and_reported(monkeypatch, capsys):
+    monkeypatch.setattr(losses, "clocks_for", lambda platform: ("wall",))  # what a GPU's platform gets
+    r = losses.main(TINY)
+    assert r["time_clock"] == "wall" and r["cpu_ms"] == {}
+    assert r["dppo_topk_vs_ppo_time"] == r["dppo_topk_vs_ppo_wall_time"] > 0
+    assert r["wall_ms"]["256"]["ppo"] > 0
+    table = capsys.readouterr().out
+    assert "ppo" in table and "not taken on accelerators" in table
