@@ -306,7 +306,7 @@ def test_the_gpu_plan_is_ordered_cheapest_first_and_names_existing_files(tmp_pat
         assert names.index(earlier) < names.index(later), (earlier, later)
     assert [s.name for s in steps if s.optional] == ["racecheck"]
     for step in steps:
-        for arg in step.cmd:
+        for arg in (step.cmd() if callable(step.cmd) else step.cmd):
             if arg.startswith(("tests/", "bench/", "ffi/", "tools/")) and arg.endswith(".py"):
                 assert os.path.exists(os.path.join(ROOT, arg)), (step.name, arg)
     assert sum(s.timeout_s for s in steps if not s.optional) > gpu_check.DEFAULT_BUDGET_S  # the budget decides

@@ -287,7 +287,7 @@ def plan(python: str, base_python: str, out_dir: str, env_dir: str, wheels: str 
 
     build_args = ["--archs", archs, "--jobs", str(jobs)] + (["--nvshmem"] if nvshmem else []) + (
         ["--reuse-build"] if reuse_build else [])
-    bench_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    sanitize_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     return [
         Step("prepare", me + ["_prepare", "--env-dir", env_dir] + (["--wheels", wheels] if wheels else []), 60,
              "overlay environment on the runner's Python: jodc from the checkout, missing wheels from GPU_WHEELS"),
@@ -309,19 +309,24 @@ def plan(python: str, base_python: str, out_dir: str, env_dir: str, wheels: str 
         Step("ipc", pytest + [cuda_tests, "-m", "processes"], 180,
              "several processes: CUDA IPC, two processes on one GPU", needs=("heap",), junit=True, env=test_env),
         Step("memcheck", sanitize("memcheck"), 240, "compute-sanitizer memcheck over every jodc kernel",
-             needs=("raw",), env=bench_env),
-        Step("bench_ops", [python, "bench/gpu_ops.py", "--quick", "--no-save"], 120,
-             "ODC ops vs the copy ceiling, barrier round trip", needs=("heap",), json_line=True, env=bench_env),
-        Step("bench_model", [python, "bench/model.py", "--device", "gpu", "--quick", "--no-save"], 180,
+             needs=("raw",), env=sanitize_env),
+        Step("bench_ops", [python, "bench/gpu_ops.py", "--platform", "gpu", "--quick", "--out",
+                           os.path.join(out_dir, "bench", "gpu_ops.json")], 90,
+             "ODC ops vs the copy ceiling, barrier round trip", needs=("heap",), json_line=True),
+        Step("bench_model", [python, "bench/model.py", "--device", "gpu", "--quick", "--out",
+                             os.path.join(out_dir, "bench", "model_gpu.json")], 150,
              "decoder fwd+bwd step in bf16 vs transformers + torch, MFU", needs=("build",), json_line=True),
-        Step("bench_losses", [python, "bench/losses.py", "--quick", "--no-save"], 90,
+        Step("bench_losses", [python, "bench/losses.py", "--repeats", "10", "--out",
+                              os.path.join(out_dir, "bench", "losses_gpu.json")], 90,
              "loss family wall time on the GPU", needs=("prepare",), json_line=True),
-        Step("sft_smoke", [python, "bench/sft_smoke.py", "--device", "gpu", "--out-dir",
-                           os.path.join(out_dir, "sft_smoke")], 180,
-             "jodc-train sft on the GPU: ODC, 1 device, bf16, 30 steps, the loss falls", needs=("build",),
+        # a fresh run folder each time (the smoke refuses a used one: a rerun must not pass on old metrics)
+        Step("sft_smoke", lambda: [python, "bench/sft_smoke.py", "--platform", "gpu", "--out-dir",
+                                   os.path.join(out_dir, "sft_smoke", time.strftime("%Y%m%d_%H%M%S")),
+                                   "--out", os.path.join(out_dir, "bench", "sft_smoke.json")],
+             150, "jodc-train sft on the GPU: ODC, 1 device, bf16, 30 steps, the loss falls", needs=("build",),
              json_line=True),
         Step("racecheck", sanitize("racecheck"), 240, "compute-sanitizer racecheck (if time is left)",
-             needs=("raw",), optional=True, env=bench_env),
+             needs=("raw",), optional=True, env=sanitize_env),
         Step("skips", [python, "-m", "jodc.ops._cuda_report", "--check-junit", os.path.join(out_dir, "junit.xml")],
              30, "no CUDA test skipped for a software reason", needs=("raw", "mesh")),
     ]
