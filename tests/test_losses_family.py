@@ -1,7 +1,7 @@
-"""The rest of verl's loss family: GPG, Clip-Cov, KL-Cov, GMPO (geo_mean), sequence-level TIS, token-sum, the KL
-`abs` and straight-through `k1+` / `k3+` estimators, rollout correction (IS weights, rejection) and the advantage
-estimators (RLOO, REINFORCE++, ReMax, pass@k, GPG), each against a float64 numpy reference written from the
-papers' / verl's formulas (values, and gradients by central finite differences)."""
+"""The rest of verl's loss family: GPG, Clip-Cov, KL-Cov, GMPO (geo_mean), DRO, sequence-level TIS, token-sum, the
+KL `abs` and straight-through `k1+` / `k3+` / `abs+` estimators and verl's aliases, rollout correction (IS weights,
+rejection) and the advantage estimators (RLOO, REINFORCE++, ReMax, pass@k, GPG), each against a float64 numpy
+reference written from the papers' / verl's formulas (values, and gradients by central finite differences)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +18,10 @@ from test_losses import (
 
 from jodc.losses import (
     ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
     REJECTION_CRITERIA,
     clip_cov_loss,
+    dro_loss,
     geo_mean_loss,
     get_advantage_estimator,
     get_policy_loss,
@@ -86,6 +88,12 @@ def np_geo_mean(x, x0, f, low=0.4, high=0.4):
     return np.mean(-(adv * mask).sum(1)[rows] / n[rows] * ratio)
 
 
+def np_dro(x, x0, f, beta, aggregate=np_token_mean):
+    """Tinker's / verl's DRO: -(A log pi - beta / 2 (log pi - log q)^2) per token."""
+    lp = np_lp(x, f["tokens"])
+    return aggregate(-f["adv"] * lp + 0.5 * beta * (lp - f["anchor"]) ** 2, f["mask"])
+
+
 def np_tis_sequence(x, x0, f):
     w = np.minimum(np.exp(((f["anchor"] - f["behaviour"]) * f["mask"]).sum(1, keepdims=True)), 2.0)
     return np_token_mean(w * np_ppo_tokens(np_lp(x, f["tokens"]), f["anchor"], f["adv"], 0.2, 0.2, 3.0), f["mask"])
@@ -110,6 +118,9 @@ FAMILY_CASES = {
                                 lambda x, x0, f: np_geo_mean(x, x0, f, 0.1, 0.2)),
     "tis_sequence": (lambda x, f: tis_loss(x, f["tokens"], f["anchor"], f["adv"], f["mask"],
                                            rollout_logprobs=f["behaviour"], level="sequence"), np_tis_sequence),
+    "dro": (_loss(dro_loss, dro_beta=0.7), lambda x, x0, f: np_dro(x, x0, f, 0.7)),
+    "dro_registry_default_seq_mean": (_loss(get_policy_loss("dro"), aggregation="seq-mean-token-mean"),
+                                      lambda x, x0, f: np_dro(x, x0, f, 0.1, np_seq_mean_token_mean)),
     "ppo_token_sum": (_loss(ppo_loss, aggregation="token-sum", normalizer=123.0), lambda x, x0, f: np.sum(
         np_ppo_tokens(np_lp(x, f["tokens"]), f["anchor"], f["adv"], 0.2, 0.2, 3.0) * f["mask"])),
 }
@@ -134,6 +145,30 @@ def test_geo_mean_matches_verls_epsilon_form_closely():
     assert 0 < metrics["clip_high_fraction"] + metrics["clip_low_fraction"] < 1
 
 
+def test_dro_is_reinforce_on_policy_and_penalises_zero_advantage_tokens_off_policy():
+    """On policy the quadratic term's gradient beta (log pi - log q) d log pi vanishes: DRO's gradient is GPG's
+    (REINFORCE), whatever beta. Off policy a token with A = 0 still carries the penalty (only the mask removes it)."""
+    x0, f = _on_policy(9)
+    args = (f["tokens"], f["anchor"], f["adv"], f["mask"])
+    with jax.enable_x64(True):
+        x = jnp.asarray(x0)
+        reinforce = jax.grad(lambda x: gpg_loss(x, f["tokens"], f["adv"], f["mask"])[0])(x)
+        for beta in (0.1, 5.0):
+            np.testing.assert_allclose(jax.grad(lambda x: dro_loss(x, *args, dro_beta=beta)[0])(x), reinforce,
+                                       rtol=1e-12, atol=1e-15)
+        x1, g = fd_batch(9)
+        zero_adv = np.zeros_like(g["adv"])
+        loss, metrics = dro_loss(jnp.asarray(x1), g["tokens"], g["anchor"], zero_adv, g["mask"], dro_beta=2.0)
+    half_square = 0.5 * (np_lp(x1, g["tokens"]) - g["anchor"]) ** 2
+    np.testing.assert_allclose(loss, 2.0 * np_token_mean(half_square, g["mask"]), rtol=1e-12)
+    np.testing.assert_allclose(metrics["quadratic_penalty"], np_token_mean(half_square, g["mask"]), rtol=1e-12)
+    assert get_policy_loss("dro").anchor == "old_logprobs" and get_policy_loss("dro").needs_trainer_logprobs
+    with pytest.raises(ValueError, match="dro_beta must be a finite number >= 0"):
+        dro_loss(x0, *args, dro_beta=-0.1)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        dro_loss(x0, *args, beta=0.1)
+
+
 def test_clip_cov_removes_a_random_subset_of_the_candidates():
     x0, f = fd_batch(3, b=4, t=8, v=6)
     lp0 = np_lp(x0, f["tokens"])
@@ -155,7 +190,10 @@ def test_clip_cov_removes_a_random_subset_of_the_candidates():
     assert clip_cov_loss(*args, cov_low=1e6, cov_high=2e6)[1]["cov_clip_fraction"] == 0
 
 
-@pytest.mark.parametrize("estimator, value", [("abs", "k1_abs"), ("k1+", "k1"), ("k3+", "k3"), ("k2+", "k2")])
+@pytest.mark.parametrize("estimator, value", [
+    ("abs", "k1_abs"), ("k1+", "k1"), ("k3+", "k3"), ("k2+", "k2"), ("abs+", "k1_abs"),
+    # verl's aliases, plain and straight-through
+    ("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("kl+", "k1"), ("mse+", "k2"), ("low_var_kl+", "k3")])
 def test_kl_abs_and_straight_through_estimators(estimator, value):
     x0, f = fd_batch(4)
 
@@ -164,7 +202,7 @@ def test_kl_abs_and_straight_through_estimators(estimator, value):
         per_token = {"k1": k1, "k1_abs": np.abs(k1), "k2": 0.5 * k1 ** 2, "k3": np.exp(-k1) + k1 - 1}[value]
         return np_token_mean(per_token, f["mask"])
 
-    gradient_of = np_value if estimator == "abs" else lambda x: np_token_mean(
+    gradient_of = np_value if not estimator.endswith("+") else lambda x: np_token_mean(
         0.5 * (np_lp(x, f["tokens"]) - f["anchor"]) ** 2, f["mask"])
     with jax.enable_x64(True):
         loss, grad = jax.value_and_grad(lambda x: kl_penalty(x, f["tokens"], f["anchor"], f["mask"],
@@ -172,6 +210,31 @@ def test_kl_abs_and_straight_through_estimators(estimator, value):
     np.testing.assert_allclose(loss, np_value(x0), rtol=1e-12)
     np.testing.assert_allclose(grad, numeric_grad(gradient_of, x0), rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(kl_estimate(np.log([0.5]), np.log([0.25]), "k3+"), [0.5 + np.log(2) - 1], rtol=1e-6)
+
+
+def test_kl_names_cover_verls_and_unknown_ones_are_refused():
+    """Every name verl's kl_penalty accepts (k1/kl, k2/mse, k3/low_var_kl, abs, each with a '+'), none else."""
+    verl = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
+    assert set(KL_ESTIMATORS) == verl | {name + "+" for name in verl}
+    lp, ref = np.log([0.5, 0.2]), np.log([0.25, 0.4])
+    for alias, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")):
+        for suffix in ("", "+"):
+            np.testing.assert_array_equal(kl_estimate(lp, ref, alias + suffix), kl_estimate(lp, ref, name + suffix))
+    with pytest.raises(ValueError, match="unknown estimator 'full'"):
+        kl_estimate(lp, ref, "full")  # verl's 'full' (every vocabulary entry) is not implemented in verl either
+    with pytest.raises(ValueError, match=r"unknown estimator 'k3\+\+'"):
+        kl_penalty(np.zeros((1, 2, 3)), np.zeros((1, 2), np.int32), np.zeros((1, 2)), np.ones((1, 2)),
+                   estimator="k3++")
+
+
+def test_abs_plus_has_no_gradient_exactly_on_policy():
+    """abs+ takes k2's gradient, (log pi - log ref) d log pi: 0 on policy, as |k1|'s zero subgradient."""
+    x0, f = _on_policy(8)
+    with jax.enable_x64(True):
+        loss, grad = jax.value_and_grad(lambda x: kl_penalty(x, f["tokens"], f["anchor"], f["mask"],
+                                                             estimator="abs+")[0])(jnp.asarray(x0))
+    assert float(loss) == 0.0
+    np.testing.assert_array_equal(grad, 0.0)
 
 
 def test_token_sum_ignores_the_normalizer_and_sums_over_microbatches():

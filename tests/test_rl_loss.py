@@ -141,7 +141,7 @@ def test_config_lists_are_the_librarys():
 
 @pytest.mark.parametrize("name, fn, options", [
     ("geo_mean", "geo_mean_loss", {}), ("gpg", "gpg_loss", {}), ("kl_cov", "kl_cov_loss", {}),
-    ("clip_cov", "clip_cov_loss", {}), ("tis_seq", "tis_loss", {"level": "sequence"})])
+    ("clip_cov", "clip_cov_loss", {}), ("tis_seq", "tis_loss", {"level": "sequence"}), ("dro", "dro_loss", {})])
 def test_the_rest_of_the_family_is_selectable_by_name(name, fn, options):
     from jodc import losses
     logits, mb = microbatch(5)
@@ -172,3 +172,40 @@ def test_metadata_decides_the_arrays_and_the_advantage_estimator():
                                                                                  1 / 6, -1 / 3], rtol=1e-6)
     with pytest.raises(ConfigError, match="loss.advantage='remax' needs \\['greedy_rewards'\\]"):
         build_advantages(load_rl_config(None, ["--loss.advantage", "remax"]).loss)
+
+
+def test_opo_is_selectable_and_estimators_the_trainer_cannot_feed_are_refused():
+    """OPO needs only the response lengths, which the trainer has. GDPO needs several reward functions' rewards
+    and the optimal token baseline per-token sum pi^2 (and gives per-token advantages): the trainer provides
+    neither, so the config refuses them by name instead of running something else under their names."""
+    from jodc.losses import opo_advantages
+    from jodc.train.rl.loss import build_advantages
+    rewards, lengths = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 0.5]), np.array([3, 1, 4, 2, 2, 5])
+    opo = build_advantages(load_rl_config(None, ["--loss.advantage", "opo"]).loss)
+    np.testing.assert_allclose(opo(rewards, 3, lengths), opo_advantages(rewards, 3, lengths=lengths), rtol=1e-6)
+    np.testing.assert_allclose(opo(rewards, 3, lengths)[:3], [1 - 3 / 8, -3 / 8, -3 / 8], rtol=1e-6)
+    with pytest.raises(ConfigError, match="loss.advantage='gdpo' normalises the rewards of several reward "
+                                          "functions separately .*one reward function"):
+        build_advantages(load_rl_config(None, ["--loss.advantage", "gdpo"]).loss)
+    with pytest.raises(ConfigError, match="loss.advantage='optimal_token_baseline' needs \\['logprobs', "
+                                          "'sum_pi_squared', 'mask'\\] and gives per-token advantages"):
+        build_advantages(load_rl_config(None, ["--loss.advantage", "optimal_token_baseline"]).loss)
+
+
+def test_dro_beta_reaches_the_loss_and_verls_kl_names_are_accepted():
+    from jodc.losses import dro_loss
+    logits, mb = microbatch(6)
+    obj = objective("--loss.name", "dro", "--dro_beta", "0.5")
+    assert obj.options == {"dro_beta": 0.5}
+    want = dro_loss(logits, mb["targets"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"],
+                    dro_beta=0.5, **direct_kwargs(mb))[0]
+    np.testing.assert_allclose(obj.head_loss(logits, mb)[0], want, rtol=1e-6)
+    with pytest.raises(ConfigError, match="loss 'ppo' rejects .*'dro_beta': 0.5.*unexpected keyword"):
+        objective("--loss.name", "ppo", "--dro_beta", "0.5")
+    base = objective("--loss.name", "dppo")
+    for alias, name in (("low_var_kl", "k3"), ("mse", "k2"), ("abs+", "abs+")):
+        with_kl = objective("--loss.name", "dppo", "--kl_coef", "0.5", "--kl_estimator", alias)
+        kl, _ = kl_penalty(logits, mb["targets"], mb["ref_logprobs"], mb["loss_mask"], estimator=name,
+                           **direct_kwargs(mb))
+        np.testing.assert_allclose(with_kl.head_loss(logits, mb)[0], base.head_loss(logits, mb)[0] + 0.5 * kl,
+                                   rtol=1e-6)

@@ -6,8 +6,8 @@ Every loss takes logits [B, T, V] (any float dtype, computed in fp32) and per-to
 and carrying the metadata a trainer needs (anchor, per-token arrays, default aggregation). All are usable under ``jit``, ``grad`` and
 ``vmap``. Formulas, defaults and references: docs/losses.md.
 """
-from jodc.losses.advantages import gpg_advantages, grpo_advantages, passk_advantages, reinforce_pp_advantages
-from jodc.losses.advantages import remax_advantages, rloo_advantages
+from jodc.losses.advantages import gdpo_advantages, gpg_advantages, grpo_advantages, opo_advantages
+from jodc.losses.advantages import passk_advantages, reinforce_pp_advantages, remax_advantages, rloo_advantages
 from jodc.losses.aggregation import (
     AGGREGATIONS,
     aggregate,
@@ -19,6 +19,7 @@ from jodc.losses.cispo import cispo_loss
 from jodc.losses.cov import clip_cov_loss, kl_cov_loss
 from jodc.losses.dg import dg_loss
 from jodc.losses.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+from jodc.losses.dro import dro_loss
 from jodc.losses.dppo import DEFAULT_DELTA, DEFAULT_TOPK, dppo_loss
 from jodc.losses.estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator, get_advantage_estimator
 from jodc.losses.gmpo import geo_mean_loss
@@ -27,6 +28,7 @@ from jodc.losses.gspo import gspo_loss
 from jodc.losses.kl import KL_ESTIMATORS, kl_estimate, kl_penalty
 from jodc.losses.logprobs import (
     gather_logprobs,
+    sum_pi_squared,
     token_logprobs,
     token_logprobs_and_entropy,
     topk_logprobs,
@@ -34,9 +36,17 @@ from jodc.losses.logprobs import (
 from jodc.losses.ppo import decoupled_ppo_loss, ppo_loss, tis_loss
 from jodc.losses._policy import LOG_RATIO_CLAMP
 from jodc.losses.registry import POLICY_LOSSES, get_policy_loss
-from jodc.losses.rollout_correction import REJECTION_CRITERIA, rollout_is_weights, rollout_rejection_mask
+from jodc.losses.rollout_correction import (
+    REJECTION_CRITERIA,
+    is_weight_totals,
+    normalize_is_weights,
+    off_policy_sequence_mask,
+    rollout_is_weights,
+    rollout_rejection_mask,
+)
 from jodc.losses.sapo import sapo_loss
 from jodc.losses.spec import PolicyInputs, PolicyLoss
+from jodc.losses.token_baseline import optimal_token_baseline_advantages
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -60,7 +70,9 @@ __all__ = [
     "decoupled_ppo_loss",
     "dg_loss",
     "dppo_loss",
+    "dro_loss",
     "gather_logprobs",
+    "gdpo_advantages",
     "geo_mean_loss",
     "get_advantage_estimator",
     "get_policy_loss",
@@ -68,10 +80,15 @@ __all__ = [
     "gpg_loss",
     "grpo_advantages",
     "gspo_loss",
+    "is_weight_totals",
     "kl_cov_loss",
     "kl_estimate",
     "kl_penalty",
     "loss_normalizer",
+    "normalize_is_weights",
+    "off_policy_sequence_mask",
+    "opo_advantages",
+    "optimal_token_baseline_advantages",
     "passk_advantages",
     "ppo_loss",
     "reinforce_pp_advantages",
@@ -80,6 +97,7 @@ __all__ = [
     "rollout_is_weights",
     "rollout_rejection_mask",
     "sapo_loss",
+    "sum_pi_squared",
     "tis_loss",
     "token_logprobs",
     "token_logprobs_and_entropy",

@@ -17,6 +17,12 @@ verl (REINFORCE++, ReMax) are per-response values here too.
 * ``passk_advantages``: pass@k training (Chen et al. 2025, arXiv 2503.19595): only the group's best response
   gets an advantage, r_max - r_second (divided by std_g + eps when ``normalize_std``); the others get 0.
 * ``gpg_advantages``: GPG (arXiv 2504.02546): (r_i - mean_g) * N / max(count(r != 0), 1).
+* ``opo_advantages``: OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585):
+  r_i minus the length-weighted group mean sum_j l_j r_j / sum_j l_j.
+* ``gdpo_advantages``: GDPO (arXiv 2601.05242), for several reward functions: rewards [N, D], each column
+  group-normalised on its own (GRPO), the weighted sum then whitened over the batch's tokens.
+
+Per-token advantages (a baseline per position) are in ``jodc.losses.token_baseline``.
 
 Singleton groups (``group_size == 1``) have no baseline: jodc gives them advantage 0 in every estimator that
 subtracts a group statistic. verl instead uses a group mean of 0 (and std 1), so its singleton advantage is the
@@ -27,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jodc.losses._checks import shape_of
 from jodc.losses.logprobs import compute_dtype
 
 #: verl's variance epsilon in ``masked_whiten`` (REINFORCE++).
@@ -94,14 +101,25 @@ def reinforce_pp_advantages(rewards, group_size: int, *, lengths, baseline: bool
     get 0."""
     fn = "reinforce_pp_advantages"
     r_gk, shape = _grouped(fn, rewards, group_size)
-    if jnp.shape(lengths) != shape:
-        raise ValueError(f"{fn}: lengths has shape {jnp.shape(lengths)} but rewards has shape {shape}")
-    x = (_centred(r_gk) if baseline else r_gk).reshape(shape)
-    n = jnp.asarray(lengths).astype(x.dtype)
-    total = jnp.sum(n)
-    mean = jnp.sum(n * x) / jnp.maximum(total, 1)
-    var = jnp.sum(n * jnp.square(x - mean)) / jnp.maximum(total - 1, 1)
-    return jnp.where(n > 0, (x - mean) * jax.lax.rsqrt(var + WHITEN_EPS), 0.0)
+    n = _lengths(fn, lengths, shape, r_gk.dtype)
+    return _token_whiten((_centred(r_gk) if baseline else r_gk).reshape(shape), n)
+
+
+def _lengths(fn: str, lengths, shape: tuple[int], dtype) -> jax.Array:
+    """The responses' numbers of valid tokens [N] (shape checked against the rewards'), in ``dtype``."""
+    if shape_of(lengths) != tuple(shape):
+        raise ValueError(f"{fn}: lengths has shape {shape_of(lengths)} but rewards has shape {tuple(shape)}")
+    return jnp.asarray(lengths).astype(dtype)
+
+
+def _token_whiten(x_n: jax.Array, n_n: jax.Array) -> jax.Array:
+    """Per-response values whitened over the batch's tokens, as verl's ``masked_whiten`` of the values broadcast
+    to every valid token: each response counts with its length ``n_n``; mean, unbiased variance, then
+    (x - mean) / sqrt(var + 1e-8). Responses of length 0 get 0."""
+    total = jnp.sum(n_n)
+    mean = jnp.sum(n_n * x_n) / jnp.maximum(total, 1)
+    var = jnp.sum(n_n * jnp.square(x_n - mean)) / jnp.maximum(total - 1, 1)
+    return jnp.where(n_n > 0, (x_n - mean) * jax.lax.rsqrt(var + WHITEN_EPS), 0.0)
 
 
 def remax_advantages(rewards, group_size: int, *, greedy_rewards) -> jax.Array:
@@ -138,3 +156,48 @@ def gpg_advantages(rewards, group_size: int, *, f_norm: float = 1.0) -> jax.Arra
         raise ValueError(f"{fn}: f_norm must be > 0, got {f_norm!r}")
     alpha = r_gk.size / jnp.maximum(jnp.count_nonzero(r_gk), 1).astype(r_gk.dtype)
     return (alpha * _centred(r_gk) / f_norm).reshape(shape)
+
+
+def opo_advantages(rewards, group_size: int, *, lengths) -> jax.Array:
+    """OPO advantages [N]: r_i - b_g with the length-weighted group baseline b_g = sum_j l_j r_j / sum_j l_j
+    (``lengths`` [N]: valid tokens per response), the optimal baseline of a sequence-level policy gradient whose
+    gradient norm grows with the response length. A group whose responses are all empty gets 0."""
+    fn = "opo_advantages"
+    r_gk, shape = _grouped(fn, rewards, group_size)
+    l_gk = _lengths(fn, lengths, shape, r_gk.dtype).reshape(r_gk.shape)
+    if group_size == 1:
+        return jnp.zeros(shape, r_gk.dtype)
+    total_g1 = jnp.sum(l_gk, axis=1, keepdims=True)
+    baseline_g1 = jnp.sum(l_gk * r_gk, axis=1, keepdims=True) / jnp.where(total_g1 > 0, total_g1, 1)
+    return jnp.where(total_g1 > 0, r_gk - baseline_g1, 0.0).reshape(shape)
+
+
+def gdpo_advantages(rewards, group_size: int, *, lengths, weights=None, normalize_std: bool = True,
+                    eps: float = 1e-6) -> jax.Array:
+    """GDPO advantages [N] from several reward functions' rewards [N, D] (D >= 1, one column per reward function).
+
+    Each column is group-normalised on its own (``grpo_advantages``: (r - mean_g) / (std_g + eps), or only
+    centred without ``normalize_std``), the columns are summed with ``weights`` [D] (default all 1), and the sum
+    is whitened over the batch's tokens as REINFORCE++ does (``lengths`` [N]: valid tokens per response). A
+    reward function with a small spread is therefore not drowned by one with a large spread, as it is when the
+    rewards are summed first."""
+    fn = "gdpo_advantages"
+    shape = jnp.shape(rewards)
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"{fn}: rewards must have shape [N, D] (one column per reward function, D >= 1), got "
+                         f"shape {shape}")
+    num, dims = shape
+    _grouped(fn, jnp.asarray(rewards)[:, 0], group_size)  # the layout's checks, under this function's name
+    _check_eps(fn, eps)
+    if weights is None:
+        weights = jnp.ones((dims,))
+    elif shape_of(weights) != (dims,):
+        raise ValueError(f"{fn}: weights has shape {shape_of(weights)}; expected one weight per reward function, "
+                         f"shape ({dims},)")
+    rewards = jnp.asarray(rewards)
+    summed = None
+    for d in range(dims):
+        adv_n = grpo_advantages(rewards[:, d], group_size, normalize_std=normalize_std, eps=eps)
+        term = jnp.asarray(weights)[d].astype(adv_n.dtype) * adv_n
+        summed = term if summed is None else summed + term
+    return _token_whiten(summed, _lengths(fn, lengths, (num,), summed.dtype))

@@ -273,3 +273,38 @@ def topk_logprobs(logits, tokens, k: int, *, temperature: float = 1.0) -> tuple[
     ids_btk = jnp.where(replace_btk, tokens_bt1, ids_btk).astype(jnp.int32)
     top_x_btk = jnp.where(replace_btk, token_x_bt1, top_x_btk)
     return ids_btk, top_x_btk - lse_bt1
+
+
+def _sum_pi_squared_rows(x_cv: jax.Array) -> jax.Array:
+    """sum_i p_i^2 per row of scaled logits [C, V]: sum exp(2 s) / (sum exp(s))^2 with s = x - max x."""
+    max_c1 = jnp.max(x_cv, axis=1, keepdims=True)
+    e_cv = jnp.exp(x_cv - jnp.where(jnp.isfinite(max_c1), max_c1, 0.0))
+    return jnp.sum(jnp.square(e_cv), axis=1) / jnp.square(jnp.sum(e_cv, axis=1))
+
+
+def sum_pi_squared(logits, *, temperature: float = 1.0, chunk_size: int | None = None) -> jax.Array:
+    """sum_i pi(i | s_t)^2 at every position: logits [B, T, V] -> [B, T] fp32 (fp64 for fp64 logits), no gradient.
+
+    The collision probability of ``softmax(logits / temperature)``, which the optimal token baseline
+    (``jodc.losses.optimal_token_baseline_advantages``) needs at each response token: the squared norm of the
+    score function with respect to the logits is ||onehot(a) - pi||^2 = 1 - 2 pi(a) + sum_i pi_i^2. Chunking as in
+    ``token_logprobs`` (no fp32 [B, T, V] array with ``chunk_size=C``)."""
+    fn = "sum_pi_squared"
+    check_logits(fn, logits)
+    check_positive(fn, "temperature", temperature)
+    check_chunk_size(fn, chunk_size)
+    logits = lax.stop_gradient(jnp.asarray(logits))
+    b, t, v = logits.shape
+    if chunk_size is None or b * t == 0:
+        return _sum_pi_squared_rows(_scaled(logits.reshape(b * t, v), temperature)).reshape(b, t)
+    x_nv = logits.reshape(b * t, v)
+    rows, num_chunks = _chunk_starts(b * t, int(chunk_size))
+    x_storage_nv = _as_storage(x_nv)
+
+    def body(i, out_n):
+        start = jnp.minimum(i * rows, b * t - rows)
+        x_cv = _load_chunk(x_storage_nv, x_nv.dtype, start, rows, float(temperature))
+        return lax.dynamic_update_slice_in_dim(out_n, _sum_pi_squared_rows(x_cv), start, axis=0)
+
+    out_n = lax.fori_loop(0, num_chunks, body, jnp.zeros((b * t,), compute_dtype(logits.dtype)))
+    return out_n.reshape(b, t)

@@ -7,15 +7,16 @@ Every entry is a ``jodc.losses.spec.PolicyLoss``, called as
 
 where ``anchor_logprobs`` [B, T] are the log-probs the loss's ratio is taken against (its ``anchor``): the
 rollout's behaviour log-probs for DPPO (its trust region is anchored at the behaviour policy), the old / proximal
-policy's for the PPO family, GSPO, SAPO, CISPO, Clip-Cov, KL-Cov and GMPO. DG and GPG need none and ignores the argument (pass None). Options
-are the loss's hyper-parameters (``option_defaults``) and the per-token arrays ``required_arrays`` names beyond
-the anchor (``behaviour_logprobs`` for ``decoupled_ppo``, ``rollout_logprobs`` for ``tis``, ``topk_ids`` /
-``topk_logprobs`` for DPPO Top-K); ``default_aggregation`` is the aggregation used when none is given.
+policy's for the PPO family, GSPO, SAPO, CISPO, Clip-Cov, KL-Cov, GMPO and DRO (DRO's quadratic penalty). DG and
+GPG need none and ignore the argument (pass None). Options are the loss's hyper-parameters (``option_defaults``)
+and the per-token arrays ``required_arrays`` names beyond the anchor (``behaviour_logprobs`` for
+``decoupled_ppo``, ``rollout_logprobs`` for ``tis``, ``topk_ids`` / ``topk_logprobs`` for DPPO Top-K);
+``default_aggregation`` is the aggregation used when none is given.
 
 Aliases pre-set published hyper-parameters: ``dapo`` = PPO with clip_high 0.28 and no dual clip, ``grpo`` = PPO,
 ``dppo_tv`` / ``dppo_kl`` pick the divergence, ``dppo_topk`` the Top-K approximation (TV), ``tis_seq`` is TIS with
-sequence-level weights. ``clip_cov``, ``kl_cov``, ``geo_mean`` and ``gpg`` are verl's names. Options passed at call
-time override the presets.
+sequence-level weights. ``clip_cov``, ``kl_cov``, ``geo_mean``, ``gpg`` and ``dro`` are verl's names. Options passed
+at call time override the presets.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from jodc.losses.cispo import cispo_loss
 from jodc.losses.cov import clip_cov_loss, kl_cov_loss
 from jodc.losses.dg import dg_loss
 from jodc.losses.dppo import dppo_loss
+from jodc.losses.dro import dro_loss
 from jodc.losses.gmpo import geo_mean_loss
 from jodc.losses.gpg import gpg_loss
 from jodc.losses.gspo import gspo_loss
@@ -53,6 +55,7 @@ POLICY_LOSSES: Mapping[str, PolicyLoss] = MappingProxyType(
         "clip_cov": clip_cov_loss,
         "kl_cov": kl_cov_loss,
         "geo_mean": geo_mean_loss,
+        "dro": dro_loss,
     }
 )
 

@@ -15,7 +15,16 @@ differ from the trainer's ``log pi`` at the same weights (other kernels, other p
   ``seq_max_k{2,3}`` (token log-ratios clamped to +-20 first). k1 criteria keep log(lower) <= statistic <= log(upper) (``lower`` defaults to 1 / upper);
   the others keep statistic <= upper.
 
-Both are pure functions over log-probs [B, T]: multiply the advantages by the weights (for the PPO family a
+* **Batch normalisation** (``normalize_is_weights``, or ``rollout_is_weights(..., batch_normalize=True)``): the
+  weights divided by their mean, so they average 1 over the batch (verl's ``rollout_is_batch_normalize``): over
+  the valid tokens for token-level weights, over the sequences for sequence-level ones. Across microbatches and
+  devices the mean must be the whole batch's: sum ``is_weight_totals`` (weight sum, count) over them and pass the
+  totals, as with the losses' ``normalizer``.
+* **Off-policy sequence masking** (``off_policy_sequence_mask``, DeepSeek-V3.2's OPSM, TRL's
+  ``off_policy_mask_threshold``): a token with a negative advantage is dropped when its sequence's mean
+  ``log mu - log pi`` exceeds a threshold: a response the policy has moved away from is not pushed down further.
+
+All are pure functions over log-probs [B, T]: multiply the advantages by the weights (for the PPO family a
 non-negative stop-gradient weight on the advantage equals one on the per-token loss) and the mask by the kept
 mask (so rejected tokens also leave the loss's denominator, as in verl). Sequences follow ``segment_ids`` as in
 ``jodc.losses.aggregation``.
@@ -29,9 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.losses._checks import check_bt, check_choice, check_positive, shape_of
+from jodc.losses._checks import check_bt, check_choice, check_nonnegative, check_positive, shape_of
 from jodc.losses._policy import LOG_RATIO_CLAMP
-from jodc.losses.aggregation import _per_sequence_sums, masked_mean, valid_tokens
+from jodc.losses.aggregation import _count_sequences, _per_sequence_sums, masked_mean, valid_tokens
 from jodc.losses.logprobs import compute_dtype
 from jodc.losses.ppo import IS_LEVELS
 
@@ -39,6 +48,10 @@ REJECTION_CRITERIA: tuple[str, ...] = tuple(
     [f"token_k{i}" for i in (1, 2, 3)] + [f"seq_sum_k{i}" for i in (1, 2, 3)]
     + [f"seq_mean_k{i}" for i in (1, 2, 3)] + ["seq_max_k2", "seq_max_k3"]
 )
+
+
+#: A batch mean of the weights at or below this leaves them unnormalised (factor 1), as in verl.
+NORM_FLOOR = 1e-8
 
 
 def _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids):
@@ -69,12 +82,16 @@ def _sequence_stat(values, valid, segment_ids, reduce: str) -> jax.Array:
 
 
 def rollout_is_weights(logprobs, rollout_logprobs, mask, *, level: str = "token", upper: float = 2.0,
-                       lower: float | None = None, segment_ids=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                       lower: float | None = None, segment_ids=None,
+                       batch_normalize: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Importance weights pi / mu [B, T] (no gradient, 0 on padding) and metrics (see the module docstring).
 
     ``logprobs`` are the trainer's log pi(a_t), ``rollout_logprobs`` the rollout engine's log mu(a_t).
-    Metrics: is_weight_mean (over valid tokens, after truncation), is_truncated_fraction (tokens whose raw
-    weight was above ``upper``, or outside [lower, upper] with a lower bound)."""
+    ``batch_normalize`` divides the truncated weights by their mean over this call's valid tokens (``token``) or
+    sequences (``sequence``), as verl's ``rollout_is_batch_normalize``; for a batch split over microbatches or
+    devices use ``normalize_is_weights`` with the batch's totals instead. Metrics: is_weight_mean (over valid
+    tokens, of the returned weights), is_truncated_fraction (tokens whose raw weight was above ``upper``, or
+    outside [lower, upper] with a lower bound), and with ``batch_normalize`` is_batch_norm_factor (the divisor)."""
     fn = "rollout_is_weights"
     check_choice(fn, "level", level, IS_LEVELS)
     check_positive(fn, "upper", upper)
@@ -92,8 +109,68 @@ def rollout_is_weights(logprobs, rollout_logprobs, mask, *, level: str = "token"
     else:
         outside = valid & ((raw < lower) | (raw > upper))
         weights = jnp.where(outside, 0.0, raw)
-    return weights, {"is_weight_mean": masked_mean(weights, valid),
-                     "is_truncated_fraction": masked_mean(outside.astype(weights.dtype), valid)}
+    metrics = {"is_truncated_fraction": masked_mean(outside.astype(weights.dtype), valid)}
+    if batch_normalize:
+        weights, metrics["is_batch_norm_factor"] = _normalized(
+            weights, _weight_totals(weights, valid, level, segment_ids))
+    return weights, {"is_weight_mean": masked_mean(weights, valid), **metrics}
+
+
+def _check_weights(fn, weights, mask, level, segment_ids):
+    """(weights in the compute dtype, valid [B, T]) after checking shapes and the level."""
+    check_choice(fn, "level", level, IS_LEVELS)
+    bt = shape_of(weights)
+    if len(bt) != 2:
+        raise ValueError(f"{fn}: weights must have shape [B, T], got shape {bt}")
+    check_bt(fn, "mask", mask, bt)
+    if segment_ids is not None:
+        check_bt(fn, "segment_ids", segment_ids, bt, integer=True)
+    weights = jnp.asarray(weights)
+    return lax.stop_gradient(weights.astype(compute_dtype(weights.dtype))), valid_tokens(mask, segment_ids)
+
+
+def _weight_totals(weights, valid, level, segment_ids) -> tuple[jax.Array, jax.Array]:
+    """(sum of the weights, count) over the valid tokens, or over the sequences (each sequence's weight once)."""
+    if level == "token":
+        return jnp.sum(jnp.where(valid, weights, 0.0)), jnp.sum(valid).astype(weights.dtype)
+    sums, counts, _, _ = _per_sequence_sums(weights, valid, segment_ids)
+    per_sequence = jnp.where(counts > 0, sums / jnp.maximum(counts, 1), 0.0)  # its tokens share one weight
+    return jnp.sum(per_sequence), _count_sequences(valid, segment_ids, weights.dtype)
+
+
+def _normalized(weights, totals) -> tuple[jax.Array, jax.Array]:
+    """(weights / mean, mean), or (weights, 1) when the mean is at most NORM_FLOOR (or there is nothing)."""
+    total, count = (jnp.asarray(x, weights.dtype) for x in totals)
+    mean = total / jnp.maximum(count, 1)
+    factor = jnp.where((count > 0) & (mean > NORM_FLOOR), mean, 1.0)
+    return weights / factor, factor
+
+
+def is_weight_totals(weights, mask, *, level: str = "token", segment_ids=None) -> tuple[jax.Array, jax.Array]:
+    """The local (weight sum, count) whose batch-wide sums ``normalize_is_weights`` divides by: over the valid
+    tokens for ``level="token"``; over the sequences with a valid token for ``"sequence"`` (each sequence's
+    weight counted once). Sum both over every microbatch and device of the batch."""
+    weights, valid = _check_weights("is_weight_totals", weights, mask, level, segment_ids)
+    return _weight_totals(weights, valid, level, segment_ids)
+
+
+def normalize_is_weights(weights, mask, *, level: str = "token", totals=None,
+                         segment_ids=None) -> tuple[jax.Array, jax.Array]:
+    """Importance weights rescaled to mean 1 over the batch: (weights / mean, mean), no gradient.
+
+    ``weights`` [B, T] as ``rollout_is_weights`` returns them (truncated, 0 on padding). ``totals`` = (weight
+    sum, count) over the whole batch, the sums of ``is_weight_totals`` over its microbatches and devices; None
+    uses this call's own. A mean at or below 1e-8 (all weights ~0) leaves the weights as they are (factor 1), as
+    verl does. Token-level weights average 1 over the valid tokens, sequence-level ones over the sequences."""
+    fn = "normalize_is_weights"
+    weights, valid = _check_weights(fn, weights, mask, level, segment_ids)
+    if totals is None:
+        totals = _weight_totals(weights, valid, level, segment_ids)
+    elif not isinstance(totals, (tuple, list)) or len(totals) != 2 or any(shape_of(x) != () for x in totals):
+        raise ValueError(f"{fn}: totals must be a pair of scalars (weight sum, count) from is_weight_totals, got "
+                         f"{totals!r}")
+    normalized, factor = _normalized(weights, totals)
+    return jnp.where(valid, normalized, 0.0), factor
 
 
 def _check_criterion(fn, criterion, upper, lower):
@@ -172,3 +249,30 @@ def _per_criterion(fn, name, value, criteria, several):
         raise ValueError(f"{fn}: with criteria {list(criteria)}, {name} must be a sequence of {len(criteria)} "
                          f"values (one per criterion), got {value!r}")
     return list(value)
+
+
+def off_policy_sequence_mask(logprobs, rollout_logprobs, advantages, mask, *, threshold: float,
+                             segment_ids=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """DeepSeek-V3.2's off-policy sequence mask (OPSM; TRL's ``off_policy_mask_threshold``): ``mask`` with a
+    token set to 0 when its advantage is negative and its sequence's mean log-ratio
+
+        d_i = mean_{t in i} (log mu(a_t) - log pi(a_t))
+
+    exceeds ``threshold`` (delta >= 0). ``logprobs`` [B, T] are the current policy's log pi (no gradient is taken),
+    ``rollout_logprobs`` the sampling policy's log mu, ``advantages`` [B, T] per token (an outcome advantage is
+    the same on every token of a response, and then a whole sequence goes). The sign is the paper's and TRL's:
+    d_i > 0 when the policy now finds the response less likely than the sampler did (d_i estimates
+    KL(mu || pi) from mu's samples; it is the ``seq_mean_k1`` statistic of ``rollout_rejection_mask``). Such a
+    negative sample pushes the policy further from where the data came from; positive-advantage tokens are kept
+    whatever d_i. Metrics: masked_fraction (of valid tokens), sequence_log_ratio_mean (d over valid tokens)."""
+    fn = "off_policy_sequence_mask"
+    check_nonnegative(fn, "threshold", threshold)
+    lr, valid = _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids)
+    check_bt(fn, "advantages", advantages, lr.shape)
+    negative = valid & (jnp.where(valid, jnp.asarray(advantages), 0) < 0)
+    divergence = _sequence_stat(-lr, valid, segment_ids, "mean")
+    dropped = negative & (divergence > threshold)
+    mask = jnp.asarray(mask)
+    return jnp.where(dropped, jnp.zeros_like(mask), mask), {
+        "masked_fraction": masked_mean(dropped.astype(lr.dtype), valid),
+        "sequence_log_ratio_mean": masked_mean(divergence, valid)}

@@ -16,14 +16,15 @@ from .tasks import TASK_NAMES
 TaskName = Literal[TASK_NAMES]
 #: jodc.losses.KL_ESTIMATORS and the names of jodc.losses.ADVANTAGE_ESTIMATORS (this module imports no JAX; a test
 #: keeps the lists in step).
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k2+", "k3+")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl",
+                 "k1+", "k2+", "k3+", "abs+", "kl+", "mse+", "low_var_kl+")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                        "grpo_passk", "gpg")
+                        "grpo_passk", "gpg", "opo", "gdpo", "optimal_token_baseline")
 KlEstimator = Literal[KL_ESTIMATORS]
 AdvantageEstimator = Literal[ADVANTAGE_ESTIMATORS]
 #: Loss hyper-parameters that may be set in the `loss` section; null = the loss's default.
 LOSS_OPTIONS = ("divergence", "approximation", "delta_low", "delta_high", "ratio_cap", "clip_low", "clip_high",
-                "dual_clip", "tau_pos", "tau_neg", "eta", "tis_cap", "behaviour_weight_cap")
+                "dual_clip", "tau_pos", "tau_neg", "eta", "tis_cap", "behaviour_weight_cap", "dro_beta")
 #: Options where 0 in the config means "off" (passed to the loss as None).
 ZERO_MEANS_OFF = ("dual_clip", "ratio_cap", "behaviour_weight_cap")
 
@@ -107,7 +108,7 @@ class LossConfig(Section):
 
     name_in_config = "loss"
     minimum = {"kl_coef": 0.0, **{name: 0.0 for name in LOSS_OPTIONS[2:]}}
-    name: str = "dppo"  # dppo (binary TV), dppo_kl, dppo_topk, ppo, grpo, dapo, gspo, sapo, cispo, ...
+    name: str = "dppo"  # dppo (binary TV), dppo_kl, dppo_topk, ppo, grpo, dapo, gspo, sapo, cispo, dro, ...
     aggregation: str | None = None  # token-mean, seq-mean-token-mean, ...; null: the loss's default
     advantage: AdvantageEstimator = "grpo"  # advantage estimator (verl's names)
     normalize_std: bool = True  # divide group advantages by the group's std (false: Dr.GRPO)
@@ -126,6 +127,7 @@ class LossConfig(Section):
     eta: float | None = None  # DG temperature
     tis_cap: float | None = None  # TIS weight cap
     behaviour_weight_cap: float | None = None  # decoupled PPO weight cap (0: off)
+    dro_beta: float | None = None  # DRO's quadratic penalty weight
 
     def options(self) -> dict[str, Any]:
         """The hyper-parameters that are set, as loss keyword arguments (0 -> None where that means 'off')."""

@@ -194,12 +194,23 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
 
 def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray]:
     """`advantages(rewards [N], group_size, lengths [N]) -> [N]` for `loss.advantage` (verl's estimator names),
-    reading the estimator's metadata for what it needs; ConfigError for an estimator the trainer cannot feed
-    (ReMax needs a greedy response per prompt, which the trainer does not sample)."""
+    reading the estimator's metadata for what it needs; ConfigError for an estimator the trainer cannot feed:
+    ReMax needs a greedy response per prompt, which the trainer does not sample; GDPO several reward functions'
+    rewards per response, where the trainer scores a response with one; the optimal token baseline per-token
+    sum pi^2 of the sampling policy, which the rollout does not record, and it gives per-token advantages, where
+    the trainer's batch carries one per response."""
     estimator = get_advantage_estimator(loss.advantage)
+    if estimator.reward_columns:
+        raise ConfigError(f"loss.advantage={loss.advantage!r} normalises the rewards of several reward functions "
+                          "separately ([N, D] rewards), but the RL trainer scores each response with one reward "
+                          "function (the task's, or task.reward_fn); with one it would be GRPO followed by batch "
+                          "whitening. Use grpo or reinforce_plus_plus_baseline, or call jodc.losses.gdpo_advantages "
+                          "directly")
     if set(estimator.inputs) - {"lengths"}:
-        raise ConfigError(f"loss.advantage={loss.advantage!r} needs {list(estimator.inputs)}, which the RL trainer "
-                          "does not provide (call jodc.losses directly)")
+        per_token = (" and gives per-token advantages, where the trainer's batch carries one per response"
+                     if estimator.per_token else "")
+        raise ConfigError(f"loss.advantage={loss.advantage!r} needs {list(estimator.inputs)}{per_token}; the RL "
+                          "trainer's rollouts do not provide them (call jodc.losses directly)")
     options = {"normalize_std": loss.normalize_std} if "normalize_std" in estimator.options else {}
 
     def advantages(rewards, group_size: int, lengths) -> np.ndarray:
