@@ -25,6 +25,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+import cuda_ipc_cases
 import ops_checks
 from conftest import cpu_mesh, spmd
 from jodc import ops
@@ -789,40 +790,35 @@ def test_stress_f_compute_sanitizer_memcheck_and_racecheck():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# several processes on one node: CUDA IPC (one process per GPU, jax.distributed on localhost)
+# several processes on one node: CUDA IPC (jax.distributed on localhost; tests/cuda_ipc_cases.py)
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _check_ipc_processes(results, transport: str) -> None:
+    for i, (code, out) in enumerate(results):
+        assert code == 0 and f"IPC CASES PASSED {transport}" in out, f"process {i} (exit {code}):\n{out[-5000:]}"
 
 
 @pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs (one process per GPU)")
 @pytest.mark.parametrize("transport", ["auto", "nvshmem"])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_gpu_heap_across_two_processes(deterministic, transport):
-    """The transport chosen for a mesh of two processes on one node is cuda_ipc (and NVSHMEM, forced, works there too),
-    and every op gives numpy's answer across them (tests/cuda_ipc_cases.py). Bounded: killed after 300 s."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    env.pop("XLA_FLAGS", None)  # no simulated CPU devices needed there
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cuda_ipc_cases.py"), str(i), "2",
-                               str(port), "1" if deterministic else "0", transport], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
-             for i in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-    for i, (p, out) in enumerate(zip(procs, outputs)):
-        expected = "cuda_ipc" if transport == "auto" else transport
-        assert p.returncode == 0 and f"IPC CASES PASSED {expected}" in out, f"process {i}:\n{out[-5000:]}"
+def test_gpu_heap_across_two_processes(transport):
+    """One process per GPU: the transport chosen for a mesh of two processes on one node is cuda_ipc (and NVSHMEM,
+    forced, works there too), and every op gives numpy's answer across them in both accumulation modes; with CUDA IPC
+    also a barrier timeout and an abort across the processes. Bounded: killed after 300 s."""
+    faults = ["--faults"] if transport == "auto" else []
+    args = ["--transport", transport, *faults]
+    results = cuda_ipc_cases.launch(2, N_GPUS, share=False, timeout_s=300, case_args=args)
+    _check_ipc_processes(results, "cuda_ipc" if transport == "auto" else transport)
+
+
+def test_gpu_heap_across_two_processes_on_one_gpu():
+    """Issue 28 item 3: two processes on GPU 0 (local_device_ids=[0] each, XLA pools capped) share buckets through
+    CUDA IPC, which maps another process's memory on the same device: the handle exchange, the shared control block,
+    barriers across the processes (arrivals, a timeout naming the missing position, an abort releasing a waiting
+    barrier with the other process's reason) and both accumulation modes (atomic, then landing slots). It checks
+    function, not speed (the GPU time-slices between the processes). Bounded: killed after 300 s."""
+    results = cuda_ipc_cases.launch(2, N_GPUS, share=True, timeout_s=300, case_args=["--faults"])
+    _check_ipc_processes(results, "cuda_ipc")
+    for _, out in results:  # one GPU: native atomics in atomic mode, landing slots only when deterministic
+        assert "atomic: landing_slots=0 one_gpu=1" in out and "deterministic: landing_slots=1 one_gpu=1" in out, out
 
 
 def test_bench_primitives_runs_on_the_cuda_mesh():
