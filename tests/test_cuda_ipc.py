@@ -367,6 +367,18 @@ def test_launched_processes_cap_their_xla_pools():
     assert _cuda_ipc.shared_gpu_warnings(infos) == []
 
 
+def test_case_options_are_checked_before_jax_starts():
+    import cuda_ipc_cases
+
+    base = ["--process-id", "1", "--num-processes", "2", "--port", "1234", "--device-id", "0"]
+    args = cuda_ipc_cases.parse_args(base + ["--faults"])
+    assert args.modes == ["atomic", "deterministic"] and args.faults and args.transport == "auto"
+    assert cuda_ipc_cases.parse_args(base + ["--modes", "deterministic"]).modes == ["deterministic"]
+    for bad in (["--modes", "fast"], ["--transport", "nvshmem", "--faults"]):
+        with pytest.raises(SystemExit):
+            cuda_ipc_cases.parse_args(base + bad)
+
+
 def _script(tmp_path, body):
     path = tmp_path / "child.py"
     path.write_text("import sys, time\nargs = sys.argv[1:]\nme = int(args[args.index('--process-id') + 1])\n" + body)
