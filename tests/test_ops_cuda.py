@@ -181,6 +181,14 @@ class RawHeap:
         placed = [jax.device_put(x, GPUS[0]) for x in (jnp.int32(device), *args)]
         return jax.block_until_ready(fn(*placed))
 
+    def prepare(self, target, results, device, *args, **attrs):
+        """`call`'s handler call compiled now, with its operands on the GPU: a function that runs it and returns its
+        results (timed tests measure no compilation or transfer)."""
+        fn = _raw_call(target, results, tuple(sorted((k, int(v)) for k, v in attrs.items())))
+        placed = [jax.device_put(x, GPUS[0]) for x in (jnp.int32(device), *args)]
+        compiled = fn.lower(*placed).compile()
+        return lambda: jax.block_until_ready(compiled(*placed))
+
     def free(self):
         with warnings.catch_warnings():  # drop JAX's record of the calls that failed on purpose
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -629,16 +637,33 @@ def test_stress_c_one_device_times_out_the_others_are_released_in_time():
             heap.free()
 
 
+def test_stress_c_raw_waiting_device_is_released_within_timeout_plus_1s():
+    """(c) on one GPU: device 1 of a 2-device heap (raw handler) waits for device 0, which never comes; it is released
+    within the timeout + 1 s (a compiled executable: no compile time counted), naming device 0."""
+    timeout = 3.0
+    heap = RawHeap(2, timeout_s=timeout)
+    try:
+        barrier = heap.prepare("jodc_barrier", (TOKEN,), 1, jnp.int32(0), heap=heap.id)
+        start = time.perf_counter()
+        with pytest.raises(Exception, match=r"device\(s\) \[0\] never arrived \(device 1 waited\)"):
+            barrier()
+        elapsed = time.perf_counter() - start
+        assert timeout * 0.9 < elapsed < timeout + 1.0, f"released after {elapsed:.2f} s"
+    finally:
+        heap.free()
+
+
 def test_stress_c_abort_releases_waiting_devices_at_once():
     """(c, fail fast) A device that fails instead of timing out aborts the heap: a waiting barrier returns within a
     second, long before its 60 s timeout (raw handler on one GPU: device 0 of a 2-device heap waits)."""
     heap = RawHeap(2, timeout_s=60.0)
     try:
+        barrier = heap.prepare("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
         timer = threading.Timer(0.5, lambda: LIB.heap_abort(heap.id, "device 1 failed"))
         timer.start()
         start = time.perf_counter()
         with pytest.raises(Exception, match="device 1 failed"):
-            heap.call("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
+            barrier()
         assert time.perf_counter() - start < 0.5 + 1.0
         timer.join()
     finally:
@@ -651,44 +676,51 @@ def test_stress_c_a_handler_error_releases_waiting_devices_at_once(op):
     barrier with a 60 s timeout: the failure aborts the heap, so device 0 is released within a second, with device
     1's error as the cause (raw handlers on one GPU: device 0 of a 2-device heap waits on another thread)."""
     heap = RawHeap(2, timeout_s=60.0)
-    n = LIB.bucket_shard_numel(heap.id, heap.register(64))
     waited = {}
-
-    def wait():
-        start = time.perf_counter()
-        try:
-            heap.call("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
-        except Exception as e:  # noqa: BLE001 - the expected abort, checked below
-            waited["error"] = str(e)
-        waited["seconds"] = time.perf_counter() - start
-
-    full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
-    calls = {
-        "gather": lambda: heap.call("jodc_gather", (full_t, TOKEN), 1, jnp.int32(0), heap=heap.id, bucket=999999),
-        "scatter_accumulate": lambda: heap.call("jodc_scatter_accumulate", (TOKEN,), 1, jnp.zeros(64), jnp.int32(0),
-                                                heap=heap.id, bucket=999999),
-        "publish": lambda: heap.call("jodc_publish", (TOKEN,), 1, jnp.zeros(n), jnp.int32(0), heap=heap.id,
-                                     bucket=999999),
-        "read_accumulator": lambda: heap.call("jodc_read_accumulator", (jax.ShapeDtypeStruct((n,), jnp.float32), TOKEN),
-                                              1, jnp.int32(0), heap=heap.id, bucket=999999),
-        "zero_accumulator": lambda: heap.call("jodc_zero_accumulator", (TOKEN,), 1, jnp.int32(0), heap=heap.id,
-                                              bucket=999999),
-    }
-    waiter = threading.Thread(target=wait)
+    waiter = threading.Thread()
     try:
+        n = LIB.bucket_shard_numel(heap.id, heap.register(64))
+        barrier = heap.prepare("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
+        # device 1's failing call, compiled before the clock starts
+        full_t = jax.ShapeDtypeStruct((64,), jnp.float32)
+        calls = {
+            "gather": lambda: heap.prepare("jodc_gather", (full_t, TOKEN), 1, jnp.int32(0), heap=heap.id,
+                                           bucket=999999),
+            "scatter_accumulate": lambda: heap.prepare("jodc_scatter_accumulate", (TOKEN,), 1, jnp.zeros(64),
+                                                       jnp.int32(0), heap=heap.id, bucket=999999),
+            "publish": lambda: heap.prepare("jodc_publish", (TOKEN,), 1, jnp.zeros(n), jnp.int32(0), heap=heap.id,
+                                            bucket=999999),
+            "read_accumulator": lambda: heap.prepare("jodc_read_accumulator",
+                                                     (jax.ShapeDtypeStruct((n,), jnp.float32), TOKEN), 1,
+                                                     jnp.int32(0), heap=heap.id, bucket=999999),
+            "zero_accumulator": lambda: heap.prepare("jodc_zero_accumulator", (TOKEN,), 1, jnp.int32(0),
+                                                     heap=heap.id, bucket=999999),
+        }
+        failing = calls[op]()
+
+        def wait():
+            start = time.perf_counter()
+            try:
+                barrier()
+            except Exception as e:  # noqa: BLE001 - the expected abort, checked below
+                waited["error"] = str(e)
+            waited["seconds"] = time.perf_counter() - start
+
+        waiter = threading.Thread(target=wait)
         waiter.start()
         time.sleep(1.0)  # device 0's barrier kernel is spinning now
         assert waiter.is_alive(), f"the barrier did not wait: {waited}"
         failed_at = time.perf_counter()
         with pytest.raises(Exception, match=f"jodc {op}: bucket 999999 is not registered"):
-            calls[op]()
+            failing()
         waiter.join(timeout=30)
         released_after = time.perf_counter() - failed_at
         assert not waiter.is_alive() and released_after < 1.0, f"released {released_after:.2f} s after the failure"
         assert "bucket 999999 is not registered" in waited.get("error", ""), waited
     finally:
         LIB.heap_abort(heap.id, "test over")
-        waiter.join(timeout=70)
+        if waiter.is_alive():
+            waiter.join(timeout=70)
         heap.free()
 
 
