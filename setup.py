@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +63,10 @@ class BuildWithCuda(build_ext):
             os.makedirs(out_dir, exist_ok=True)
             build_mpi.build(os.path.join(out_dir, build_mpi.LIBRARY_NAME), xla_ffi_include_dir(), mpicxx)
 
+
+# The extension's C++ sources compile in parallel, one compiler per CPU (JODC_BUILD_JOBS=N: N at once, 1: one by one):
+# setuptools' `build_ext --parallel` only builds different extensions at once, and jodc has one.
+ParallelCompile("JODC_BUILD_JOBS", default=0).install()
 
 ext = Pybind11Extension(
     "jodc._ffi",

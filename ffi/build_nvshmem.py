@@ -5,18 +5,21 @@ device library libnvshmem_device.a). Device code calls NVSHMEM, so it is compile
 device-linked against libnvshmem_device.a; the host library is linked by its file name (the wheel ships no
 libnvshmem_host.so link) with an rpath to the wheel's lib/ (jodc/ops/_nvshmem.py also preloads it). Like the CUDA
 library it needs no GPU and no driver to build, link or load. Used by setup.py (JODC_NVSHMEM=1) and `make cuda-check`.
+Like ffi/build_cuda.py (whose command lines it extends) it compiles one source per nvcc process, `--jobs` at a time,
+then links once (the device link included).
 """
 import glob
 import importlib.util
 import os
-import shutil
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import build_cuda  # noqa: E402  (ffi/build_cuda.py: the nvcc command lines)
 import run_compiler  # noqa: E402  (ffi/run_compiler.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ARCHS = ("80", "90")
+ARCHS = build_cuda.ARCHS
 LIBRARY_NAME = "_ffi_nvshmem.so"
 HOST_LIBRARY = "libnvshmem_host.so.3"
 
@@ -42,28 +45,43 @@ def sources() -> list[str]:
     return found + [os.path.join(HERE, "cuda", "errors.cu")]
 
 
-def nvcc_command(out_path: str, include_dir: str, nvshmem_root: str) -> list[str]:
+def compile_command(source: str, obj: str, include_dir: str, nvshmem_root: str, archs=ARCHS) -> list[str]:
+    """One source to a relocatable object (device code calls NVSHMEM's device library)."""
+    extra = ["-rdc=true", "-isystem", os.path.join(nvshmem_root, "include")]
+    return build_cuda.compile_command(source, obj, include_dir, archs, extra=extra)
+
+
+def link_command(objects, out_path: str, nvshmem_root: str, archs=ARCHS) -> list[str]:
+    """The objects, device-linked for `archs` against libnvshmem_device.a, into the shared library; the host library
+    by its file name, found at run time through an rpath to the wheel's lib/."""
     lib = os.path.join(nvshmem_root, "lib")
-    cmd = [shutil.which("nvcc") or "nvcc", "-std=c++17", "-O3", "-shared", "-rdc=true", "-Xcompiler", "-fPIC",
-           "-Xcompiler", "-fvisibility=hidden", "-cudart", "static", "-isystem", include_dir,
-           "-isystem", os.path.join(nvshmem_root, "include"), "-I", HERE]
-    for a in ARCHS:
-        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    return cmd + sources() + ["-L", lib, "-lnvshmem_device", f"-l:{HOST_LIBRARY}", "-Xlinker", f"-rpath,{lib}",
-                              "-lrt", "-o", out_path]
+    extra = ["-rdc=true", *build_cuda.gencode_flags(archs), "-L", lib, "-lnvshmem_device", f"-l:{HOST_LIBRARY}",
+             "-Xlinker", f"-rpath,{lib}"]
+    return build_cuda.link_command(objects, out_path, extra=extra)
 
 
-def build(out_path: str, include_dir: str, nvshmem_root: str | None = None) -> str:
-    """Runs nvcc (output to a file, never a pipe); returns out_path. RuntimeError naming the wheel when NVSHMEM is
-    not installed."""
+def build(out_path: str, include_dir: str, nvshmem_root: str | None = None, archs=ARCHS, jobs: int | None = None,
+          build_dir: str | None = None) -> str:
+    """Compiles (`jobs` nvcc processes at once) and links; returns out_path. RuntimeError naming the wheel when
+    NVSHMEM is not installed, or with nvcc's logs."""
     nvshmem_root = nvshmem_root or find_nvshmem()
     if nvshmem_root is None:
         raise RuntimeError("NVSHMEM is not installed: pip install nvidia-nvshmem-cu12 (CUDA 12) or "
                            "nvidia-nvshmem-cu13 (CUDA 13), matching nvcc")
-    return run_compiler.run(nvcc_command(out_path, include_dir, nvshmem_root), out_path, "nvcc")
+    archs = tuple(archs)
+    return build_cuda.build_objects(sources(), out_path,
+                                    lambda s, o: compile_command(s, o, include_dir, nvshmem_root, archs),
+                                    lambda objects: link_command(objects, out_path, nvshmem_root, archs),
+                                    jobs, build_dir)
 
 
 if __name__ == "__main__":
-    args = run_compiler.parse_args(__doc__, lambda p: p.add_argument(
-        "--nvshmem-root", help="the NVSHMEM wheel's root (default: the installed nvidia.nvshmem)"))
-    print(build(args.out, args.include_dir, args.nvshmem_root))
+    def arguments(parser):
+        build_cuda.add_build_arguments(parser)
+        parser.add_argument("--nvshmem-root", help="the NVSHMEM wheel's root (default: the installed nvidia.nvshmem)")
+
+    args = run_compiler.parse_args(__doc__, arguments)
+    start = time.perf_counter()
+    print(build(args.out, args.include_dir, args.nvshmem_root, args.archs, args.jobs, args.build_dir))
+    print(f"built for sm_{', sm_'.join(args.archs)} with {args.jobs or build_cuda.default_jobs()} nvcc jobs in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)

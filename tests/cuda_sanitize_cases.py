@@ -2,14 +2,15 @@
 
 Run as a script under ``compute-sanitizer --tool memcheck|racecheck``: a 3-position heap simulated on GPU 0 in both
 accumulation modes and both master dtypes; gather (both compute dtypes), scatter_accumulate (fp32 and bf16 gradients,
-a second push into the same accumulator), read / zero accumulator, publish, the barrier (a 1-position heap), and the token ops. Each
-result is checked against numpy; prints ALL CASES PASSED at the end.
+a second push into the same accumulator), read / zero accumulator, publish, the barrier (a 1-position heap), and the
+token ops (after, depend_on). Each result is checked against numpy; prints ALL CASES PASSED at the end.
 """
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jodc import ops
 from jodc.ops import _cuda, _native
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
@@ -64,6 +65,11 @@ def main():
         assert int(tok) == g + 1
     jax.effects_barrier()
     lib.heap_free(heap)
+    gpu = jax.devices("gpu")[0]
+    x = jax.device_put(jnp.arange(1000, dtype=jnp.float32), gpu)
+    token_ops = jax.jit(lambda x, t: (ops.depend_on(x * 2.0, ops.after(t, x)), ops.after(t, x)))
+    y, tok = jax.block_until_ready(token_ops(x, jax.device_put(jnp.int32(5), gpu)))
+    assert np.array_equal(np.asarray(y), np.arange(1000, dtype=np.float32) * 2.0) and int(tok) == 6
     print("ALL CASES PASSED")
 
 

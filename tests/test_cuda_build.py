@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -56,19 +57,76 @@ def assert_exports_exactly(path: str, expected) -> None:
     assert ours == set(expected), (sorted(set(expected) - ours), sorted(ours - set(expected)))
 
 
-def test_command_targets_sm80_and_sm90_from_every_source():
-    cmd = build_cuda.nvcc_command("/tmp/out.so", "/include")
+def test_every_source_compiles_to_its_own_object_for_sm80_and_sm90():
+    objects = {build_cuda.object_path("/b", s) for s in build_cuda.sources()}
+    assert len(objects) == len(build_cuda.sources())  # one object per source, none shared
+    names = {os.path.basename(s) for s in build_cuda.sources()}
+    assert {"gather.cu", "scatter_accumulate.cu", "barrier.cu", "accumulator.cu", "publish.cu", "heap.cu",
+            "management.cu", "diagnostics.cu", "after.cu", "depend_on.cu", "ipc.cu", "errors.cu"} <= names
+    source = os.path.join(ROOT, "ffi", "cuda", "gather.cu")
+    cmd = build_cuda.compile_command(source, "/b/cuda_gather.o", "/include")
     pairs = list(zip(cmd, cmd[1:]))
     for arch in ("80", "90"):
         assert ("-gencode", f"arch=compute_{arch},code=sm_{arch}") in pairs
-    sources = [a for a in cmd if a.endswith(".cu")]
-    expected = {"gather.cu", "scatter_accumulate.cu", "barrier.cu", "accumulator.cu", "publish.cu", "heap.cu",
-                "management.cu", "diagnostics.cu", "after.cu", "depend_on.cu"}
-    assert expected <= {os.path.basename(s) for s in sources}
-    assert "-lcuda" not in cmd  # runtime API only: links without a driver or its stubs
+    assert "-c" in cmd and cmd[-3:] == [source, "-o", "/b/cuda_gather.o"] and ("-isystem", "/include") in pairs
     assert "--keep" not in cmd
-    kept = build_cuda.nvcc_command("/tmp/out.so", "/include", keep_dir="/tmp/keep")
+    kept = build_cuda.compile_command(source, "/b/cuda_gather.o", "/include", keep_dir="/tmp/keep")
     assert ("--keep-dir", "/tmp/keep") in list(zip(kept, kept[1:]))
+    only90 = build_cuda.compile_command(source, "/b/cuda_gather.o", "/include", archs=("90",))
+    assert [a for a in only90 if a.startswith("arch=")] == ["arch=compute_90,code=sm_90"]
+    link = build_cuda.link_command(["/b/a.o", "/b/b.o"], "/tmp/out.so")
+    assert "-shared" in link and ("-cudart", "static") in list(zip(link, link[1:]))
+    assert link[-4:] == ["/b/b.o", "-lrt", "-o", "/tmp/out.so"]
+    assert "-lcuda" not in link  # runtime API only: links without a driver or its stubs
+
+
+def test_archs_and_jobs_options():
+    assert build_cuda.parse_archs("90") == ("90",)
+    assert build_cuda.parse_archs(" 90,80,90 ") == ("80", "90")
+    assert build_cuda.parse_archs("90a") == ("90a",)
+    for bad in ("", "sm_90", "9", "80;90", "compute_90"):
+        with pytest.raises(ValueError, match="compute capabilities separated by commas"):
+            build_cuda.parse_archs(bad)
+    assert build_cuda.default_jobs() >= 1
+
+
+def _fake_compiler(tmp_path, fail=()):
+    """compile_for / link_for that run Python instead of nvcc: each 'object' holds its source's name, the 'library'
+    their concatenation; sources named in `fail` exit 1 with a message."""
+    def compile_for(source, obj):
+        code = (f"import sys; print('error in {source}'); sys.exit(1)" if source in fail else
+                f"open({obj!r}, 'w').write({source!r} + '\\n')")
+        return [sys.executable, "-c", code]
+
+    def link_for(objects):
+        out = str(tmp_path / "lib.so")
+        return [sys.executable, "-c", f"open({out!r}, 'w').write(''.join(open(o).read() for o in {objects!r}))"]
+
+    return compile_for, link_for
+
+
+def test_parallel_build_compiles_each_source_then_links_once(tmp_path):
+    sources = [f"/src/cuda/k{i}.cu" for i in range(6)]
+    compile_for, link_for = _fake_compiler(tmp_path)
+    out = build_cuda.build_objects(sources, str(tmp_path / "lib.so"), compile_for, link_for, jobs=3,
+                                   build_dir=str(tmp_path / "objs"))
+    assert open(out).read().split() == sources  # every object, linked in source order
+    assert sorted(os.listdir(tmp_path / "objs")) == [f"cuda_k{i}.o" for i in range(6)]  # kept where asked
+    before = set(os.listdir(tempfile.gettempdir()))
+    build_cuda.build_objects(sources, str(tmp_path / "lib.so"), compile_for, link_for, jobs=1)
+    leftovers = {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("jodc-nvcc-")}
+    assert leftovers == set()  # the temporary build directory is removed
+    with pytest.raises(ValueError, match="jobs must be at least 1"):
+        build_cuda.build_objects(sources, str(tmp_path / "lib.so"), compile_for, link_for, jobs=0)
+
+
+def test_parallel_build_reports_every_failing_source_and_does_not_link(tmp_path):
+    sources = [f"/src/cuda/k{i}.cu" for i in range(4)]
+    compile_for, link_for = _fake_compiler(tmp_path, fail={sources[1], sources[3]})
+    with pytest.raises(RuntimeError, match=r"2 of 4 CUDA sources failed to compile") as info:
+        build_cuda.build_objects(sources, str(tmp_path / "lib.so"), compile_for, link_for, jobs=2)
+    assert f"error in {sources[1]}" in str(info.value) and f"error in {sources[3]}" in str(info.value)
+    assert not (tmp_path / "lib.so").exists()
 
 
 def test_reduction_check_reads_the_kept_ptx(tmp_path):
@@ -80,6 +138,7 @@ def test_reduction_check_reads_the_kept_ptx(tmp_path):
     lines = build_cuda.check_reductions(str(tmp_path))
     assert lines == ["sm_80: 0 vector + 1 scalar f32 reductions in scatter_accumulate",
                      "sm_90: 1 vector + 1 scalar f32 reductions in scatter_accumulate"]
+    assert build_cuda.check_reductions(str(tmp_path), archs=("90",)) == lines[1:]  # a build for sm_90 only
     (tmp_path / "scatter_accumulate.compute_90.ptx").write_text(good["80"])
     with pytest.raises(RuntimeError, match="sm_90 scatter kernel has no red.relaxed.sys.global.add.v4.f32"):
         build_cuda.check_reductions(str(tmp_path))
@@ -136,15 +195,22 @@ def test_library_loads_and_reports_errors_without_a_gpu(built_library):
 NVSHMEM_CHECK_ENV = "JODC_NVSHMEM_CHECK_LIBRARY"
 
 
-def test_nvshmem_command_is_relocatable_and_links_the_wheel():
-    cmd = build_nvshmem.nvcc_command("/tmp/out.so", "/include", "/wheel")
-    assert "-rdc=true" in cmd and "-lnvshmem_device" in cmd and "-l:libnvshmem_host.so.3" in cmd
-    assert ("-L", "/wheel/lib") in list(zip(cmd, cmd[1:])) and "-rpath,/wheel/lib" in cmd
-    names = {os.path.basename(a) for a in cmd if a.endswith(".cu")}
-    assert {"gather.cu", "scatter_accumulate.cu", "barrier.cu", "accumulator.cu", "publish.cu", "heap.cu",
-            "errors.cu"} <= names
+def test_nvshmem_commands_are_relocatable_and_link_the_wheel():
+    source = os.path.join(ROOT, "ffi", "nvshmem", "gather.cu")
+    cmd = build_nvshmem.compile_command(source, "/b/nvshmem_gather.o", "/include", "/wheel")
+    pairs = list(zip(cmd, cmd[1:]))
+    assert "-rdc=true" in cmd and "-c" in cmd and ("-isystem", "/wheel/include") in pairs
     for arch in ("80", "90"):
-        assert ("-gencode", f"arch=compute_{arch},code=sm_{arch}") in list(zip(cmd, cmd[1:]))
+        assert ("-gencode", f"arch=compute_{arch},code=sm_{arch}") in pairs
+    link = build_nvshmem.link_command(["/b/nvshmem_gather.o"], "/tmp/out.so", "/wheel", archs=("90",))
+    assert "-rdc=true" in link and "-lnvshmem_device" in link and "-l:libnvshmem_host.so.3" in link
+    assert ("-L", "/wheel/lib") in list(zip(link, link[1:])) and "-rpath,/wheel/lib" in link
+    assert [a for a in link if a.startswith("arch=")] == ["arch=compute_90,code=sm_90"]  # the device link's archs
+    names = [os.path.basename(s) for s in build_nvshmem.sources()]
+    assert {"gather.cu", "scatter_accumulate.cu", "barrier.cu", "accumulator.cu", "publish.cu", "heap.cu",
+            "errors.cu"} <= set(names)
+    # ffi/nvshmem/gather.cu and ffi/cuda/errors.cu never share an object with a same-named file of the other folder
+    assert len({build_cuda.object_path("/b", s) for s in build_nvshmem.sources()}) == len(names)
 
 
 def test_nvshmem_library_exports_exactly_the_api():

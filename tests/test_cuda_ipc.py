@@ -2,7 +2,9 @@
 (key-value store, in-process), and the CUDA IPC protocol of jodc.ops._cuda_ipc run by several threads, each playing
 one process with a fake CUDA library. The real handles are exchanged on GPU runners (tests/test_ops_cuda.py)."""
 import json
+import os
 import threading
+import time
 import types
 
 import pytest
@@ -116,13 +118,15 @@ class FakeIpcLibrary:
         self.shared, self.position = shared, position
         self.atomics, self.access, self.fail_register = atomics, access, fail_register
         self.created, self.imports, self.published, self.freed, self.unlinked = [], [], [], [], []
+        self.links_asked = []
         self._next = 100 * (position + 1)
 
     def pci_bus_id(self, gpu):
         return f"0000:{gpu:02x}:00.0"
 
     def ipc_links(self, gpu, peers):
-        assert self.pci_bus_id(gpu) not in peers.split("\n")
+        assert self.pci_bus_id(gpu) not in peers.split("\n")  # only other GPUs have links
+        self.links_asked.append(peers)
         return self.access, self.atomics
 
     def ipc_heap_create(self, world, deterministic, landing, timeout, position, gpu, name, create):
@@ -272,6 +276,137 @@ def test_barrier_waits_for_every_process():
     _, errors = run_ranks(2, process)
     assert errors == [None, None]
     assert {x for x, _ in order[:2]} == {"before"} and {x for x, _ in order[2:]} == {"after"}
+
+
+# ---- processes sharing one GPU --------------------------------------------------------------------------------------
+
+def test_xla_pool_fraction_reads_the_environment_like_jax():
+    fraction = _cuda_ipc.xla_pool_fraction
+    assert fraction({}) == 0.75  # jax's default preallocation
+    for off in ("false", "False", "0"):
+        assert fraction({"XLA_PYTHON_CLIENT_PREALLOCATE": off, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) == 0.0
+    assert fraction({"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".3"}) == 0.3
+    assert fraction({"XLA_CLIENT_MEM_FRACTION": "0.2", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}) == 0.2  # newer name
+    assert fraction({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}) == 0.0  # no pool at all
+    assert fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "lots"}) == 0.75
+
+
+def _info(position, pci, pool):
+    return {"position": position, "pci": pci, "xla_pool": pool}
+
+
+def test_shared_gpu_warnings_name_the_gpu_the_positions_and_the_fix():
+    a, b = "0000:1b:00.0", "0000:2c:00.0"
+    assert _cuda_ipc.positions_by_gpu([_info(1, a, 0), _info(0, a, 0), _info(2, b, 0)]) == {a: [0, 1], b: [2]}
+    (message,) = _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.75), _info(1, a, 0.75)])
+    assert message.startswith(f"GPU {a} is shared by the processes of positions [0, 1], whose XLA memory pools take "
+                              "150% of it")
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in message and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.40" in message
+    assert _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.4), _info(1, a, 0.4)]) == []  # 20% left for the heap
+    assert _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.75), _info(1, b, 0.75)]) == []  # one process per GPU
+    assert _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.0), _info(1, a, 0.0)]) == []  # pools grow on demand
+    three = _cuda_ipc.shared_gpu_warnings([_info(p, a, 0.31) for p in range(3)] + [_info(3, b, 0.75)])
+    assert len(three) == 1 and "positions [0, 1, 2]" in three[0] and "MEM_FRACTION=0.27" in three[0]
+
+
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_processes_on_one_gpu_share_it_with_native_atomics(monkeypatch, preallocate):
+    """Two processes on GPU 0: nothing to link (the other process's memory is on this GPU), so atomic mode stays;
+    both know the GPU is shared, and both warn when their XLA pools leave it no room for the heap."""
+    warned = []
+    monkeypatch.setattr(_cuda_ipc.warnings, "warn", lambda message, *a, **k: warned.append(message))
+    environ = {} if preallocate else {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    libs, group, positions = make_group(2)
+    results, errors = run_ranks(2, lambda r: IpcHeap.create(libs[r], group[r], 2, positions[r], 0, False, 5.0,
+                                                            environ=environ))
+    assert errors == [None, None]
+    for heap, lib in zip(results, libs):
+        assert heap.gpu_sharing == {"0000:00:00.0": [0, 1]} and heap.shared_gpu
+        assert lib.links_asked == [""] and lib.created[0][2] is False  # no peer GPU; atomics
+    assert len(warned) == (2 if preallocate else 0)
+    assert all("GPU 0000:00:00.0 is shared by the processes of positions [0, 1]" in w for w in warned)
+
+
+def test_processes_on_their_own_gpus_link_only_to_the_others():
+    libs, group, positions = make_group(3)
+    results, errors = run_ranks(3, lambda r: IpcHeap.create(libs[r], group[r], 3, positions[r], r, True, 5.0))
+    assert errors == [None] * 3
+    assert [lib.links_asked for lib in libs] == [["0000:01:00.0\n0000:02:00.0"], ["0000:00:00.0\n0000:02:00.0"],
+                                                 ["0000:00:00.0\n0000:01:00.0"]]
+    assert not any(heap.shared_gpu for heap in results)
+
+
+# ---- the launcher of the GPU test's processes (tests/cuda_ipc_cases.py) -------------------------------------------
+
+def test_processes_are_planned_on_one_gpu_or_one_each():
+    import cuda_ipc_cases
+
+    assert cuda_ipc_cases.plan_devices(2, 1, share=True) == [0, 0]
+    assert cuda_ipc_cases.plan_devices(2, 8, share=True) == [0, 0]
+    assert cuda_ipc_cases.plan_devices(3, 4, share=False) == [0, 1, 2]
+    with pytest.raises(ValueError, match="one GPU per process needs 2 GPUs, this machine has 1"):
+        cuda_ipc_cases.plan_devices(2, 1, share=False)
+    with pytest.raises(ValueError, match="at least two processes"):
+        cuda_ipc_cases.plan_devices(1, 1, share=True)
+
+
+def test_launched_processes_cap_their_xla_pools():
+    import cuda_ipc_cases
+
+    env = cuda_ipc_cases.child_environment({"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "HOME": "/h"},
+                                           root="/repo")
+    assert "XLA_FLAGS" not in env and env["HOME"] == "/h"
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/repo", os.path.join("/repo", "tests")]
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and _cuda_ipc.xla_pool_fraction(env) == 0.0
+    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == cuda_ipc_cases.CHILD_POOL_FRACTION
+    # jax refuses both fraction variables at once: the one the test process uses is the one set
+    newer = cuda_ipc_cases.child_environment({"XLA_CLIENT_MEM_FRACTION": "0.75"})
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in newer
+    assert float(newer["XLA_CLIENT_MEM_FRACTION"]) == cuda_ipc_cases.CHILD_POOL_FRACTION
+    infos = [_info(p, "0000:00:00.0", _cuda_ipc.xla_pool_fraction(env)) for p in range(2)]
+    assert _cuda_ipc.shared_gpu_warnings(infos) == []
+
+
+def test_case_options_are_checked_before_jax_starts():
+    import cuda_ipc_cases
+
+    base = ["--process-id", "1", "--num-processes", "2", "--port", "1234", "--device-id", "0"]
+    args = cuda_ipc_cases.parse_args(base + ["--faults"])
+    assert args.modes == ["atomic", "deterministic"] and args.faults and args.transport == "auto"
+    assert cuda_ipc_cases.parse_args(base + ["--modes", "deterministic"]).modes == ["deterministic"]
+    for bad in (["--modes", "fast"], ["--transport", "nvshmem", "--faults"]):
+        with pytest.raises(SystemExit):
+            cuda_ipc_cases.parse_args(base + bad)
+
+
+def _script(tmp_path, body):
+    path = tmp_path / "child.py"
+    path.write_text("import sys, time\nargs = sys.argv[1:]\nme = int(args[args.index('--process-id') + 1])\n" + body)
+    return str(path)
+
+
+def test_launch_runs_every_process_with_its_gpu_and_collects_output(tmp_path):
+    import cuda_ipc_cases
+
+    script = _script(tmp_path, "print('ARGS', ' '.join(args))\n")
+    results = cuda_ipc_cases.launch(2, 1, share=True, timeout_s=60, case_args=["--faults"], script=script)
+    assert [code for code, _ in results] == [0, 0]
+    for i, (_, out) in enumerate(results):
+        assert f"--process-id {i} --num-processes 2 --port " in out and "--device-id 0 --faults" in out
+
+
+def test_launch_ends_the_others_when_one_fails_and_everyone_at_the_deadline(tmp_path):
+    import cuda_ipc_cases
+
+    script = _script(tmp_path, "if me == 1:\n    print('broken'); sys.exit(3)\ntime.sleep(60)\n")
+    start = time.monotonic()
+    results = cuda_ipc_cases.launch(2, 2, share=False, timeout_s=60, script=script)
+    assert time.monotonic() - start < 30  # not the 60 s process 0 would have slept
+    assert results[1] == (3, "broken\n") and results[0][0] is None
+    script = _script(tmp_path, "time.sleep(60)\n")
+    start = time.monotonic()
+    results = cuda_ipc_cases.launch(2, 1, share=True, timeout_s=1.0, script=script)
+    assert time.monotonic() - start < 30 and [code for code, _ in results] == [None, None]
 
 
 # ---- NVSHMEM: initialisation from one unique id, collective registration, the op targets ---------------------------

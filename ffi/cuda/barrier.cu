@@ -72,8 +72,13 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> device, ffi::B
       return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
     }
     case kAborted: {
-      std::lock_guard<std::mutex> lock(h.mu);
-      return ffi::Error(ffi::ErrorCode::kAborted, "jodc barrier: " + PoisonLocked(h, "heap was poisoned"));
+      // The cause: this process's poison, or (a multi-process heap) the one another process shared with its abort.
+      std::string cause = CurrentPoison(h);
+      if (cause.empty()) {
+        std::lock_guard<std::mutex> lock(h.mu);
+        cause = PoisonLocked(h, "heap was poisoned");
+      }
+      return ffi::Error(ffi::ErrorCode::kAborted, "jodc barrier: " + cause);
     }
     default:
       return ffi::Error::Internal("jodc barrier: the barrier kernel of heap " + std::to_string(heap_id) +

@@ -277,9 +277,51 @@ Bucket::~Bucket() {
   cudaGetLastError();
 }
 
+int32_t Heap::LocalPosition() const {
+  for (int32_t p = 0; p < static_cast<int32_t>(local.size()); ++p) {
+    if (local[p] != 0) return p;
+  }
+  return -1;
+}
+
+namespace {
+
+// Multi-process heaps: writes `message` into the shared control block as the heap's abort reason unless another
+// process (or this one) already did. Claimed with a compare-and-swap, so concurrent writers never mix their texts.
+void ShareAbortReason(const Heap& heap, const std::string& message) {
+  HeapControl* c = heap.control;
+  int32_t expected = kReasonEmpty;
+  if (!__atomic_compare_exchange_n(&c->abort_reason_state, &expected, kReasonWriting, /*weak=*/false,
+                                   __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    return;  // a first cause is recorded (or being recorded) already
+  }
+  const size_t n = std::min(message.size(), static_cast<size_t>(kAbortReasonBytes - 1));
+  std::memcpy(c->abort_reason, message.data(), n);
+  c->abort_reason[n] = '\0';
+  c->abort_reason_position = heap.LocalPosition();
+  __atomic_store_n(&c->abort_reason_state, kReasonReady, __ATOMIC_RELEASE);
+}
+
+// What a process sees once another process sharing the heap aborted it: that process's position and first cause
+// (when it has finished writing it), else a generic message.
+std::string AbortedElsewhereMessage(const Heap& heap) {
+  const HeapControl* c = heap.control;
+  std::string prefix = "heap " + std::to_string(heap.id) + " was aborted by ";
+  const std::string suffix = "; the heap is now unusable: free and re-create it";
+  if (__atomic_load_n(&c->abort_reason_state, __ATOMIC_ACQUIRE) == kReasonReady) {
+    const std::string reason(c->abort_reason, strnlen(c->abort_reason, kAbortReasonBytes));
+    return prefix + "the process of position " + std::to_string(c->abort_reason_position) + " sharing it: " + reason;
+  }
+  return prefix + "another process sharing it (its error is in that process's output)" + suffix;
+}
+
+}  // namespace
+
 const std::string& PoisonLocked(Heap& heap, const std::string& message) {
   if (heap.poisoned.empty()) heap.poisoned = message;
   if (heap.control != nullptr) {
+    // The shared reason goes first: a process that sees `abort` below then finds the cause next to it.
+    if (heap.shm_bytes > 0) ShareAbortReason(heap, heap.poisoned);
     __atomic_store_n(&heap.control->abort, 1, __ATOMIC_SEQ_CST);
   }
   return heap.poisoned;
@@ -299,10 +341,7 @@ std::string CurrentPoison(Heap& heap) {
   const bool aborted_elsewhere = heap.shm_bytes > 0 && __atomic_load_n(&heap.control->abort, __ATOMIC_ACQUIRE) != 0;
   std::lock_guard<std::mutex> lock(heap.mu);
   if (fault != 0) PoisonLocked(heap, FaultMessage(heap, fault));
-  if (aborted_elsewhere) {
-    PoisonLocked(heap, "heap " + std::to_string(heap.id) + " was aborted by another process sharing it (its error is "
-                       "in that process's output); the heap is now unusable: free and re-create it");
-  }
+  if (aborted_elsewhere && heap.poisoned.empty()) PoisonLocked(heap, AbortedElsewhereMessage(heap));
   return heap.poisoned;
 }
 

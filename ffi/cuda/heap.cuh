@@ -32,6 +32,9 @@ namespace jodc::cuda {
 // Largest world a CUDA heap supports: a BucketView (three pointers per device) must fit the kernel parameter space
 // with room to spare, and the barrier waits on every device with one thread of a single block.
 constexpr int32_t kMaxWorld = 64;
+// The longest poison message a multi-process heap shares through its control block (longer ones are cut).
+constexpr int32_t kAbortReasonBytes = 1024;
+enum AbortReasonState : int32_t { kReasonEmpty = 0, kReasonWriting = 1, kReasonReady = 2 };
 
 // Which op a kernel belongs to (recorded with a device-side fault so the host can name it): the heap ops of
 // ffi/common/ops.h, numbered from 1 in its order.
@@ -140,6 +143,13 @@ struct HeapControl {
   uint64_t fault;
   // Set by the host once the heap is poisoned or freed: barrier kernels still waiting give up at once.
   int32_t abort;
+  // Multi-process heaps (CUDA IPC): the first poison message of any process sharing this block, so the other
+  // processes fail with the real cause instead of a bare "aborted elsewhere". Host-only (kernels never read it).
+  // abort_reason_state: kReasonEmpty, kReasonWriting (claimed by one process, text in progress) or kReasonReady;
+  // the claimer writes the text, then the state (release), then `abort`.
+  int32_t abort_reason_state;
+  int32_t abort_reason_position;  // the heap position of the process that wrote abort_reason
+  char abort_reason[kAbortReasonBytes];
 };
 
 // One 64-bit word so that concurrent writers never produce a torn record.
@@ -237,6 +247,8 @@ struct Heap {
   void WaitForLaunches();
 
   bool IsLocal(int32_t position) const { return local.empty() || local[position] != 0; }
+  // The one position this process owns in a multi-process heap; -1 for an in-process heap (every position local).
+  int32_t LocalPosition() const;
 
   ~Heap();
 

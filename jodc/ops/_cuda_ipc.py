@@ -3,7 +3,10 @@
 A GPU mesh of one process uses the in-process heap (peer pointers, ``transport='local'``). A mesh spanning several
 processes on one node (the common launch: one process per GPU) uses CUDA IPC (``'cuda_ipc'``): every process
 allocates its own position's memory, exports CUDA IPC handles, and maps everyone else's, so the kernels keep using
-peer pointers (ffi/cuda/ipc.cu). A mesh spanning several nodes needs NVSHMEM (``'nvshmem'``, jodc/ops/_nvshmem.py).
+peer pointers (ffi/cuda/ipc.cu). Processes may also share one GPU (CUDA maps another process's allocation on the same
+device; the GPU time-slices between them, so this serves tests, not speed): their XLA memory pools must then leave
+room for the heap (see :func:`shared_gpu_warnings`). A mesh spanning several nodes needs NVSHMEM (``'nvshmem'``,
+jodc/ops/_nvshmem.py).
 
 The processes talk through an :class:`Exchange`: the ``jax.distributed`` key-value store when JAX was initialised for
 several processes, else MPI (``mpi4py``). The protocol is collective (every process of the heap makes the same calls
@@ -18,6 +21,7 @@ import os
 import secrets
 import socket
 import threading
+import warnings
 from typing import Protocol, Sequence
 
 GPU_TRANSPORTS = ("auto", "local", "cuda_ipc", "nvshmem")
@@ -155,6 +159,60 @@ def default_exchange(processes: Sequence[int], group: str) -> Exchange:
                        "the CUDA IPC handles) or MPI (mpi4py)")
 
 
+# The environment variables that size a JAX process's XLA memory pool on its GPU (read by jax's CUDA plugin).
+PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
+MEM_FRACTION_ENVS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # the newer name first
+ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
+DEFAULT_POOL_FRACTION = 0.75
+# What processes sharing a GPU must leave outside their XLA pools for the heap's buckets (allocated with cudaMalloc).
+MIN_FREE_FRACTION_OF_SHARED_GPU = 0.1
+
+
+def xla_pool_fraction(environ=None) -> float:
+    """The fraction of its GPU this process's XLA pool takes at start-up (jax's CUDA plugin's parsing of the
+    environment): 0 when the pool grows on demand (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) or there is none (the
+    'platform' allocator); else the memory fraction (default 0.75)."""
+    env = os.environ if environ is None else environ
+    if env.get(ALLOCATOR_ENV, "").strip().lower() == "platform":
+        return 0.0
+    if env.get(PREALLOCATE_ENV, "").strip() in ("false", "False", "0"):
+        return 0.0
+    for name in MEM_FRACTION_ENVS:
+        value = env.get(name, "").strip()
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                return DEFAULT_POOL_FRACTION  # jax itself refuses such a value when it creates the client
+    return DEFAULT_POOL_FRACTION
+
+
+def positions_by_gpu(everyone: Sequence[dict]) -> dict[str, list[int]]:
+    """PCI bus id -> the sorted heap positions whose processes run on that GPU (several when processes share one)."""
+    by_gpu: dict[str, list[int]] = {}
+    for v in everyone:
+        by_gpu.setdefault(v["pci"], []).append(int(v["position"]))
+    return {pci: sorted(ps) for pci, ps in by_gpu.items()}
+
+
+def shared_gpu_warnings(everyone: Sequence[dict]) -> list[str]:
+    """One message per GPU that several processes of the heap share while their XLA pools, preallocated at start-up
+    (each process's ``xla_pool`` fraction), leave less than 10% of it: the buckets are allocated outside the pools, so
+    registering them would fail for lack of memory."""
+    messages = []
+    pools = {int(v["position"]): float(v.get("xla_pool", 0.0)) for v in everyone}
+    for pci, positions in sorted(positions_by_gpu(everyone).items()):
+        taken = sum(pools[p] for p in positions)
+        if len(positions) > 1 and taken > 1.0 - MIN_FREE_FRACTION_OF_SHARED_GPU:
+            share = (1.0 - 2 * MIN_FREE_FRACTION_OF_SHARED_GPU) / len(positions)
+            messages.append(
+                f"GPU {pci} is shared by the processes of positions {positions}, whose XLA memory pools take "
+                f"{taken:.0%} of it at start-up: the heap's buckets live outside those pools and may not fit. Start "
+                f"each process with {PREALLOCATE_ENV}=false, or with XLA_PYTHON_CLIENT_MEM_FRACTION={share:.2f} or "
+                f"less")
+    return messages
+
+
 def _json(value) -> bytes:
     return json.dumps(value, sort_keys=True).encode()
 
@@ -172,17 +230,26 @@ def _all_or_raise(exchange: Exchange, key: str, mine: dict) -> list[dict]:
 class IpcHeap:
     """One process's side of a CUDA IPC heap: its position and GPU, the library, the exchange."""
 
-    def __init__(self, lib, exchange: Exchange, heap_id: int, positions: Sequence[int], position: int, gpu: int):
+    def __init__(self, lib, exchange: Exchange, heap_id: int, positions: Sequence[int], position: int, gpu: int,
+                 gpu_sharing: dict[str, list[int]] | None = None):
         self.lib, self.exchange, self.heap_id = lib, exchange, heap_id
         self.positions = list(positions)  # positions[r]: the position of the process of exchange rank r
         self.world, self.position, self.gpu = len(self.positions), position, gpu
+        self.gpu_sharing = dict(gpu_sharing or {})  # PCI bus id -> the positions running on that GPU
         self._registered = 0
+
+    @property
+    def shared_gpu(self) -> bool:
+        """Whether another process of the heap runs on this process's GPU."""
+        return any(self.position in ps and len(ps) > 1 for ps in self.gpu_sharing.values())
 
     @classmethod
     def create(cls, lib, exchange: Exchange, world: int, position: int, gpu: int, deterministic: bool,
-               barrier_timeout_s: float) -> "IpcHeap":
-        """Collective: every process of the heap calls this with its own position and GPU."""
-        mine = {"position": position, "gpu": gpu, "node": node_id(), "pid": os.getpid()}
+               barrier_timeout_s: float, environ=None) -> "IpcHeap":
+        """Collective: every process of the heap calls this with its own position and GPU. Processes may share a GPU
+        (warned about when their XLA pools leave it too little memory: `environ` is this process's environment)."""
+        mine = {"position": position, "gpu": gpu, "node": node_id(), "pid": os.getpid(),
+                "xla_pool": xla_pool_fraction(environ)}
         try:
             mine["pci"] = lib.pci_bus_id(gpu)
         except Exception as e:  # noqa: BLE001 - reported to every process below
@@ -195,9 +262,12 @@ class IpcHeap:
         nodes = sorted({v["node"] for v in everyone})
         if len(nodes) != 1:
             raise ValueError(f"a CUDA IPC heap needs every process on one node, got {nodes}")
+        for message in shared_gpu_warnings(everyone):
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
         links = {"access": True, "atomics": True}
         try:
-            peers = "\n".join(v["pci"] for v in everyone if v["position"] != position)
+            # the other GPUs only: memory of processes on this GPU is local memory (no link, native atomics)
+            peers = "\n".join(sorted({v["pci"] for v in everyone} - {mine["pci"]}))
             links["access"], links["atomics"] = lib.ipc_links(gpu, peers)
         except Exception as e:  # noqa: BLE001
             links["error"] = f"GPU {gpu}: {e}"
@@ -240,7 +310,7 @@ class IpcHeap:
                     lib.ipc_unlink(name)
                 except Exception:  # noqa: BLE001 - already gone: nothing to clean up
                     pass
-        return cls(lib, exchange, heap_id, [v["position"] for v in everyone], position, gpu)
+        return cls(lib, exchange, heap_id, [v["position"] for v in everyone], position, gpu, positions_by_gpu(everyone))
 
     def register(self, numel: int, dtype: str, name: str) -> int:
         """Collective: registers the next bucket everywhere; returns this process's bucket id. Every process must
