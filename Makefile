@@ -114,11 +114,12 @@ test-gpu: gpu-setup
 
 # compute-sanitizer's memcheck and racecheck over the single-GPU CUDA tests (the handlers driven directly, several
 # positions simulated on one GPU: every kernel and both accumulation modes), limited to jodc's kernels.
-SANITIZE_TESTS ?= tests/test_ops_cuda.py -k "raw or subnormal or lane_layout or barrier_reports"
+SANITIZE_TESTS ?= tests/test_ops_cuda.py -m raw_handlers
 sanitize-gpu: gpu-setup
 	@test -x "$(COMPUTE_SANITIZER)" || { echo "compute-sanitizer not found (CUDA toolkit bin/; COMPUTE_SANITIZER=...)"; exit 1; }
 	for tool in memcheck racecheck; do \
-		JODC_REQUIRE_GPU=1 $(COMPUTE_SANITIZER) --tool $$tool --error-exitcode 97 --kernel-name kns=jodc \
+		JODC_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false $(COMPUTE_SANITIZER) --tool $$tool --error-exitcode 97 \
+			--kernel-name kns=jodc --report-api-errors no \
 			$(GPU_PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) || exit 1; \
 	done
 

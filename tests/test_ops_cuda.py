@@ -32,6 +32,10 @@ from jodc import ops
 from jodc.ops import _native
 from jodc.ops.heap import _settle_ops_before_free
 
+# Marks split the module into `make gpu-check`'s steps (tools/gpu_check.py; every test is in exactly one, checked
+# by tests/test_gpu_check.py): raw_handlers (handlers driven directly, several positions on one GPU), stress (issue 15's
+# (a)-(e)), processes (one heap over several processes), sanitizer (compute-sanitizer, a step of its own), the rest
+# (the ops through jax on the GPU mesh).
 pytestmark = pytest.mark.cuda
 
 
@@ -207,6 +211,7 @@ def _raw_call(target, results, attrs):
     return jax.jit(fn)
 
 
+@pytest.mark.raw_handlers
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("master", ["float32", "bfloat16"])
 def test_raw_multi_owner_paths_on_one_gpu(deterministic, master):
@@ -249,6 +254,7 @@ def test_raw_multi_owner_paths_on_one_gpu(deterministic, master):
         heap.free()
 
 
+@pytest.mark.raw_handlers
 def test_raw_barrier_timeout_names_missing_devices_and_poisons():
     heap = RawHeap(4, timeout_s=0.3)
     try:
@@ -262,6 +268,7 @@ def test_raw_barrier_timeout_names_missing_devices_and_poisons():
         heap.free()
 
 
+@pytest.mark.raw_handlers
 def test_raw_barrier_passes_when_everyone_arrives_in_order():
     heap = RawHeap(1)
     try:
@@ -273,6 +280,7 @@ def test_raw_barrier_passes_when_everyone_arrives_in_order():
         heap.free()
 
 
+@pytest.mark.raw_handlers
 def test_native_handlers_return_errors_instead_of_crashing():
     """Bypass the Python checks: the handlers refuse unknown ids, bad sizes and device indices. A handler that fails
     aborts its heap (peers spinning in a barrier kernel must not wait for the timeout), so each case runs on a fresh
@@ -388,6 +396,7 @@ def test_heap_touches_only_its_own_gpus_and_leaves_no_context_current():
         assert gpu0 == 0, "creating a heap on the last GPU created a context on GPU 0"
 
 
+@pytest.mark.raw_handlers
 def test_barrier_reports_belong_to_the_heap():
     """Defect 3: each barrier borrows one of its heap's pinned reports (allocated with the heap, freed with it), so
     fresh host threads (each new thread used to cudaHostAlloc a report of its own, never freed) work and nothing
@@ -408,6 +417,7 @@ def test_barrier_reports_belong_to_the_heap():
         heap.free()
 
 
+@pytest.mark.raw_handlers
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
 def test_subnormal_gradients_atomic_mode_flushes_landing_slots_keep(grad_dtype):
     """Defect 4: float atomics on global memory flush subnormals to zero (scalar and sm_90 vector reductions alike),
@@ -432,6 +442,7 @@ def test_subnormal_gradients_atomic_mode_flushes_landing_slots_keep(grad_dtype):
             heap.free()
 
 
+@pytest.mark.raw_handlers
 def test_atomic_accumulation_is_exact_on_every_lane_layout():
     """Defect 4: contiguous lanes with 16-byte vector reductions (sm_90) or scalar ones (sm_80), vector body and
     scalar tails, aligned and unaligned gradients: every element gets exactly its integer-valued contributions."""
@@ -473,6 +484,7 @@ def test_token_ops_run_on_the_streams_gpu(order):
     np.testing.assert_array_equal(np.asarray(tok), 1)
 
 
+@pytest.mark.raw_handlers
 def test_management_does_not_wait_for_another_heaps_spinning_barrier():
     """Defect 7: registering, host copies and zeroing used the legacy default stream (queued behind every kernel of
     blocking streams) and held heap->mu across allocations; freeing ran cudaDeviceSynchronize. While heap A's barrier
@@ -535,6 +547,7 @@ def _busy(device, rounds):
     return lax.fori_loop(0, (device + 1) * rounds, lambda i, a: jnp.tanh(a @ a), x)[0, 0]
 
 
+@pytest.mark.stress
 def test_stress_a_publish_barrier_gather_1000_rounds_with_skewed_devices():
     """(a) 1000 rounds of publish -> barrier -> gather, each device doing a different amount of busy work first,
     barrier_timeout_s=10: every gathered shard equals the round number (a barrier that lets a device through early
@@ -564,6 +577,7 @@ def test_stress_a_publish_barrier_gather_1000_rounds_with_skewed_devices():
         assert heap.generations() == [2 * rounds] * world
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_stress_b_push_barrier_read_zero_1000_rounds(deterministic):
     """(b) 1000 rounds of push -> barrier -> read/zero -> barrier with skewed devices: every round's accumulated
@@ -612,6 +626,7 @@ def test_stress_b_push_barrier_read_zero_1000_rounds(deterministic):
             assert got.tobytes() == cpu.tobytes()
 
 
+@pytest.mark.stress
 @pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs (one device missing a barrier, the others waiting)")
 def test_stress_c_one_device_times_out_the_others_are_released_in_time():
     """(c) device 0 never arrives: every other device is released within the timeout + 1 s (measured on a compiled
@@ -637,6 +652,7 @@ def test_stress_c_one_device_times_out_the_others_are_released_in_time():
             heap.free()
 
 
+@pytest.mark.stress
 def test_stress_c_raw_waiting_device_is_released_within_timeout_plus_1s():
     """(c) on one GPU: device 1 of a 2-device heap (raw handler) waits for device 0, which never comes; it is released
     within the timeout + 1 s (a compiled executable: no compile time counted), naming device 0."""
@@ -653,6 +669,7 @@ def test_stress_c_raw_waiting_device_is_released_within_timeout_plus_1s():
         heap.free()
 
 
+@pytest.mark.stress
 def test_stress_c_abort_releases_waiting_devices_at_once():
     """(c, fail fast) A device that fails instead of timing out aborts the heap: a waiting barrier returns within a
     second, long before its 60 s timeout (raw handler on one GPU: device 0 of a 2-device heap waits)."""
@@ -670,6 +687,7 @@ def test_stress_c_abort_releases_waiting_devices_at_once():
         heap.free()
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("op", ["gather", "scatter_accumulate", "publish", "read_accumulator", "zero_accumulator"])
 def test_stress_c_a_handler_error_releases_waiting_devices_at_once(op):
     """(c, defect 5) Device 1's op fails in its handler (here: an unregistered bucket) while device 0 waits in a
@@ -727,6 +745,7 @@ def test_stress_c_a_handler_error_releases_waiting_devices_at_once(op):
 COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE"
 
 
+@pytest.mark.stress
 def test_stress_d_jodc_calls_stay_outside_command_buffers():
     """(d) With command buffers on for fusions, custom calls and while loops, XLA must keep every jodc custom call out
     of them (a captured barrier would be replayed without its host wait; captured ops would bake in stale pointers).
@@ -764,6 +783,7 @@ def test_stress_d_jodc_calls_stay_outside_command_buffers():
     assert "CAPTURED []" in out, out
 
 
+@pytest.mark.stress
 def test_stress_e_bucket_above_2_31_elements():
     """(e) A bucket of more than 2^31 elements (bf16 master: 4 GiB of shards, 8 GiB of fp32 accumulators over the
     GPUs): publish / gather / scatter / read index it with 64-bit offsets. Skipped when GPU memory is short."""
@@ -807,6 +827,7 @@ def test_stress_e_bucket_above_2_31_elements():
             assert (full_count, zero_count) == (valid, shard_numel - valid), d
 
 
+@pytest.mark.sanitizer
 def test_stress_f_compute_sanitizer_memcheck_and_racecheck():
     """(f) compute-sanitizer's memcheck and racecheck over jodc's kernels (every op, both accumulation modes, several
     positions on one GPU): no error. `make sanitize-gpu` runs the same tools over the single-GPU tests."""
@@ -835,6 +856,7 @@ def _check_ipc_processes(results, transport: str) -> None:
         assert code == 0 and f"IPC CASES PASSED {transport}" in out, f"process {i} (exit {code}):\n{out[-5000:]}"
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(N_GPUS < 2, reason="needs two GPUs (one process per GPU)")
 @pytest.mark.parametrize("transport", ["auto", "nvshmem"])
 def test_gpu_heap_across_two_processes(transport):
@@ -847,6 +869,7 @@ def test_gpu_heap_across_two_processes(transport):
     _check_ipc_processes(results, "cuda_ipc" if transport == "auto" else transport)
 
 
+@pytest.mark.processes
 def test_gpu_heap_across_two_processes_on_one_gpu():
     """Issue 28 item 3: two processes on GPU 0 (local_device_ids=[0] each, XLA pools capped) share buckets through
     CUDA IPC, which maps another process's memory on the same device: the handle exchange, the shared control block,
