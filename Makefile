@@ -8,6 +8,9 @@
 # make gpu-check - on a GPU runner with a CUDA jax already installed (no venv, no index): build, every GPU check,
 #                  the GPU benchmarks and an SFT smoke run inside one time budget; summary.json + logs in GPU_CHECK_OUT
 # make gpu-wheels - (where a package index is reachable) the pure-Python wheels such a runner lacks, for Python 3.12
+# make lint - ruff's pyflakes checks (undefined names, unused imports) over every tracked Python file
+# make test-py312 - the suite on Python 3.12 with the GPU image's jax (0.11.2), without torch/transformers
+# make test-jax-latest - on Python 3.12 with the newest jax (0.12.x): the library imports and the ops tests pass
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,8 +20,8 @@ INSTALLED := $(VENV)/.jodc-installed
 JODC_CUDA ?=
 NATIVE := $(VENV)/.jodc-native$(if $(filter-out 0,$(JODC_CUDA)),-cuda,)
 
-.PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test test-gpu sanitize-gpu gpu-setup \
-	gpu-check gpu-wheels
+.PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test test-gpu sanitize-gpu \
+	gpu-setup lint test-py312 test-jax-latest gpu-check gpu-wheels
 
 setup: $(NATIVE)
 
@@ -29,7 +32,7 @@ $(PY):
 # Dependencies first (the build needs jaxlib's FFI headers), then the project itself in editable mode.
 $(INSTALLED): $(PY) pyproject.toml constraints-cpu.txt
 	$(PIP) install --quiet -c constraints-cpu.txt "setuptools>=69" wheel "pybind11>=2.12,<4" "jaxlib>=0.10.2,<0.13"
-	$(PIP) install --quiet -c constraints-cpu.txt --no-build-isolation -e ".[test,mpi]"
+	$(PIP) install --quiet -c constraints-cpu.txt --no-build-isolation -e ".[test,hf-reference,mpi]"
 	touch $@
 
 # Rebuild the native extension in place whenever a native source changes (JODC_CUDA=1 adds the CUDA library and
@@ -78,6 +81,96 @@ cuda-check: $(INSTALLED) $(CUDA_CHECK_NVSHMEM)
 		JODC_NVSHMEM_CHECK_LIBRARY=$(CURDIR)/$(CUDA_CHECK_DIR)/_ffi_nvshmem.so \
 		$(PY) -m pytest -q -p no:cacheprovider tests/test_cuda_build.py
 
+# ---- Lint ---------------------------------------------------------------------------------------------------------
+# ruff with pyflakes' rules only (pyproject.toml [tool.ruff.lint]) over every file git tracks (ruff skips what
+# .gitignore ignores), in a venv of its own: CI runs it first, before any install (seconds).
+RUFF_VERSION ?= 0.17.6
+LINT_VENV ?= .venv-lint
+LINT_RUFF := $(LINT_VENV)/.ruff-$(RUFF_VERSION)
+
+$(LINT_RUFF):
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install --quiet "ruff==$(RUFF_VERSION)"
+	touch $@
+
+lint: $(LINT_RUFF)
+	$(LINT_VENV)/bin/ruff check
+
+# ---- Python 3.12: the GPU image's jax, and the newest jax -----------------------------------------------------
+# jax 0.11+ needs Python 3.12+, and the GPU runners' image has Python 3.12 with jax 0.11.2. `make test-py312` runs the
+# whole suite there (versions: constraints-py312.txt); `make test-jax-latest` runs JAX_LATEST_TESTS (every module
+# imports, the ops tests) on the newest jax, JAX_LATEST (the rest pinned as for test-py312). Each has its own venv
+# (.venv-py312, .venv-jax-latest) and its own copy of the tree (build/py312/src, build/jax-latest/src: the files git
+# tracks or would track, synced at each run with their mtimes, so the native build there is incremental), because the
+# native libraries are built in place (jodc/_ffi*.so) and one Python's or jaxlib's build would overwrite another's.
+# Neither installs torch/transformers (the hf-reference extra: PyPI's torch for Python 3.12 is a multi-GB CUDA
+# build); the tests that compare against them skip (tests/conftest.py: hf_reference). PYTHON312 names the interpreter
+# (default: python3.12 on PATH, else pyenv's); PY312_TESTS narrows test-py312 (default: the whole suite).
+PYTHON312 ?= $(shell for p in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+JAX_LATEST ?= 0.12.0.1
+PY312_TESTS ?= tests
+JAX_LATEST_TESTS ?= tests/test_imports.py tests/test_ops.py tests/test_ops_faults.py tests/test_ops_targets.py
+PY312_VENV ?= .venv-py312
+JAX_LATEST_VENV ?= .venv-jax-latest
+
+# $(call py312_sync,DIR): DIR/src becomes a copy of the tree's tracked and untracked-but-not-ignored files (the files
+# an earlier copy had that are gone now are removed; build outputs there stay).
+define py312_sync
+	@git rev-parse --git-dir >/dev/null 2>&1 || { echo "make $@ copies the tree with git ls-files: needs a checkout"; \
+		exit 1; }
+	@mkdir -p $(1)/src
+	@git ls-files --cached --others --exclude-standard | while IFS= read -r f; do [ -f "$$f" ] && printf '%s\n' "$$f"; \
+		done | sort > $(1)/files.new
+	@if [ -f $(1)/files ]; then comm -23 $(1)/files $(1)/files.new | (cd $(1)/src && xargs -r -d '\n' rm -f); fi
+	@tar -cf - -T $(1)/files.new | tar -xf - -C $(1)/src
+	@mv $(1)/files.new $(1)/files
+endef
+
+# $(call py312_install,VENV,DIR,CONSTRAINTS): a Python 3.12 venv with DIR/src installed in editable mode (its native
+# extension built in place), its test and mpi extras, pinned by CONSTRAINTS.
+define py312_install
+	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (python3.12 on PATH, or pyenv's versions/3.12*):" \
+		"install one (pyenv install 3.12) or pass PYTHON312=/path/to/python3.12"; exit 1; }
+	$(PYTHON312) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -c $(3) "setuptools>=69" wheel "pybind11>=2.12,<4" jax jaxlib
+	$(1)/bin/python -m pip install --quiet -c $(3) --no-build-isolation -e "./$(2)/src[test,mpi]"
+endef
+
+# $(call py312_native,VENV,DIR): the native libraries of DIR/src, built in place by VENV's Python.
+define py312_native
+	cd $(2)/src && $(abspath $(1))/bin/python setup.py --quiet build_ext --inplace
+endef
+
+PY312_INSTALLED := $(PY312_VENV)/.jodc-installed
+$(PY312_INSTALLED): pyproject.toml constraints-py312.txt
+	$(call py312_sync,build/py312)
+	$(call py312_install,$(PY312_VENV),build/py312,constraints-py312.txt)
+	touch $@
+
+test-py312: $(PY312_INSTALLED)
+	$(call py312_sync,build/py312)
+	$(call py312_native,$(PY312_VENV),build/py312)
+	cd build/py312/src && $(abspath $(PY312_VENV))/bin/python -m pytest -q -x -rs --durations=15 $(PY312_TESTS)
+
+# constraints-py312.txt with jax/jaxlib replaced by JAX_LATEST
+JAX_LATEST_CONSTRAINTS := $(JAX_LATEST_VENV)/constraints-jax$(JAX_LATEST).txt
+JAX_LATEST_INSTALLED := $(JAX_LATEST_VENV)/.jodc-installed-jax$(JAX_LATEST)
+$(JAX_LATEST_CONSTRAINTS): constraints-py312.txt
+	mkdir -p $(dir $@)
+	{ sed '/^jax\(lib\)\?==/d' $<; echo "jax==$(JAX_LATEST)"; echo "jaxlib==$(JAX_LATEST)"; } > $@
+
+$(JAX_LATEST_INSTALLED): pyproject.toml $(JAX_LATEST_CONSTRAINTS)
+	$(call py312_sync,build/jax-latest)
+	$(call py312_install,$(JAX_LATEST_VENV),build/jax-latest,$(JAX_LATEST_CONSTRAINTS))
+	touch $@
+
+test-jax-latest: $(JAX_LATEST_INSTALLED)
+	$(call py312_sync,build/jax-latest)
+	$(call py312_native,$(JAX_LATEST_VENV),build/jax-latest)
+	cd build/jax-latest/src && $(abspath $(JAX_LATEST_VENV))/bin/python -m pytest -q -x -rs $(JAX_LATEST_TESTS)
+
 # ---- GPU runners ------------------------------------------------------------------------------------------------
 # A venv of its own (.venv-gpu) with the CUDA build of jax pinned in constraints-cuda.txt: jax[cuda12] or jax[cuda13]
 # after the CUDA major version of the nvcc on PATH (override: make test-gpu CUDA_MAJOR=12). Needs a GPU, its driver,
@@ -93,7 +186,7 @@ $(GPU_INSTALLED): pyproject.toml constraints-cuda.txt
 	$(GPU_PY) -m pip install --quiet --upgrade pip
 	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt "setuptools>=69" wheel "pybind11>=2.12,<4" \
 		"jax[cuda$(CUDA_MAJOR)]" "nvidia-nvshmem-cu$(CUDA_MAJOR)"
-	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt --no-build-isolation -e ".[test,mpi]"
+	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt --no-build-isolation -e ".[test,hf-reference,mpi]"
 	touch $@
 
 # The CUDA build in place (jodc/_ffi_cuda.so next to the package; rebuilt every time: nvcc sees every change).

@@ -75,7 +75,6 @@ def worker(args) -> None:
     import jax
 
     jax.distributed.initialize(cluster_detection_method="mpi4py")
-    import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P

@@ -54,6 +54,19 @@ def _sigint_handler_is_left_as_found():
 
 
 @pytest.fixture(scope="session")
+def hf_reference():
+    """torch and transformers (the `hf-reference` extra), as `.torch` and `.transformers`: the reference that the HF
+    parity tests compare against. The tests that take this fixture skip where they are not installed: the Python 3.12
+    suite (`make test-py312`) has no torch, whose PyPI build for 3.12 is a multi-GB CUDA one."""
+    import types
+
+    why = "needs torch and transformers (pip install -e '.[hf-reference]')"
+    torch = pytest.importorskip("torch", reason=why)
+    transformers = pytest.importorskip("transformers", reason=why)
+    return types.SimpleNamespace(torch=torch, transformers=transformers)
+
+
+@pytest.fixture(scope="session")
 def cpu_devices():
     """The eight simulated CPU devices (on GPU runners the CPU backend still has them)."""
     devices = jax.devices("cpu")

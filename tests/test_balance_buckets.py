@@ -1,5 +1,4 @@
 """Planning for padded microbatches (jodc.balance.buckets) and LB-Mini with length buckets."""
-import itertools
 import math
 
 import numpy as np

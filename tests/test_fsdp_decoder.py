@@ -11,6 +11,10 @@ from jodc.fsdp.decoder import decoder_staged_model
 from jodc.models.config import DecoderConfig
 
 OPT = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0)
+# Parameters after AdamW steps agree to a thousandth of a step: each engine sums a gradient element over the tokens in
+# its own order, and an element whose contributions nearly cancel keeps ~1e-3 of relative float32 rounding, which
+# AdamW's normalised update passes on scaled by the learning rate (seen on jax 0.11.2: 2.7e-6 on one element of 2048).
+PARAM_TOL = dict(rtol=1e-5, atol=1e-3 * OPT.learning_rate)
 
 
 def tiny_config(**overrides):
@@ -68,7 +72,7 @@ def test_decoder_engines_match_reference(tied):
     np.testing.assert_allclose(odc_losses, ref_losses, rtol=2e-5)
     ref_params = ref.flat_params()
     for g in ref_params:
-        np.testing.assert_allclose(odc_params[g], ref_params[g], rtol=1e-5, atol=1e-6, err_msg=g)
+        np.testing.assert_allclose(odc_params[g], ref_params[g], **PARAM_TOL, err_msg=g)
     if not tied:
         col_batches = batches("lb_micro", 2)
         ref2 = ReferenceEngine(model, groups, optimizer=OPT)
@@ -76,7 +80,7 @@ def test_decoder_engines_match_reference(tied):
         np.testing.assert_allclose([col.step(b).loss for b in col_batches], [ref2.step(b).loss for b in col_batches],
                                    rtol=2e-5)
         for g, v in ref2.flat_params().items():
-            np.testing.assert_allclose(col.flat_params()[g], v, rtol=1e-5, atol=1e-6, err_msg=g)
+            np.testing.assert_allclose(col.flat_params()[g], v, **PARAM_TOL, err_msg=g)
 
 
 def test_custom_head_loss_with_extras_and_metrics():

@@ -1,5 +1,6 @@
 """HF interop, offline: parity with transformers on tiny random checkpoints, save/load round trips, errors,
-and tokenizers."""
+and tokenizers. The tests that compare against transformers take the `hf_reference` fixture (tests/conftest.py: they
+skip where torch / transformers are not installed); the checkpoint error tests run everywhere."""
 import json
 import os
 
@@ -9,12 +10,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from safetensors.numpy import load_file, save_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
+from safetensors.numpy import load_file, save_file
 
-from jodc.models import (  # noqa: E402
+from jodc.models import (
     config_from_hf,
     config_to_hf,
     load_pretrained,
@@ -28,17 +26,20 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16, "rope_theta": 500000.0}
 
+# name -> the transformers config of that tiny model, given the transformers module
 HF_CONFIGS = {
-    "llama3": lambda: LlamaConfig(**SMALL, rope_parameters=dict(LLAMA3_ROPE)),
-    "qwen2_tied": lambda: Qwen2Config(**SMALL, tie_word_embeddings=True),
-    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=False),
+    "llama3": lambda transformers: transformers.LlamaConfig(**SMALL, rope_parameters=dict(LLAMA3_ROPE)),
+    "qwen2_tied": lambda transformers: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+    "qwen3": lambda transformers: transformers.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=False),
 }
 
 
-def make_hf_model(name: str, path, seed: int = 0):
-    """A tiny transformers model with every weight randomised (norms around 1), saved to `path`."""
+def make_hf_model(ref, name: str, path, seed: int = 0):
+    """A tiny transformers model with every weight randomised (norms around 1), saved to `path` (`ref`: the
+    hf_reference fixture)."""
+    torch = ref.torch
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(HF_CONFIGS[name]()).eval()
+    model = ref.transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[name](ref.transformers)).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
@@ -49,9 +50,9 @@ def make_hf_model(name: str, path, seed: int = 0):
     return model
 
 
-def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+def hf_logits(ref, model, tokens: np.ndarray) -> np.ndarray:
+    with ref.torch.no_grad():
+        return model(ref.torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
 
 
 @pytest.fixture(autouse=True)
@@ -61,10 +62,10 @@ def exact_matmuls():
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
-def test_logits_match_transformers_and_saved_files_load_in_transformers(name, tmp_path):
-    theirs = make_hf_model(name, tmp_path / "hf")
+def test_logits_match_transformers_and_saved_files_load_in_transformers(name, tmp_path, hf_reference):
+    theirs = make_hf_model(hf_reference, name, tmp_path / "hf")
     tokens = np.random.default_rng(0).integers(0, 128, (2, 40))
-    reference = hf_logits(theirs, tokens)
+    reference = hf_logits(hf_reference, theirs, tokens)
     ours = load_pretrained(str(tmp_path / "hf"))
     assert ours.config.family == theirs.config.model_type
     logits = np.asarray(ours(jnp.asarray(tokens)))
@@ -72,37 +73,38 @@ def test_logits_match_transformers_and_saved_files_load_in_transformers(name, tm
     assert np.abs(reference).max() > 0.1  # the comparison is not between two near-zero arrays
 
     save_pretrained(ours, str(tmp_path / "ours"))
-    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
-    assert np.abs(hf_logits(reloaded, tokens) - reference).max() <= 1e-5
+    reloaded = hf_reference.transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+    assert np.abs(hf_logits(hf_reference, reloaded, tokens) - reference).max() <= 1e-5
     again = split_params(load_pretrained(str(tmp_path / "ours")))
     for group, params in split_params(ours).items():
         for pname, value in params.items():
             np.testing.assert_array_equal(again[group][pname], value)
 
 
-def test_sharded_checkpoint_round_trip(tmp_path):
-    theirs = make_hf_model("qwen3", tmp_path / "hf")
+def test_sharded_checkpoint_round_trip(tmp_path, hf_reference):
+    theirs = make_hf_model(hf_reference, "qwen3", tmp_path / "hf")
     ours = load_pretrained(str(tmp_path / "hf"))
     save_pretrained(ours, str(tmp_path / "sharded"), max_shard_bytes=60_000)
     files = sorted(os.listdir(tmp_path / "sharded"))
     shards = [f for f in files if f.startswith("model-")]
     assert len(shards) > 1 and "model.safetensors.index.json" in files and "model.safetensors" not in files
     tokens = np.random.default_rng(1).integers(0, 128, (1, 17))
-    reloaded_hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded")).eval()
-    np.testing.assert_allclose(hf_logits(reloaded_hf, tokens), hf_logits(theirs, tokens), atol=1e-5)
+    reloaded_hf = hf_reference.transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded")).eval()
+    np.testing.assert_allclose(hf_logits(hf_reference, reloaded_hf, tokens), hf_logits(hf_reference, theirs, tokens),
+                               atol=1e-5)
     reloaded = load_pretrained(str(tmp_path / "sharded"))
     np.testing.assert_array_equal(reloaded(jnp.asarray(tokens)), ours(jnp.asarray(tokens)))
     save_pretrained(reloaded, str(tmp_path / "sharded"))  # saving again as one file removes the old shards
     assert sorted(os.listdir(tmp_path / "sharded")) == ["config.json", "model.safetensors"]
 
 
-def test_bf16_load_and_save(tmp_path):
-    theirs = make_hf_model("llama3", tmp_path / "hf")
+def test_bf16_load_and_save(tmp_path, hf_reference):
+    theirs = make_hf_model(hf_reference, "llama3", tmp_path / "hf")
     ours = load_pretrained(str(tmp_path / "hf"), dtype="bfloat16")
     assert ours.config.compute_dtype == "bfloat16"
     assert split_params(ours)["layer_0"]["q_proj"].dtype == jnp.bfloat16
     tokens = np.random.default_rng(2).integers(0, 128, (1, 20))
-    reference = hf_logits(theirs, tokens)
+    reference = hf_logits(hf_reference, theirs, tokens)
     logits = np.asarray(ours(jnp.asarray(tokens)))
     assert np.abs(logits - reference).max() < 0.05 * np.abs(reference).max() + 0.05
     save_pretrained(ours, str(tmp_path / "bf16"))
@@ -114,8 +116,8 @@ def test_bf16_load_and_save(tmp_path):
     assert split_params(masters)["layer_0"]["q_proj"].dtype == jnp.float32
 
 
-def test_config_round_trip_and_unsupported_features():
-    hf = HF_CONFIGS["llama3"]().to_dict()
+def test_config_round_trip_and_unsupported_features(hf_reference):
+    hf = HF_CONFIGS["llama3"](hf_reference.transformers).to_dict()
     config = config_from_hf(hf, attention_block_size=32)
     assert config.rope_scaling.kind == "llama3" and config.rope_theta == 500000.0
     assert config.attention_block_size == 32
@@ -130,7 +132,7 @@ def test_config_round_trip_and_unsupported_features():
     with pytest.raises(ValueError, match="RoPE type 'yarn'"):
         config_from_hf(dict(hf, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="sliding-window"):
-        config_from_hf(dict(HF_CONFIGS["qwen2_tied"]().to_dict(), use_sliding_window=True))
+        config_from_hf(dict(HF_CONFIGS["qwen2_tied"](hf_reference.transformers).to_dict(), use_sliding_window=True))
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         config_from_hf(dict(hf, hidden_act="gelu"))
     with pytest.raises(ValueError, match=r"missing fields \['intermediate_size'\]"):
@@ -139,8 +141,8 @@ def test_config_round_trip_and_unsupported_features():
         config_to_hf(config.replace(family="qwen2"))
 
 
-def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
-    make_hf_model("qwen2_tied", tmp_path / "hf")
+def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path, hf_reference):
+    make_hf_model(hf_reference, "qwen2_tied", tmp_path / "hf")
     weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
     config_json = (tmp_path / "hf" / "config.json").read_text()
 
@@ -172,10 +174,9 @@ def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
         load_pretrained(str(tmp_path / "hf"), dtype="int8")
 
 
-def test_tokenizer_matches_transformers_fast_tokenizer(tmp_path):
+def test_tokenizer_matches_transformers_fast_tokenizer(tmp_path, hf_reference):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     corpus = ["the quick brown fox jumps over the lazy dog", "packed sequences attend within their segment",
               "on demand communication for post training"] * 20
@@ -189,7 +190,7 @@ def test_tokenizer_matches_transformers_fast_tokenizer(tmp_path):
         {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": "<pad>"}))
 
     ours = load_tokenizer(str(tmp_path))
-    theirs = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    theirs = hf_reference.transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     text = "the lazy fox attends within the segment"
     assert ours.encode(text) == theirs(text)["input_ids"]
     assert ours.encode(text)[0] == ours.bos_token_id == 1

@@ -105,7 +105,7 @@ def test_rms_norm_matches_numpy_and_rejects_bad_scale():
     RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=64),
 ])
-def test_rope_inverse_frequencies_match_transformers(scaling):
+def test_rope_inverse_frequencies_match_transformers(scaling, hf_reference):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

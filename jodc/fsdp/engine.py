@@ -244,13 +244,22 @@ def accumulate(grad_fn: Callable) -> Callable:
     return run
 
 
+def device_sum(tree, axis: str):
+    """Every leaf of `tree` summed over the devices of `axis` (inside shard_map), added in device order: the same bits
+    whether the devices sit in one process or several. A psum adds in its collective's own order, and the in-process
+    all-reduce and the cross-process one differ (in the last bit on jax 0.11.2), which would break the deterministic
+    ODC engine's bit-for-bit equality between one process driving every device and several processes. The leaves
+    here are scalars (a squared norm, the loss, metrics), so gathering them costs nothing."""
+    return jax.tree.map(lambda x: jnp.sum(lax.all_gather(x, axis), axis=0), tree)
+
+
 def update_step(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads, params, opt_state, loss_sum,
                 metric_sums, *, axis: str | None = None):
     """The optimizer update every engine ends its step with, on whole parameters (`axis` None) or on this device's
     shards inside shard_map (`axis` 'd': the squared gradient norm, the loss and the metrics are summed over the
-    devices, so clipping sees the global norm). Non-finite steps are not applied (`optim.guarded_update`).
-    Returns (params, opt_state, loss, grad_norm, metrics, applied)."""
-    reduce = (lambda x: x) if axis is None else (lambda x: lax.psum(x, axis))
+    devices in device order, `device_sum`, so clipping sees the global norm). Non-finite steps are not applied
+    (`optim.guarded_update`). Returns (params, opt_state, loss, grad_norm, metrics, applied)."""
+    reduce = (lambda x: x) if axis is None else functools.partial(device_sum, axis=axis)
     global_sq, loss = reduce((squared_norm(grads), loss_sum))
     params, opt_state, norm, applied = guarded_update(tx, cfg, grads, params, opt_state, global_sq_norm=global_sq,
                                                       loss=loss, all_reduce=reduce)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jodc import ops
 from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import FIELDS, MinibatchArrays
-from jodc.fsdp.engine import Engine, microbatch_loop, scalar_zero, update_step
+from jodc.fsdp.engine import Engine, microbatch_loop, update_step
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin

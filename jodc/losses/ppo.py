@@ -16,7 +16,6 @@ positional argument is the log-probs the clipped ratio is taken against.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -10,7 +10,6 @@ import _mp  # noqa: E402
 
 L, TIMEOUT_S = int(sys.argv[1]), float(sys.argv[2])
 jax, comm = _mp.init(L)
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jodc import ops  # noqa: E402
