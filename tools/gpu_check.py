@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import glob
-import importlib.util
 import json
 import os
 import platform
