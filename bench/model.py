@@ -253,17 +253,15 @@ def step_flops(shape: dict) -> dict:
 
 
 def last_json_line(text: str) -> dict:
-    """The last line of `text` that is a JSON object (how every benchmark here reports)."""
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return value
-    raise ValueError("no JSON object line in the output")
+    """The last line of `text` that is a JSON object (how every benchmark here reports); tools/step_runner.py's
+    reader, which make gpu-check uses on the same output."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from step_runner import last_json_object
+
+    value = last_json_object(text)
+    if value is None:
+        raise ValueError("no JSON object line in the output")
+    return value
 
 
 def run_transformers_worker(spec: dict, timeout_s: float) -> dict:
