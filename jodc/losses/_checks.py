@@ -49,6 +49,21 @@ def check_bt(fn: str, name: str, x: Any, bt: tuple[int, int], *, integer: bool =
         raise ValueError(f"{fn}: {name} must be an integer array, got dtype {dtype_of(x)}")
 
 
+def check_per_token(fn: str, name: str, values: Any, mask: Any, segment_ids: Any = None,
+                    others: tuple[tuple[str, Any], ...] = ()) -> tuple[int, int]:
+    """Per-token inputs without logits: ``values`` [B, T] sets the shape; ``mask``, ``segment_ids`` (integer, when
+    given) and each ``(name, array)`` of ``others`` must match it. Returns [B, T]."""
+    bt = shape_of(values)
+    if len(bt) != 2:
+        raise ValueError(f"{fn}: {name} must have shape [B, T], got shape {bt}")
+    for other_name, other in others:
+        check_bt(fn, other_name, other, bt)
+    check_bt(fn, "mask", mask, bt)
+    if segment_ids is not None:
+        check_bt(fn, "segment_ids", segment_ids, bt, integer=True)
+    return bt
+
+
 def check_btk(fn: str, name: str, x: Any, bt: tuple[int, int], *, integer: bool = False) -> int:
     """A per-token top-k field must have shape [B, T, K]; returns K."""
     shape = shape_of(x)

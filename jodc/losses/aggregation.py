@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.losses._checks import check_bt, check_choice, shape_of
+from jodc.losses._checks import check_choice, check_per_token
 
 AGGREGATIONS: tuple[str, ...] = (
     "token-mean",
@@ -75,12 +75,7 @@ def _count_sequences(valid_bt, segment_ids, dtype) -> jax.Array:
 
 def _check(fn, values, mask, mode, segment_ids):
     check_choice(fn, "aggregation", mode, AGGREGATIONS)
-    bt = shape_of(values)
-    if len(bt) != 2:
-        raise ValueError(f"{fn}: values must have shape [B, T], got shape {bt}")
-    check_bt(fn, "mask", mask, bt)
-    if segment_ids is not None:
-        check_bt(fn, "segment_ids", segment_ids, bt, integer=True)
+    check_per_token(fn, "values", values, mask, segment_ids)
 
 
 def loss_normalizer(mask, aggregation: str = "token-mean", *, segment_ids=None) -> jax.Array:

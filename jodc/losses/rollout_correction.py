@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.losses._checks import check_bt, check_choice, check_nonnegative, check_positive, shape_of
+from jodc.losses._checks import (check_bt, check_choice, check_nonnegative, check_per_token, check_positive,
+                                 shape_of)
 from jodc.losses._policy import LOG_RATIO_CLAMP
 from jodc.losses.aggregation import _count_sequences, _per_sequence_sums, masked_mean, valid_tokens
 from jodc.losses.logprobs import compute_dtype
@@ -56,13 +57,7 @@ NORM_FLOOR = 1e-8
 
 def _log_ratio(fn, logprobs, rollout_logprobs, mask, segment_ids):
     """(lr [B, T] in the compute dtype, 0 where not valid; valid [B, T])."""
-    bt = shape_of(logprobs)
-    if len(bt) != 2:
-        raise ValueError(f"{fn}: logprobs must have shape [B, T], got shape {bt}")
-    check_bt(fn, "rollout_logprobs", rollout_logprobs, bt)
-    check_bt(fn, "mask", mask, bt)
-    if segment_ids is not None:
-        check_bt(fn, "segment_ids", segment_ids, bt, integer=True)
+    check_per_token(fn, "logprobs", logprobs, mask, segment_ids, others=(("rollout_logprobs", rollout_logprobs),))
     logprobs, rollout_logprobs = jnp.asarray(logprobs), jnp.asarray(rollout_logprobs)
     dtype = compute_dtype(jnp.result_type(logprobs.dtype, rollout_logprobs.dtype))
     valid = valid_tokens(mask, segment_ids)
@@ -119,12 +114,7 @@ def rollout_is_weights(logprobs, rollout_logprobs, mask, *, level: str = "token"
 def _check_weights(fn, weights, mask, level, segment_ids):
     """(weights in the compute dtype, valid [B, T]) after checking shapes and the level."""
     check_choice(fn, "level", level, IS_LEVELS)
-    bt = shape_of(weights)
-    if len(bt) != 2:
-        raise ValueError(f"{fn}: weights must have shape [B, T], got shape {bt}")
-    check_bt(fn, "mask", mask, bt)
-    if segment_ids is not None:
-        check_bt(fn, "segment_ids", segment_ids, bt, integer=True)
+    check_per_token(fn, "weights", weights, mask, segment_ids)
     weights = jnp.asarray(weights)
     return lax.stop_gradient(weights.astype(compute_dtype(weights.dtype))), valid_tokens(mask, segment_ids)
 
