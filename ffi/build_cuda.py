@@ -172,15 +172,20 @@ def add_build_arguments(parser) -> None:
     parser.add_argument("--build-dir", help="keep the objects here (default: a temporary directory, removed)")
 
 
+def timed_build(build_library, args) -> None:
+    """Runs `build_library()` (no arguments; returns the library's path), prints the path, and on stderr the archs,
+    nvcc jobs and seconds it took: the command-line end of both GPU build scripts."""
+    start = time.perf_counter()
+    print(build_library())
+    print(f"built for sm_{', sm_'.join(args.archs)} with {args.jobs or default_jobs()} nvcc jobs in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+
 if __name__ == "__main__":
     def arguments(parser):
         add_build_arguments(parser)
         parser.add_argument("--keep-dir", help="keep nvcc's intermediate files (PTX) here and check the reductions")
 
     args = run_compiler.parse_args(__doc__, arguments)
-    start = time.perf_counter()
-    print(build(args.out, args.include_dir, args.keep_dir, args.archs, args.jobs, args.build_dir))
-    print(f"built for sm_{', sm_'.join(args.archs)} with {args.jobs or default_jobs()} nvcc jobs in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    timed_build(lambda: build(args.out, args.include_dir, args.keep_dir, args.archs, args.jobs, args.build_dir), args)
     if args.keep_dir:
         print("\n".join(check_reductions(args.keep_dir, args.archs)))

@@ -12,7 +12,6 @@ import glob
 import importlib.util
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import build_cuda  # noqa: E402  (ffi/build_cuda.py: the nvcc command lines)
@@ -81,7 +80,5 @@ if __name__ == "__main__":
         parser.add_argument("--nvshmem-root", help="the NVSHMEM wheel's root (default: the installed nvidia.nvshmem)")
 
     args = run_compiler.parse_args(__doc__, arguments)
-    start = time.perf_counter()
-    print(build(args.out, args.include_dir, args.nvshmem_root, args.archs, args.jobs, args.build_dir))
-    print(f"built for sm_{', sm_'.join(args.archs)} with {args.jobs or build_cuda.default_jobs()} nvcc jobs in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    build_cuda.timed_build(
+        lambda: build(args.out, args.include_dir, args.nvshmem_root, args.archs, args.jobs, args.build_dir), args)

@@ -202,6 +202,18 @@ def _free_failed(heap) -> None:
         heap.free()
 
 
+def _failed_barrier(compiled, x) -> tuple[str, float]:
+    """(error message, seconds until it came) of a barrier on position 0 that must fail: position 1 never arrives."""
+    import jax
+
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(compiled(x))
+    except Exception as e:  # noqa: BLE001 - the expected failure, checked by the caller
+        return str(e), time.perf_counter() - start
+    raise AssertionError("position 0's barrier passed although position 1 never arrived")
+
+
 def check_timeout(mesh, sync) -> str:
     """Position 1 never enters the barrier: position 0 times out naming it, and position 1, whose own ops all
     succeeded, finds the heap poisoned with position 0's cause through the shared control block."""
@@ -214,15 +226,8 @@ def check_timeout(mesh, sync) -> str:
     try:
         compiled, x = _skip_barrier_at(mesh, heap, skipping=1)
         sync.allgather("timeout-compiled", b"")
-        start = time.perf_counter()
         if me == 0:
-            try:
-                jax.block_until_ready(compiled(x))
-            except Exception as e:  # noqa: BLE001 - the expected timeout, checked here
-                message = str(e)
-            else:
-                raise AssertionError("position 0's barrier passed although position 1 never arrived")
-            elapsed = time.perf_counter() - start
+            message, elapsed = _failed_barrier(compiled, x)
             assert "device(s) [1] never arrived" in message, message
             assert FAULT_TIMEOUT_S * 0.9 < elapsed < FAULT_TIMEOUT_S + 5.0, elapsed
         else:
@@ -257,14 +262,7 @@ def check_abort(mesh, sync) -> str:
         compiled, x = _skip_barrier_at(mesh, heap, skipping=1)
         sync.allgather("abort-compiled", b"")
         if me == 0:
-            start = time.perf_counter()
-            try:
-                jax.block_until_ready(compiled(x))
-            except Exception as e:  # noqa: BLE001 - the expected abort, checked here
-                message = str(e)
-            else:
-                raise AssertionError("position 0's barrier passed although position 1 never arrived")
-            elapsed = time.perf_counter() - start
+            message, elapsed = _failed_barrier(compiled, x)
             assert reason in message and "position 1" in message, message
             # it waited for the abort (not failed before), and was released long before its timeout
             assert ABORT_AFTER_S * 0.5 < elapsed < ABORT_AFTER_S + 10.0, elapsed

@@ -74,6 +74,7 @@ def finder_source(root: str, mapping: dict[str, str]) -> str:
     locations = {pkg: os.path.join(root, folder) for pkg, folder in mapping.items()}
     return f'''"""Written by tools/gpu_check.py: imports {sorted(locations)} from the checkout {root}."""
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -244,8 +245,7 @@ def environment_report() -> dict:
                  "numpy", "torch", "transformers", "pybind11", "setuptools", "mpi4py", "nvidia-nvshmem-cu13",
                  *PURE_PYTHON_NEEDS.values()):
         try:
-            from importlib import metadata
-            versions[dist] = metadata.version(dist)
+            versions[dist] = importlib.metadata.version(dist)
         except Exception:  # noqa: BLE001  (not installed, or a broken distribution: say so, do not stop)
             versions[dist] = None
     report["versions"] = versions
