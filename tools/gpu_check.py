@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import json
 import os
 import platform
@@ -74,7 +75,6 @@ def finder_source(root: str, mapping: dict[str, str]) -> str:
     locations = {pkg: os.path.join(root, folder) for pkg, folder in mapping.items()}
     return f'''"""Written by tools/gpu_check.py: imports {sorted(locations)} from the checkout {root}."""
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import os
 import sys
