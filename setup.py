@@ -9,6 +9,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tomllib
 
 from setuptools.command.build_py import build_py
 
@@ -98,15 +99,19 @@ ext = Pybind11Extension(
     extra_link_args=["-pthread"],
 )
 
-packages = (
-    [p for p in find_packages(include=["jodc", "jodc.*"])]
-    + ["jodc.models"] + ["jodc.models." + p for p in find_packages("models")]
-    + ["jodc.train"] + ["jodc.train." + p for p in find_packages("train")]
-)
+def packages_below(package_dir: dict[str, str]) -> list[str]:
+    """Every package under each root of pyproject's [tool.setuptools.package-dir] (root name -> folder), by name."""
+    found = []
+    for root, folder in package_dir.items():
+        found += [root] + [f"{root}.{sub}" for sub in find_packages(os.path.join(ROOT, folder))]
+    return found
+
+
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    PACKAGE_DIR = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
 
 setup(
-    packages=packages,
-    package_dir={"jodc": "jodc", "jodc.models": "models", "jodc.train": "train"},
+    packages=packages_below(PACKAGE_DIR),  # package_dir itself comes from pyproject.toml
     package_data={"jodc": ["py.typed"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildWithCuda, "build_py": BuildPyWithMpiSources},

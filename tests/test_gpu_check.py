@@ -201,7 +201,7 @@ def test_descendants_lists_children_and_grandchildren():
 # ---------------------------------------------------------------------------------------------------------------
 # the overlay environment
 
-def test_package_dirs_come_from_setup_py():
+def test_package_dirs_come_from_pyproject():
     assert gpu_check.package_dirs() == {"jodc": "jodc", "jodc.models": "models", "jodc.train": "train"}
 
 

@@ -6,7 +6,7 @@ but not every pure-Python package jodc needs. So: no venv with installs from an 
 
 1. ``prepare``: an *overlay* environment ``build/gpu-env``: a venv with the runner's site-packages visible (the
    runner's own installs are used as they are), jodc importable from this checkout without an editable install (a
-   path finder for the three package roots that setup.py's ``package_dir`` declares), and the missing pure-Python
+   path finder for the package roots that pyproject.toml's ``package-dir`` declares), and the missing pure-Python
    wheels installed from a local folder (``GPU_WHEELS``; ``make gpu-wheels`` downloads them where an index exists);
 2. ``build``: the CPU extension (setuptools ``build_ext -j``) and the CUDA library (per-file nvcc, in parallel,
    for the chosen architectures) at once; NVSHMEM only when asked;
@@ -25,7 +25,6 @@ Usage: python tools/gpu_check.py [--out DIR] [--budget-s S] [--only a,b] [--reus
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.metadata
 import json
 import os
@@ -35,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,17 +56,14 @@ FINDER_MODULE = "_jodc_checkout_finder"
 # ---------------------------------------------------------------------------------------------------------------
 # the overlay environment
 
-def package_dirs(setup_py: str = os.path.join(ROOT, "setup.py")) -> dict[str, str]:
-    """setup.py's ``package_dir`` mapping (package -> folder relative to the checkout), read from its source so that
-    the one declaration there stays the only one."""
-    tree = ast.parse(open(setup_py).read())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "package_dir":
-            mapping = ast.literal_eval(node.value)
-            if not isinstance(mapping, dict) or not mapping:
-                break
-            return mapping
-    raise RuntimeError(f"no package_dir={{...}} literal in {setup_py}")
+def package_dirs(pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> dict[str, str]:
+    """pyproject's ``[tool.setuptools.package-dir]`` (package -> folder relative to the checkout): the one
+    declaration of which folder is which package, read here too."""
+    with open(pyproject, "rb") as f:
+        mapping = tomllib.load(f).get("tool", {}).get("setuptools", {}).get("package-dir")
+    if not isinstance(mapping, dict) or not mapping:
+        raise RuntimeError(f"no [tool.setuptools.package-dir] table in {pyproject}")
+    return mapping
 
 
 def finder_source(root: str, mapping: dict[str, str]) -> str:
