@@ -10,12 +10,12 @@
 
 #include "cpu/handlers.h"
 #include "cpu/heap.h"
-#include "cpu/balance_descent.h"
-#include "cpu/balance_fill.h"
-#include "cpu/balance_refine.h"
-#include "cpu/balance_resplit.h"
-#include "cpu/balance_search.h"
-#include "cpu/balance_small.h"
+#include "balance/descent.h"
+#include "balance/fill.h"
+#include "balance/refine.h"
+#include "balance/resplit.h"
+#include "balance/search.h"
+#include "balance/small.h"
 #include "cpu/memcpy_bench.h"
 
 namespace py = pybind11;

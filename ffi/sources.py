@@ -6,7 +6,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Glob patterns relative to the repository root; BUILD's CPU_SOURCE_GLOBS must expand to the same files.
-CPU_SOURCE_GLOBS = ("ffi/module.cc", "ffi/cpu/*.cc", "ffi/common/*.cc")
+CPU_SOURCE_GLOBS = ("ffi/module.cc", "ffi/cpu/*.cc", "ffi/balance/*.cc", "ffi/common/*.cc")
 
 
 def cpu_sources(root: str = ROOT) -> list[str]:

@@ -1,7 +1,7 @@
 // The greedy fill of jodc/balance/fill.py (fill_parts) in C++: parts opened by the heaviest remaining item, each
 // completed by the first subset (by size, then in itertools.combinations' order) of at most the table size of the
 // remaining items that fit whose sum, added item by item, comes closest to the target from below, so the assignments
-// are identical to the Python reference's. module.cc binds it; balance_small.cc calls it.
+// are identical to the Python reference's. module.cc binds it; small.cc calls it.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 // The two-part re-split of jodc/balance/descent.py (resplit_heaviest after its argument preparation) in C++: every
 // subset of the heaviest part's and one other part's items, its side summed bit by bit in subset_sums' fixed order,
 // the first lightest heavier side in numpy's row-major order, part sums exactly rounded (math.fsum), so the
-// assignments are identical to the Python reference's. module.cc binds it; balance_small.cc calls it.
+// assignments are identical to the Python reference's. module.cc binds it; small.cc calls it.
 #pragma once
 
 #include <cstdint>

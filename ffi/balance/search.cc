@@ -1,5 +1,5 @@
-// See balance_search.h. Every comparison and sum mirrors jodc/balance/search.py line for line; keep them in step.
-#include "cpu/balance_search.h"
+// See search.h. Every comparison and sum mirrors jodc/balance/search.py line for line; keep them in step.
+#include "balance/search.h"
 
 #include <algorithm>
 #include <numeric>

@@ -1,14 +1,14 @@
-// See balance_resplit.h. Mirrors jodc/balance/descent.py's resplit_heaviest and subset_sums operation for operation;
+// See resplit.h. Mirrors jodc/balance/descent.py's resplit_heaviest and subset_sums operation for operation;
 // keep them in step.
-#include "cpu/balance_resplit.h"
+#include "balance/resplit.h"
 
-#include "cpu/balance_parts.h"
+#include "balance/parts.h"
 
 #include <algorithm>
 #include <cstddef>
 #include <limits>
 
-#include "cpu/balance_refine.h"
+#include "balance/refine.h"
 
 namespace jodc::balance {
 

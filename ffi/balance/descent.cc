@@ -1,8 +1,8 @@
-// See balance_descent.h. Every table entry mirrors jodc/balance/descent.py (descend, _small_exchanges, _moves)
+// See descent.h. Every table entry mirrors jodc/balance/descent.py (descend, _small_exchanges, _moves)
 // operation for operation; keep them in step.
-#include "cpu/balance_descent.h"
+#include "balance/descent.h"
 
-#include "cpu/balance_parts.h"
+#include "balance/parts.h"
 
 #include <algorithm>
 #include <limits>

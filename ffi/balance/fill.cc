@@ -1,6 +1,6 @@
-// See balance_fill.h. Mirrors jodc/balance/fill.py (fill_parts, _table, _row_sums) operation for operation; keep
+// See fill.h. Mirrors jodc/balance/fill.py (fill_parts, _table, _row_sums) operation for operation; keep
 // them in step.
-#include "cpu/balance_fill.h"
+#include "balance/fill.h"
 
 #include <algorithm>
 #include <cstddef>

@@ -1,8 +1,8 @@
-// See balance_refine.h. Every comparison and sum mirrors jodc/balance/refine.py (_Refiner and refine_by_swaps, its
+// See refine.h. Every comparison and sum mirrors jodc/balance/refine.py (_Refiner and refine_by_swaps, its
 // plain-Python table scan); keep them in step.
 // Fused multiply-adds cannot change a result here: the only products feeding an addition are by 2.0 (exact), and
 // lower_bound * (1 + tolerance) is compared, not added to.
-#include "cpu/balance_refine.h"
+#include "balance/refine.h"
 
 #include <algorithm>
 #include <cmath>

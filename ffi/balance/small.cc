@@ -1,12 +1,12 @@
-// See balance_small.h. Mirrors the loop of jodc/balance/partition.py's _free_partition step by step; keep them in
+// See small.h. Mirrors the loop of jodc/balance/partition.py's _free_partition step by step; keep them in
 // step.
-#include "cpu/balance_small.h"
+#include "balance/small.h"
 
 #include <cstddef>
 
-#include "cpu/balance_descent.h"
-#include "cpu/balance_fill.h"
-#include "cpu/balance_resplit.h"
+#include "balance/descent.h"
+#include "balance/fill.h"
+#include "balance/resplit.h"
 
 namespace jodc::balance {
 namespace {
