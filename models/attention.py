@@ -79,13 +79,32 @@ def dense_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, seg
     return masked_attention(q_bthd, k_btkd, v_btkd, mask)
 
 
-def attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, *, impl: str = "blockwise", block_size: int = 128):
-    """Segment-aware causal attention by name: impl "blockwise" (default) or "dense" (reference)."""
+#: The implementations `attention` selects by name; "auto" is "flash" on a GPU backend, "blockwise" elsewhere.
+ATTENTION_IMPLS = ("auto", "blockwise", "dense", "flash")
+
+
+def resolve_impl(impl: str) -> str:
+    """The implementation "auto" stands for on the default backend (a fixed name passes through)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; expected one of {ATTENTION_IMPLS}")
+    if impl == "auto":
+        return "flash" if jax.default_backend() == "gpu" else "blockwise"
+    return impl
+
+
+def attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, *, impl: str = "auto", block_size: int = 128):
+    """Segment-aware causal attention by name: "blockwise" (skips the block pairs of different segments: the CPU
+    path), "flash" (the fused Pallas kernel of flash_attention.py: the GPU path; interpret mode off a GPU), "dense"
+    (the reference), or "auto" (flash on a GPU backend, else blockwise). `block_size` is the blockwise path's block; the
+    flash kernel keeps its own tiles (flash_attention.FLASH_BLOCK)."""
+    impl = resolve_impl(impl)
     if impl == "blockwise":
         return blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, block_size=block_size)
-    if impl == "dense":
-        return dense_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt)
-    raise ValueError(f"unknown attention impl {impl!r}; expected 'blockwise' or 'dense'")
+    if impl == "flash":
+        from .flash_attention import flash_attention  # imports Pallas: only when it is used
+
+        return flash_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt)  # its own tiles: the kernel's
+    return dense_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 
 from jodc.dtypes import dtype_name
 
+from .attention import ATTENTION_IMPLS
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("blockwise", "dense")
 ROPE_KINDS = ("llama3", "linear")
 
 
@@ -58,7 +59,8 @@ class DecoderConfig:
     compute_dtype: dtype activations and matmuls run in; parameters are cast to it at use.
       Both take a name or a dtype object (jnp.bfloat16); the config holds the name.
       Norm statistics, softmax and logits are always fp32.
-    attention_impl: "blockwise" (segment-aware, skips blocks; the default) or "dense" (reference, O(T^2)).
+    attention_impl: "auto" (the default: "flash" on a GPU backend, else "blockwise"), "blockwise" (segment-aware,
+        skips blocks), "flash" (the fused Pallas kernel) or "dense" (reference, O(T^2)); see attention.py.
     attention_block_size: query/key block length of the blockwise attention.
     """
 
@@ -81,7 +83,7 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    attention_impl: str = "blockwise"
+    attention_impl: str = "auto"
     attention_block_size: int = 128
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -77,7 +77,7 @@ def test_config_defaults_and_validation():
     with pytest.raises(ValueError, match="even"):
         tiny_config(head_dim=15)
     with pytest.raises(ValueError, match="attention_impl"):
-        tiny_config(attention_impl="flash")
+        tiny_config(attention_impl="flashy")
     with pytest.raises(ValueError, match="num_layers"):
         tiny_config(num_layers=0)
     with pytest.raises(ValueError, match="high_freq_factor"):

@@ -123,7 +123,7 @@ def test_attention_rejects_bad_inputs():
     q, k, v = qkv(1, 8)
     seg = jnp.ones((1, 8), jnp.int32)
     with pytest.raises(ValueError, match="unknown attention impl"):
-        attention(q, k, v, seg, impl="flash")
+        attention(q, k, v, seg, impl="flashy")
     with pytest.raises(ValueError, match="segment_ids shape"):
         dense_attention(q, k, v, jnp.ones((1, 7), jnp.int32))
     with pytest.raises(ValueError, match="multiple of key/value heads"):

@@ -112,6 +112,9 @@ def test_resume_mismatches_list_what_changed():
                                                            "--steps", "500"])) == []
     changed = C.resume_mismatches(saved, C.load_config(None, ["--preset", "tiny", "--seed", "1"]))
     assert changed == ["model.preset: 'small' -> 'tiny'", "run.seed: 0 -> 1"]
+    # how attention is computed may change (a run saved before "auto" existed, resumed on a GPU), what may not
+    saved["model"].update(attention_impl="blockwise", attention_block_size=64)
+    assert C.resume_mismatches(saved, base) == []
 
 
 def test_set_host_device_count_keeps_other_flags_and_never_lowers():

@@ -33,7 +33,7 @@ Planner = Literal["lb_mini", "lb_micro", "local_sort"]
 CostModel = Literal["flops", "linear"]
 ComputeDtype = Literal["float32", "bfloat16"]
 Platform = Literal["cpu", "gpu"]
-AttentionImpl = Literal["blockwise", "dense"]
+AttentionImpl = Literal["auto", "blockwise", "flash", "dense"]
 Overlong = Literal["truncate", "drop"]
 DEFAULT_PLANNER = {"odc": "lb_mini", "collective": "lb_micro", "xla_spmd": "lb_micro", "reference": "lb_mini"}
 EMBEDDED = "embedded"
@@ -98,7 +98,7 @@ class ModelConfig(Section):
     name_in_config, minimum = "model", {"attention_block_size": 8}
     preset: Preset = "small"  # built-in shape (ignored with hf_path)
     hf_path: str | None = None  # local HF directory (config.json + safetensors); replaces preset
-    attention_impl: AttentionImpl = "blockwise"  # segment-aware blockwise, or dense
+    attention_impl: AttentionImpl = "auto"  # flash (fused kernel) on a GPU, else blockwise; or dense (reference)
     attention_block_size: int = 128  # query/key block of the blockwise attention
 
 
@@ -237,6 +237,10 @@ def config_class(cls):
 @config_class
 class TrainingConfig:
     """The sections both trainers have."""
+
+    # Fields of RESUME_KEYS' sections that say how a value is computed, not what: a run may resume with others (a
+    # CPU run resumed on a GPU picks the fused attention kernel), at floating-point rounding's difference.
+    RESUME_FREE = ("model.attention_impl", "model.attention_block_size")
 
     model: ModelConfig
     optimizer: OptimizerConfig
@@ -467,6 +471,8 @@ def resume_mismatches(saved: dict, current) -> list[str]:
     for key in type(current).RESUME_KEYS:
         section, _, field = key.partition(".")
         for name in [field] if field else list(now[section]):
+            if f"{section}.{name}" in type(current).RESUME_FREE:
+                continue
             old = (saved.get(section) or {}).get(name, now[section][name])
             if old != now[section][name]:
                 out.append(f"{section}.{name}: {old!r} -> {now[section][name]!r}")

@@ -20,7 +20,7 @@ from .presets import MODEL_PRESETS
 
 
 def preset_config(name: str, tokenizer: Tokenizer, *, max_length: int, compute_dtype: str = "float32",
-                  attention_impl: str = "blockwise", attention_block_size: int = 128) -> DecoderConfig:
+                  attention_impl: str = "auto", attention_block_size: int = 128) -> DecoderConfig:
     """The DecoderConfig of preset `name` with the tokenizer's vocabulary and special tokens."""
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; presets are {', '.join(MODEL_PRESETS)}")
