@@ -37,7 +37,8 @@ def test_last_json_line_skips_logs_and_refuses_output_without_one():
 def test_gpu_benchmark_runs_on_the_cpu_at_a_tiny_shape():
     args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "model.py"), "--device", "gpu", "--platform",
-                           "cpu", *args, "--repeats", "2", "--attention-block-size", "64", "--no-save"],
+                           "cpu", *args, "--repeats", "2", "--attention-block-size", "64", "--attention-impls",
+                           "blockwise,dense", "--no-save"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -48,3 +49,5 @@ def test_gpu_benchmark_runs_on_the_cpu_at_a_tiny_shape():
     assert abs(r["loss_ours"] - r["loss_transformers"]) < 0.02 * r["loss_transformers"]
     assert r["config"]["transformers_attention"] == "sdpa" and r["config"]["attention_block_size"] == 64
     assert r["config"]["dtype"] == "bfloat16" and r["platform"] == "cpu"
+    assert r["config"]["attention_impl"] == "blockwise" and set(r["ours_step_ms_by_attention"]) == {"blockwise", "dense"}
+    assert r["ours_step_ms"] == r["ours_step_ms_by_attention"]["blockwise"]
