@@ -264,12 +264,13 @@ def last_json_line(text: str) -> dict:
     return value
 
 
-def run_transformers_worker(spec: dict, timeout_s: float) -> dict:
-    """Runs `transformers_worker` in a child process (see the module docstring for why); returns its JSON line."""
+def run_transformers_worker(spec: dict, timeout_s: float, script: str = os.path.abspath(__file__)) -> dict:
+    """Runs `script --transformers-worker SPEC` (this file's `transformers_worker`, or another benchmark's) in a child
+    process (see the module docstring for why); returns its JSON line."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--transformers-worker", f.name],
+        proc = subprocess.run([sys.executable, script, "--transformers-worker", f.name],
                               capture_output=True, text=True, timeout=timeout_s)
     finally:
         os.unlink(f.name)

@@ -12,7 +12,7 @@ but not every pure-Python package jodc needs. So: no venv with installs from an 
    for the chosen architectures) at once; NVSHMEM only when asked;
 3. the checks, cheapest first, each under its own limit: environment report, first heap on the GPU, host-side CUDA
    tests, raw-handler tests, mesh tests, stress tests, two processes on one GPU (CUDA IPC), compute-sanitizer memcheck,
-   the GPU benchmarks, an SFT smoke run, then racecheck if time is left.
+   the GPU benchmarks, an SFT smoke run, then (if time is left) the sampling benchmark and racecheck.
 
 It writes summary.json, a merged junit.xml and compressed logs to ``--out`` always (tools/step_runner.py), prints a
 table at the end and exits 0 only if every required step passed. ``--only a,b`` reruns chosen steps; with
@@ -329,6 +329,10 @@ def plan(python: str, base_python: str, out_dir: str, env_dir: str, wheels: str 
                                    "--out", os.path.join(out_dir, "bench", "sft_smoke.json")],
              150, "jodc-train sft on the GPU: ODC, 1 device, bf16, 30 steps, the loss falls", needs=("build",),
              json_line=True),
+        Step("bench_generate", [python, "bench/generate.py", "--platform", "gpu", "--quick", "--out",
+                                os.path.join(out_dir, "bench", "generate_gpu.json")], 180,
+             "sampling tokens/s vs transformers generate and the decode roofline (if time is left)",
+             needs=("prepare",), optional=True, json_line=True),
         Step("racecheck", sanitize("racecheck"), 240, "compute-sanitizer racecheck (if time is left)",
              needs=("raw",), optional=True, env=sanitize_env),
         Step("skips", [python, "-m", "jodc.ops._cuda_report", "--check-junit", os.path.join(out_dir, "junit.xml")],
