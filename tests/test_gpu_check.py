@@ -305,7 +305,7 @@ def test_the_gpu_plan_is_ordered_cheapest_first_and_names_existing_files(tmp_pat
     for earlier, later in [("env", "build"), ("heap", "host"), ("host", "raw"), ("raw", "mesh"), ("mesh", "stress"),
                            ("stress", "memcheck"), ("memcheck", "bench_ops"), ("bench_ops", "sft_smoke")]:
         assert names.index(earlier) < names.index(later), (earlier, later)
-    assert [s.name for s in steps if s.optional] == ["bench_generate", "racecheck"]
+    assert [s.name for s in steps if s.optional] == ["bench_generate", "profile_flash", "profile_blockwise", "racecheck"]
     for step in steps:
         for arg in (step.cmd() if callable(step.cmd) else step.cmd):
             if arg.startswith(("tests/", "bench/", "ffi/", "tools/")) and arg.endswith(".py"):

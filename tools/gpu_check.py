@@ -12,7 +12,8 @@ but not every pure-Python package jodc needs. So: no venv with installs from an 
    for the chosen architectures) at once; NVSHMEM only when asked;
 3. the checks, cheapest first, each under its own limit: environment report, first heap on the GPU, host-side CUDA
    tests, raw-handler tests, mesh tests, stress tests, two processes on one GPU (CUDA IPC), compute-sanitizer memcheck,
-   the GPU benchmarks, an SFT smoke run, then (if time is left) the sampling benchmark and racecheck.
+   the GPU benchmarks, an SFT smoke run, then (if time is left) the sampling
+   benchmark, profiles of the step and racecheck.
 
 It writes summary.json, a merged junit.xml and compressed logs to ``--out`` always (tools/step_runner.py), prints a
 table at the end and exits 0 only if every required step passed. ``--only a,b`` reruns chosen steps; with
@@ -333,6 +334,10 @@ def plan(python: str, base_python: str, out_dir: str, env_dir: str, wheels: str 
                                 os.path.join(out_dir, "bench", "generate_gpu.json")], 180,
              "sampling tokens/s vs transformers generate and the decode roofline (if time is left)",
              needs=("prepare",), optional=True, json_line=True),
+        *(Step(f"profile_{impl}", [python, "bench/profile_step.py", "--platform", "gpu", "--quick",
+                                   "--attention-impl", impl], 120,
+               f"top XLA operations of the bf16 step with {impl} attention (if time is left)", needs=("prepare",),
+               optional=True, json_line=True) for impl in ("flash", "blockwise")),
         Step("racecheck", sanitize("racecheck"), 240, "compute-sanitizer racecheck (if time is left)",
              needs=("raw",), optional=True, env=sanitize_env),
         Step("skips", [python, "-m", "jodc.ops._cuda_report", "--check-junit", os.path.join(out_dir, "junit.xml")],
