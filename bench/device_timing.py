@@ -68,3 +68,12 @@ def matmul_tflops(n: int, count: int, repeats: int, device, warmup: int = 3, see
     program = jax.jit(lambda *xs: tuple(a @ b for a, b in zip(xs[0::2], xs[1::2])))
     seconds = median_seconds({"matmul": lambda: program(*operands)}, repeats, warmup)["matmul"] / count
     return {"n": n, "ms": seconds * 1e3, "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def print_table(title: str | None, rows, value_width: int = 30) -> None:
+    """A benchmark's table: `title` (if any), then one `name  value` line per (name, value) row, names aligned."""
+    if title:
+        print(title)
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:>{value_width}}")

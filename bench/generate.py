@@ -32,7 +32,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from device_timing import copy_contender, median_seconds  # noqa: E402  (bench/device_timing.py)
+from device_timing import copy_contender, median_seconds, print_table  # noqa: E402  (bench/device_timing.py)
 from model import hf_config, run_transformers_worker  # noqa: E402  (bench/model.py)
 
 from jodc.models import SamplingParams, generate, load_pretrained, split_params  # noqa: E402
@@ -167,10 +167,7 @@ def run(args) -> dict:
         ("gpu_generate_vs_transformers (floor 1.0)", f"{result['gpu_generate_vs_transformers']:.3f}"),
         ("gpu_generate_vs_roofline", f"{result['gpu_generate_vs_roofline']:.3f}"),
     ]
-    width = max(len(r[0]) for r in rows)
-    print(f"sampling, bf16, on {device.device_kind}")
-    for name, value in rows:
-        print(f"{name:<{width}}  {value:>30}")
+    print_table(f"sampling, bf16, on {device.device_kind}", rows)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

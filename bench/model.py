@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from device_timing import interleaved_times, matmul_tflops, print_table  # bench/device_timing.py (bench/ is on sys.path)
 from jodc.models import attention, forward, layer_apply, load_pretrained, split_params
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -215,9 +216,7 @@ def cpu_benchmark(args):
         ("same, one decoder layer", f"{result['packed_short_vs_long_layer_cost']:.3f}"),
         ("same, whole model (incl. lm_head)", f"{result['packed_short_vs_long_model_cost']:.3f}"),
     ]
-    width = max(len(r[0]) for r in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value:>15}")
+    print_table(None, rows, value_width=15)
     save(result, args)
 
 
@@ -311,7 +310,6 @@ def transformers_worker(spec_path: str) -> None:
 
 
 def gpu_benchmark(args) -> dict:
-    from device_timing import interleaved_times, matmul_tflops  # bench/device_timing.py
 
     shape = {k: getattr(args, k) for k in SHAPE_KEYS}
     if shape["hidden"] % shape["heads"]:
@@ -400,10 +398,7 @@ def gpu_benchmark(args) -> dict:
         ("MFU ours / transformers", f"{result['gpu_mfu']:.3f} / {result['transformers_mfu']:.3f}"),
         ("loss ours / transformers", f"{our_loss:.5f} / {theirs['loss']:.5f}"),
     ]
-    width = max(len(r[0]) for r in rows)
-    print(f"training step, bf16, on {device.device_kind}")
-    for name, value in rows:
-        print(f"{name:<{width}}  {value:>30}")
+    print_table(f"training step, bf16, on {device.device_kind}", rows)
     save(result, args)
     return result
 
