@@ -45,9 +45,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
+# torch and transformers are imported where they are used (the transformers side, in its child process on a GPU), so
+# that the tools reusing this module's step (profile_step.py, generate.py) run where torch is not installed.
 from device_timing import interleaved_times, matmul_tflops, print_table  # bench/device_timing.py (bench/ is on sys.path)
 from jodc.models import attention, forward, layer_apply, load_pretrained, split_params
 
@@ -92,8 +92,10 @@ def next_token_loss(logits_btv, tokens_bt):
     return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * has_label) / (b * (t - 1))
 
 
-def hf_config(shape: dict) -> LlamaConfig:
+def hf_config(shape: dict):
     """The transformers Llama configuration of a benchmark shape (untied embeddings, like ours)."""
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
@@ -118,6 +120,9 @@ def our_step_fn(config):
 
 
 def cpu_benchmark(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 
@@ -282,6 +287,9 @@ def run_transformers_worker(spec: dict, timeout_s: float, script: str = os.path.
 def transformers_worker(spec_path: str) -> None:
     """The child process: builds the transformers model (seeded, bf16, SDPA) on the device, saves its weights for
     jodc, times its training step on the given tokens, prints one JSON line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with open(spec_path) as f:
         spec = json.load(f)
     device = torch.device(spec["device"])
