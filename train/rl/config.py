@@ -19,7 +19,7 @@ TaskName = Literal[TASK_NAMES]
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl",
                  "k1+", "k2+", "k3+", "abs+", "kl+", "mse+", "low_var_kl+")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                        "grpo_passk", "gpg", "opo", "gdpo", "optimal_token_baseline")
+                        "grpo_passk", "gpg", "opo", "gdpo", "optimal_token_baseline", "gae")
 KlEstimator = Literal[KL_ESTIMATORS]
 AdvantageEstimator = Literal[ADVANTAGE_ESTIMATORS]
 #: Loss hyper-parameters that may be set in the `loss` section; null = the loss's default.
