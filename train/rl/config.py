@@ -107,13 +107,20 @@ class LossConfig(Section):
     """The policy loss (a name of `jodc.losses.POLICY_LOSSES`), its hyper-parameters, advantages and KL."""
 
     name_in_config = "loss"
-    minimum = {"kl_coef": 0.0, **{name: 0.0 for name in LOSS_OPTIONS[2:]}}
+    minimum = {"kl_coef": 0.0, "entropy_coeff": 0.0, "kl_in_reward_coef": 0.0, "kl_in_reward_target": 0.0,
+               "kl_in_reward_horizon": 1, **{name: 0.0 for name in LOSS_OPTIONS[2:]}}
     name: str = "dppo"  # dppo (binary TV), dppo_kl, dppo_topk, ppo, grpo, dapo, gspo, sapo, cispo, dro, ...
     aggregation: str | None = None  # token-mean, seq-mean-token-mean, ...; null: the loss's default
     advantage: AdvantageEstimator = "grpo"  # advantage estimator (verl's names)
     normalize_std: bool = True  # divide group advantages by the group's std (false: Dr.GRPO)
     kl_coef: float = 0.0  # weight of a KL penalty to the initial policy (0: none)
     kl_estimator: KlEstimator = "k3"
+    entropy_coeff: float = 0.0  # entropy bonus: the loss minus entropy_coeff x the aggregated entropy (0: none)
+    kl_in_reward_coef: float = 0.0  # KL in the reward: initial beta of reward - beta x KL per token (0: none)
+    kl_in_reward_estimator: KlEstimator = "kl"  # its per-token estimator (verl's default: kl = k1)
+    kl_in_reward_controller: Literal["fixed", "adaptive"] = "fixed"  # beta fixed, or moved towards the target
+    kl_in_reward_target: float = 0.1  # adaptive controller: target KL (verl's kl_ctrl.target_kl)
+    kl_in_reward_horizon: int = 10000  # adaptive controller: horizon in samples (verl's kl_ctrl.horizon)
     divergence: Literal["tv", "kl"] | None = None  # DPPO divergence
     approximation: Literal["binary", "topk"] | None = None  # DPPO divergence approximation
     delta_low: float | None = None  # DPPO threshold for A < 0
@@ -128,6 +135,14 @@ class LossConfig(Section):
     tis_cap: float | None = None  # TIS weight cap
     behaviour_weight_cap: float | None = None  # decoupled PPO weight cap (0: off)
     dro_beta: float | None = None  # DRO's quadratic penalty weight
+
+    def check(self) -> None:
+        if self.kl_in_reward_controller == "adaptive" and self.kl_in_reward_target <= 0:
+            raise ConfigError("loss.kl_in_reward_controller=adaptive needs loss.kl_in_reward_target > 0, got "
+                              f"{self.kl_in_reward_target}")
+        if self.kl_in_reward_controller == "adaptive" and not self.kl_in_reward_coef:
+            raise ConfigError("loss.kl_in_reward_controller=adaptive needs an initial loss.kl_in_reward_coef > 0 "
+                              "(the controller scales it)")
 
     def options(self) -> dict[str, Any]:
         """The hyper-parameters that are set, as loss keyword arguments (0 -> None where that means 'off')."""

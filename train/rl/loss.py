@@ -38,9 +38,12 @@ from jax import lax
 from jodc.losses import (
     LOG_RATIO_CLAMP,
     PolicyInputs,
+    entropy_bonus,
     get_advantage_estimator,
     get_policy_loss,
+    kl_controller,
     kl_penalty,
+    kl_reward,
     token_logprobs,
 )
 
@@ -73,11 +76,13 @@ class PolicyObjective:
     kl_estimator: str
     loss_metric_names: tuple[str, ...]
     recompute: bool = False  # old / proximal log-probs come from the `trainer_logprobs` extra (see above)
+    entropy_coeff: float = 0.0  # entropy bonus: loss - entropy_coeff * aggregated entropy (gradient flows)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
         """Every metric the head reports (sums over valid tokens; see the module docstring)."""
         extra = ("ref_kl_sum",) if self.kl_coef else ()
+        extra += ("entropy_bonus_sum",) if self.entropy_coeff else ()
         return DIAGNOSTICS + tuple(f"{m}_sum" for m in self.loss_metric_names) + extra
 
     @property
@@ -132,6 +137,14 @@ class PolicyObjective:
                 norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
             loss = loss + self.kl_coef * kl_loss
             metrics["ref_kl_sum"] = lax.stop_gradient(kl_metrics["kl_mean"]) * count
+        if self.entropy_coeff:
+            bonus, _ = entropy_bonus(
+                logits_btv, mb["targets"], mb["loss_mask"], entropy_coeff=self.entropy_coeff,
+                aggregation=self.aggregation, normalizer=mb["normalizer"], segment_ids=mb["segment_ids"],
+                temperature=self.temperature,
+                norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
+            loss = loss + bonus
+            metrics["entropy_bonus_sum"] = lax.stop_gradient(bonus)  # a partial sum of the minibatch's term
         metrics.update(policy_diagnostics(logits_btv, mb, valid, self.temperature))
         return loss, metrics
 
@@ -182,7 +195,8 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
     objective = PolicyObjective(
         name=loss.name, loss_fn=fn, options=options, aggregation=aggregation, temperature=rollout.temperature,
         norm_length=rollout.max_new_tokens, arrays=arrays, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
-        loss_metric_names=(), recompute=off_policy and bool(set(TRAINER_ARRAYS) & set(arrays)))
+        loss_metric_names=(), recompute=off_policy and bool(set(TRAINER_ARRAYS) & set(arrays)),
+        entropy_coeff=loss.entropy_coeff)
     try:
         metrics = jax.eval_shape(lambda mb: objective.policy_loss(mb["logits"], mb)[1], _dummy_microbatch(rollout))
     except (TypeError, ValueError) as e:
@@ -206,6 +220,9 @@ def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray]
                           "function (the task's, or task.reward_fn); with one it would be GRPO followed by batch "
                           "whitening. Use grpo or reinforce_plus_plus_baseline, or call jodc.losses.gdpo_advantages "
                           "directly")
+    if estimator.token_rewards:
+        raise ConfigError(f"loss.advantage={loss.advantage!r} needs a critic (per-token values), which the RL "
+                          "trainer does not train yet; use grpo, rloo or reinforce_plus_plus(_baseline)")
     if set(estimator.inputs) - {"lengths"}:
         per_token = (" and gives per-token advantages, where the trainer's batch carries one per response"
                      if estimator.per_token else "")
@@ -218,6 +235,31 @@ def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray]
         return np.asarray(estimator(np.asarray(rewards, np.float32), group_size, **inputs, **options))
 
     return advantages
+
+
+def build_kl_controller(loss: LossConfig):
+    """The KL-in-reward controller of the `loss` section (`jodc.losses.kl_controller`), None when the KL is not
+    in the reward (`loss.kl_in_reward_coef: 0`)."""
+    if not loss.kl_in_reward_coef:
+        return None
+    return kl_controller(loss.kl_in_reward_controller, loss.kl_in_reward_coef, target=loss.kl_in_reward_target,
+                         horizon=loss.kl_in_reward_horizon)
+
+
+def kl_shaped_rewards(scores, logprobs, ref_logprobs, *, beta: float, estimator: str) -> tuple[np.ndarray, float]:
+    """(per response the sum of its token rewards [N], the batch's KL): `scores` [N] minus beta times the
+    per-token KL (`jodc.losses.kl_reward`) of `logprobs` (per response, the sampling policy's log-probs of its
+    tokens) to `ref_logprobs`, summed over the response, which is what the trainer's per-response estimators
+    see (as verl's GRPO sums its token-level rewards). The KL is the controller's `current_kl`."""
+    n = len(scores)
+    width = max([len(x) for x in logprobs] + [1])
+    lp_nt, ref_nt, mask_nt = (np.zeros((n, width), np.float32) for _ in range(3))
+    for i, (lp, ref) in enumerate(zip(logprobs, ref_logprobs)):
+        lp_nt[i, :len(lp)], ref_nt[i, :len(ref)], mask_nt[i, :len(lp)] = lp, ref, 1.0
+    # scores added on the host: an empty response (no token to place it on) keeps its score
+    penalty_nt, current_kl = kl_reward(np.zeros(n, np.float32), lp_nt, ref_nt, mask_nt, beta=beta,
+                                       estimator=estimator)
+    return np.asarray(scores, np.float32) + np.asarray(penalty_nt).sum(axis=1), float(current_kl)
 
 
 def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:
@@ -246,6 +288,8 @@ def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dic
                policy_tv=sums["policy_tv_sum"] / tokens, policy_kl=sums["policy_kl_sum"] / tokens)
     if objective.kl_coef:
         out["ref_kl"] = sums["ref_kl_sum"] / tokens
+    if objective.entropy_coeff:
+        out["entropy_bonus"] = sums["entropy_bonus_sum"]  # the update's -entropy_coeff * aggregated entropy
     if "loss_entropy" in out:
         out["entropy"] = out["loss_entropy"]
     for name in ("loss_masked_fraction", "loss_clip_fraction"):
