@@ -13,7 +13,9 @@ the model on the task's solutions with the SFT trainer (`warmstart.py`) and star
 `loss.kl_coef > 0` the KL penalty is taken to that initial policy. With `loss.kl_in_reward_coef > 0` the KL to
 that policy is taken out of the rewards instead (per token, beta from a fixed or adaptive controller, whose state
 is part of every checkpoint so a resumed run continues with the same beta); `loss.entropy_coeff > 0` adds an
-entropy bonus to the loss.
+entropy bonus to the loss. With `loss.advantage: gae` the run is critic PPO with a shared trunk: a value head on
+the decoder (its own parameter group), GAE over token rewards with its values (`critic.py`), and the clipped value
+loss added to the policy loss (`loss.critic_*`).
 
 With `rollout.max_staleness: k > 0` the rollouts come from a sampler thread (`async_rollouts.py`) that samples
 step s from the weights of step max(0, s - k) while the trainer trains (computing them itself, or in a child
@@ -44,6 +46,7 @@ from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .async_rollouts import AsyncRollouts, check_staleness
 from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
+from .critic import critic_advantages, response_values
 from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
 from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, rollout_metrics, update_metrics
 from .reference import ReferencePolicy
@@ -140,7 +143,7 @@ class RLRun(Trainer):
             model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))
         self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
         groups = self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
-                                   metric_names=self.objective.metric_names)
+                                   metric_names=self.objective.metric_names, value_head=self.objective.critic)
         self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
                                           bucket=r.prompt_bucket)
                           if config.loss.kl_coef or config.loss.kl_in_reward_coef else None)
@@ -255,18 +258,29 @@ class RLRun(Trainer):
                     old_logprobs = (scored.trainer_logprobs if reuse else
                                     trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
                                                      bucket=r.prompt_bucket))
-            shaped, kl_record = rewards, {}
+            kl_record, loss_ = {}, self.config.loss
+            kl_args = None
             if self.kl_controller is not None:  # KL in the reward, at the policy before this step's updates
                 beta = self.kl_controller.value
-                shaped, current_kl = kl_shaped_rewards(
-                    rewards, old_logprobs if old_logprobs is not None else rollout.logprobs, ref_logprobs,
-                    beta=beta, estimator=self.config.loss.kl_in_reward_estimator)
+                kl_args = (old_logprobs if old_logprobs is not None else rollout.logprobs, ref_logprobs, beta,
+                           loss_.kl_in_reward_estimator)
+            returns = old_values = None
+            if self.objective.critic:  # GAE over token rewards with the value head's values at these weights
+                with timers("values"):
+                    old_values = response_values(self.model_config, params, rollout, bucket=r.prompt_bucket)
+                advantages, returns, current_kl = critic_advantages(
+                    rewards, old_values, gamma=loss_.critic_gamma, lam=loss_.critic_lam, kl=kl_args)
+            else:
+                shaped, current_kl = (kl_shaped_rewards(rewards, *kl_args[:2], beta=kl_args[2],
+                                                        estimator=kl_args[3])
+                                      if kl_args else (rewards, None))
+                advantages = self.advantages(shaped, r.group_size, rollout.response_lengths)
+            if self.kl_controller is not None:
                 self.kl_controller = self.kl_controller.update(current_kl, len(rewards))
                 kl_record = {"kl_in_reward": current_kl, "kl_in_reward_beta": beta}
-            advantages = self.advantages(shaped, r.group_size, rollout.response_lengths)
             sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
                                            ref_logprobs=ref_logprobs if self.objective.kl_coef else None,
-                                           trainer_logprobs=old_logprobs)
+                                           trainer_logprobs=old_logprobs, returns=returns, old_values=old_values)
             distributed.check_agreement(f"step {step + 1}'s rollout, rewards and advantages",
                                         lambda: sequences_digest(sequences))  # mpirun: every process samples it
             updates, tokens, microbatches = [], 0, []

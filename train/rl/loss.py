@@ -38,6 +38,7 @@ from jax import lax
 from jodc.losses import (
     LOG_RATIO_CLAMP,
     PolicyInputs,
+    clipped_value_loss,
     entropy_bonus,
     get_advantage_estimator,
     get_policy_loss,
@@ -59,6 +60,9 @@ MINIBATCH_ARRAYS = ("topk_ids", "topk_logprobs")
 #: Diagnostics every objective reports (token sums): ratio r = pi(a) / mu(a) of the sampled token, its square,
 #: binary TV |pi(a) - mu(a)|, and r - 1 - log r, whose mean estimates KL(mu || pi) from the rollout's samples.
 DIAGNOSTICS = ("tokens", "ratio_sum", "ratio_sq_sum", "policy_tv_sum", "policy_kl_sum")
+#: Critic PPO's metrics: the value loss (partial sums of the minibatch's), its clip fraction and the mean
+#: prediction (token sums).
+CRITIC_METRICS = ("vf_loss_sum", "vf_clipfrac_sum", "vpred_sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +81,16 @@ class PolicyObjective:
     loss_metric_names: tuple[str, ...]
     recompute: bool = False  # old / proximal log-probs come from the `trainer_logprobs` extra (see above)
     entropy_coeff: float = 0.0  # entropy bonus: loss - entropy_coeff * aggregated entropy (gradient flows)
+    critic: bool = False  # critic PPO, shared trunk: loss + vf_coef * clipped value loss of the value head
+    vf_coef: float = 0.0
+    value_clip: float | None = None
 
     @property
     def metric_names(self) -> tuple[str, ...]:
         """Every metric the head reports (sums over valid tokens; see the module docstring)."""
         extra = ("ref_kl_sum",) if self.kl_coef else ()
         extra += ("entropy_bonus_sum",) if self.entropy_coeff else ()
+        extra += CRITIC_METRICS if self.critic else ()
         return DIAGNOSTICS + tuple(f"{m}_sum" for m in self.loss_metric_names) + extra
 
     @property
@@ -105,6 +113,8 @@ class PolicyObjective:
             names += ("ref_logprobs",)
         if self.recompute:
             names += ("trainer_logprobs",)
+        if self.critic:
+            names += ("returns", "old_values")
         return names
 
     def source(self, name: str) -> str:
@@ -122,8 +132,9 @@ class PolicyObjective:
         arrays.update((n, mb[n]) for n in self.arrays if n in MINIBATCH_ARRAYS)
         return self.loss_fn.apply(logits_btv, inputs, **self.options, **arrays)
 
-    def head_loss(self, logits_btv, mb) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(loss, {metric: token-weighted sum}) of one packed microbatch."""
+    def head_loss(self, logits_btv, mb, values_bt=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, {metric: token-weighted sum}) of one packed microbatch; `values_bt` are the value head's
+        predictions (critic PPO only)."""
         loss, loss_metrics = self.policy_loss(logits_btv, mb)
         valid = (mb["loss_mask"] != 0) & (mb["segment_ids"] > 0)
         count = jnp.sum(valid).astype(jnp.float32)
@@ -145,6 +156,15 @@ class PolicyObjective:
                 norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
             loss = loss + bonus
             metrics["entropy_bonus_sum"] = lax.stop_gradient(bonus)  # a partial sum of the minibatch's term
+        if self.critic:
+            value_loss, value_metrics = clipped_value_loss(
+                values_bt, mb["returns"], mb["old_values"], mb["loss_mask"], clip_range=self.value_clip,
+                aggregation=self.aggregation, normalizer=mb["normalizer"], segment_ids=mb["segment_ids"],
+                norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
+            loss = loss + self.vf_coef * value_loss
+            metrics.update(vf_loss_sum=lax.stop_gradient(value_loss),  # partial sums of the minibatch's loss
+                           vf_clipfrac_sum=value_metrics["vf_clipfrac"] * count,
+                           vpred_sum=value_metrics["vpred_mean"] * count)
         metrics.update(policy_diagnostics(logits_btv, mb, valid, self.temperature))
         return loss, metrics
 
@@ -196,7 +216,8 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
         name=loss.name, loss_fn=fn, options=options, aggregation=aggregation, temperature=rollout.temperature,
         norm_length=rollout.max_new_tokens, arrays=arrays, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
         loss_metric_names=(), recompute=off_policy and bool(set(TRAINER_ARRAYS) & set(arrays)),
-        entropy_coeff=loss.entropy_coeff)
+        entropy_coeff=loss.entropy_coeff, critic=loss.critic, vf_coef=loss.critic_vf_coef,
+        value_clip=loss.critic_value_clip or None)
     try:
         metrics = jax.eval_shape(lambda mb: objective.policy_loss(mb["logits"], mb)[1], _dummy_microbatch(rollout))
     except (TypeError, ValueError) as e:
@@ -206,8 +227,9 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
     return dataclasses.replace(objective, loss_metric_names=names)
 
 
-def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray]:
-    """`advantages(rewards [N], group_size, lengths [N]) -> [N]` for `loss.advantage` (verl's estimator names),
+def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray] | None:
+    """`advantages(rewards [N], group_size, lengths [N]) -> [N]` for `loss.advantage` (verl's estimator names);
+    None for `gae`, which needs the critic's per-token values (`critic_advantages`),
     reading the estimator's metadata for what it needs; ConfigError for an estimator the trainer cannot feed:
     ReMax needs a greedy response per prompt, which the trainer does not sample; GDPO several reward functions'
     rewards per response, where the trainer scores a response with one; the optimal token baseline per-token
@@ -220,9 +242,8 @@ def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray]
                           "function (the task's, or task.reward_fn); with one it would be GRPO followed by batch "
                           "whitening. Use grpo or reinforce_plus_plus_baseline, or call jodc.losses.gdpo_advantages "
                           "directly")
-    if estimator.token_rewards:
-        raise ConfigError(f"loss.advantage={loss.advantage!r} needs a critic (per-token values), which the RL "
-                          "trainer does not train yet; use grpo, rloo or reinforce_plus_plus(_baseline)")
+    if estimator.token_rewards:  # gae: the trainer computes it with the critic's values (`critic_advantages`)
+        return None
     if set(estimator.inputs) - {"lengths"}:
         per_token = (" and gives per-token advantages, where the trainer's batch carries one per response"
                      if estimator.per_token else "")
@@ -272,7 +293,8 @@ def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:
     return {"logits": spec((b, t, v)), "targets": spec((b, t), jnp.int32), "loss_mask": spec((b, t)),
             "segment_ids": spec((b, t), jnp.int32), "normalizer": spec(()), "behaviour_logprobs": spec((b, t)),
             "advantages": spec((b, t)), "topk_ids": spec((b, t, k), jnp.int32), "topk_logprobs": spec((b, t, k)),
-            "ref_logprobs": spec((b, t)), "trainer_logprobs": spec((b, t))}
+            "ref_logprobs": spec((b, t)), "trainer_logprobs": spec((b, t)), "returns": spec((b, t)),
+            "old_values": spec((b, t))}
 
 
 def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dict[str, float]:
@@ -290,6 +312,9 @@ def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dic
         out["ref_kl"] = sums["ref_kl_sum"] / tokens
     if objective.entropy_coeff:
         out["entropy_bonus"] = sums["entropy_bonus_sum"]  # the update's -entropy_coeff * aggregated entropy
+    if objective.critic:
+        out.update(vf_loss=sums["vf_loss_sum"], vf_clipfrac=sums["vf_clipfrac_sum"] / tokens,
+                   vpred_mean=sums["vpred_sum"] / tokens)
     if "loss_entropy" in out:
         out["entropy"] = out["loss_entropy"]
     for name in ("loss_masked_fraction", "loss_clip_fraction"):
