@@ -94,7 +94,7 @@ def test_the_staged_decoder_values_and_the_rollout_advantages():
     from jodc.train.rl.critic import critic_advantages
     from test_models import tiny_config
 
-    config = tiny_config()
+    config = tiny_config(num_layers=1, attention_impl="dense")  # eager stages: keep it small
     seen = {}
 
     def head_loss(logits, mb, values):
