@@ -7,6 +7,8 @@
 - Segment-aware attention (attention.py): `attention`, `blockwise_attention`, `dense_attention`.
 - HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`; tokenizers (tokenizer.py): `load_tokenizer`,
   `save_tokenizer`, the built-in `byte_level_tokenizer`.
+- The critic's value head on the decoder (value_head.py): `VALUE_HEAD`, `init_value_head`, `value_apply`,
+  `values_forward`.
 - Sampling with a KV cache for rollouts (generate.py): `generate`, `SamplingParams`, `Generation`.
 """
 from .attention import attention, blockwise_attention, dense_attention
@@ -28,6 +30,7 @@ from .layerwise import (
     param_groups,
     positions_from_segment_ids,
 )
+from .value_head import VALUE_HEAD, init_value_head, value_apply, values_forward
 from .tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
@@ -37,4 +40,5 @@ __all__ = [
     "generate", "group_param_shapes", "head_apply", "init_params", "layer_apply",
     "layer_group_name", "load_pretrained", "load_tokenizer", "merge_params", "param_groups",
     "positions_from_segment_ids", "sampling_logprobs", "save_pretrained", "save_tokenizer", "split_params",
+    "VALUE_HEAD", "init_value_head", "value_apply", "values_forward",
 ]

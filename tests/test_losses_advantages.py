@@ -270,7 +270,7 @@ def test_registry_names_and_metadata():
     assert otb.per_token and otb.inputs == ("logprobs", "sum_pi_squared", "mask")
     assert otb.optional_inputs == ("is_weights",)
     assert not any(e.reward_columns or e.per_token for n, e in ADVANTAGE_ESTIMATORS.items()
-                   if n not in ("gdpo", "optimal_token_baseline"))
+                   if n not in ("gdpo", "optimal_token_baseline", "gae"))
     np.testing.assert_allclose(x64(opo, REWARDS, K, lengths=LENGTHS), np_opo(REWARDS, LENGTHS, K), rtol=1e-14,
                                atol=1e-15)
     np.testing.assert_allclose(x64(gdpo, REWARD_COLUMNS, K, lengths=LENGTHS, weights=[1.0, 0.5, 2.0]),

@@ -9,6 +9,7 @@ from jodc.fsdp.stages import Stage, StagedModel
 from jodc.losses import token_logprobs
 from jodc.models import layerwise
 from jodc.models.config import DecoderConfig
+from jodc.models.value_head import VALUE_HEAD, init_value_head, value_apply
 
 
 def sft_loss_from_logits(logits_btv, microbatch, *, chunk_size: int | None = None):
@@ -19,16 +20,27 @@ def sft_loss_from_logits(logits_btv, microbatch, *, chunk_size: int | None = Non
 
 def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, seed: int = 0,
                          logprob_chunk_size: int | None = None, head_loss=None,
-                         metric_names: tuple[str, ...] = ()) -> tuple[StagedModel, dict]:
+                         metric_names: tuple[str, ...] = (), value_head: bool = False
+                         ) -> tuple[StagedModel, dict]:
     """Returns (staged model, initial group params). `groups` defaults to a random initialisation from `seed`.
 
     `head_loss(logits_btv, microbatch)` turns the logits of a microbatch (fields: tokens, targets, loss_mask,
     positions, segment_ids, normalizer, plus the minibatch's extras) into its loss, or into (loss, {metric: value})
     with the metrics named in `metric_names` (e.g. an RL policy loss); the default is next-token cross-entropy.
+
+    `value_head=True` adds the critic's value head (`jodc.models.value_head`) as one more parameter group,
+    `value_head` (zeros unless `groups` holds it), read by the head stage; `head_loss` is then called as
+    `head_loss(logits_btv, microbatch, values_bt)` (critic PPO with a shared trunk).
     """
     if groups is None:
         groups = layerwise.init_params(config, jax.random.PRNGKey(seed))
     names = layerwise.param_groups(config)
+    layer_names = names[1:-1]
+    if value_head:
+        if head_loss is None:
+            raise ValueError("decoder_staged_model: value_head=True needs a head_loss taking the values")
+        groups = {**groups, VALUE_HEAD: groups.get(VALUE_HEAD, init_value_head(config))}
+        names = names + [VALUE_HEAD]
     missing = [n for n in names if n not in groups]
     if missing:
         raise ValueError(f"decoder parameter groups {missing} are missing")
@@ -42,13 +54,16 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
     def head(params, h, mb):
         embed_params = params[1] if config.tie_word_embeddings else None
         logits = layerwise.head_apply(config, params[0], h, embed_params)
+        if value_head:
+            return head_loss(logits, mb, value_apply(config, params[0], params[-1], h))
         if head_loss is not None:
             return head_loss(logits, mb)
         return sft_loss_from_logits(logits, mb, chunk_size=logprob_chunk_size)
 
     stages = [Stage(layerwise.EMBED, (layerwise.EMBED,), embed)]
-    stages += [Stage(n, (n,), layer) for n in names[1:-1]]
+    stages += [Stage(n, (n,), layer) for n in layer_names]
     head_groups = (layerwise.HEAD, layerwise.EMBED) if config.tie_word_embeddings else (layerwise.HEAD,)
+    head_groups += (VALUE_HEAD,) if value_head else ()
     stages.append(Stage(layerwise.HEAD, head_groups, head))
     ordered = {n: groups[n] for n in names}
     return StagedModel.build(ordered, stages, metric_names), ordered

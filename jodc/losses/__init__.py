@@ -22,10 +22,21 @@ from jodc.losses.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 from jodc.losses.dro import dro_loss
 from jodc.losses.dppo import DEFAULT_DELTA, DEFAULT_TOPK, dppo_loss
 from jodc.losses.estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator, get_advantage_estimator
+from jodc.losses.entropy import entropy_bonus
+from jodc.losses.gae import discounted_returns, gae_advantages, masked_whiten, reinforce_pp_token_advantages
 from jodc.losses.gmpo import geo_mean_loss
 from jodc.losses.gpg import gpg_loss
 from jodc.losses.gspo import gspo_loss
 from jodc.losses.kl import KL_ESTIMATORS, kl_estimate, kl_penalty
+from jodc.losses.kl_reward import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_controller,
+    kl_controller_from_state,
+    kl_reward,
+    last_token_rewards,
+)
 from jodc.losses.logprobs import (
     gather_logprobs,
     sum_pi_squared,
@@ -47,13 +58,18 @@ from jodc.losses.rollout_correction import (
 from jodc.losses.sapo import sapo_loss
 from jodc.losses.spec import PolicyInputs, PolicyLoss
 from jodc.losses.token_baseline import optimal_token_baseline_advantages
+from jodc.losses.value import DEFAULT_VALUE_CLIP, clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "AdaptiveKLController",
     "AdvantageEstimator",
     "DEFAULT_DELTA",
     "DEFAULT_TOPK",
+    "DEFAULT_VALUE_CLIP",
+    "FixedKLController",
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "POLICY_LOSSES",
@@ -67,10 +83,14 @@ __all__ = [
     "broadcast_sequence_sum",
     "cispo_loss",
     "clip_cov_loss",
+    "clipped_value_loss",
     "decoupled_ppo_loss",
     "dg_loss",
+    "discounted_returns",
     "dppo_loss",
     "dro_loss",
+    "entropy_bonus",
+    "gae_advantages",
     "gather_logprobs",
     "gdpo_advantages",
     "geo_mean_loss",
@@ -81,10 +101,15 @@ __all__ = [
     "grpo_advantages",
     "gspo_loss",
     "is_weight_totals",
+    "kl_controller",
+    "kl_controller_from_state",
     "kl_cov_loss",
     "kl_estimate",
     "kl_penalty",
+    "kl_reward",
+    "last_token_rewards",
     "loss_normalizer",
+    "masked_whiten",
     "normalize_is_weights",
     "off_policy_sequence_mask",
     "opo_advantages",
@@ -92,6 +117,7 @@ __all__ = [
     "passk_advantages",
     "ppo_loss",
     "reinforce_pp_advantages",
+    "reinforce_pp_token_advantages",
     "remax_advantages",
     "rloo_advantages",
     "rollout_is_weights",

@@ -9,7 +9,9 @@ ReMax; the OTB's per-token ``logprobs`` / ``sum_pi_squared`` / ``mask``), and op
 ``optional_inputs``; ``options`` the hyper-parameters it names in ``options`` (e.g. ``normalize_std``). Most
 estimators take rewards [N] and return advantages [N]; the metadata says where not: ``reward_columns`` (GDPO:
 rewards [N, D], one column per reward function) and ``per_token`` (the OTB: advantages [N, T]). Names follow
-verl's ``AdvantageEstimator`` (``dr_grpo`` is GRPO without the std division).
+verl's ``AdvantageEstimator`` (``dr_grpo`` is GRPO without the std division). ``gae`` (critic PPO) takes
+per-token rewards [N, T] (``token_rewards``) and the critic's ``values`` [N, T]; its returns (the value target)
+come from ``jodc.losses.gae_advantages``.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from jodc.losses.advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from jodc.losses.gae import gae_estimator_advantages
 from jodc.losses.token_baseline import optimal_token_baseline_advantages
 
 
@@ -36,8 +39,8 @@ from jodc.losses.token_baseline import optimal_token_baseline_advantages
 class AdvantageEstimator:
     """An advantage function with its metadata: ``inputs`` (arrays it needs besides rewards), ``optional_inputs``
     (arrays it may take), ``options`` (hyper-parameters it accepts), ``presets`` (fixed option values),
-    ``reward_columns`` (rewards are [N, D], one column per reward function, instead of [N]) and ``per_token``
-    (it returns advantages [N, T] instead of [N])."""
+    ``reward_columns`` (rewards are [N, D], one column per reward function, instead of [N]), ``token_rewards``
+    (rewards are [N, T], one per token) and ``per_token`` (it returns advantages [N, T] instead of [N])."""
 
     fn: Callable[..., jax.Array]
     inputs: tuple[str, ...] = ()
@@ -46,6 +49,7 @@ class AdvantageEstimator:
     optional_inputs: tuple[str, ...] = ()
     reward_columns: bool = False
     per_token: bool = False
+    token_rewards: bool = False
 
     def __call__(self, rewards, group_size: int, **kwargs) -> jax.Array:
         """Advantages [N] ([N, T] when ``per_token``); ``kwargs`` are this estimator's ``inputs``,
@@ -75,6 +79,8 @@ ADVANTAGE_ESTIMATORS: Mapping[str, AdvantageEstimator] = MappingProxyType({
     "optimal_token_baseline": AdvantageEstimator(
         optimal_token_baseline_advantages, inputs=("logprobs", "sum_pi_squared", "mask"),
         optional_inputs=("is_weights",), options=("handle_zero_tail", "eps"), per_token=True),
+    "gae": AdvantageEstimator(gae_estimator_advantages, inputs=("values", "mask"), options=("gamma", "lam"),
+                              per_token=True, token_rewards=True),
 })
 
 

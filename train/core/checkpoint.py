@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jodc.models import DecoderConfig, merge_params, save_pretrained
+from jodc.models import DecoderConfig, merge_params, param_groups, save_pretrained
 from jodc.models.tokenizer import Tokenizer, save_tokenizer
 
 ENGINE_ITEM, TRAINER_ITEM = "engine", "trainer"
@@ -152,8 +152,10 @@ def _check_shapes(restored, template, where: str) -> None:
 
 def export_hf(config: DecoderConfig, params: dict[str, Any], tokenizer: Tokenizer | None, path: str) -> str:
     """Writes the parameters (group pytrees, as `Engine.params()` returns them) as a HF checkpoint directory at
-    `path`, with the tokenizer; an existing export at `path` is replaced only once the new one is complete."""
+    `path`, with the tokenizer; an existing export at `path` is replaced only once the new one is complete. Groups
+    that are not the decoder's (the critic's value head) are not part of a HF causal-LM checkpoint: left out."""
     path = os.path.abspath(path)
+    params = {g: params[g] for g in param_groups(config)}
     staging, previous = path + ".tmp", path + ".old"
     shutil.rmtree(staging, ignore_errors=True)  # a leftover of an interrupted export, never a finished one
     save_pretrained(merge_params(config, params), staging)

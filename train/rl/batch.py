@@ -45,20 +45,30 @@ class TrainingSequences:
         return [len(x) for x in self.inputs]
 
 
-def training_sequences(rollout: Rollout, advantages: np.ndarray, *, with_topk: bool = False,
+def training_sequences(rollout: Rollout, advantages, *, with_topk: bool = False,
                        ref_logprobs: Sequence[np.ndarray] | None = None,
-                       trainer_logprobs: Sequence[np.ndarray] | None = None) -> TrainingSequences:
-    """The rollout's training sequences; `advantages` [N] per response; `ref_logprobs` (reference policy) and
-    `trainer_logprobs` (the trainer's recomputed old / proximal log-probs) per response token."""
+                       trainer_logprobs: Sequence[np.ndarray] | None = None,
+                       returns: Sequence[np.ndarray] | None = None,
+                       old_values: Sequence[np.ndarray] | None = None) -> TrainingSequences:
+    """The rollout's training sequences; `advantages` [N] per response, or (critic PPO) a list of per response
+    token arrays; `ref_logprobs` (reference policy), `trainer_logprobs` (the trainer's recomputed old / proximal
+    log-probs), and for critic PPO `returns` and `old_values` (the value targets and the rollout's values) per
+    response token."""
     n = len(rollout)
-    advantages = np.asarray(advantages, np.float32)
-    if advantages.shape != (n,):
-        raise ValueError(f"advantages must have shape ({n},), got {advantages.shape}")
+    responses = rollout.response_ids
+    if isinstance(advantages, (list, tuple)):
+        if [len(a) for a in advantages] != [len(r) for r in responses]:
+            raise ValueError("per-token advantages must hold one value per response token")
+        per_token_advantages = [np.asarray(a, np.float32) for a in advantages]
+    else:
+        advantages = np.asarray(advantages, np.float32)
+        if advantages.shape != (n,):
+            raise ValueError(f"advantages must have shape ({n},), got {advantages.shape}")
+        per_token_advantages = [np.full(len(r), a) for r, a in zip(responses, advantages)]
     if with_topk and rollout.topk_ids is None:
         raise ValueError("the objective needs the behaviour top-k, but the rollout did not store it")
-    responses = rollout.response_ids
     per_token = {"behaviour_logprobs": rollout.logprobs,  # each extra's values at the response tokens
-                 "advantages": [np.full(len(r), a) for r, a in zip(responses, advantages)],
+                 "advantages": per_token_advantages, "returns": returns, "old_values": old_values,
                  "topk_ids": rollout.topk_ids if with_topk else None,
                  "topk_logprobs": rollout.topk_logprobs if with_topk else None,
                  "ref_logprobs": ref_logprobs, "trainer_logprobs": trainer_logprobs}

@@ -19,7 +19,7 @@ TaskName = Literal[TASK_NAMES]
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl",
                  "k1+", "k2+", "k3+", "abs+", "kl+", "mse+", "low_var_kl+")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                        "grpo_passk", "gpg", "opo", "gdpo", "optimal_token_baseline")
+                        "grpo_passk", "gpg", "opo", "gdpo", "optimal_token_baseline", "gae")
 KlEstimator = Literal[KL_ESTIMATORS]
 AdvantageEstimator = Literal[ADVANTAGE_ESTIMATORS]
 #: Loss hyper-parameters that may be set in the `loss` section; null = the loss's default.
@@ -107,13 +107,25 @@ class LossConfig(Section):
     """The policy loss (a name of `jodc.losses.POLICY_LOSSES`), its hyper-parameters, advantages and KL."""
 
     name_in_config = "loss"
-    minimum = {"kl_coef": 0.0, **{name: 0.0 for name in LOSS_OPTIONS[2:]}}
+    minimum = {"kl_coef": 0.0, "entropy_coeff": 0.0, "critic_vf_coef": 0.0, "critic_value_clip": 0.0,
+               "critic_gamma": 0.0, "critic_lam": 0.0, "kl_in_reward_coef": 0.0, "kl_in_reward_target": 0.0,
+               "kl_in_reward_horizon": 1, **{name: 0.0 for name in LOSS_OPTIONS[2:]}}
     name: str = "dppo"  # dppo (binary TV), dppo_kl, dppo_topk, ppo, grpo, dapo, gspo, sapo, cispo, dro, ...
     aggregation: str | None = None  # token-mean, seq-mean-token-mean, ...; null: the loss's default
     advantage: AdvantageEstimator = "grpo"  # advantage estimator (verl's names)
     normalize_std: bool = True  # divide group advantages by the group's std (false: Dr.GRPO)
     kl_coef: float = 0.0  # weight of a KL penalty to the initial policy (0: none)
     kl_estimator: KlEstimator = "k3"
+    entropy_coeff: float = 0.0  # entropy bonus: the loss minus entropy_coeff x the aggregated entropy (0: none)
+    kl_in_reward_coef: float = 0.0  # KL in the reward: initial beta of reward - beta x KL per token (0: none)
+    kl_in_reward_estimator: KlEstimator = "kl"  # its per-token estimator (verl's default: kl = k1)
+    kl_in_reward_controller: Literal["fixed", "adaptive"] = "fixed"  # beta fixed, or moved towards the target
+    kl_in_reward_target: float = 0.1  # adaptive controller: target KL (verl's kl_ctrl.target_kl)
+    kl_in_reward_horizon: int = 10000  # adaptive controller: horizon in samples (verl's kl_ctrl.horizon)
+    critic_vf_coef: float = 0.1  # advantage gae: weight of the value loss in the shared-trunk loss (TRL's vf_coef)
+    critic_value_clip: float = 0.5  # advantage gae: value clip around the rollout's values (0: off; verl's 0.5)
+    critic_gamma: float = 1.0  # advantage gae: discount (verl's default 1)
+    critic_lam: float = 1.0  # advantage gae: GAE lambda (verl's default 1)
     divergence: Literal["tv", "kl"] | None = None  # DPPO divergence
     approximation: Literal["binary", "topk"] | None = None  # DPPO divergence approximation
     delta_low: float | None = None  # DPPO threshold for A < 0
@@ -128,6 +140,22 @@ class LossConfig(Section):
     tis_cap: float | None = None  # TIS weight cap
     behaviour_weight_cap: float | None = None  # decoupled PPO weight cap (0: off)
     dro_beta: float | None = None  # DRO's quadratic penalty weight
+
+    @property
+    def critic(self) -> bool:
+        """Whether the run trains a critic (the value head): `advantage: gae`."""
+        return self.advantage == "gae"
+
+    def check(self) -> None:
+        if self.critic_gamma > 1 or self.critic_lam > 1:
+            raise ConfigError(f"loss.critic_gamma and loss.critic_lam must be in [0, 1], got {self.critic_gamma} "
+                              f"and {self.critic_lam}")
+        if self.kl_in_reward_controller == "adaptive" and self.kl_in_reward_target <= 0:
+            raise ConfigError("loss.kl_in_reward_controller=adaptive needs loss.kl_in_reward_target > 0, got "
+                              f"{self.kl_in_reward_target}")
+        if self.kl_in_reward_controller == "adaptive" and not self.kl_in_reward_coef:
+            raise ConfigError("loss.kl_in_reward_controller=adaptive needs an initial loss.kl_in_reward_coef > 0 "
+                              "(the controller scales it)")
 
     def options(self) -> dict[str, Any]:
         """The hyper-parameters that are set, as loss keyword arguments (0 -> None where that means 'off')."""
@@ -199,6 +227,9 @@ class RLConfig(TrainingConfig):
         if self.run.updates_per_step > self.rollout.rollout_size:
             raise ConfigError(f"run.updates_per_step={self.run.updates_per_step} exceeds the rollout's "
                               f"{self.rollout.rollout_size} responses (rollout.prompts_per_step x rollout.group_size)")
+        if self.loss.critic and self.rollout.max_staleness:
+            raise ConfigError("loss.advantage=gae (critic PPO) runs with synchronous rollouts only "
+                              "(rollout.max_staleness: 0): the rollout's values come from the trainer's weights")
         unsupported = [f"engine.name={e.name}" if e.name == "xla_spmd" else "",
                        "engine.length_buckets" if e.length_buckets is not None else "",
                        "engine.token_cap=null" if e.token_cap is None else "",

@@ -10,7 +10,12 @@ at all as far as checkpoints go: a reward function that fails, or a non-finite u
 applies), stops the run before anything of that step is saved; with `run.skip_nonfinite_steps` a non-finite
 update is skipped instead and counted (`skipped_updates`). With `warmstart.sft_steps > 0` the run first fine-tunes
 the model on the task's solutions with the SFT trainer (`warmstart.py`) and starts RL from that policy; with
-`loss.kl_coef > 0` the KL penalty is taken to that initial policy.
+`loss.kl_coef > 0` the KL penalty is taken to that initial policy. With `loss.kl_in_reward_coef > 0` the KL to
+that policy is taken out of the rewards instead (per token, beta from a fixed or adaptive controller, whose state
+is part of every checkpoint so a resumed run continues with the same beta); `loss.entropy_coeff > 0` adds an
+entropy bonus to the loss. With `loss.advantage: gae` the run is critic PPO with a shared trunk: a value head on
+the decoder (its own parameter group), GAE over token rewards with its values (`critic.py`), and the clipped value
+loss added to the policy loss (`loss.critic_*`).
 
 With `rollout.max_staleness: k > 0` the rollouts come from a sampler thread (`async_rollouts.py`) that samples
 step s from the weights of step max(0, s - k) while the trainer trains (computing them itself, or in a child
@@ -30,6 +35,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jodc.losses import kl_controller_from_state
 from jodc.models.tokenizer import load_tokenizer
 
 from ..core import distributed
@@ -40,7 +46,8 @@ from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .async_rollouts import AsyncRollouts, check_staleness
 from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
-from .loss import build_advantages, build_objective, summarize_metrics
+from .critic import critic_advantages, response_values
+from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
 from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, rollout_metrics, update_metrics
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
@@ -109,6 +116,7 @@ class RLRun(Trainer):
         config = self.config
         self.objective = build_objective(config.loss, config.rollout)
         self.advantages = build_advantages(config.loss)
+        self.kl_controller = build_kl_controller(config.loss)  # KL in the reward; its beta moves with the run
         self.task = make_task(config.task.name, **config.task.task_options())
         return fingerprint_task(self.task)
 
@@ -135,9 +143,10 @@ class RLRun(Trainer):
             model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))
         self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
         groups = self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
-                                   metric_names=self.objective.metric_names)
+                                   metric_names=self.objective.metric_names, value_head=self.objective.critic)
         self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
-                                          bucket=r.prompt_bucket) if config.loss.kl_coef else None)
+                                          bucket=r.prompt_bucket)
+                          if config.loss.kl_coef or config.loss.kl_in_reward_coef else None)
         self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,
                                         temperature=r.temperature, top_k=r.top_k if self.objective.uses_topk else 0,
                                         prompt_bucket=r.prompt_bucket)
@@ -160,6 +169,11 @@ class RLRun(Trainer):
                 raise RuntimeError(f"checkpoint {self.store.step_dir(step)} does not hold the rollouts of steps "
                                    f"{step + 1}..{step + k} that rollout.max_staleness={k} sampled ahead")
             self.restored_rollouts = {p.step: p for p in pending}
+        if self.kl_controller is not None:
+            if "kl_controller" not in state:
+                raise RuntimeError(f"checkpoint {self.store.step_dir(step)} has no KL controller state, but "
+                                   "loss.kl_in_reward_coef > 0 needs it to continue with the same beta")
+            self.kl_controller = kl_controller_from_state(state["kl_controller"])
         expected_updates = step * self.config.run.updates_per_step - self.skipped
         if state.get("optimizer_updates") != expected_updates:
             raise RuntimeError(f"checkpoint {self.store.step_dir(step)} is inconsistent: step {step} with "
@@ -168,6 +182,8 @@ class RLRun(Trainer):
 
     def checkpoint_state(self, done: int) -> dict[str, Any]:
         state = {"optimizer_updates": self.engine.steps_done}
+        if self.kl_controller is not None:  # the beta the next step uses
+            state["kl_controller"] = self.kl_controller.state()
         if self.config.rollout.max_staleness:  # the rollouts sampled ahead, from weights no longer in the engine
             if self.async_rollouts is not None:
                 pending = self.async_rollouts.pending(done)
@@ -233,7 +249,6 @@ class RLRun(Trainer):
             params = self.engine.params()
             scored, waited = self.next_rollout(step, params)
             rollout, rewards = scored.rollout, scored.rewards
-            advantages = self.advantages(rewards, r.group_size, rollout.response_lengths)
             with timers("reference"):
                 ref_logprobs = self.reference.response_logprobs(rollout) if self.reference else None
             old_logprobs = None
@@ -243,8 +258,29 @@ class RLRun(Trainer):
                     old_logprobs = (scored.trainer_logprobs if reuse else
                                     trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
                                                      bucket=r.prompt_bucket))
+            kl_record, loss_ = {}, self.config.loss
+            kl_args = None
+            if self.kl_controller is not None:  # KL in the reward, at the policy before this step's updates
+                beta = self.kl_controller.value
+                kl_args = (old_logprobs if old_logprobs is not None else rollout.logprobs, ref_logprobs, beta,
+                           loss_.kl_in_reward_estimator)
+            returns = old_values = None
+            if self.objective.critic:  # GAE over token rewards with the value head's values at these weights
+                with timers("values"):
+                    old_values = response_values(self.model_config, params, rollout, bucket=r.prompt_bucket)
+                advantages, returns, current_kl = critic_advantages(
+                    rewards, old_values, gamma=loss_.critic_gamma, lam=loss_.critic_lam, kl=kl_args)
+            else:
+                shaped, current_kl = (kl_shaped_rewards(rewards, *kl_args[:2], beta=kl_args[2],
+                                                        estimator=kl_args[3])
+                                      if kl_args else (rewards, None))
+                advantages = self.advantages(shaped, r.group_size, rollout.response_lengths)
+            if self.kl_controller is not None:
+                self.kl_controller = self.kl_controller.update(current_kl, len(rewards))
+                kl_record = {"kl_in_reward": current_kl, "kl_in_reward_beta": beta}
             sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
-                                           ref_logprobs=ref_logprobs, trainer_logprobs=old_logprobs)
+                                           ref_logprobs=ref_logprobs if self.objective.kl_coef else None,
+                                           trainer_logprobs=old_logprobs, returns=returns, old_values=old_values)
             distributed.check_agreement(f"step {step + 1}'s rollout, rewards and advantages",
                                         lambda: sequences_digest(sequences))  # mpirun: every process samples it
             updates, tokens, microbatches = [], 0, []
@@ -278,7 +314,8 @@ class RLRun(Trainer):
                        "policy_version": int(scored.versions.min()),
                        "staleness": int(step - scored.versions.min()), "rollout_wait_seconds": waited,
                        "trainer_idle_fraction": min(waited / seconds, 1.0),
-                       "sampler_idle_fraction": max(0.0, 1.0 - sampler_busy / seconds), **scored.mismatch})
+                       "sampler_idle_fraction": max(0.0, 1.0 - sampler_busy / seconds), **scored.mismatch,
+                       **kl_record})
         return record
 
     # -- the end of a run --------------------------------------------------------------------------------------

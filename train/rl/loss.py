@@ -38,9 +38,13 @@ from jax import lax
 from jodc.losses import (
     LOG_RATIO_CLAMP,
     PolicyInputs,
+    clipped_value_loss,
+    entropy_bonus,
     get_advantage_estimator,
     get_policy_loss,
+    kl_controller,
     kl_penalty,
+    kl_reward,
     token_logprobs,
 )
 
@@ -56,6 +60,9 @@ MINIBATCH_ARRAYS = ("topk_ids", "topk_logprobs")
 #: Diagnostics every objective reports (token sums): ratio r = pi(a) / mu(a) of the sampled token, its square,
 #: binary TV |pi(a) - mu(a)|, and r - 1 - log r, whose mean estimates KL(mu || pi) from the rollout's samples.
 DIAGNOSTICS = ("tokens", "ratio_sum", "ratio_sq_sum", "policy_tv_sum", "policy_kl_sum")
+#: Critic PPO's metrics: the value loss (partial sums of the minibatch's), its clip fraction and the mean
+#: prediction (token sums).
+CRITIC_METRICS = ("vf_loss_sum", "vf_clipfrac_sum", "vpred_sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +80,17 @@ class PolicyObjective:
     kl_estimator: str
     loss_metric_names: tuple[str, ...]
     recompute: bool = False  # old / proximal log-probs come from the `trainer_logprobs` extra (see above)
+    entropy_coeff: float = 0.0  # entropy bonus: loss - entropy_coeff * aggregated entropy (gradient flows)
+    critic: bool = False  # critic PPO, shared trunk: loss + vf_coef * clipped value loss of the value head
+    vf_coef: float = 0.0
+    value_clip: float | None = None
 
     @property
     def metric_names(self) -> tuple[str, ...]:
         """Every metric the head reports (sums over valid tokens; see the module docstring)."""
         extra = ("ref_kl_sum",) if self.kl_coef else ()
+        extra += ("entropy_bonus_sum",) if self.entropy_coeff else ()
+        extra += CRITIC_METRICS if self.critic else ()
         return DIAGNOSTICS + tuple(f"{m}_sum" for m in self.loss_metric_names) + extra
 
     @property
@@ -100,6 +113,8 @@ class PolicyObjective:
             names += ("ref_logprobs",)
         if self.recompute:
             names += ("trainer_logprobs",)
+        if self.critic:
+            names += ("returns", "old_values")
         return names
 
     def source(self, name: str) -> str:
@@ -117,8 +132,9 @@ class PolicyObjective:
         arrays.update((n, mb[n]) for n in self.arrays if n in MINIBATCH_ARRAYS)
         return self.loss_fn.apply(logits_btv, inputs, **self.options, **arrays)
 
-    def head_loss(self, logits_btv, mb) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(loss, {metric: token-weighted sum}) of one packed microbatch."""
+    def head_loss(self, logits_btv, mb, values_bt=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, {metric: token-weighted sum}) of one packed microbatch; `values_bt` are the value head's
+        predictions (critic PPO only)."""
         loss, loss_metrics = self.policy_loss(logits_btv, mb)
         valid = (mb["loss_mask"] != 0) & (mb["segment_ids"] > 0)
         count = jnp.sum(valid).astype(jnp.float32)
@@ -132,6 +148,23 @@ class PolicyObjective:
                 norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
             loss = loss + self.kl_coef * kl_loss
             metrics["ref_kl_sum"] = lax.stop_gradient(kl_metrics["kl_mean"]) * count
+        if self.entropy_coeff:
+            bonus, _ = entropy_bonus(
+                logits_btv, mb["targets"], mb["loss_mask"], entropy_coeff=self.entropy_coeff,
+                aggregation=self.aggregation, normalizer=mb["normalizer"], segment_ids=mb["segment_ids"],
+                temperature=self.temperature,
+                norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
+            loss = loss + bonus
+            metrics["entropy_bonus_sum"] = lax.stop_gradient(bonus)  # a partial sum of the minibatch's term
+        if self.critic:
+            value_loss, value_metrics = clipped_value_loss(
+                values_bt, mb["returns"], mb["old_values"], mb["loss_mask"], clip_range=self.value_clip,
+                aggregation=self.aggregation, normalizer=mb["normalizer"], segment_ids=mb["segment_ids"],
+                norm_length=self.norm_length if self.aggregation == "seq-mean-token-sum-norm" else None)
+            loss = loss + self.vf_coef * value_loss
+            metrics.update(vf_loss_sum=lax.stop_gradient(value_loss),  # partial sums of the minibatch's loss
+                           vf_clipfrac_sum=value_metrics["vf_clipfrac"] * count,
+                           vpred_sum=value_metrics["vpred_mean"] * count)
         metrics.update(policy_diagnostics(logits_btv, mb, valid, self.temperature))
         return loss, metrics
 
@@ -182,7 +215,9 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
     objective = PolicyObjective(
         name=loss.name, loss_fn=fn, options=options, aggregation=aggregation, temperature=rollout.temperature,
         norm_length=rollout.max_new_tokens, arrays=arrays, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
-        loss_metric_names=(), recompute=off_policy and bool(set(TRAINER_ARRAYS) & set(arrays)))
+        loss_metric_names=(), recompute=off_policy and bool(set(TRAINER_ARRAYS) & set(arrays)),
+        entropy_coeff=loss.entropy_coeff, critic=loss.critic, vf_coef=loss.critic_vf_coef,
+        value_clip=loss.critic_value_clip or None)
     try:
         metrics = jax.eval_shape(lambda mb: objective.policy_loss(mb["logits"], mb)[1], _dummy_microbatch(rollout))
     except (TypeError, ValueError) as e:
@@ -192,8 +227,9 @@ def build_objective(loss: LossConfig, rollout: RolloutConfig) -> PolicyObjective
     return dataclasses.replace(objective, loss_metric_names=names)
 
 
-def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray]:
-    """`advantages(rewards [N], group_size, lengths [N]) -> [N]` for `loss.advantage` (verl's estimator names),
+def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray], np.ndarray] | None:
+    """`advantages(rewards [N], group_size, lengths [N]) -> [N]` for `loss.advantage` (verl's estimator names);
+    None for `gae`, which needs the critic's per-token values (`critic_advantages`),
     reading the estimator's metadata for what it needs; ConfigError for an estimator the trainer cannot feed:
     ReMax needs a greedy response per prompt, which the trainer does not sample; GDPO several reward functions'
     rewards per response, where the trainer scores a response with one; the optimal token baseline per-token
@@ -206,6 +242,8 @@ def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray]
                           "function (the task's, or task.reward_fn); with one it would be GRPO followed by batch "
                           "whitening. Use grpo or reinforce_plus_plus_baseline, or call jodc.losses.gdpo_advantages "
                           "directly")
+    if estimator.token_rewards:  # gae: the trainer computes it with the critic's values (`critic_advantages`)
+        return None
     if set(estimator.inputs) - {"lengths"}:
         per_token = (" and gives per-token advantages, where the trainer's batch carries one per response"
                      if estimator.per_token else "")
@@ -220,6 +258,31 @@ def build_advantages(loss: LossConfig) -> Callable[[np.ndarray, int, np.ndarray]
     return advantages
 
 
+def build_kl_controller(loss: LossConfig):
+    """The KL-in-reward controller of the `loss` section (`jodc.losses.kl_controller`), None when the KL is not
+    in the reward (`loss.kl_in_reward_coef: 0`)."""
+    if not loss.kl_in_reward_coef:
+        return None
+    return kl_controller(loss.kl_in_reward_controller, loss.kl_in_reward_coef, target=loss.kl_in_reward_target,
+                         horizon=loss.kl_in_reward_horizon)
+
+
+def kl_shaped_rewards(scores, logprobs, ref_logprobs, *, beta: float, estimator: str) -> tuple[np.ndarray, float]:
+    """(per response the sum of its token rewards [N], the batch's KL): `scores` [N] minus beta times the
+    per-token KL (`jodc.losses.kl_reward`) of `logprobs` (per response, the sampling policy's log-probs of its
+    tokens) to `ref_logprobs`, summed over the response, which is what the trainer's per-response estimators
+    see (as verl's GRPO sums its token-level rewards). The KL is the controller's `current_kl`."""
+    n = len(scores)
+    width = max([len(x) for x in logprobs] + [1])
+    lp_nt, ref_nt, mask_nt = (np.zeros((n, width), np.float32) for _ in range(3))
+    for i, (lp, ref) in enumerate(zip(logprobs, ref_logprobs)):
+        lp_nt[i, :len(lp)], ref_nt[i, :len(ref)], mask_nt[i, :len(lp)] = lp, ref, 1.0
+    # scores added on the host: an empty response (no token to place it on) keeps its score
+    penalty_nt, current_kl = kl_reward(np.zeros(n, np.float32), lp_nt, ref_nt, mask_nt, beta=beta,
+                                       estimator=estimator)
+    return np.asarray(scores, np.float32) + np.asarray(penalty_nt).sum(axis=1), float(current_kl)
+
+
 def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:
     """Shapes of a one-row microbatch of 4 tokens over a vocabulary of 8 (for tracing the loss only)."""
     b, t, k, v = 1, 4, min(rollout.top_k, 8), 8
@@ -230,7 +293,8 @@ def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:
     return {"logits": spec((b, t, v)), "targets": spec((b, t), jnp.int32), "loss_mask": spec((b, t)),
             "segment_ids": spec((b, t), jnp.int32), "normalizer": spec(()), "behaviour_logprobs": spec((b, t)),
             "advantages": spec((b, t)), "topk_ids": spec((b, t, k), jnp.int32), "topk_logprobs": spec((b, t, k)),
-            "ref_logprobs": spec((b, t)), "trainer_logprobs": spec((b, t))}
+            "ref_logprobs": spec((b, t)), "trainer_logprobs": spec((b, t)), "returns": spec((b, t)),
+            "old_values": spec((b, t))}
 
 
 def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dict[str, float]:
@@ -246,6 +310,11 @@ def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dic
                policy_tv=sums["policy_tv_sum"] / tokens, policy_kl=sums["policy_kl_sum"] / tokens)
     if objective.kl_coef:
         out["ref_kl"] = sums["ref_kl_sum"] / tokens
+    if objective.entropy_coeff:
+        out["entropy_bonus"] = sums["entropy_bonus_sum"]  # the update's -entropy_coeff * aggregated entropy
+    if objective.critic:
+        out.update(vf_loss=sums["vf_loss_sum"], vf_clipfrac=sums["vf_clipfrac_sum"] / tokens,
+                   vpred_mean=sums["vpred_sum"] / tokens)
     if "loss_entropy" in out:
         out["entropy"] = out["loss_entropy"]
     for name in ("loss_masked_fraction", "loss_clip_fraction"):
