@@ -256,15 +256,15 @@ class FakeCudaLibrary:
 
 
 def test_report_names_gpus_driver_pairs_and_transport():
-    from jodc.ops import _cuda_report
+    import cuda_report  # tools/
 
-    text = _cuda_report.describe(FakeCudaLibrary(), [0, 1, 2], "local", True)
+    text = cuda_report.describe(FakeCudaLibrary(), [0, 1, 2], "local", True)
     assert "CUDA driver 12.9, runtime 13.0 (jodc's library), 3 GPU(s)" in text
     assert "GPU 2: NVIDIA H100 #2, sm_90, 80.0 GiB" in text
     rows = [line for line in text.splitlines() if line.startswith("      1 ")]
     assert rows == ["      1     P/A       -     P/."]
     assert text.endswith("transport in use: local, accumulation: landing slots")
-    single = _cuda_report.describe(FakeCudaLibrary(), [0])
+    single = cuda_report.describe(FakeCudaLibrary(), [0])
     assert "peer access" not in single and "transport" not in single
 
 
@@ -278,20 +278,20 @@ def _junit(tmp_path, cases):
 
 
 def test_junit_check_fails_when_cuda_tests_skip_for_software_reasons(tmp_path):
-    from jodc.ops import _cuda_report
+    import cuda_report  # tools/
 
-    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [
+    ok, msg = cuda_report.check_junit(_junit(tmp_path, [
         ("test_ops_cuda", "test_a", None),
         ("test_ops_cuda", "test_b", "needs two GPUs for a mesh barrier"),
         ("test_ops", "test_c", "whatever"),  # not a CUDA test
     ]))
     assert ok and msg == "1 CUDA tests ran"
-    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [
+    ok, msg = cuda_report.check_junit(_junit(tmp_path, [
         ("test_ops_cuda", "test_a", None), ("test_ops_cuda", "test_d", "compute-sanitizer is not on PATH")]))
     assert not ok and "test_d: compute-sanitizer is not on PATH" in msg
-    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [("test_ops", "test_c", None)]))
+    ok, msg = cuda_report.check_junit(_junit(tmp_path, [("test_ops", "test_c", None)]))
     assert not ok and "no CUDA test ran" in msg
-    assert _cuda_report.main(["--check-junit", _junit(tmp_path, [("test_ops_cuda", "t", None)])]) == 0
+    assert cuda_report.main(["--check-junit", _junit(tmp_path, [("test_ops_cuda", "t", None)])]) == 0
 
 
 def test_nvshmem_python_binds_exactly_what_its_sources_export():
