@@ -126,7 +126,7 @@ class Trainer:
             return
         e = self.config.engine
         state = {**self.checkpoint_state(done), "config": to_dict(self.config), self.skipped_key: self.skipped,
-                 "data_fingerprint": self.data_fingerprint, "engine": self.engine.name, "devices": e.devices,
+                 "data_fingerprint": self.data_fingerprint, "engine": e.name, "devices": e.devices,
                  "schedule_steps": self.config.total_steps}
         engine_state = self.engine.state_dict()
         bad = sorted(g for g, v in engine_state["params"].items() if not np.isfinite(v).all())
@@ -239,7 +239,7 @@ class Trainer:
         path = os.path.join(directory, f"step_{done:06d}.png")
         e = self.config.engine
         rate = plot_timeline(events, path, num_devices=e.devices,
-                             title=f"{self.engine.name} / {e.planner_name}, step {done} ({source})")
+                             title=f"{e.name} / {e.planner_name}, step {done} ({source})")
         save_events(events, path[:-4] + ".json")
         self.timeline = {"path": path, "bubble_rate": rate, "step": done, "source": source}
 
