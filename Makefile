@@ -199,11 +199,11 @@ gpu-setup: $(GPU_INSTALLED)
 # (except the documented hardware skips: a second GPU, memory for the 2^31-element bucket).
 test-gpu: gpu-setup
 	mkdir -p build
-	$(GPU_PY) -m jodc.ops._cuda_report
+	$(GPU_PY) tools/cuda_report.py
 	JODC_REQUIRE_GPU=1 JODC_CUDA_CHECK_LIBRARY=$(CURDIR)/jodc/_ffi_cuda.so \
 		JODC_NVSHMEM_CHECK_LIBRARY=$(CURDIR)/jodc/_ffi_nvshmem.so \
 		$(GPU_PY) -m pytest -q -rs --durations=15 --junitxml=build/gpu-junit.xml tests; \
-		status=$$?; $(GPU_PY) -m jodc.ops._cuda_report --check-junit build/gpu-junit.xml || exit 1; exit $$status
+		status=$$?; $(GPU_PY) tools/cuda_report.py --check-junit build/gpu-junit.xml || exit 1; exit $$status
 
 # compute-sanitizer's memcheck and racecheck over the single-GPU CUDA tests (the handlers driven directly, several
 # positions simulated on one GPU: every kernel and both accumulation modes), limited to jodc's kernels.

@@ -40,9 +40,9 @@ import sys
 import threading
 import time
 
-from jodc.mpirun import kill_session, mpi_env, mpirun_command
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+from mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
 RESULT_PREFIX = "MPBENCH "
 PROGRESS_PREFIX = "# progress: "
 E2E_TABLE_HEADING = "# end to end across "

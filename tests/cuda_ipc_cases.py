@@ -127,7 +127,7 @@ def check_ops(mesh, deterministic: bool, transport: str) -> str:
     grads = rng.standard_normal((nproc, numel)).astype(np.float32)
     with ops.SymmetricHeap(mesh, deterministic=deterministic, barrier_timeout_s=60.0, transport=transport) as heap:
         assert heap.transport == ("cuda_ipc" if transport == "auto" else transport), heap.transport
-        sharing = getattr(heap._ipc, "gpu_sharing", {})
+        sharing = getattr(getattr(heap._transport, "collective", None), "gpu_sharing", {})
         one_gpu = len(sharing) == 1
         if one_gpu:  # the processes' memory is all local to one GPU: native atomics, landing slots only if asked
             assert heap.landing_slots == deterministic, (heap.landing_slots, deterministic)
@@ -305,13 +305,13 @@ def main(argv=None) -> None:
                                process_id=args.process_id, local_device_ids=[args.device_id])
     from jax._src import distributed
 
-    from jodc.ops import _cuda_ipc
+    from jodc.ops import _exchange
 
     devices = jax.devices()
     assert len(devices) == args.num_processes and len(jax.local_devices()) == 1, (devices, jax.local_devices())
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     # host-side rendezvous points of the fault cases (the key-value store, no collective: processes may share a GPU)
-    sync = _cuda_ipc.KeyValueExchange(distributed.global_state.client, args.process_id, args.num_processes,
+    sync = _exchange.KeyValueExchange(distributed.global_state.client, args.process_id, args.num_processes,
                                       "ipc-cases", timeout_s=120.0)
     lines = [check_ops(mesh, MODES[m], args.transport) for m in args.modes]
     if args.faults:

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
 from jodc import ops
-from jodc.ops import hlo_check
+import hlo_check  # tools/ (conftest puts it on the path)
 
 SYNTHETIC = """HloModule m, is_scheduled=true
 

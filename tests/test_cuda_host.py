@@ -13,6 +13,7 @@ import pytest
 
 from jodc.ops import _cuda
 from jodc.ops import heap as heap_module
+from jodc.ops.transports import local
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,7 +65,7 @@ def test_gpu_heap_creation_checks_the_client_before_touching_the_library(monkeyp
     lib = RecordingLibrary()
     monkeypatch.setenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "1")
     with pytest.raises(ValueError, match="TFRT GPU client"):
-        heap_module._create_local_heap(lib, "gpu", [fake_gpu(0), fake_gpu(1)], False, 10.0)
+        local.create_gpu_heap(lib, [fake_gpu(0), fake_gpu(1)], False, 10.0)
     assert lib.calls == []
 
 
@@ -74,15 +75,17 @@ def test_gpu_heap_is_created_with_its_mesh_placement(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", raising=False)
     lib = RecordingLibrary()
     # a mesh over GPUs 3 and 1 (in that order): nothing may be created on GPU 0 or 2
-    heap_id = heap_module._create_local_heap(lib, "gpu", np.array([fake_gpu(3), fake_gpu(1)]), True, 5.0)
+    heap_id = local.create_gpu_heap(lib, np.array([fake_gpu(3), fake_gpu(1)]), True, 5.0)
     assert heap_id == 7
     assert lib.calls == [(2, True, 5.0, [3, 1])]
 
 
-def test_cpu_heap_creation_is_unchanged():
+def test_cpu_heap_creation_is_unchanged(monkeypatch):
     lib = RecordingLibrary()
-    heap_module._create_local_heap(lib, "cpu", [object(), object(), object()], False, 1.0)
-    assert lib.calls == [(3, False, 1.0)]
+    monkeypatch.setattr(local._native, "cpu_library", lambda: lib)
+    monkeypatch.setattr(local._native, "ensure_registered", lambda platform: None)
+    transport = local.LocalCpuTransport([types.SimpleNamespace(process_index=0)] * 3, False, 1.0)
+    assert lib.calls == [(3, False, 1.0)] and transport.heap_id == 7 and transport.name == "local"
 
 
 def test_placement_refuses_shared_or_unknown_gpus():
@@ -119,7 +122,7 @@ def gpu_backend(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", raising=False)
     lib = PlacementLibrary()
     monkeypatch.setattr(_cuda, "library", lambda: lib)
-    monkeypatch.setattr(heap_module._native, "ensure_registered", lambda platform: lib.calls.append(("reg", platform)))
+    monkeypatch.setattr(local._native, "ensure_registered", lambda platform: lib.calls.append(("reg", platform)))
     return lib
 
 
@@ -253,15 +256,15 @@ class FakeCudaLibrary:
 
 
 def test_report_names_gpus_driver_pairs_and_transport():
-    from jodc.ops import _cuda_report
+    import cuda_report  # tools/
 
-    text = _cuda_report.describe(FakeCudaLibrary(), [0, 1, 2], "local", True)
+    text = cuda_report.describe(FakeCudaLibrary(), [0, 1, 2], "local", True)
     assert "CUDA driver 12.9, runtime 13.0 (jodc's library), 3 GPU(s)" in text
     assert "GPU 2: NVIDIA H100 #2, sm_90, 80.0 GiB" in text
     rows = [line for line in text.splitlines() if line.startswith("      1 ")]
     assert rows == ["      1     P/A       -     P/."]
     assert text.endswith("transport in use: local, accumulation: landing slots")
-    single = _cuda_report.describe(FakeCudaLibrary(), [0])
+    single = cuda_report.describe(FakeCudaLibrary(), [0])
     assert "peer access" not in single and "transport" not in single
 
 
@@ -275,20 +278,20 @@ def _junit(tmp_path, cases):
 
 
 def test_junit_check_fails_when_cuda_tests_skip_for_software_reasons(tmp_path):
-    from jodc.ops import _cuda_report
+    import cuda_report  # tools/
 
-    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [
+    ok, msg = cuda_report.check_junit(_junit(tmp_path, [
         ("test_ops_cuda", "test_a", None),
         ("test_ops_cuda", "test_b", "needs two GPUs for a mesh barrier"),
         ("test_ops", "test_c", "whatever"),  # not a CUDA test
     ]))
     assert ok and msg == "1 CUDA tests ran"
-    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [
+    ok, msg = cuda_report.check_junit(_junit(tmp_path, [
         ("test_ops_cuda", "test_a", None), ("test_ops_cuda", "test_d", "compute-sanitizer is not on PATH")]))
     assert not ok and "test_d: compute-sanitizer is not on PATH" in msg
-    ok, msg = _cuda_report.check_junit(_junit(tmp_path, [("test_ops", "test_c", None)]))
+    ok, msg = cuda_report.check_junit(_junit(tmp_path, [("test_ops", "test_c", None)]))
     assert not ok and "no CUDA test ran" in msg
-    assert _cuda_report.main(["--check-junit", _junit(tmp_path, [("test_ops_cuda", "t", None)])]) == 0
+    assert cuda_report.main(["--check-junit", _junit(tmp_path, [("test_ops_cuda", "t", None)])]) == 0
 
 
 def test_nvshmem_python_binds_exactly_what_its_sources_export():

@@ -9,8 +9,9 @@ import types
 
 import pytest
 
-from jodc.ops import _cuda_ipc
-from jodc.ops._cuda_ipc import IpcHeap, LocalExchange, select_gpu_transport
+from jodc.ops import _cuda_ipc, _exchange
+from jodc.ops._cuda_ipc import IpcHeap, select_gpu_transport
+from jodc.ops._exchange import LocalExchange
 
 
 # ---- transport selection -------------------------------------------------------------------------------------------
@@ -48,8 +49,8 @@ def test_one_gpu_per_process_on_the_axis():
 
 
 def test_node_id_names_host_and_boot():
-    host, _, boot = _cuda_ipc.node_id().partition("/")
-    assert host and _cuda_ipc.node_id() == _cuda_ipc.node_id()
+    host, _, boot = _exchange.node_id().partition("/")
+    assert host and _exchange.node_id() == _exchange.node_id()
 
 
 # ---- exchanges -----------------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class FakeKeyValueClient:
 
 def test_key_value_exchange_round_trips_binary_values():
     client = FakeKeyValueClient()
-    exchanges = [_cuda_ipc.KeyValueExchange(client, r, 2, "g1", timeout_s=10) for r in range(2)]
+    exchanges = [_exchange.KeyValueExchange(client, r, 2, "g1", timeout_s=10) for r in range(2)]
     payload = [bytes(range(256)), b"\x00" * 192]
     results, errors = run_ranks(2, lambda r: (exchanges[r].allgather("a", payload[r]),
                                               exchanges[r].allgather("a", b"again")))

@@ -1,5 +1,7 @@
 """The engine core (jodc/fsdp/engine.py, sharding.py): the one microbatch loop, the one update step, the one shard
 arithmetic, and the capabilities engines declare."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,9 @@ import pytest
 
 import fsdp_toy
 from conftest import cpu_mesh
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine, sharding
+from jodc.engine_facts import ENGINE_FACTS, EngineFacts
+from jodc.fsdp import (ENGINES, CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine,
+                       engine_class, make_engine, sharding)
 from jodc.fsdp.engine import accumulate, microbatch_loop, update_step
 from jodc.fsdp.optim import make_optimizer
 from jodc.ops import _native
@@ -97,6 +101,39 @@ def test_engines_declare_their_capabilities():
     assert not SPMDEngine.supports_timeline and not ReferenceEngine.supports_timeline
     assert CollectiveEngine.lockstep and SPMDEngine.lockstep
     assert not ODCEngine.lockstep and not ReferenceEngine.lockstep
+    assert ODCEngine.supports_deterministic and ReferenceEngine.supports_deterministic
+    assert not CollectiveEngine.supports_deterministic and not SPMDEngine.supports_deterministic
+    assert [ENGINES[n].default_planner for n in ("odc", "collective", "xla_spmd", "reference")] == \
+        ["lb_mini", "lb_micro", "lb_micro", "lb_mini"]
+
+
+def test_the_registry_holds_every_engine_of_the_facts_table_with_its_row():
+    """`jodc.engine_facts` (read by the config before JAX loads) and `jodc.fsdp.ENGINES` name the same engines, and
+    each class carries its row."""
+    assert list(ENGINES) == list(ENGINE_FACTS)
+    for name, cls in ENGINES.items():
+        assert cls.name == name and engine_class(name) is cls
+        for field in dataclasses.fields(EngineFacts):
+            assert getattr(cls, field.name) == getattr(ENGINE_FACTS[name], field.name), (name, field.name)
+    with pytest.raises(ValueError, match="unknown engine 'mpi'; engines are odc, collective, xla_spmd, reference"):
+        engine_class("mpi")
+
+
+@pytest.mark.parametrize("name", ["odc", "collective", "xla_spmd", "reference"])
+def test_make_engine_builds_every_engine_with_one_shape_and_its_own_options(name):
+    """One constructor shape; options an engine does not declare (`Engine.options`) are dropped, declared ones
+    reach it."""
+    model, groups = fsdp_toy.make_model(num_layers=1)
+    engine = make_engine(name, model, groups, cpu_mesh(2), optimizer=OPT, compute_dtype=jnp.float32,
+                         length_buckets=(8,), deterministic=True, barrier_timeout_s=7.0, remat=False)
+    try:
+        assert type(engine) is ENGINES[name] and engine.num_devices == 2 and engine.length_buckets == (8,)
+        if name == "odc":
+            assert engine.heap.deterministic
+        if name == "xla_spmd":
+            assert engine.remat is False
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("kind", ["xla_spmd", "reference"])
@@ -108,7 +145,7 @@ def test_a_timeline_from_an_engine_without_one_is_refused_before_dispatch(kind):
     if kind == "xla_spmd":
         engine = SPMDEngine(model, groups, cpu_mesh(2), optimizer=OPT)
     else:
-        engine = ReferenceEngine(model, groups, optimizer=OPT, num_devices=2)
+        engine = ReferenceEngine(model, groups, cpu_mesh(2), optimizer=OPT)
     batch = fsdp_toy.random_minibatch([1, 1])
     before = engine.flat_params()
     with pytest.raises(ValueError, match=f"the {kind} engine cannot record timelines.*supports_timeline"):

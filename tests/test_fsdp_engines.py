@@ -168,7 +168,7 @@ def test_no_engine_compiles_its_step_twice():
 def _check_second_steps_compile_nothing(compiles):
     model, groups = fsdp_toy.make_model(num_layers=1)
     mesh = cpu_mesh(2)
-    engines = {"reference": lambda: ReferenceEngine(model, groups, optimizer=OPT, num_devices=2),
+    engines = {"reference": lambda: ReferenceEngine(model, groups, mesh, optimizer=OPT),
                "odc": lambda: ODCEngine(model, groups, mesh, optimizer=OPT),
                "collective": lambda: CollectiveEngine(model, groups, mesh, optimizer=OPT),
                "xla_spmd": lambda: SPMDEngine(model, groups, mesh, optimizer=OPT)}

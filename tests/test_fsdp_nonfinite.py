@@ -10,8 +10,7 @@ import pytest
 
 import fsdp_toy
 from conftest import cpu_mesh
-from jodc.fsdp import (CollectiveEngine, NonFiniteStepError, ODCEngine, OptimizerConfig, ReferenceEngine,
-                       SPMDEngine)
+from jodc.fsdp import ENGINES, NonFiniteStepError, OptimizerConfig
 from jodc.fsdp.optim import guarded_update
 
 OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
@@ -19,10 +18,7 @@ COUNTS = [[2, 1], [1, 2], [2, 2]]
 
 
 def build(kind, model, groups, devices=2, **kwargs):
-    if kind == "reference":
-        return ReferenceEngine(model, groups, optimizer=OPT, num_devices=devices)
-    cls = {"odc": ODCEngine, "collective": CollectiveEngine, "xla_spmd": SPMDEngine}[kind]
-    return cls(model, groups, cpu_mesh(devices), optimizer=OPT, **kwargs)
+    return ENGINES[kind](model, groups, cpu_mesh(devices), optimizer=OPT, **kwargs)
 
 
 def leaves(tree):

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from jodc.mpirun import MPIRUN, mpi_env, mpirun_command
+from mpirun import MPIRUN, mpi_env, mpirun_command  # tools/mpirun.py (tests/conftest.py puts tools/ on the path)
 from jodc.ops import _mpi, _mpi_build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jodc.mpirun import MPIRUN, kill_session, mpi_env, mpirun_command
+from mpirun import MPIRUN, kill_session, mpi_env, mpirun_command  # tools/ (conftest puts it on the path)
 from jodc.ops import _mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -151,6 +151,22 @@ def test_the_command_line_runs_another_loss(straight, tmp_path):
     assert records[1]["loss"] != straight_records[1]["loss"]
 
 
+def test_the_lockstep_engines_train_rl_alike(straight, tmp_path):
+    """Every registered engine trains RL: the XLA-SPMD engine (once refused by the RL config) and the collective one
+    run the same lock-step plans and agree up to floating-point reassociation."""
+    out, _ = straight
+    params = {}
+    for name in ("collective", "xla_spmd"):
+        run_dir = with_warm_start(out, tmp_path / name)
+        args = overrides(run_dir, "--engine", name, "--steps", "1", "--eval_every", "0", "--no-export_hf")
+        args.remove("--deterministic")  # ODC only
+        summary = run_rl(load_rl_config(None, args), log=quiet)
+        assert summary["steps_done"] == 1
+        params[name] = engine_state(run_dir, 1)
+    for a, b in zip(params["collective"], params["xla_spmd"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_prompts_from_a_file_need_a_reward_function(tmp_path):
     from jodc.train.core.config import ConfigError
 

@@ -29,7 +29,7 @@ class Engine:
         self.w, self.steps_done, self.closed, self.timelines = np.zeros(2, np.float32), 0, False, []
         self.supports_timeline = supports_timeline
 
-    def step(self, delta, record_timeline=False):
+    def step(self, delta, record_timeline=False, skip_nonfinite=False):
         self.timelines.append(record_timeline)
         new = self.w + np.float32(delta)
         result = StepResult(float(new.sum()), abs(float(delta)), 0.01, [1, 1],
@@ -37,6 +37,8 @@ class Engine:
                             if record_timeline else None)
         if not np.isfinite(new).all():
             result.applied = False
+            if skip_nonfinite:
+                return result
             raise NonFiniteStepError(result, self.steps_done + 1)
         self.w, self.steps_done = new, self.steps_done + 1
         return result

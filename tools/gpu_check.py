@@ -295,7 +295,7 @@ def plan(python: str, base_python: str, out_dir: str, env_dir: str, wheels: str 
              "GPU, driver, toolkit, Python and package versions, jax devices", needs=("prepare",), json_line=True),
         Step("build", me + ["_build", "--python", python] + build_args, 240,
              "CPU extension + CUDA library, file by file in parallel", needs=("prepare",)),
-        Step("heap", [python, "-m", "jodc.ops._cuda_report"], 60,
+        Step("heap", [python, os.path.join(ROOT, "tools", "cuda_report.py")], 60,
              "first heap on the GPU: versions, GPUs, peer access, transport", needs=("build",)),
         Step("host", pytest + ["tests/test_cuda_host.py", "tests/test_cuda_hlo.py", "tests/test_cuda_build.py"],
              120, "host-side CUDA tests against the built library", needs=("build",), junit=True, env=test_env),
@@ -340,7 +340,7 @@ def plan(python: str, base_python: str, out_dir: str, env_dir: str, wheels: str 
                optional=True, json_line=True) for impl in ("flash", "blockwise")),
         Step("racecheck", sanitize("racecheck"), 240, "compute-sanitizer racecheck (if time is left)",
              needs=("raw",), optional=True, env=sanitize_env),
-        Step("skips", [python, "-m", "jodc.ops._cuda_report", "--check-junit", os.path.join(out_dir, "junit.xml")],
+        Step("skips", [python, os.path.join(ROOT, "tools", "cuda_report.py"), "--check-junit", os.path.join(out_dir, "junit.xml")],
              30, "no CUDA test skipped for a software reason", needs=("raw", "mesh")),
     ]
 

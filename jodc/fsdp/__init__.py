@@ -1,6 +1,7 @@
 """FSDP engines behind one interface: ODC (point-to-point, per-device microbatch counts, one barrier per
 minibatch), collective (all_gather / psum_scatter in lock-step), XLA-SPMD (NamedSharding under plain jit: what
-JAX users do today) and an unsharded reference, sharing one core (`engine`); `from_nnx` adapts a Flax NNX model."""
+JAX users do today) and an unsharded reference, sharing one core (`engine`), registered by name (`ENGINES`; their
+facts in `jodc.engine_facts`); `from_nnx` adapts a Flax NNX model."""
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.collective_engine import CollectiveEngine
 from jodc.fsdp.engine import Engine, NonFiniteStepError, StepResult
@@ -8,9 +9,10 @@ from jodc.fsdp.flax_model import NNXStagedModel, from_nnx
 from jodc.fsdp.odc_engine import ODCEngine
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.reference_engine import ReferenceEngine
+from jodc.fsdp.registry import ENGINES, engine_class, make_engine
 from jodc.fsdp.spmd_engine import SPMDEngine
 from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
 
-__all__ = ["CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "NNXStagedModel", "NonFiniteStepError",
-           "ODCEngine", "OptimizerConfig", "ReferenceEngine", "SPMDEngine", "Stage", "StagedModel", "StepResult",
-           "from_nnx"]
+__all__ = ["ENGINES", "CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "NNXStagedModel",
+           "NonFiniteStepError", "ODCEngine", "OptimizerConfig", "ReferenceEngine", "SPMDEngine", "Stage", "StagedModel", "StepResult",
+           "engine_class", "from_nnx", "make_engine"]

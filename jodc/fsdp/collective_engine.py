@@ -24,8 +24,6 @@ class CollectiveEngine(ShardedStateMixin, Engine):
     `lb_micro` give equal counts; extra ones are empty and cost compute)."""
 
     name = "collective"
-    supports_timeline = True
-    lockstep = True
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jodc.engine_facts import ENGINE_FACTS
 from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
@@ -45,10 +46,14 @@ class NonFiniteStepError(FloatingPointError):
 
     def __init__(self, result: StepResult, step: int):
         self.result = result
-        super().__init__(f"step {step} was not applied: non-finite "
-                         f"{'loss' if not np.isfinite(result.loss) else 'gradients or updated parameters'} "
-                         f"(loss {result.loss}, global grad norm {result.grad_norm}); the parameters and optimizer "
+        super().__init__(f"step {step} was not applied: {nonfinite_cause(result)}; the parameters and optimizer "
                          "state are those from before it")
+
+
+def nonfinite_cause(result: StepResult) -> str:
+    """What was not finite in a step that was not applied: 'non-finite loss (loss nan, global grad norm nan)'."""
+    what = "loss" if not np.isfinite(result.loss) else "gradients or updated parameters"
+    return f"non-finite {what} (loss {result.loss}, global grad norm {result.grad_norm})"
 
 
 class Engine(abc.ABC):
@@ -56,10 +61,23 @@ class Engine(abc.ABC):
     compute in `compute_dtype`, AdamW with global-norm clipping. `step` dispatches exactly one minibatch and waits
     for it (never more than one in flight: a blocking barrier must not face queued launches)."""
 
+    # Facts (class attributes, read by trainers instead of engine names): an engine class sets `name`, and a name in
+    # `jodc.engine_facts.ENGINE_FACTS` brings that row's facts (`__init_subclass__`). See `EngineFacts` for each.
     name: str = "engine"
-    # Capabilities (class attributes, read by trainers instead of inspecting signatures):
-    supports_timeline: bool = False  # `step(record_timeline=True)` records per-device busy / wait events
-    lockstep: bool = False  # every device runs max(counts) microbatches (feed it `lb_micro` plans); else own counts
+    supports_timeline: bool = False
+    lockstep: bool = False
+    default_planner: str = "lb_mini"
+    supports_deterministic: bool = False
+    # the keyword options of the constructor beyond the shape every engine shares, `(model, groups, mesh, *,
+    # optimizer, compute_dtype, length_buckets, **options)`
+    options: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        facts = ENGINE_FACTS.get(cls.__dict__.get("name"))
+        if facts is not None:
+            for field in dataclasses.fields(facts):
+                setattr(cls, field.name, getattr(facts, field.name))
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):

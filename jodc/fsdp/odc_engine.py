@@ -37,7 +37,7 @@ class ODCEngine(ShardedStateMixin, Engine):
     """
 
     name = "odc"
-    supports_timeline = True
+    options = ("deterministic", "barrier_timeout_s")
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float = 300.0,

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, update_step
@@ -15,16 +16,20 @@ from jodc.fsdp.stages import StagedModel
 
 
 class ReferenceEngine(Engine):
-    """Runs every microbatch of every device, in order, on one device with full fp32 parameters."""
+    """Runs every microbatch of every device, in order, on one device with full fp32 parameters.
 
-    name = "reference"
-    supports_timeline = False  # one device: nothing to wait for
+    `mesh`: the devices the minibatches are planned for (any 1-D mesh; its size is `num_devices`); the reference
+    runs on its first device. None: one device, the first CPU device. Length buckets are accepted (the shape every
+    engine shares) and not used: each microbatch runs at the full token cap."""
 
-    def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
-                 compute_dtype=jnp.float32, num_devices: int = 1, device=None):
-        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype)
-        self._num_devices = num_devices
-        self.device = device or jax.devices("cpu")[0]
+    name = "reference"  # no timelines (one device: nothing to wait for)
+
+    def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh | None = None, *,
+                 optimizer: OptimizerConfig, compute_dtype=jnp.float32, length_buckets=None):
+        super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
+                         length_buckets=length_buckets)
+        self._num_devices = 1 if mesh is None else int(mesh.devices.size)
+        self.device = jax.devices("cpu")[0] if mesh is None else mesh.devices.flat[0]
         on_device = jax.sharding.SingleDeviceSharding(self.device)
         self._place_state({g: jnp.asarray(v) for g, v in model.flatten_groups(groups).items()}, on_device, on_device)
         self._step = self._jit_step(self._full_step, on_device)

@@ -24,8 +24,7 @@ class SPMDEngine(Engine):
     over 'd'. No timelines: one program for all devices has no per-device place to stamp (`supports_timeline`)."""
 
     name = "xla_spmd"
-    supports_timeline = False
-    lockstep = True
+    options = ("remat",)
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, remat: bool = True, length_buckets=None):

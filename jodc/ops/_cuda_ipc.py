@@ -15,90 +15,15 @@ every process raise the same error instead of leaving the others waiting.
 """
 from __future__ import annotations
 
-import base64
-import json
 import os
 import secrets
-import socket
-import threading
 import warnings
-from typing import Protocol, Sequence
+from typing import Sequence
+
+from jodc.ops._exchange import Exchange, all_or_raise, default_exchange, node_id
 
 GPU_TRANSPORTS = ("auto", "local", "cuda_ipc", "nvshmem")
 HANDLE_BYTES = 64 * 3  # per position and bucket: shard, accumulator, landing slots (ffi/cuda/ipc.cu)
-
-
-class Exchange(Protocol):
-    """Collective all-gather among the heap's processes: ``rank`` is this process's index among them (0..size-1)."""
-
-    rank: int
-    size: int
-
-    def allgather(self, key: str, value: bytes) -> list[bytes]:
-        """Every process's `value` for `key`, in rank order. Collective: all processes call it with the same key."""
-
-
-class KeyValueExchange:
-    """An :class:`Exchange` over the ``jax.distributed`` key-value store (no MPI needed)."""
-
-    def __init__(self, client, rank: int, size: int, group: str, timeout_s: float = 600.0):
-        self.client, self.rank, self.size, self.group = client, rank, size, group
-        self.timeout_ms = int(timeout_s * 1000)
-        self._seq = 0
-
-    def allgather(self, key: str, value: bytes) -> list[bytes]:
-        self._seq += 1
-        prefix = f"jodc/{self.group}/{self._seq}/{key}"
-        self.client.key_value_set(f"{prefix}/{self.rank}", base64.b64encode(value).decode())
-        return [base64.b64decode(self.client.blocking_key_value_get(f"{prefix}/{r}", self.timeout_ms))
-                for r in range(self.size)]
-
-
-class MpiExchange:
-    """An :class:`Exchange` over MPI: `ranks` are the MPI ranks of the heap's processes, in heap order."""
-
-    def __init__(self, comm, ranks: Sequence[int]):
-        self.ranks = list(ranks)
-        self.comm = comm.Create_group(comm.group.Incl(self.ranks)) if len(self.ranks) != comm.size else comm
-        self.rank, self.size = self.comm.rank, self.comm.size
-
-    def allgather(self, key: str, value: bytes) -> list[bytes]:
-        return list(self.comm.allgather(bytes(value)))
-
-
-class LocalExchange:
-    """An in-process :class:`Exchange` for tests: `size` threads, one exchange each, sharing one board."""
-
-    def __init__(self, board: dict, rank: int, size: int):
-        self.board, self.rank, self.size = board, rank, size
-        self._seq = 0
-        board.setdefault("_cv", threading.Condition())
-
-    @classmethod
-    def group(cls, size: int) -> list["LocalExchange"]:
-        board: dict = {}
-        return [cls(board, r, size) for r in range(size)]
-
-    def allgather(self, key: str, value: bytes, timeout_s: float = 30.0) -> list[bytes]:
-        self._seq += 1
-        slot = (self._seq, key)
-        cv = self.board["_cv"]
-        with cv:
-            self.board.setdefault(slot, {})[self.rank] = bytes(value)
-            cv.notify_all()
-            if not cv.wait_for(lambda: len(self.board[slot]) == self.size, timeout=timeout_s):
-                raise TimeoutError(f"exchange {slot} timed out: ranks {sorted(self.board[slot])} of {self.size}")
-            return [self.board[slot][r] for r in range(self.size)]
-
-
-def node_id() -> str:
-    """This machine's identity: hostname plus boot id (two containers with one hostname are not one node)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def mesh_processes(devices) -> list[int]:
@@ -130,33 +55,6 @@ def select_gpu_transport(requested: str, processes: Sequence[int], nodes: dict[i
         raise ValueError(f"transport='cuda_ipc' needs every process on one node; this mesh spans {len(distinct)} "
                          f"nodes (processes per node: {list(by_node.values())}): use 'nvshmem' or 'auto'")
     return requested
-
-
-def default_exchange(processes: Sequence[int], group: str) -> Exchange:
-    """The exchange among `processes` (JAX process indices): jax.distributed's key-value store when JAX runs several
-    processes, else MPI. RuntimeError when neither is available."""
-    import jax
-
-    me = int(jax.process_index())
-    if me not in processes:
-        raise ValueError(f"process {me} holds no device of this mesh (its processes: {list(processes)})")
-    try:
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-    except Exception:  # noqa: BLE001 - private API moved
-        client = None
-    if client is not None:
-        return KeyValueExchange(client, list(processes).index(me), len(processes), group)
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        MPI = None
-    if MPI is not None and MPI.COMM_WORLD.size > 1:
-        rank_of = {int(p): r for r, p in enumerate(MPI.COMM_WORLD.allgather(me))}
-        return MpiExchange(MPI.COMM_WORLD, [rank_of[p] for p in processes])
-    raise RuntimeError("a GPU heap across processes needs jax.distributed.initialize() (its key-value store carries "
-                       "the CUDA IPC handles) or MPI (mpi4py)")
 
 
 # The environment variables that size a JAX process's XLA memory pool on its GPU (read by jax's CUDA plugin).
@@ -213,20 +111,6 @@ def shared_gpu_warnings(everyone: Sequence[dict]) -> list[str]:
     return messages
 
 
-def _json(value) -> bytes:
-    return json.dumps(value, sort_keys=True).encode()
-
-
-def _all_or_raise(exchange: Exchange, key: str, mine: dict) -> list[dict]:
-    """All-gathers `mine` (a dict, with 'error' set on failure); raises the first process's error everywhere."""
-    everyone = [json.loads(v) for v in exchange.allgather(key, _json(mine))]
-    failed = [(r, v["error"]) for r, v in enumerate(everyone) if v.get("error")]
-    if failed:
-        rank, error = failed[0]
-        raise RuntimeError(f"{key}: process {rank} of the heap failed: {error}")
-    return everyone
-
-
 class IpcHeap:
     """One process's side of a CUDA IPC heap: its position and GPU, the library, the exchange."""
 
@@ -254,7 +138,7 @@ class IpcHeap:
             mine["pci"] = lib.pci_bus_id(gpu)
         except Exception as e:  # noqa: BLE001 - reported to every process below
             mine["error"] = f"GPU {gpu}: {e}"
-        everyone = _all_or_raise(exchange, "ipc-heap-info", mine)
+        everyone = all_or_raise(exchange, "ipc-heap-info", mine)
         positions = sorted(v["position"] for v in everyone)
         if positions != list(range(world)):
             raise ValueError(f"a CUDA IPC heap of {world} positions needs one position per process, got positions "
@@ -271,7 +155,7 @@ class IpcHeap:
             links["access"], links["atomics"] = lib.ipc_links(gpu, peers)
         except Exception as e:  # noqa: BLE001
             links["error"] = f"GPU {gpu}: {e}"
-        all_links = _all_or_raise(exchange, "ipc-heap-links", links)
+        all_links = all_or_raise(exchange, "ipc-heap-links", links)
         no_access = [everyone[r]["position"] for r, v in enumerate(all_links) if not v["access"]]
         if no_access:
             raise ValueError(f"the GPUs of positions {no_access} cannot access every other GPU of the heap directly "
@@ -290,7 +174,7 @@ class IpcHeap:
                                               True)
             except Exception as e:  # noqa: BLE001
                 status["error"] = str(e)
-        _all_or_raise(exchange, "ipc-heap-created", status)
+        all_or_raise(exchange, "ipc-heap-created", status)
         status = {}
         if exchange.rank != owner:
             try:
@@ -299,7 +183,7 @@ class IpcHeap:
             except Exception as e:  # noqa: BLE001
                 status["error"] = str(e)
         try:
-            _all_or_raise(exchange, "ipc-heap-opened", status)
+            all_or_raise(exchange, "ipc-heap-opened", status)
         except Exception:
             if heap_id is not None:
                 lib.heap_free(heap_id)
@@ -326,7 +210,7 @@ class IpcHeap:
         except Exception as e:  # noqa: BLE001
             mine["error"] = f"position {self.position}: {e}"
         try:
-            everyone = _all_or_raise(self.exchange, "ipc-bucket", mine)
+            everyone = all_or_raise(self.exchange, "ipc-bucket", mine)
             shapes = {(v["seq"], v["numel"], v["dtype"]) for v in everyone}
             if len(shapes) != 1:
                 described = [f"process {r}: bucket #{v['seq']} {v['name']!r} of {v['numel']} {v['dtype']}"
@@ -342,7 +226,7 @@ class IpcHeap:
                 self.lib.ipc_bucket_publish(self.heap_id, bucket_id)
             except Exception as e:  # noqa: BLE001
                 status["error"] = f"position {self.position}: {e}"
-            _all_or_raise(self.exchange, "ipc-bucket-ready", status)
+            all_or_raise(self.exchange, "ipc-bucket-ready", status)
         except Exception:
             if bucket_id is not None:
                 self.lib.bucket_free(self.heap_id, bucket_id)
@@ -380,27 +264,3 @@ def local_position(along_axis, process: int) -> tuple[int, object]:
         raise ValueError(f"a GPU heap across processes needs exactly one GPU per process on the heap's axis (launch one "
                          f"process per GPU); process {process} has positions {[p for p, _ in mine]}")
     return mine[0]
-
-
-def open_heap(transport: str, exchange: Exchange, mesh, axis_name: str, deterministic: bool,
-              barrier_timeout_s: float):
-    """Creates this process's side of a multi-process GPU heap; returns (library, heap id, heap object)."""
-    import jax
-    import numpy as np
-
-    world = int(mesh.shape[axis_name])
-    along = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(world)
-    position, device = local_position(along, jax.process_index())
-    if transport == "nvshmem":
-        from jodc.ops import _nvshmem
-
-        return _nvshmem.open_heap(exchange, world, position, int(device.local_hardware_id), deterministic,
-                                  barrier_timeout_s)
-    from jodc.ops import _cuda, _native
-
-    _cuda.check_pjrt_client()
-    lib = _cuda.library()
-    _native.ensure_registered("gpu")
-    heap = IpcHeap.create(lib, exchange, world, position, int(device.local_hardware_id), deterministic,
-                          barrier_timeout_s)
-    return lib, heap.heap_id, heap

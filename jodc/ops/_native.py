@@ -8,7 +8,7 @@ import threading
 
 import jax
 
-from jodc.ops import _targets
+from jodc.ops import _cuda, _targets
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -56,45 +56,33 @@ def cpu_library():
     return _ffi
 
 
-def _library(platform: str):
-    """(library, transport, XLA platform) of a registration key: 'cpu', 'cuda', 'mpi' (the MPI transport, whose
-    handlers run on CPU devices as jodc_mpi_<op>) or 'nvshmem' (the NVSHMEM backend, whose handlers run on CUDA devices
-    as jodc_nvshmem_<op>)."""
-    if platform == "cpu":
-        return cpu_library(), "local", "cpu"
-    if platform == "mpi":
-        from jodc.ops import _mpi
-
-        return _mpi.library(), "mpi", "cpu"
-    if platform == "cuda":
-        from jodc.ops import _cuda
-
-        return _cuda.library(), "local", "CUDA"
-    if platform == "nvshmem":
-        from jodc.ops import _nvshmem
-
-        return _nvshmem.library(), "nvshmem", "CUDA"
-    raise ValueError(f"jodc ops support the cpu and cuda platforms, not {platform!r}")
-
-
-def ensure_registered(platform: str) -> None:
-    """Registers every jodc FFI target for `platform` ('cpu', 'cuda', 'mpi': the MPI transport, or 'nvshmem': the
-    multi-node GPU transport), idempotently.
+def register_targets(key: str, library, transport: str, xla_platform: str) -> None:
+    """Registers every FFI target of `library` (the handlers of `transport`: 'local', 'mpi' or 'nvshmem') for XLA's
+    `xla_platform` ('cpu', 'CUDA'), once per `key` (a transport's registration key: one library's targets must not be
+    registered twice).
 
     The targets are the library's own handler table (generated from ffi/common/ops.h), checked against the names
     jodc.ops calls (jodc/ops/_targets.py) before any is registered."""
-    platform = platform.lower()
-    if platform == "gpu":
-        platform = "cuda"  # one key: the same targets must not be registered twice
     with _lock:
-        if platform in _registered:
+        if key in _registered:
             return
-        lib, transport, xla_platform = _library(platform)
-        handlers = lib.handlers()
-        _targets.check_handlers(handlers, transport, f"jodc's {platform} library")
+        handlers = library.handlers()
+        _targets.check_handlers(handlers, transport, f"jodc's {key} library")
         for name, capsule in handlers.items():
             jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
-        _registered.add(platform)
+        _registered.add(key)
+
+
+def ensure_registered(platform: str) -> None:
+    """Registers the in-process targets of `platform` ('cpu', or 'cuda' / 'gpu': one key), idempotently. The
+    multi-process transports register their own (`jodc.ops.transports`)."""
+    platform = platform.lower()
+    if platform == "cpu":
+        register_targets("cpu", cpu_library(), "local", "cpu")
+    elif platform in ("cuda", "gpu"):
+        register_targets("cuda", _cuda.library(), "local", "CUDA")
+    else:
+        raise ValueError(f"jodc ops support the cpu and cuda platforms, not {platform!r}")
 
 
 def ensure_token_ops() -> None:

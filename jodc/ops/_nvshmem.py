@@ -1,7 +1,7 @@
 """The NVSHMEM backend: GPU heaps across nodes (``jodc/_ffi_nvshmem.so``, built from ``ffi/nvshmem/*.cu``).
 
 One process per GPU, one NVSHMEM PE per process, PE p = mesh position p. NVSHMEM is initialised from a unique id that
-process 0 creates and the others receive through the heap's :class:`jodc.ops._cuda_ipc.Exchange` (the jax.distributed
+process 0 creates and the others receive through the heap's :class:`jodc.ops._exchange.Exchange` (the jax.distributed
 key-value store or MPI), so no NVSHMEM launcher is needed. Buckets live in NVSHMEM's symmetric heap; registering and
 freeing are collective (every process, same order). The ops are registered as ``jodc_nvshmem_<op>`` for platform CUDA
 and take the same operands as the other backends; ``jodc.ops._call.target`` picks them for ``transport='nvshmem'``.
@@ -19,6 +19,7 @@ import numpy as np
 
 from jodc.ops import _clib
 from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_ptr, c_str, c_u64
+from jodc.ops._exchange import all_or_raise
 
 LIBRARY_NAME = "_ffi_nvshmem.so"
 BUILD_HINT = ("build it with `JODC_CUDA=1 JODC_NVSHMEM=1 pip install -e .` after `pip install nvidia-nvshmem-cu12` "
@@ -178,10 +179,8 @@ class NvshmemHeap:
         self.lib, self.exchange, self.heap_id = lib, exchange, heap_id
 
     def register(self, numel: int, dtype: str, name: str) -> int:
-        from jodc.ops._cuda_ipc import _all_or_raise
-
         mine = {"numel": int(numel), "dtype": str(dtype), "name": str(name)}
-        everyone = _all_or_raise(self.exchange, "nvshmem-bucket", mine)
+        everyone = all_or_raise(self.exchange, "nvshmem-bucket", mine)
         if len({(v["numel"], v["dtype"]) for v in everyone}) != 1:
             raise ValueError("processes registered different buckets (same order and sizes everywhere): " +
                              "; ".join(f"process {r}: {v['name']!r} of {v['numel']} {v['dtype']}"
@@ -190,18 +189,3 @@ class NvshmemHeap:
 
     def barrier(self, key: str) -> None:
         self.exchange.allgather(f"nvshmem-barrier-{key}", b"")
-
-
-def open_heap(exchange, world: int, position: int, gpu: int, deterministic: bool, barrier_timeout_s: float):
-    """This process's side of an NVSHMEM heap over `world` processes (PE = position); (library, heap id, heap)."""
-    from jodc.ops import _cuda, _native
-
-    _cuda.check_pjrt_client()
-    lib = library()
-    _native.ensure_registered("nvshmem")
-    if exchange.size != world:
-        raise ValueError(f"an NVSHMEM heap needs one process per position: {world} positions, {exchange.size} "
-                         f"processes")
-    initialize(lib, exchange, position, world, gpu)
-    heap_id = lib.heap_create(deterministic, barrier_timeout_s)
-    return lib, heap_id, NvshmemHeap(lib, exchange, heap_id)

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jodc import dtypes
-from jodc.ops import _cuda_ipc, _mpi, _native, layout
+from jodc.ops import layout, transports
 
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 MASTER_DTYPE_NAMES = tuple(MASTER_DTYPES)
@@ -67,29 +67,6 @@ def check_one_replica(mesh: jax.sharding.Mesh, axis_name: str) -> None:
             f"device group: use a mesh whose only axis of size > 1 is {axis_name!r}")
 
 
-def check_single_process(devices) -> None:
-    """The transport check: the in-process heap (CPU memory, or CUDA peer pointers within one process) reaches only
-    this process's devices. Refuses a mesh holding devices of other processes with a clear message; a multi-process
-    transport (MPI, issue 13) replaces this check with its own."""
-    me = jax.process_index()
-    remote = sorted({int(d.process_index) for d in devices if int(d.process_index) != me})
-    if remote:
-        raise ValueError(
-            f"the heap's mesh holds devices of process(es) {remote}, but this process is {me}: jodc's in-process "
-            f"heap reaches only the devices of one process (no multi-process transport is available here); use a "
-            f"mesh of this process's devices (jax.local_devices())")
-
-
-def _backend(platform: str):
-    if platform == "cpu":
-        return _native.cpu_library()
-    if platform in ("cuda", "gpu"):
-        from jodc.ops import _cuda
-
-        return _cuda.library()
-    raise ValueError(f"jodc ops support cpu and cuda devices, not {platform!r}")
-
-
 class SymmetricHeap:
     """Buckets shared by the devices along one mesh axis.
 
@@ -115,7 +92,7 @@ class SymmetricHeap:
     its devices). Use as a context manager, or call ``free()``: native memory is released at once.
 
     The mesh's only axis of size > 1 must be `axis_name` (replicas along another axis would share the heap). A local
-    heap holds this process's devices only (``check_single_process``); an MPI heap spans processes.
+    heap holds this process's devices only (``jodc.ops.transports.check_single_process``); an MPI heap spans processes.
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: str = "d", *, deterministic: bool = False,
@@ -133,40 +110,22 @@ class SymmetricHeap:
         self.world = int(mesh.shape[axis_name])
         self.platform = platforms.pop()
         self.deterministic = bool(deterministic)
-        self._ipc = None  # a multi-process GPU heap's side in this process (jodc.ops._cuda_ipc)
-        if self.platform != "cpu":  # local (peer pointers), cuda_ipc (one node) or nvshmem (several nodes)
-            self.transport, exchange = _cuda_ipc.select_for_mesh(mesh, transport)
-        else:
-            self.transport = _mpi.select_transport(mesh, transport)
-        if self.transport in ("cuda_ipc", "nvshmem"):
-            self._lib, self.id, self._ipc = _cuda_ipc.open_heap(self.transport, exchange, mesh, axis_name,
-                                                                self.deterministic, float(barrier_timeout_s))
-        elif self.transport == "mpi":
-            if self.platform != "cpu":
-                raise ValueError(f"the MPI transport serves cpu devices (host memory windows), not {self.platform}")
-            self._lib = _mpi.library()
-            _native.ensure_registered("mpi")
-            self.id = _mpi.create_heap(self._lib, mesh, axis_name, self.deterministic, float(barrier_timeout_s),
-                                       progress_thread)
-        else:
-            check_single_process(mesh.devices.flat)
-            self._lib = _backend(self.platform)
-            _native.ensure_registered(self.platform)
-            self.id = _create_local_heap(self._lib, self.platform, self._along_axis(mesh, axis_name), self.deterministic,
-                                         float(barrier_timeout_s))
+        self._transport = transports.open_transport(mesh, axis_name, self.platform, transport,
+                                                    deterministic=self.deterministic,
+                                                    barrier_timeout_s=float(barrier_timeout_s),
+                                                    progress_thread=progress_thread)
+        self._lib, self.id = self._transport.lib, self._transport.heap_id
         # device p of the axis (the index the ops pass to the handlers); other axes have size 1
-        along_axis = self._along_axis(mesh, axis_name)
-        self.positions = {d: p for p, d in enumerate(along_axis)}
+        self.positions = {d: p for p, d in enumerate(transports.along_axis(mesh, axis_name))}
         self._barrier_timeout_s = float(barrier_timeout_s)
         self._buckets: list[Bucket] = []
         self._freed = False
         self._finalizer = weakref.finalize(self, _free_quietly, self._lib, self.id)
 
-    @staticmethod
-    def _along_axis(mesh, axis_name: str) -> np.ndarray:
-        """The mesh's devices in position order along `axis_name` (other axes have size 1)."""
-        world = int(mesh.shape[axis_name])
-        return np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(world)
+    @property
+    def transport(self) -> str:
+        """How the heap reaches its devices: 'local', 'mpi', 'cuda_ipc' or 'nvshmem' (`jodc.ops.transports`)."""
+        return self._transport.name
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @property
@@ -180,11 +139,9 @@ class SymmetricHeap:
         _settle_ops_before_free(f"heap {self.id}")  # queued ops still reference this heap
         self._freed = True
         self._finalizer.detach()
-        if self._ipc is not None:
-            self._ipc.barrier("free-heap")  # collective: no process still uses memory that this one unmaps
+        self._transport.before_free("heap")
         self._lib.heap_free(self.id)
-        if self.transport == "mpi":
-            _mpi.forget(self.id)
+        self._transport.after_free()
         for b in self._buckets:
             b._freed = True
 
@@ -239,15 +196,10 @@ class SymmetricHeap:
             raise ValueError(f"bucket {name!r} must hold at least one element, got shape {shape}")
         master = dtype_name(dtype)
         needed = layout.bucket_bytes(numel, self.world, MASTER_DTYPES[master].itemsize, self.landing_slots, name=name)
-        if self.platform == "cpu":
+        if self._transport.host_memory:
             layout.check_host_memory(needed, self.world, name=name)
-        if self.transport == "mpi":  # collective: every process registers the same bucket here, or all raise
-            _mpi.check_registration(self.id, len(self._buckets), name, shape, master)
-        try:
-            if self._ipc is not None:  # collective across the heap's processes
-                bucket_id = int(self._ipc.register(numel, master, name))
-            else:
-                bucket_id = int(self._lib.bucket_register(self.id, numel, master))
+        try:  # collective for the multi-process transports
+            bucket_id = self._transport.register(numel, master, name, index=len(self._buckets), shape=shape)
         except MemoryError as e:
             raise MemoryError(f"bucket {name!r} ({needed.describe(self.world)}): {e}") from None
         bucket = Bucket(self, bucket_id, shape, numel, master, int(self._lib.bucket_shard_numel(self.id, bucket_id)),
@@ -289,19 +241,6 @@ class SymmetricHeap:
         state = "freed" if self._freed else f"{len(self.buckets)} buckets"
         return (f"SymmetricHeap(id={self.id}, axis={self.axis_name!r}, world={self.world}, platform={self.platform}, "
                 f"transport={self.transport}, deterministic={self.deterministic}, {state})")
-
-
-def _create_local_heap(lib, platform: str, along_axis, deterministic: bool, barrier_timeout_s: float) -> int:
-    """Creates an in-process heap. On GPUs: refuses PJRT clients the barrier cannot serve, and places position p's
-    memory on the GPU that runs position p (meshes need not follow jax.devices()) at creation, so the library touches
-    only the mesh's GPUs (peer access, pinned blocks, contexts)."""
-    if platform == "cpu":
-        return int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s))
-    from jodc.ops import _cuda
-
-    _cuda.check_pjrt_client()
-    placement = _cuda.placement_of(along_axis)
-    return int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s, placement))
 
 
 def _free_quietly(lib, heap_id: int) -> None:
@@ -348,8 +287,7 @@ class Bucket:
             return
         if not self.heap.freed:
             _settle_ops_before_free(f"bucket {self.name!r}")
-            if self.heap._ipc is not None:
-                self.heap._ipc.barrier("free-bucket")  # collective: peers stop using this bucket's memory first
+            self.heap._transport.before_free("bucket")  # collective: peers stop using this bucket's memory first
             self.heap._lib.bucket_free(self.heap.id, self.id)
         self._freed = True
 

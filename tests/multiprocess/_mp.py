@@ -41,6 +41,13 @@ def global_mesh(jax):
     return jax.sharding.Mesh(np.array(jax.devices()), ("d",))
 
 
+def local_mesh(jax):
+    """A one-device mesh of this process's first device (where a reference engine runs)."""
+    import numpy as np
+
+    return jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("d",))
+
+
 def spmd(jax, mesh, fn, *per_device_args):
     """jit(shard_map(fn)) over the global mesh. Args: numpy arrays with a leading device axis, equal everywhere.
 

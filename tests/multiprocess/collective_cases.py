@@ -33,7 +33,7 @@ world = mesh.shape["d"]
 model, groups = fsdp_toy.make_model(num_layers=2, tied=world == 4)
 batches = [fsdp_toy.random_minibatch(c, seed=s) for s, c in enumerate(UNEVEN[world])]
 extra = fsdp_toy.random_minibatch(UNEVEN[world][0], seed=99)
-ref = ReferenceEngine(model, groups, optimizer=OPT, device=jax.local_devices()[0])
+ref = ReferenceEngine(model, groups, _mp.local_mesh(jax), optimizer=OPT)
 REF_LOSSES = [ref.step(b).loss for b in batches]
 REF_PARAMS = ref.flat_params()
 REF_STATE = ref.state_dict()

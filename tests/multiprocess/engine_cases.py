@@ -63,7 +63,7 @@ def main():
     engine = ODCEngine(model, groups, mesh, optimizer=opt)
     assert engine.heap.transport == "mpi", engine.heap.transport
     odc_losses, odc_params = run(engine, batches)
-    ref_losses, ref_params = run(ReferenceEngine(model, groups, optimizer=opt, device=jax.local_devices()[0]),
+    ref_losses, ref_params = run(ReferenceEngine(model, groups, _mp.local_mesh(jax), optimizer=opt),
                                  batches)
     np.testing.assert_allclose(odc_losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(det_losses, ref_losses, rtol=1e-5)

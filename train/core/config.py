@@ -23,19 +23,19 @@ import yaml
 from draccus.utils import DecodingError, ParsingError, deflatten
 
 from jodc import optimizer_config
+from jodc.engine_facts import ENGINE_FACTS, ENGINE_NAMES
 from jodc.optimizer_config import Schedule
 
 from .presets import MODEL_PRESETS
 
 Preset = Literal[tuple(MODEL_PRESETS)]
-Engine = Literal["odc", "collective", "xla_spmd", "reference"]
+Engine = Literal[ENGINE_NAMES]
 Planner = Literal["lb_mini", "lb_micro", "local_sort"]
 CostModel = Literal["flops", "linear"]
 ComputeDtype = Literal["float32", "bfloat16"]
 Platform = Literal["cpu", "gpu"]
 AttentionImpl = Literal["auto", "blockwise", "flash", "dense"]
 Overlong = Literal["truncate", "drop"]
-DEFAULT_PLANNER = {"odc": "lb_mini", "collective": "lb_micro", "xla_spmd": "lb_micro", "reference": "lb_mini"}
 EMBEDDED = "embedded"
 
 
@@ -154,7 +154,7 @@ class EngineConfig(Section):
     name: Engine = "odc"  # odc (on-demand), collective (lock-step FSDP), xla_spmd (NamedSharding + jit), reference
     devices: int = 4  # data-parallel devices (simulated CPU devices on a CPU host)
     platform: Platform = "cpu"  # JAX platform whose devices form the mesh
-    planner: Planner | None = None  # default: lb_mini for odc, lb_micro for collective
+    planner: Planner | None = None  # default: the engine's (lb_mini for odc, lb_micro for the lock-step ones)
     cost_model: CostModel = "flops"  # how the planner weighs a sequence
     token_cap: int | None = None  # tokens per microbatch buffer; SFT's default: data.max_length
     # shorter buffer lengths a microbatch may run at, comma-separated ('256,512'): it runs at the smallest that
@@ -169,15 +169,16 @@ class EngineConfig(Section):
     @property
     def planner_name(self) -> str:
         """The planner in effect (the engine's default when `planner` is null)."""
-        return self.planner or DEFAULT_PLANNER[self.name]
+        return self.planner or ENGINE_FACTS[self.name].default_planner
 
     def check(self) -> None:
         if self.barrier_timeout_s is not None and not self.barrier_timeout_s > 0:
             raise ConfigError(f"engine.barrier_timeout_s must be > 0 seconds or null (wait forever), got "
                               f"{self.barrier_timeout_s}")
-        if self.deterministic and self.name in ("collective", "xla_spmd"):
-            raise ConfigError("engine.deterministic=true needs engine odc or reference (the collective engines' "
-                              "reductions are not guaranteed bit-for-bit reproducible)")
+        if self.deterministic and not ENGINE_FACTS[self.name].supports_deterministic:
+            able = " or ".join(n for n, f in ENGINE_FACTS.items() if f.supports_deterministic)
+            raise ConfigError(f"engine.deterministic=true needs engine {able} (the {self.name} engine's reductions "
+                              "are not guaranteed bit-for-bit reproducible)")
         if self.length_buckets is not None:
             parse_length_buckets(self.length_buckets)
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
+from jodc import fsdp
+from jodc.fsdp import OptimizerConfig
 from jodc.models import DecoderConfig, init_params, load_pretrained, split_params
 from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
@@ -97,17 +98,15 @@ def mesh_devices(platform: str, count: int) -> list:
 
 
 def make_engine(config, model, groups):
-    """The engine of `engine.name` on a 1-D mesh of `engine.devices` devices (an SFT or RL config)."""
+    """The engine of `engine.name` on a 1-D mesh of `engine.devices` devices (an SFT or RL config), with the
+    options of the engine section that engine takes (`Engine.options`)."""
     e = config.engine
-    common = {"optimizer": optimizer_config(config), "compute_dtype": jnp.dtype(e.compute_dtype)}
-    if e.name == "reference":
-        return ReferenceEngine(model, groups, num_devices=e.devices, device=mesh_devices(e.platform, 1)[0], **common)
     mesh = jax.sharding.Mesh(np.array(mesh_devices(e.platform, e.devices)), ("d",))
-    common["length_buckets"] = parse_length_buckets(e.length_buckets) if e.length_buckets else None
-    if e.name == "odc":
-        timeout = float("inf") if e.barrier_timeout_s is None else e.barrier_timeout_s
-        return ODCEngine(model, groups, mesh, deterministic=e.deterministic, barrier_timeout_s=timeout, **common)
-    return {"xla_spmd": SPMDEngine, "collective": CollectiveEngine}[e.name](model, groups, mesh, **common)
+    return fsdp.make_engine(e.name, model, groups, mesh, optimizer=optimizer_config(config),
+                            compute_dtype=jnp.dtype(e.compute_dtype),
+                            length_buckets=parse_length_buckets(e.length_buckets) if e.length_buckets else None,
+                            deterministic=e.deterministic,
+                            barrier_timeout_s=float("inf") if e.barrier_timeout_s is None else e.barrier_timeout_s)
 
 
 def make_planner(config):

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jodc.fsdp import NonFiniteStepError
 from jodc.fsdp.decoder import decoder_staged_model
+from jodc.fsdp.engine import nonfinite_cause
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
@@ -213,13 +213,11 @@ class Trainer:
         it can (`engine.supports_timeline`, one process), else estimated from the plan's costs."""
         # every process must run the same program
         record = timeline is not None and jax.process_count() == 1 and self.engine.supports_timeline
-        try:
-            result = self.engine.step(arrays, **({"record_timeline": True} if record else {}))
-        except NonFiniteStepError as e:  # the engine kept its previous state: nothing non-finite was applied
-            result = e.result
+        # the engine's own non-finite path: such an update comes back not applied (the engine kept its state)
+        result = self.engine.step(arrays, skip_nonfinite=True, **({"record_timeline": True} if record else {}))
+        if not result.applied:
             if not self.config.run.skip_nonfinite_steps:
-                raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(),
-                                                           skip=False)) from None
+                raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(), skip=False))
             self.skipped += 1
             self.logger.write(nonfinite_message(what, result, None, skip=True))
         if timeline is not None:
@@ -323,9 +321,7 @@ class _SilentLogger:
 
 def nonfinite_message(what: str, result, latest_checkpoint: int | None, *, skip: bool) -> str:
     """The line of an update that was not applied (non-finite loss, grad norm or update)."""
-    cause = "loss" if not np.isfinite(result.loss) else "gradients or updated parameters"
-    head = (f"{what}: non-finite {cause} (loss {result.loss}, global grad norm {result.grad_norm}); the update was "
-            "not applied")
+    head = f"{what}: {nonfinite_cause(result)}; the update was not applied"
     if skip:
         return f"{head}; skipped (run.skip_nonfinite_steps)"
     latest = f"step {latest_checkpoint}" if latest_checkpoint is not None else "none yet"

@@ -230,13 +230,12 @@ class RLConfig(TrainingConfig):
         if self.loss.critic and self.rollout.max_staleness:
             raise ConfigError("loss.advantage=gae (critic PPO) runs with synchronous rollouts only "
                               "(rollout.max_staleness: 0): the rollout's values come from the trainer's weights")
-        unsupported = [f"engine.name={e.name}" if e.name == "xla_spmd" else "",
-                       "engine.length_buckets" if e.length_buckets is not None else "",
+        unsupported = ["engine.length_buckets" if e.length_buckets is not None else "",
                        "engine.token_cap=null" if e.token_cap is None else "",
                        "logging.timeline_every" if self.logging.timeline_every else ""]
         if any(unsupported):
-            raise ConfigError(f"the RL trainer does not support {', '.join(u for u in unsupported if u)} (engines: "
-                              "odc, collective, reference; token_cap is the microbatch buffer; no timelines)")
+            raise ConfigError(f"the RL trainer does not support {', '.join(u for u in unsupported if u)} (token_cap "
+                              "is the microbatch buffer; no timelines)")
 
 
 RlConfig = RLConfig

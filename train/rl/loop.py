@@ -291,7 +291,7 @@ class RLRun(Trainer):
                     _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=e.devices,
                                                token_cap=e.token_cap, cost_model=self.cost_model,
                                                aggregation=self.objective.aggregation,
-                                               skip_empty_microbatches=e.name == "odc")
+                                               skip_empty_microbatches=not self.engine.lockstep)
                     result = self.update(arrays, f"step {step + 1}, update {i + 1} of {run_.updates_per_step}")
                 if result.applied:
                     updates.append({"loss": result.loss, "grad_norm": result.grad_norm,

@@ -71,7 +71,7 @@ class SFTRun(Trainer):
         examples = [self.examples[i] for i in self.sampler.minibatch(step)]
         plan = self.planner([e.length for e in examples], self.config.engine.devices, self.config.token_cap,
                             cost_model=self.cost_model)
-        arrays = minibatch_arrays(plan, examples, skip_empty_microbatches=self.config.engine.name == "odc")
+        arrays = minibatch_arrays(plan, examples, skip_empty_microbatches=not self.engine.lockstep)
         return plan, arrays, examples
 
     def train_step(self, step: int) -> dict[str, Any]:

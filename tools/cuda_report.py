@@ -1,8 +1,8 @@
 """What a GPU runner has, and whether its CUDA tests really ran: the two checks around `make test-gpu`.
 
-``python -m jodc.ops._cuda_report`` prints the GPU model(s), driver and runtime versions, peer access and native peer
+``python tools/cuda_report.py`` prints the GPU model(s), driver and runtime versions, peer access and native peer
 atomics for every pair of GPUs, and the transport and accumulation mode a heap over all GPUs uses.
-``python -m jodc.ops._cuda_report --check-junit FILE`` reads pytest's JUnit XML and fails (exit 1) when the CUDA
+``python tools/cuda_report.py --check-junit FILE`` reads pytest's JUnit XML and fails (exit 1) when the CUDA
 tests did not run: none of tests/test_ops_cuda.py ran, or one was skipped for any reason but the documented hardware
 ones (a second GPU; memory for the bucket above 2^31 elements).
 """

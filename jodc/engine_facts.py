@@ -1,0 +1,43 @@
+"""What each FSDP engine is, by name, free of JAX imports: the one table of engine facts.
+
+The engine classes in `jodc.fsdp` take their `name` and facts from here (`Engine.__init_subclass__`), and
+`jodc.fsdp.ENGINES` maps the same names to the classes; the trainer's config checks `engine.name`, picks the default
+planner and refuses `deterministic` where it cannot hold by reading this table, before JAX loads (XLA_FLAGS must be
+set first). A new engine adds one row here and one class there (a test checks that both agree).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """The capabilities of one engine, read by trainers instead of comparing engine names."""
+
+    name: str  # the registry name (config `engine.name`)
+    lockstep: bool  # every device runs max(counts) microbatches (feed it lock-step plans); else its own count, and
+    # a plan's empty microbatches are dropped before the step
+    supports_timeline: bool  # `step(record_timeline=True)` records per-device busy / wait events
+    default_planner: str  # the planner used when the config names none (a `jodc.balance` planner name)
+    supports_deterministic: bool  # gradient accumulation can be made (or always is) bit-for-bit reproducible
+
+
+ENGINE_FACTS: dict[str, EngineFacts] = {f.name: f for f in (
+    EngineFacts("odc", lockstep=False, supports_timeline=True, default_planner="lb_mini",
+                supports_deterministic=True),
+    EngineFacts("collective", lockstep=True, supports_timeline=True, default_planner="lb_micro",
+                supports_deterministic=False),
+    EngineFacts("xla_spmd", lockstep=True, supports_timeline=False, default_planner="lb_micro",
+                supports_deterministic=False),
+    EngineFacts("reference", lockstep=False, supports_timeline=False, default_planner="lb_mini",
+                supports_deterministic=True),
+)}
+ENGINE_NAMES = tuple(ENGINE_FACTS)
+
+
+def engine_facts(name: str) -> EngineFacts:
+    """The facts of engine `name`; ValueError naming the engines there are."""
+    try:
+        return ENGINE_FACTS[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; engines are {', '.join(ENGINE_NAMES)}") from None

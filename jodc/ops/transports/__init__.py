@@ -1,0 +1,55 @@
+"""The transports of a symmetric heap, behind one small interface (`Transport`), chosen once from the mesh.
+
+=============  =========================  =====================================================================
+transport      class                      serves
+=============  =========================  =====================================================================
+``local``      `LocalCpuTransport`        CPU devices of this process (host memory)
+``mpi``        `MpiTransport`             CPU devices of several processes (MPI-3 one-sided windows)
+``local``      `CudaLocalTransport`       GPUs of this process (peer pointers)
+``cuda_ipc``   `CudaIpcTransport`         one GPU per process, the processes of one node (CUDA IPC handles)
+``nvshmem``    `NvshmemTransport`         one GPU per process, several nodes (NVSHMEM)
+=============  =========================  =====================================================================
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jodc.ops import _cuda_ipc, _mpi
+from jodc.ops.transports.base import Transport, check_single_process
+from jodc.ops.transports.gpu_processes import CudaIpcTransport, NvshmemTransport
+from jodc.ops.transports.local import CudaLocalTransport, LocalCpuTransport
+from jodc.ops.transports.mpi import MpiTransport
+
+__all__ = ["CudaIpcTransport", "CudaLocalTransport", "LocalCpuTransport", "MpiTransport", "NvshmemTransport",
+           "Transport", "check_single_process", "open_transport"]
+
+
+def along_axis(mesh, axis_name: str) -> np.ndarray:
+    """The mesh's devices in position order along `axis_name` (other axes have size 1)."""
+    world = int(mesh.shape[axis_name])
+    return np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0).reshape(world)
+
+
+def open_transport(mesh, axis_name: str, platform: str, requested: str, *, deterministic: bool,
+                   barrier_timeout_s: float, progress_thread: bool | None) -> Transport:
+    """Picks the transport of a heap over `mesh` (devices of `platform`) and opens the heap there.
+
+    `requested`: 'auto' picks by the mesh's processes (and, on GPUs, their nodes); or a transport's name. CPU: 'local'
+    or 'mpi' (`jodc.ops._mpi.select_transport`); GPUs: 'local', 'cuda_ipc' or 'nvshmem'
+    (`jodc.ops._cuda_ipc.select_for_mesh`, collective across the mesh's processes)."""
+    devices = along_axis(mesh, axis_name)
+    if platform == "cpu":
+        if _mpi.select_transport(mesh, requested) == "mpi":
+            return MpiTransport(mesh, axis_name, deterministic, barrier_timeout_s, progress_thread)
+        return LocalCpuTransport(devices, deterministic, barrier_timeout_s)
+    name, exchange = _cuda_ipc.select_for_mesh(mesh, requested)
+    if name == "local":
+        check_single_process(devices)
+        if platform not in ("cuda", "gpu"):
+            raise ValueError(f"jodc ops support cpu and cuda devices, not {platform!r}")
+        return CudaLocalTransport(devices, deterministic, barrier_timeout_s)
+    import jax
+
+    position, device = _cuda_ipc.local_position(devices, jax.process_index())
+    opened = CudaIpcTransport if name == "cuda_ipc" else NvshmemTransport
+    return opened(exchange, len(devices), position, int(device.local_hardware_id), deterministic, barrier_timeout_s)
