@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from jodc.balance import LinearCost, QuadraticCost, get_planner  # noqa: E402
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, SPMDEngine  # noqa: E402
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, XlaSpmdEngine  # noqa: E402
 from jodc.fsdp.batch import minibatch_from_plan  # noqa: E402
 from jodc.fsdp.decoder import decoder_staged_model  # noqa: E402
 from jodc.models.config import DecoderConfig  # noqa: E402
@@ -72,7 +72,7 @@ from jodc.sim.lengths import get_length_distribution  # noqa: E402
 # (row, planner, engine); "odc_seq" is ODC with LB-Mini balancing sequence costs only, blind to the buckets;
 # "odc_det" is the "odc" row (same plans) with a deterministic heap: the price of bit-for-bit reproducibility
 CONTENDERS = (("odc", "lb_mini", ODCEngine), ("odc_det", "lb_mini", ODCEngine), ("odc_seq", "lb_mini", ODCEngine),
-              ("collective", "lb_micro", CollectiveEngine), ("xla_spmd", "lb_micro", SPMDEngine))
+              ("collective", "lb_micro", CollectiveEngine), ("xla_spmd", "lb_micro", XlaSpmdEngine))
 ENGINE_OPTIONS = {"odc_det": {"deterministic": True}}
 
 

@@ -11,7 +11,7 @@ import pytest
 import fsdp_toy
 from conftest import cpu_mesh
 from jodc.engine_facts import ENGINE_FACTS, EngineFacts
-from jodc.fsdp import (ENGINES, CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine,
+from jodc.fsdp import (ENGINES, CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine,
                        engine_class, make_engine, sharding)
 from jodc.fsdp.engine import accumulate, microbatch_loop, update_step
 from jodc.fsdp.optim import make_optimizer
@@ -36,7 +36,7 @@ def test_every_sharded_engine_splits_groups_as_the_heap_does():
         native = {g: b.shard_numel for g, b in odc.buckets.items()}
         assert odc.shard_numels == native
         assert CollectiveEngine(model, groups, mesh, optimizer=OPT).shard_numels == native
-        assert SPMDEngine(model, groups, mesh, optimizer=OPT).padded == {g: 2 * n for g, n in native.items()}
+        assert XlaSpmdEngine(model, groups, mesh, optimizer=OPT).padded == {g: 2 * n for g, n in native.items()}
     finally:
         odc.close()
 
@@ -98,11 +98,11 @@ def test_accumulate_sums_gradients():
 
 def test_engines_declare_their_capabilities():
     assert ODCEngine.supports_timeline and CollectiveEngine.supports_timeline
-    assert not SPMDEngine.supports_timeline and not ReferenceEngine.supports_timeline
-    assert CollectiveEngine.lockstep and SPMDEngine.lockstep
+    assert not XlaSpmdEngine.supports_timeline and not ReferenceEngine.supports_timeline
+    assert CollectiveEngine.lockstep and XlaSpmdEngine.lockstep
     assert not ODCEngine.lockstep and not ReferenceEngine.lockstep
     assert ODCEngine.supports_deterministic and ReferenceEngine.supports_deterministic
-    assert not CollectiveEngine.supports_deterministic and not SPMDEngine.supports_deterministic
+    assert not CollectiveEngine.supports_deterministic and not XlaSpmdEngine.supports_deterministic
     assert [ENGINES[n].default_planner for n in ("odc", "collective", "xla_spmd", "reference")] == \
         ["lb_mini", "lb_micro", "lb_micro", "lb_mini"]
 
@@ -143,7 +143,7 @@ def test_a_timeline_from_an_engine_without_one_is_refused_before_dispatch(kind):
     leaves its state untouched."""
     model, groups = fsdp_toy.make_model(num_layers=1)
     if kind == "xla_spmd":
-        engine = SPMDEngine(model, groups, cpu_mesh(2), optimizer=OPT)
+        engine = XlaSpmdEngine(model, groups, cpu_mesh(2), optimizer=OPT)
     else:
         engine = ReferenceEngine(model, groups, cpu_mesh(2), optimizer=OPT)
     batch = fsdp_toy.random_minibatch([1, 1])
@@ -159,6 +159,6 @@ def test_a_timeline_from_an_engine_without_one_is_refused_before_dispatch(kind):
 def test_meshes_without_one_d_axis_are_refused_by_name():
     model, groups = fsdp_toy.make_model(num_layers=1)
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
-    for cls, name in ((ODCEngine, "ODC"), (CollectiveEngine, "collective"), (SPMDEngine, "SPMD")):
+    for cls, name in ((ODCEngine, "ODC"), (CollectiveEngine, "collective"), (XlaSpmdEngine, "SPMD")):
         with pytest.raises(ValueError, match=f"the {name} engine needs a 1-D mesh with axis 'd'"):
             cls(model, groups, mesh, optimizer=OPT)

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import cpu_mesh
 from jodc.balance import get_planner
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
 from jodc.fsdp.batch import minibatch_from_plan
 from jodc.fsdp.decoder import decoder_staged_model
 from jodc.models.config import DecoderConfig
@@ -117,7 +117,7 @@ def test_custom_head_loss_with_extras_and_metrics():
         np.testing.assert_allclose(odc_params[g], v, rtol=1e-5, atol=1e-4, err_msg=g)
 
 
-@pytest.mark.parametrize("engine_cls", [ODCEngine, CollectiveEngine, SPMDEngine])
+@pytest.mark.parametrize("engine_cls", [ODCEngine, CollectiveEngine, XlaSpmdEngine])
 def test_length_buckets_change_cost_not_results(engine_cls):
     """Microbatches run at the smallest bucket length that holds them; parameters equal the full-length run. One
     layer: the buckets are a property of the whole microbatch, and every bucket compiles a branch of the step, so

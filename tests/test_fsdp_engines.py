@@ -4,7 +4,7 @@ import pytest
 
 import fsdp_toy
 from conftest import cpu_mesh
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, SPMDEngine
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
 
 OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
 UNEVEN = {1: [[3], [1], [2]], 2: [[3, 1], [0, 2], [2, 2]], 4: [[3, 1, 0, 2], [1, 1, 2, 3], [2, 0, 1, 1]],
@@ -36,7 +36,7 @@ def test_engines_match_reference(devices):
         odc.close()
     col_losses, col_params = run_steps(CollectiveEngine(model, groups, mesh, optimizer=OPT), batches)
     if devices in (2, 4):
-        spmd_losses, spmd_params = run_steps(SPMDEngine(model, groups, mesh, optimizer=OPT), batches)
+        spmd_losses, spmd_params = run_steps(XlaSpmdEngine(model, groups, mesh, optimizer=OPT), batches)
         np.testing.assert_allclose(spmd_losses, ref_losses, rtol=1e-5)
         assert_params_close(spmd_params, ref_params)
     np.testing.assert_allclose(odc_losses, ref_losses, rtol=1e-5)
@@ -171,7 +171,7 @@ def _check_second_steps_compile_nothing(compiles):
     engines = {"reference": lambda: ReferenceEngine(model, groups, mesh, optimizer=OPT),
                "odc": lambda: ODCEngine(model, groups, mesh, optimizer=OPT),
                "collective": lambda: CollectiveEngine(model, groups, mesh, optimizer=OPT),
-               "xla_spmd": lambda: SPMDEngine(model, groups, mesh, optimizer=OPT)}
+               "xla_spmd": lambda: XlaSpmdEngine(model, groups, mesh, optimizer=OPT)}
     batch = fsdp_toy.random_minibatch([2, 1], seed=0)
     for name, build in engines.items():
         engine = build()

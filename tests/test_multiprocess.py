@@ -384,7 +384,7 @@ def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():
 
     from conftest import cpu_mesh
     from jodc.balance import get_planner
-    from jodc.fsdp import OptimizerConfig, SPMDEngine, sharding
+    from jodc.fsdp import OptimizerConfig, XlaSpmdEngine, sharding
     from jodc.fsdp.batch import minibatch_from_plan
     from jodc.fsdp.decoder import decoder_staged_model
     from jodc.models import DecoderConfig
@@ -393,7 +393,7 @@ def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():
                            num_kv_heads=1, attention_block_size=16, max_position_embeddings=64)
     model, groups = decoder_staged_model(config, seed=0)
     mesh = cpu_mesh(2)
-    engine = SPMDEngine(model, groups, mesh, optimizer=OptimizerConfig(learning_rate=1e-3), length_buckets=(32,))
+    engine = XlaSpmdEngine(model, groups, mesh, optimizer=OptimizerConfig(learning_rate=1e-3), length_buckets=(32,))
     rng = np.random.default_rng(0)
     lengths = np.array([60, 20, 40, 12])
     seqs = [rng.integers(0, 64, int(n) + 1) for n in lengths]
@@ -421,7 +421,7 @@ def test_spmd_step_compiles_once_per_shape():
 
     from conftest import cpu_mesh
     from jodc.balance import get_planner
-    from jodc.fsdp import OptimizerConfig, SPMDEngine
+    from jodc.fsdp import OptimizerConfig, XlaSpmdEngine
     from jodc.fsdp.batch import minibatch_from_plan
     from jodc.fsdp.decoder import decoder_staged_model
     from jodc.models import DecoderConfig
@@ -429,7 +429,7 @@ def test_spmd_step_compiles_once_per_shape():
     config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                            num_kv_heads=1, attention_block_size=16, max_position_embeddings=64)
     model, groups = decoder_staged_model(config, seed=0)
-    engine = SPMDEngine(model, groups, cpu_mesh(2), optimizer=OptimizerConfig(learning_rate=1e-3),
+    engine = XlaSpmdEngine(model, groups, cpu_mesh(2), optimizer=OptimizerConfig(learning_rate=1e-3),
                         length_buckets=(32,))
     rng = np.random.default_rng(0)
 

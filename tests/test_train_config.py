@@ -89,7 +89,7 @@ def test_aliases_cover_unique_names_and_refuse_ambiguous_ones():
         devices: int = 1
 
     @dataclasses.dataclass
-    class Clash(C.SftConfig):
+    class Clash(C.SFTConfig):
         extra: Extra = dataclasses.field(default_factory=Extra)
 
     with pytest.raises(C.ConfigError, match="'devices' is ambiguous: use one of engine.devices, extra.devices"):
@@ -226,4 +226,4 @@ def test_sections_check_themselves_when_built_in_code():
     with pytest.raises(C.ConfigError, match="run.out_dir must be a non-empty string, got None"):
         C.RunConfig(out_dir=None)
     with pytest.raises(C.ConfigError, match="engine.token_cap=64 is below data.max_length=1024"):
-        C.SftConfig(engine=C.EngineConfig(token_cap=64))
+        C.SFTConfig(engine=C.EngineConfig(token_cap=64))

@@ -112,7 +112,7 @@ def test_sft_skips_and_counts_a_non_finite_step_and_resumes_exactly_after_it(tmp
     straight = tmp_path / "straight"
     run_sft(load_config(None, sft_overrides(straight, "--skip_nonfinite_steps")), log=quiet)
     records = read_metrics(str(straight / "metrics.jsonl"))
-    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
+    assert [r["skipped_updates"] for r in records] == [0, 0, 1, 1, 1]
     assert [r.get("skipped", False) for r in records] == [False, False, True, False, False]
     assert np.isfinite([r["loss"] for r in records]).all()
     saved = assert_all_finite(straight)
@@ -126,8 +126,8 @@ def test_sft_skips_and_counts_a_non_finite_step_and_resumes_exactly_after_it(tmp
     for a, b in zip(saved[5], checkpoint_params(resumed)[5]):
         np.testing.assert_array_equal(a, b)
     again = read_metrics(str(resumed / "metrics.jsonl"))
-    assert [(r["loss"], r["learning_rate"], r["skipped_steps"]) for r in again] == \
-           [(r["loss"], r["learning_rate"], r["skipped_steps"]) for r in records]
+    assert [(r["loss"], r["learning_rate"], r["skipped_updates"]) for r in again] == \
+           [(r["loss"], r["learning_rate"], r["skipped_updates"]) for r in records]
 
 
 def poison_rl_update(monkeypatch, bad_call):

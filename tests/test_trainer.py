@@ -79,7 +79,7 @@ class Run(Trainer):
         result = self.update(self.deltas.get(step, float(done)), f"step {done}",
                              timeline=(done, plan) if self.timeline_due(done) else None)
         return {"loss": result.loss, "tokens_per_s": 1.0, "step_seconds": result.seconds,
-                self.skipped_key: self.skipped}
+                self.SKIPPED_KEY: self.skipped}
 
     def evaluate(self, step):
         self.evaluated.append(step)
@@ -191,7 +191,7 @@ def test_a_skipped_non_finite_update_is_counted_and_survives_resume(tmp_path):
     w = saved_w(tmp_path)
     assert w[2] == w[3] == [3.0, 3.0] and w[5] == [12.0, 12.0]
     records = read_metrics(str(tmp_path / "metrics.jsonl"))
-    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
+    assert [r["skipped_updates"] for r in records] == [0, 0, 1, 1, 1]
 
 
 def test_evaluation_before_due_steps_and_at_the_end(tmp_path):
@@ -251,3 +251,9 @@ def test_timers():
     assert summary == {"plan_ms_mean": 2.0, "plan_ms_max": 3.0, "step_seconds_mean": pytest.approx(0.6)}
     assert timing_lines(summary) == ["planning:   2.00 ms mean, 3.00 ms max per step (mean step 600.0 ms)"]
     assert timing_lines(timing_summary([])) == []
+
+
+def test_the_skipped_update_count_loads_under_its_old_sft_name():
+    assert Trainer.skipped_in({"skipped_updates": 3}) == 3
+    assert Trainer.skipped_in({"skipped_steps": 2}) == 2  # SFT checkpoints written before the names were one
+    assert Trainer.skipped_in({}) == 0

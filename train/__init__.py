@@ -6,9 +6,9 @@
 From the shell: `jodc-train sft --config configs/sft_demo.yaml` or `python -m jodc.train sft ...`.
 Importing this package does not import JAX (the CLI sets XLA flags first); `run_sft` is loaded on first use.
 """
-from .core.config import ConfigError, SftConfig, SFTConfig, load_config
+from .core.config import ConfigError, SFTConfig, load_config
 
-__all__ = ["ConfigError", "SftConfig", "SFTConfig", "load_config", "run_sft"]
+__all__ = ["ConfigError", "SFTConfig", "load_config", "run_sft"]
 
 
 def __getattr__(name):

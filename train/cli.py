@@ -20,7 +20,7 @@ import traceback
 from typing import Sequence
 
 from .core import distributed
-from .core.config import ConfigError, SftConfig, all_keys, dump, load_config, sections
+from .core.config import ConfigError, SFTConfig, all_keys, dump, load_config, sections
 from .rl.config import RLConfig, load_rl_config
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -40,7 +40,7 @@ def set_host_device_count(count: int, environ=os.environ) -> None:
 # name: (config class, load, the trainer as module:function (imported after the XLA flags are set), label of its
 # messages, help, description)
 COMMANDS = {
-    "sft": (SftConfig, load_config, ".sft.loop:run_sft", "jodc-train", "supervised fine-tuning",
+    "sft": (SFTConfig, load_config, ".sft.loop:run_sft", "jodc-train", "supervised fine-tuning",
             "Supervised fine-tuning with the ODC, collective, XLA-SPMD or reference engine."),
     "rl": (RLConfig, load_rl_config, ".rl.loop:run_rl", "jodc-train rl", "RL post-training (DPPO by default)",
            "RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference engine, on a "

@@ -10,9 +10,9 @@ from jodc.fsdp.odc_engine import ODCEngine
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.reference_engine import ReferenceEngine
 from jodc.fsdp.registry import ENGINES, engine_class, make_engine
-from jodc.fsdp.spmd_engine import SPMDEngine
+from jodc.fsdp.xla_spmd_engine import XlaSpmdEngine
 from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
 
 __all__ = ["ENGINES", "CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "NNXStagedModel",
-           "NonFiniteStepError", "ODCEngine", "OptimizerConfig", "ReferenceEngine", "SPMDEngine", "Stage", "StagedModel", "StepResult",
+           "NonFiniteStepError", "ODCEngine", "OptimizerConfig", "ReferenceEngine", "XlaSpmdEngine", "Stage", "StagedModel", "StepResult",
            "engine_class", "from_nnx", "make_engine"]

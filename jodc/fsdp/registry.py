@@ -9,9 +9,9 @@ from jodc.fsdp.collective_engine import CollectiveEngine
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.odc_engine import ODCEngine
 from jodc.fsdp.reference_engine import ReferenceEngine
-from jodc.fsdp.spmd_engine import SPMDEngine
+from jodc.fsdp.xla_spmd_engine import XlaSpmdEngine
 
-ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (ODCEngine, CollectiveEngine, SPMDEngine,
+ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (ODCEngine, CollectiveEngine, XlaSpmdEngine,
                                                                 ReferenceEngine)}
 
 

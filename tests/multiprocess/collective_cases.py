@@ -22,7 +22,7 @@ jax, comm = _mp.init(L)
 import numpy as np  # noqa: E402
 
 import fsdp_toy  # noqa: E402
-from jodc.fsdp import CollectiveEngine, OptimizerConfig, ReferenceEngine, SPMDEngine  # noqa: E402
+from jodc.fsdp import CollectiveEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine  # noqa: E402
 
 OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
 UNEVEN = {2: [[3, 1], [0, 2], [2, 2]], 3: [[3, 1, 0], [1, 2, 2], [2, 0, 1]],
@@ -61,5 +61,5 @@ def check(cls, **options):
               f"{max(np.abs(params[g] - REF_PARAMS[g]).max() for g in REF_PARAMS):.3g}", flush=True)
 
 
-CASES = {"collective": lambda: check(CollectiveEngine), "xla_spmd": lambda: check(SPMDEngine)}
+CASES = {"collective": lambda: check(CollectiveEngine), "xla_spmd": lambda: check(XlaSpmdEngine)}
 _mp.run_cases(CASES, sys.argv[2:], comm)

@@ -1,7 +1,7 @@
 """Training configs: dataclass sections read by `draccus` from YAML plus command-line overrides.
 
 Both trainers share `model`, `optimizer`, `engine`, `run`, `checkpoint` and `logging` (`TrainingConfig`);
-`SftConfig` adds `data`, the RL config (`train/rl/config.py`) adds `task`, `rollout`, `loss` and `warmstart`.
+`SFTConfig` adds `data`, the RL config (`train/rl/config.py`) adds `task`, `rollout`, `loss` and `warmstart`.
 Every section checks its fields in `__post_init__`, so a config built in code is checked like one from YAML.
 Over draccus, a thin command-line layer: `--section.field value` or `=value`, a unique field name alone
 (`--devices 4`), a section alone for its `name` (`--engine odc`), a bool alone for true and `--no-<field>` for
@@ -192,7 +192,7 @@ class RunConfig(Section):
     seed: int = 0  # model initialisation and data order
     out_dir: str = "runs/sft"  # checkpoints, metrics, plots and the HF export go here
     # a step with a non-finite loss, grad norm or update is never applied; false: stop the run there, true: skip
-    # it (counted in the metrics as skipped_steps / skipped_updates) and go on
+    # it (counted in the metrics as skipped_updates) and go on
     skip_nonfinite_steps: bool = False
 
 
@@ -252,7 +252,7 @@ class TrainingConfig:
 
 
 @config_class
-class SftConfig(TrainingConfig):
+class SFTConfig(TrainingConfig):
     """The SFT job: the shared sections and `data`."""
 
     data: DataConfig
@@ -280,7 +280,6 @@ class SftConfig(TrainingConfig):
                                   f"{self.token_cap}")
 
 
-SFTConfig = SftConfig  # the name before the draccus configs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,12 +293,12 @@ def sections(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def all_keys(cls=SftConfig) -> list[str]:
+def all_keys(cls=SFTConfig) -> list[str]:
     """Every dotted key, e.g. 'engine.devices'."""
     return [f"{s}.{f.name}" for s, section in sections(cls).items() for f in dataclasses.fields(section)]
 
 
-def aliases(cls=SftConfig) -> dict[str, str]:
+def aliases(cls=SFTConfig) -> dict[str, str]:
     """Short name -> dotted key: every field name that occurs in one section only, and every section that has a
     `name` field (`engine` -> 'engine.name')."""
     owners: dict[str, list[str]] = {}
@@ -310,7 +309,7 @@ def aliases(cls=SftConfig) -> dict[str, str]:
     return out
 
 
-def resolve_key(name: str, cls=SftConfig) -> str:
+def resolve_key(name: str, cls=SFTConfig) -> str:
     """'engine.devices', 'devices', 'learning-rate' or 'engine' -> the dotted key; the old 'trainer.steps' ->
     'run.steps'; ConfigError naming close matches."""
     given = name = name.replace("-", "_")
@@ -335,7 +334,7 @@ def _field_type(cls, key: str):
     return typing.get_type_hints(sections(cls)[section])[field]
 
 
-def apply_overrides(raw: dict | None, overrides: Sequence[str], cls=SftConfig) -> dict:
+def apply_overrides(raw: dict | None, overrides: Sequence[str], cls=SFTConfig) -> dict:
     """A copy of nested `raw` with command-line overrides applied (see the module docstring)."""
     flat, tokens, i = {}, list(overrides), 0
     while i < len(tokens):
@@ -365,7 +364,7 @@ def apply_overrides(raw: dict | None, overrides: Sequence[str], cls=SftConfig) -
     return mergedeep.merge({}, raw or {}, deflatten(flat))
 
 
-def migrate(raw: dict, cls=SftConfig, *, log=None) -> dict:
+def migrate(raw: dict, cls=SFTConfig, *, log=None) -> dict:
     """`raw` with an old `trainer` section (configs saved before it was split into engine, run, checkpoint and
     logging) moved to the new keys; `log` is told the renames once."""
     if "trainer" in sections(cls) or not isinstance(raw.get("trainer"), dict):
@@ -403,7 +402,7 @@ def check_keys(raw: Any, cls, source: str) -> None:
                               f"{', '.join(k.split('.', 1)[1] for k in keys if k.startswith(f'{name}.'))}")
 
 
-def config_from_dict(raw: dict | None, cls=SftConfig, *, source: str = "config", log=None):
+def config_from_dict(raw: dict | None, cls=SFTConfig, *, source: str = "config", log=None):
     """A config of class `cls` from nested {section: {field: value}} (missing fields take their defaults),
     decoded by draccus and checked by every section's `__post_init__`."""
     raw = {} if raw is None else raw
@@ -449,9 +448,9 @@ def load(cls, path: str | None = None, overrides: Sequence[str] = (), *, log=lam
     return config_from_dict(apply_overrides(raw, overrides, cls), cls, source=path or "config", log=log)
 
 
-def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> SftConfig:
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> SFTConfig:
     """The SFT config: defaults, then the YAML file at `path` (if any), then `overrides`; checked."""
-    return load(SftConfig, path, overrides)
+    return load(SFTConfig, path, overrides)
 
 
 def dump(config) -> str:

@@ -43,7 +43,9 @@ class Trainer:
     """One invocation of a training run: `__init__` resumes or starts it, `train` runs its steps and finishes it,
     `close` releases the engine and the checkpoint manager (also when `__init__` fails)."""
 
-    skipped_key = "skipped_steps"  # the count of non-finite updates not applied, in checkpoints and records
+    #: The count of non-finite updates not applied, in checkpoints and records (both trainers: an SFT step is one
+    #: update). LEGACY_SKIPPED_KEY is what SFT checkpoints written before one name existed call it.
+    SKIPPED_KEY, LEGACY_SKIPPED_KEY = "skipped_updates", "skipped_steps"
     written_for = "another run"    # what a refused checkpoint was written for, in the error
     logger_class = MetricsLogger
     bar_fields = BAR_FIELDS  # what the progress bar shows of a step's record
@@ -110,10 +112,15 @@ class Trainer:
         return groups
 
     # -- resume and checkpoints ------------------------------------------------------------------------------------
+    @classmethod
+    def skipped_in(cls, state: dict) -> int:
+        """The skipped-update count a checkpoint's state holds, under either name (0 when it has none)."""
+        return int(state.get(cls.SKIPPED_KEY, state.get(cls.LEGACY_SKIPPED_KEY, 0)))
+
     def _restore(self, step: int) -> int:
         """Loads checkpoint `step` into the engine; returns the number of steps already done."""
         engine_state, state = self.store.restore(step, self.engine.state_dict())
-        self.skipped = int(state.get(self.skipped_key, 0))
+        self.skipped = self.skipped_in(state)
         engine_state["step"] = self.restored(step, state)  # the engine counts applied updates
         self.engine.load_state_dict(engine_state)
         self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
@@ -125,7 +132,7 @@ class Trainer:
         if self.last_saved_step == done:
             return
         e = self.config.engine
-        state = {**self.checkpoint_state(done), "config": to_dict(self.config), self.skipped_key: self.skipped,
+        state = {**self.checkpoint_state(done), "config": to_dict(self.config), self.SKIPPED_KEY: self.skipped,
                  "data_fingerprint": self.data_fingerprint, "engine": e.name, "devices": e.devices,
                  "schedule_steps": self.config.total_steps}
         engine_state = self.engine.state_dict()

@@ -238,9 +238,6 @@ class RLConfig(TrainingConfig):
                               "is the microbatch buffer; no timelines)")
 
 
-RlConfig = RLConfig
-
-
 def load_rl_config(path: str | None = None, overrides: Sequence[str] = ()) -> RLConfig:
     """Defaults, then the YAML file at `path` (if any), then `overrides`; checked."""
     return load(RLConfig, path, overrides)

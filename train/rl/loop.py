@@ -100,7 +100,6 @@ class RLRun(Trainer):
     """One invocation of an RL run (see `run_rl`): the task, rewards, policy and engine, the evaluation and the
     step; the loop, resume and outputs are the `Trainer`'s."""
 
-    skipped_key = "skipped_updates"  # optimizer updates not applied for a non-finite value
     bar_fields = BAR_FIELDS
     format_summary = staticmethod(format_summary)
 
@@ -306,7 +305,7 @@ class RLRun(Trainer):
                       {"loss": float("nan"), "grad_norm": float("nan")})
         sampler_busy = (self.async_rollouts.busy_seconds(started, started + seconds)
                         if self.async_rollouts is not None else scored.seconds)
-        record.update({self.skipped_key: self.skipped, "learning_rate": learning_rate, "tokens": tokens,
+        record.update({self.SKIPPED_KEY: self.skipped, "learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                        "microbatches": microbatches, "rollout_seconds": rollout.seconds,
                        "reward_seconds": scored.reward_seconds, "mismatch_seconds": scored.mismatch_seconds,

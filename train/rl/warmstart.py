@@ -16,7 +16,7 @@ import os
 from typing import Callable
 
 from ..core import distributed
-from ..core.config import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig, SftConfig
+from ..core.config import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig, SFTConfig
 from .config import RLConfig
 from .tasks import Task, warmstart_records
 
@@ -30,10 +30,10 @@ def warmstart_identity(config: RLConfig) -> dict:
             "token_cap": config.engine.token_cap}
 
 
-def warmstart_sft_config(config: RLConfig, directory: str) -> SftConfig:
+def warmstart_sft_config(config: RLConfig, directory: str) -> SFTConfig:
     """The SFT job of the warm start: the RL run's model, engine and devices on the task's solutions."""
     e, w = config.engine, config.warmstart
-    return SftConfig(
+    return SFTConfig(
         model=config.model,
         data=DataConfig(path=os.path.join(directory, DATA_FILE), max_length=e.token_cap, overlong="drop",
                         sequences_per_minibatch=w.sft_sequences_per_minibatch),

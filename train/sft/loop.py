@@ -81,7 +81,7 @@ class SFTRun(Trainer):
             plan, arrays, examples = self.minibatch(step)
         learning_rate = float(self.lr_schedule(self.engine.steps_done))
         result = self.update(arrays, f"step {done}", timeline=(done, plan) if self.timeline_due(done) else None)
-        extra = {self.skipped_key: self.skipped, **{f"model_{k}": v for k, v in result.metrics.items()}}
+        extra = {self.SKIPPED_KEY: self.skipped, **{f"model_{k}": v for k, v in result.metrics.items()}}
         if not result.applied:
             extra["skipped"] = True
         return step_metrics(step=done, loss=result.loss, grad_norm=result.grad_norm, seconds=result.seconds,

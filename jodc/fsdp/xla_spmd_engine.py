@@ -19,7 +19,7 @@ from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel
 
 
-class SPMDEngine(Engine):
+class XlaSpmdEngine(Engine):
     """Flat fp32 parameter vectors per group, padded as the heap pads them (`sharding.shard_numels`) and sharded
     over 'd'. No timelines: one program for all devices has no per-device place to stamp (`supports_timeline`)."""
 
