@@ -155,7 +155,10 @@ class RLRun(Trainer):
         self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
         self.sampler = RolloutSampler(task=self.task, seed=seed, pool=self.pool, rollout=r,
                                       model_config=self.model_config, tokenizer=self.tokenizer,
-                                      sampling=self.sampling, reward_fn=self.reward_fn)
+                                      sampling=self.sampling, reward_fn=self.reward_fn,
+                                      # fresh problems every step: never the evaluation set's (held out)
+                                      held_out=frozenset(p.prompt for p in self.eval_set) if self.pool is None
+                                      else frozenset())
         if r.max_staleness and r.sampler == "process":  # started now: its imports overlap the engine's compile
             try:
                 self.sampler_process = SamplerProcess(self.sampler, nice=r.sampler_nice, reward_spec=reward_spec)
