@@ -109,11 +109,20 @@ def test_mean_se_and_comparisons_against_numpy():
     assert bench_rl.compare("one seed", [0.9], 0.1)["within_noise"]
     with pytest.raises(ValueError, match="baseline"):
         bench_rl.compare("mismatched", values, baseline[:3])
-    runs = {"sync": {"dppo": [{"final_accuracy": a, "final_eval_sampled_reward": r} for a, r in zip(values, values)],
-                     "ppo": [{"final_accuracy": a, "final_eval_sampled_reward": r} for a, r in zip(values, baseline)]}}
-    labels = [c["comparison"] for c in bench_rl.headline_comparisons(runs, {"accuracy": 0.5, "sampled_reward": 0.5})]
+    def run(final, start):
+        return {"final_accuracy": final, "final_eval_sampled_reward": final, "initial_accuracy": start,
+                "initial_eval_sampled_reward": start}
+
+    runs = {"sync": {"dppo": [run(v, b) for v, b in zip(values, baseline)],
+                     "ppo": [run(b, b) for b in baseline]}}
+    comparisons = bench_rl.headline_comparisons(runs)
+    labels = [c["comparison"] for c in comparisons]
     assert labels == ["sync dppo final_accuracy - warm start", "sync dppo final_eval_sampled_reward - warm start",
                       "sync ppo final_accuracy - warm start", "sync ppo final_eval_sampled_reward - warm start",
                       "sync ppo - dppo final_eval_sampled_reward"]
+    # each seed against the warm start on its own evaluation set (the initial values differ by seed)
+    assert comparisons[0]["difference"] == pytest.approx(differences.mean(), abs=1e-4)
+    assert comparisons[2]["difference"] == 0.0 and comparisons[2]["within_noise"]
+    assert comparisons[4]["difference"] == pytest.approx(-differences.mean(), abs=1e-4)
     assert "inside the noise" in bench_rl.comparison_line(flat)
     assert "inside the noise" not in bench_rl.comparison_line(rising)
