@@ -79,3 +79,50 @@ def test_the_steps_that_compile_are_found(tmp_path):
                 loop.run_rl(_config(tmp_path / f"run{run}"), reward_fn=_parity_reward, log=lambda _: None)
             compiled.append(sorted(clock.compiled_steps))
     assert 0 in compiled[0] and compiled[1] == []
+
+
+def test_mean_se_and_comparisons_against_numpy():
+    """The headline statistics: the mean and standard error (ddof 1) of per-seed values against numpy in float64; a
+    comparison with per-seed baselines averages the paired differences; a difference under NOISE_SES standard
+    errors, or with one seed (no error estimate), is reported as inside the noise."""
+    import math
+
+    import numpy as np
+    import pytest
+
+    values = [0.61, 0.55, 0.58, 0.64, 0.57]
+    mean, se = bench_rl.mean_se(values)
+    assert mean == pytest.approx(np.mean(values), abs=1e-15)
+    assert se == pytest.approx(np.std(values, ddof=1) / np.sqrt(5), abs=1e-15)
+    assert math.isnan(bench_rl.mean_se([0.5])[1])
+    with pytest.raises(ValueError, match="no values"):
+        bench_rl.mean_se([])
+    rising = bench_rl.compare("up", values, 0.50)  # +0.09 +- 0.016: a finding
+    assert rising["difference"] == pytest.approx(np.mean(values) - 0.50, abs=1e-4) and not rising["within_noise"]
+    flat = bench_rl.compare("flat", values, 0.58)  # +0.01 +- 0.016: noise
+    assert flat["within_noise"]
+    baseline = [0.60, 0.50, 0.60, 0.60, 0.55]
+    paired = bench_rl.compare("paired", values, baseline)
+    differences = np.subtract(values, baseline)
+    assert paired["difference"] == pytest.approx(differences.mean(), abs=1e-4)
+    assert paired["se"] == pytest.approx(differences.std(ddof=1) / np.sqrt(5), abs=1e-4)
+    assert bench_rl.compare("one seed", [0.9], 0.1)["within_noise"]
+    with pytest.raises(ValueError, match="baseline"):
+        bench_rl.compare("mismatched", values, baseline[:3])
+    def run(final, start):
+        return {"final_accuracy": final, "final_eval_sampled_reward": final, "initial_accuracy": start,
+                "initial_eval_sampled_reward": start}
+
+    runs = {"sync": {"dppo": [run(v, b) for v, b in zip(values, baseline)],
+                     "ppo": [run(b, b) for b in baseline]}}
+    comparisons = bench_rl.headline_comparisons(runs)
+    labels = [c["comparison"] for c in comparisons]
+    assert labels == ["sync dppo final_accuracy - warm start", "sync dppo final_eval_sampled_reward - warm start",
+                      "sync ppo final_accuracy - warm start", "sync ppo final_eval_sampled_reward - warm start",
+                      "sync ppo - dppo final_eval_sampled_reward"]
+    # each seed against the warm start on its own evaluation set (the initial values differ by seed)
+    assert comparisons[0]["difference"] == pytest.approx(differences.mean(), abs=1e-4)
+    assert comparisons[2]["difference"] == 0.0 and comparisons[2]["within_noise"]
+    assert comparisons[4]["difference"] == pytest.approx(-differences.mean(), abs=1e-4)
+    assert "inside the noise" in bench_rl.comparison_line(flat)
+    assert "inside the noise" not in bench_rl.comparison_line(rising)

@@ -79,6 +79,17 @@ def test_reward_rises_and_outputs_are_written(straight):
     assert [r["step"] for r in records if "eval_accuracy" in r] == [1, 11]
     assert all(0 <= r["eval_sampled_reward"] <= 1 for r in records if "eval_accuracy" in r)
     assert summary["final_eval_accuracy"] is not None and summary["final_eval_sampled_reward"] is not None
+    # the summary line: the held-out change (from the evaluation before step 1) first, the training reward second
+    assert summary["first_eval_accuracy"] == records[0]["eval_accuracy"]
+    assert summary["first_eval_sampled_reward"] == records[0]["eval_sampled_reward"]
+    done_line = format_summary(summary).splitlines()[0]
+    held_out = (f"held-out greedy accuracy {summary['first_eval_accuracy']:.3f} -> "
+                f"{summary['final_eval_accuracy']:.3f}, sampled reward {summary['first_eval_sampled_reward']:.3f} -> "
+                f"{summary['final_eval_sampled_reward']:.3f}; training reward {summary['first_reward']:.3f} -> ")
+    assert held_out in done_line, done_line
+    without_start = format_summary({**summary, "first_eval_accuracy": None})  # no evaluation before the first step
+    assert "held-out greedy" not in without_start.splitlines()[0]
+    assert "held-out evaluation at the end: greedy accuracy" in without_start
     assert os.path.exists(summary["curves"]) and os.listdir(summary["tensorboard"])
     assert os.path.exists(os.path.join(summary["hf_export"], "config.json"))
     store = CheckpointStore(os.path.join(out, CHECKPOINT_DIR), keep=2)

@@ -79,6 +79,22 @@ def test_prompt_streams_are_pure_functions_of_seed_and_step():
         make_task("arithmetic", min_terms=4, max_terms=3)
 
 
+def test_fresh_training_problems_skip_the_held_out_evaluation_prompts():
+    """On a small problem space (single-digit sums of 2 terms: 200 problems) fresh draws would train on the
+    evaluation problems themselves; with `held_out` they never do, and stay a pure function of (seed, step)."""
+    task = make_task("arithmetic", max_digits=1, min_terms=2, max_terms=2)
+    evaluation = {p.prompt for p in eval_problems(task, 3, 150)}
+    plain = [p.prompt for s in range(20) for p in step_problems(task, seed=3, step=s, count=16)]
+    assert evaluation & set(plain)  # the regression: without held_out, evaluation prompts are trained on
+    drawn = [step_problems(task, seed=3, step=s, count=16, held_out=evaluation) for s in range(20)]
+    assert not evaluation & {p.prompt for step in drawn for p in step}
+    assert all(len(step) == 16 for step in drawn)
+    assert drawn[0] == step_problems(task, seed=3, step=0, count=16, held_out=evaluation)
+    everything = {p.prompt for p in eval_problems(task, 3, 1000)}  # all 200 problems
+    with pytest.raises(ValueError, match="outside the 200 held-out evaluation problems"):
+        step_problems(task, seed=3, step=0, count=4, held_out=everything)
+
+
 def test_a_training_pool_is_a_fixed_problem_set_that_steps_draw_from():
     task = make_task("arithmetic")
     pool = training_pool(task, seed=1, size=10)

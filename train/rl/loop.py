@@ -74,14 +74,24 @@ def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The lines printed at the end of a run: what was done and where everything is."""
-    rewards = (f"mean reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, "
-               f"{summary['unstable_steps']} unstable step(s)" if summary["first_reward"] is not None else None)
-    evaluation = ([f"held-out evaluation at the end: greedy accuracy {summary['final_eval_accuracy']:.3f}, "
-                   f"sampled reward {summary['final_eval_sampled_reward']:.3f}"]
-                  if summary["final_eval_accuracy"] is not None else [])
+    """The lines printed at the end of a run: what was done and where everything is. The held-out change (greedy
+    accuracy and sampled reward on the evaluation set, from the evaluation before this invocation's first step to
+    the one after its last) comes first, the training reward second: a training reward that rises while the
+    held-out numbers fall is overfitting, not RL working (docs/rl.md)."""
+    training = (f"training reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, "
+                f"{summary['unstable_steps']} unstable step(s)" if summary["first_reward"] is not None else None)
+    start, end = summary.get("first_eval_accuracy"), summary["final_eval_accuracy"]
+    if start is not None and end is not None:
+        achieved = (f"held-out greedy accuracy {start:.3f} -> {end:.3f}, sampled reward "
+                    f"{summary['first_eval_sampled_reward']:.3f} -> {summary['final_eval_sampled_reward']:.3f}"
+                    + (f"; {training}" if training else ""))
+        evaluation = []
+    else:  # no evaluation before the first step (eval_every 0, or a resume between evaluations)
+        achieved = training
+        evaluation = ([f"held-out evaluation at the end: greedy accuracy {end:.3f}, "
+                       f"sampled reward {summary['final_eval_sampled_reward']:.3f}"] if end is not None else [])
     curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return summary_text(summary, rewards, evaluation + overlap_lines(summary), curves, unit="RL steps")
+    return summary_text(summary, achieved, evaluation + overlap_lines(summary), curves, unit="RL steps")
 
 
 def overlap_lines(summary: dict[str, Any]) -> list[str]:
@@ -153,7 +163,10 @@ class RLRun(Trainer):
         self.eval_sampling = dataclasses.replace(self.sampling, top_k_logprobs=0)
         self.sampler = RolloutSampler(task=self.task, seed=seed, pool=self.pool, rollout=r,
                                       model_config=self.model_config, tokenizer=self.tokenizer,
-                                      sampling=self.sampling, reward_fn=self.reward_fn)
+                                      sampling=self.sampling, reward_fn=self.reward_fn,
+                                      # fresh problems every step: never the evaluation set's (held out)
+                                      held_out=frozenset(p.prompt for p in self.eval_set) if self.pool is None
+                                      else frozenset())
         if r.max_staleness and r.sampler == "process":  # started now: its imports overlap the engine's compile
             try:
                 self.sampler_process = SamplerProcess(self.sampler, nice=r.sampler_nice, reward_spec=reward_spec)
@@ -319,7 +332,8 @@ class RLRun(Trainer):
 
     # -- the end of a run --------------------------------------------------------------------------------------
     def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:
-        """Rewards over the whole run (this invocation's part for first/last), the final evaluation, the curves."""
+        """Rewards over the whole run (this invocation's part for first/last), the evaluations before this invocation's
+        first step and after its last, the curves."""
         records = read_metrics(self.logger.path) if self.primary else []  # only process 0 writes them
         curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE), final_eval=final_eval,
                              title=f"{self.config.loss.name} on {self.config.task.name}") if records else None
@@ -327,6 +341,9 @@ class RLRun(Trainer):
         return {"rewards": [(r["step"], r["reward_mean"]) for r in records],
                 "first_reward": ran[0]["reward_mean"] if ran else None,
                 "last_reward": ran[-1]["reward_mean"] if ran else None,
+                # the evaluation before this invocation's first step, where one ran (eval_every > 0)
+                "first_eval_accuracy": ran[0].get("eval_accuracy") if ran else None,
+                "first_eval_sampled_reward": ran[0].get("eval_sampled_reward") if ran else None,
                 "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
                 "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
                 "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves,

@@ -133,6 +133,7 @@ class RolloutSampler:
     tokenizer: Tokenizer
     sampling: SamplingParams
     reward_fn: RewardFunction
+    held_out: frozenset[str] = frozenset()  # evaluation prompts that fresh training draws skip (`step_problems`)
 
     def rollout_key(self, step: int) -> jax.Array:
         """The sampling key of 0-based step `step` (a pure function of (seed, step))."""
@@ -141,7 +142,8 @@ class RolloutSampler:
     def __call__(self, step: int, params, version: int) -> ScoredRollout:
         """Step `step`'s scored rollout, sampled with `params` (host fp32 group pytrees) of policy `version`."""
         r = self.rollout
-        problems = step_problems(self.task, self.seed, step, r.prompts_per_step, pool=self.pool)
+        problems = step_problems(self.task, self.seed, step, r.prompts_per_step, pool=self.pool,
+                                 held_out=self.held_out)
         config, weights = sampler_weights(self.model_config, params, r.dtype)
         rollout = sample_rollout(config, weights, self.tokenizer, [p.prompt for p in problems],
                                  group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step))

@@ -229,16 +229,30 @@ def training_pool(task: Task, seed: int, size: int) -> list[Problem]:
     return _problems(task, np.random.default_rng([seed, _POOL_STREAM]), size)
 
 
-def step_problems(task: Task, seed: int, step: int, count: int, pool: list[Problem] | None = None
-                  ) -> list[Problem]:
+def step_problems(task: Task, seed: int, step: int, count: int, pool: list[Problem] | None = None, *,
+                  held_out: Iterable[str] = ()) -> list[Problem]:
     """The `count` training prompts of 0-based step `step`: a pure function of (seed, step), so a resumed run
-    sees the same prompts. Without a pool every step draws fresh problems; with one, the step draws `count`
-    of its problems (distinct ones while the pool is large enough, else with repetition)."""
+    sees the same prompts. Without a pool every step draws fresh problems, skipping the prompts in `held_out` (the
+    evaluation set's: on a small problem space fresh draws would otherwise train on the evaluation problems
+    themselves); with one, the step draws `count` of its problems (distinct ones while the pool is large enough,
+    else with repetition) and `held_out` is not consulted (the evaluation set is drawn outside the pool)."""
     rng = np.random.default_rng([seed, _TRAIN_STREAM, step])
-    if pool is None:
+    if pool is not None:
+        picks = rng.choice(len(pool), size=count, replace=count > len(pool))
+        return [pool[int(i)] for i in picks]
+    held_out = set(held_out)
+    if not held_out:
         return _problems(task, rng, count)
-    picks = rng.choice(len(pool), size=count, replace=count > len(pool))
-    return [pool[int(i)] for i in picks]
+    out: list[Problem] = []
+    for _ in range(_EVAL_DRAWS_PER_PROBLEM * count):
+        problem = task.problem(rng)
+        if problem.prompt not in held_out:
+            out.append(problem)
+            if len(out) == count:
+                return out
+    raise ValueError(f"the {task.name} task drew fewer than {count} training problems outside the {len(held_out)} "
+                     f"held-out evaluation problems in {_EVAL_DRAWS_PER_PROBLEM * count} draws; lower "
+                     "task.eval_problems or widen the task")
 
 
 #: How many draws per requested evaluation problem `eval_problems` may make before it gives up.
