@@ -77,8 +77,11 @@ VARIANTS = {
     "grpo": ["--loss.name", "grpo", "--aggregation", "seq-mean-token-mean", "--kl_coef", "0.04"],
     "decoupled_ppo": ["--loss.name", "decoupled_ppo"],
     "tis": ["--loss.name", "tis"],
+    # critic PPO: GAE over token rewards with the shared-trunk value head (synchronous rollouts only: the stale
+    # regimes refuse it, and the table says so)
+    "critic_ppo": ["--loss.name", "ppo", "--loss.advantage", "gae"],
 }
-DEFAULT_VARIANTS = ("dppo", "dppo_topk", "ppo", "grpo", "decoupled_ppo", "tis")
+DEFAULT_VARIANTS = ("dppo", "dppo_topk", "ppo", "grpo", "decoupled_ppo", "tis", "critic_ppo")
 REGIMES = {
     "sync": [],
     "stale2": ["--max_staleness", "2"],
@@ -378,6 +381,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown variants/regimes {unknown}; choose from {', '.join(VARIANTS)} / {', '.join(REGIMES)}")
     import jax
+    from jodc.train.core.config import ConfigError
 
     count_compiles()
     started = time.perf_counter()
@@ -388,19 +392,28 @@ def main(argv=None) -> int:
         # every loss's regimes run back to back, in reversed order every other seed, so that the machine's
         # drift over the half hour (whole-run speed varies by 1.5x on this VM) cancels in the regimes' ratios
         runs: dict[str, dict[str, list[dict]]] = {regime: {name: [] for name in names} for regime in regimes}
+        refused: dict[str, str] = {}  # "regime loss" -> why the config refuses the combination
         for name in names:
             for seed in range(args.seeds):
                 for regime in (regimes if seed % 2 == 0 else regimes[::-1]):
-                    run = run_variant(name, seed, args, work, warm_hf, regime)
+                    if f"{regime} {name}" in refused:
+                        continue
+                    try:
+                        run = run_variant(name, seed, args, work, warm_hf, regime)
+                    except ConfigError as e:
+                        refused[f"{regime} {name}"] = str(e)
+                        print(f"  {regime} {name}: refused by the config: {e}", file=sys.stderr, flush=True)
+                        continue
                     runs[regime][name].append(run)
                     print(f"  {regime} {name} seed {seed}: {run['wall_seconds']:.0f} s, warm step "
                           f"{1000 * run['warm_step_seconds']:.0f} ms; CPU use rollout "
                           f"{run['rollout_cpu_utilisation']:.2f}, train {run['train_cpu_utilisation']:.2f}, step "
                           f"{run['step_cpu_utilisation']:.2f} of 2 cores", file=sys.stderr, flush=True)
                     print(json.dumps({"partial": [regime, name, seed], **run}), file=sys.stderr, flush=True)
+        runs = {regime: {name: done for name, done in by_loss.items() if done} for regime, by_loss in runs.items()}
         for regime in regimes:
             results[regime] = {}
-            for name in names:
+            for name in runs[regime]:
                 done = runs[regime][name]
                 r = {key: round(statistics.fmean(run[key] for run in done), 4) for key in done[0]}
                 r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in done]
@@ -466,7 +479,9 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} {v:.2f}" for n, v in by_loss.items())
               + f"; async_speedup {line['async_speedup']:.2f}, mean over losses "
                 f"{line['async_speedup_mean_over_losses']:.2f} (all steps 2..: {line['async_speedup_all_steps']:.2f})")
-    line.update(sampler=args.sampler, sampler_nice=args.sampler_nice)
+    line.update(sampler=args.sampler, sampler_nice=args.sampler_nice, refused=refused)
+    for combination, why in refused.items():
+        print(f"not run: {combination} ({why})")
     line["by_regime"] = results
     line["by_loss"] = results.get("sync", {})
     line.update(total_seconds=round(time.perf_counter() - started, 1), jax=jax.__version__,
