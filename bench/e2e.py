@@ -65,7 +65,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jodc.balance import LinearCost, QuadraticCost, get_planner  # noqa: E402
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, XlaSpmdEngine  # noqa: E402
 from jodc.fsdp.batch import minibatch_from_plan  # noqa: E402
-from jodc.fsdp.decoder import decoder_staged_model  # noqa: E402
+from jodc.train.core.staged_decoder import decoder_staged_model  # noqa: E402
 from jodc.models.config import DecoderConfig  # noqa: E402
 from jodc.sim.lengths import get_length_distribution  # noqa: E402
 

@@ -7,7 +7,7 @@ from conftest import cpu_mesh
 from jodc.balance import get_planner
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
 from jodc.fsdp.batch import minibatch_from_plan
-from jodc.fsdp.decoder import decoder_staged_model
+from jodc.train.core.staged_decoder import decoder_staged_model
 from jodc.models.config import DecoderConfig
 
 OPT = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0)

@@ -27,7 +27,7 @@ def plain_training(module, batches, cfg: fsdp.OptimizerConfig):
     """What a JAX user writes on one device: the module's own __call__ on every microbatch of the minibatch at once
     (rows [R, T]; padded to one R with loss-free rows, so it compiles once), jax.grad of the summed normalised loss,
     optax clipping + AdamW."""
-    from jodc.fsdp.decoder import sft_loss_from_logits
+    from jodc.losses import sft_loss_from_logits
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
@@ -126,7 +126,7 @@ def test_groups_and_stages_follow_the_module():
                                   pure_params(tiny)["layers"][1]["linear"]["kernel"])
     # the staged forward pass is the module's own
     mb = microbatch(fsdp_toy.random_minibatch([1]))
-    from jodc.fsdp.decoder import sft_loss_from_logits
+    from jodc.losses import sft_loss_from_logits
 
     want = sft_loss_from_logits(tiny(mb["tokens"]), mb)
     np.testing.assert_allclose(float(jax.jit(model.loss)(staged.groups, mb)), float(want), rtol=1e-6)
@@ -140,7 +140,7 @@ def test_tied_embedding_is_one_group_read_by_the_head():
     assert model.group_names == ("embed", "layer_0", "layer_1", "head")
     assert model.stages[-1].groups == ("head", "embed") and set(staged.groups["head"]) == {"norm"}
     mb = microbatch(fsdp_toy.random_minibatch([1], seed=2))
-    from jodc.fsdp.decoder import sft_loss_from_logits
+    from jodc.losses import sft_loss_from_logits
 
     # the loss and the embedding's gradient (both uses: input and output) are the module's own
     loss, grads = jax.jit(jax.value_and_grad(model.loss))(staged.groups, mb)

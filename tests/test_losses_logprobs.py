@@ -297,3 +297,25 @@ def test_approximations_lower_bound_the_exact_divergence(mu_logits, pi_logits, k
     # top-k's buckets refine {a_t, rest} because a_t is always one of the k ids
     assert tv_bin <= tv_top + tol and tv_top <= np_tv(p, q) + tol
     assert kl_bin <= kl_top + tol and kl_top <= np_kl(p, q) + tol
+
+
+def test_sft_loss_from_logits_is_the_normalised_cross_entropy_of_trained_tokens():
+    from jodc.losses import sft_loss_from_logits
+
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((2, 5, 11))
+    targets = rng.integers(0, 11, (2, 5))
+    mask = (rng.random((2, 5)) < 0.7).astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    normalizer = 9.0  # the minibatch's trained tokens, of which this microbatch holds mask.sum()
+    want = -(picked * mask).sum() / normalizer
+    mb = {"targets": jnp.asarray(targets), "loss_mask": jnp.asarray(mask, jnp.float32),
+          "normalizer": jnp.float32(normalizer)}
+    for chunk in (None, 2):
+        got = sft_loss_from_logits(jnp.asarray(logits, jnp.float32), mb, chunk_size=chunk)
+        np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    grad = jax.grad(lambda x: sft_loss_from_logits(x, mb))(jnp.asarray(logits, jnp.float32))
+    onehot = np.eye(11)[targets]
+    np.testing.assert_allclose(grad, -(onehot - np.exp(logp)) * mask[..., None] / normalizer, rtol=1e-4, atol=1e-6)

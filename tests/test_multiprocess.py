@@ -386,7 +386,7 @@ def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():
     from jodc.balance import get_planner
     from jodc.fsdp import OptimizerConfig, XlaSpmdEngine, sharding
     from jodc.fsdp.batch import minibatch_from_plan
-    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.train.core.staged_decoder import decoder_staged_model
     from jodc.models import DecoderConfig
 
     config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -423,7 +423,7 @@ def test_spmd_step_compiles_once_per_shape():
     from jodc.balance import get_planner
     from jodc.fsdp import OptimizerConfig, XlaSpmdEngine
     from jodc.fsdp.batch import minibatch_from_plan
-    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.train.core.staged_decoder import decoder_staged_model
     from jodc.models import DecoderConfig
 
     config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,

@@ -89,7 +89,7 @@ def test_critic_head_loss_adds_the_value_loss():
 
 
 def test_the_staged_decoder_values_and_the_rollout_advantages():
-    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.train.core.staged_decoder import decoder_staged_model
     from jodc.models import VALUE_HEAD, values_forward
     from jodc.train.rl.critic import critic_advantages
     from test_models import tiny_config

@@ -45,7 +45,7 @@ def final_state(out_dir, step=STEPS):
 def engine_state_template(config):
     """A state_dict of the run's model and optimizer (any engine's: the checkpoint form is canonical)."""
     from jodc.fsdp import ReferenceEngine
-    from jodc.fsdp.decoder import decoder_staged_model
+    from jodc.train.core.staged_decoder import decoder_staged_model
     from jodc.train.core.model import build_decoder
     from jodc.train.core.model import optimizer_config
     from jodc.models.tokenizer import byte_level_tokenizer

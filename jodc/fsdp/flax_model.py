@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jodc.fsdp.stages import Stage, StagedModel
+from jodc.losses import sft_loss_from_logits
 
 EMBED, HEAD = "embed", "head"
 
@@ -127,8 +128,6 @@ def _default_head(modules, h, microbatch):
 
 
 def _default_loss(logits, microbatch):
-    from jodc.fsdp.decoder import sft_loss_from_logits
-
     return sft_loss_from_logits(logits, microbatch)
 
 

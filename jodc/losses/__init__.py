@@ -56,6 +56,7 @@ from jodc.losses.rollout_correction import (
     rollout_rejection_mask,
 )
 from jodc.losses.sapo import sapo_loss
+from jodc.losses.sft import sft_loss_from_logits
 from jodc.losses.spec import PolicyInputs, PolicyLoss
 from jodc.losses.token_baseline import optimal_token_baseline_advantages
 from jodc.losses.value import DEFAULT_VALUE_CLIP, clipped_value_loss
@@ -123,6 +124,7 @@ __all__ = [
     "rollout_is_weights",
     "rollout_rejection_mask",
     "sapo_loss",
+    "sft_loss_from_logits",
     "sum_pi_squared",
     "tis_loss",
     "token_logprobs",

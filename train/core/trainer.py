@@ -25,7 +25,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jodc.fsdp.decoder import decoder_staged_model
+from jodc.train.core.staged_decoder import decoder_staged_model
 from jodc.fsdp.engine import nonfinite_cause
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events

@@ -1,7 +1,7 @@
 """The RL objective as the decoder's head loss: a `jodc.losses` policy loss chosen by name, an optional KL
 penalty to the initial policy, and diagnostics that are the same whatever the loss.
 
-The head sees one packed microbatch (`jodc.fsdp.decoder.decoder_staged_model`): `targets` are the sampled tokens,
+The head sees one packed microbatch (`jodc.train.core.staged_decoder.decoder_staged_model`): `targets` are the sampled tokens,
 `loss_mask` marks response tokens, and the minibatch extras carry per token `behaviour_logprobs` (the rollout's
 log-probs under its sampling distribution), `advantages` (the response's group advantage), and when needed
 `topk_ids` / `topk_logprobs` [.., K] (DPPO Top-K) and `ref_logprobs` (KL penalty). Losses aggregate with the

@@ -1,21 +1,17 @@
-"""The Flax decoder (jodc.models) as a `StagedModel`: one bucket per parameter group (embed, each layer, head),
-one stage per group, and a next-token cross-entropy head normalised by the minibatch's global loss-token count."""
+"""The Flax decoder (jodc.models) as a `StagedModel` for the engines: one bucket per parameter group (embed, each
+layer, head, and the critic's value head when asked), one stage per group, and a head loss (by default the SFT loss
+of `jodc.losses`, next-token cross-entropy normalised by the minibatch's global loss-token count).
+
+It lives with the trainers, not in `jodc.fsdp`: the engines know only `StagedModel`, never a model family."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jodc.fsdp.stages import Stage, StagedModel
-from jodc.losses import token_logprobs
+from jodc.losses import sft_loss_from_logits
 from jodc.models import layerwise
 from jodc.models.config import DecoderConfig
 from jodc.models.value_head import VALUE_HEAD, init_value_head, value_apply
-
-
-def sft_loss_from_logits(logits_btv, microbatch, *, chunk_size: int | None = None):
-    """sum over trained tokens of -log p(target) / normalizer (the global loss-token count of the minibatch)."""
-    logp_bt = token_logprobs(logits_btv, microbatch["targets"], chunk_size=chunk_size)
-    return -jnp.sum(logp_bt * microbatch["loss_mask"]) / microbatch["normalizer"]
 
 
 def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, seed: int = 0,
