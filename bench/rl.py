@@ -64,6 +64,8 @@ import time
 DEVICES = 2
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
 
+from jodc.train.core.callbacks import Callback  # noqa: E402  (imports no JAX: the flags above still apply)
+
 #: CPU seconds per wall second of the rollout (sampler) calls, the engine updates and whole steps (steps 2..);
 #: the rollout / train split is meaningful for the synchronous regime only (see `PhaseClock`)
 PHASE_KEYS = ("rollout_cpu_utilisation", "train_cpu_utilisation", "step_cpu_utilisation")
@@ -107,87 +109,75 @@ class EnginePool:
         self.engines: dict[tuple, tuple[object, dict]] = {}
         self.key: tuple = ()
 
-    def make(self, settings, model, groups):
+    def __call__(self, settings, model, groups):
+        """The run's engine factory (train/core/callbacks.py): a pooled engine, reset to the warm start."""
         import copy
+
+        from jodc.train.core.model import make_engine
 
         key = (self.key, repr(settings.optimizer), repr(settings.engine))
         if key not in self.engines:
-            engine = self.original(settings, model, groups)
-            engine.close = lambda: None  # released by `close_all` when the benchmark ends
+            engine = make_engine(settings, model, groups)
             self.engines[key] = (engine, copy.deepcopy(engine.state_dict()))
         engine, initial = self.engines[key]
         engine.load_state_dict(initial)
         return engine
 
-    def __enter__(self):
-        import jodc.train.core.trainer as trainer
+    def release(self, engine) -> None:
+        """A run ends: its engine stays open for the next run (closed by `__exit__`)."""
 
-        self.original, trainer.make_engine = trainer.make_engine, self.make
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        import jodc.train.core.trainer as trainer
-
-        trainer.make_engine = self.original
         for engine, _ in self.engines.values():
-            type(engine).close(engine)
+            engine.close()
         self.engines.clear()
 
 
-class PhaseClock:
+class PhaseClock(Callback):
     """Process CPU time and wall time of the rollout and training phases (steps 2..), from which the CPU
-    utilisation (CPU seconds per wall second: 2.0 = both cores busy) of each phase. Process-wide CPU time: in the
-    synchronous regime the phases do not overlap, so each phase's CPU time is its own; asynchronous runs report
-    the whole step's utilisation only."""
+    utilisation (CPU seconds per wall second: 2.0 = both cores busy) of each phase; a run's callback
+    (train/core/callbacks.py). Process-wide CPU time: in the synchronous regime the phases do not overlap, so each
+    phase's CPU time is its own; asynchronous runs report the whole step's utilisation only."""
 
     def __init__(self):
         self.totals: dict[str, list[float]] = {}
+        self.started: dict[str, tuple[float, float]] = {}
         self.step = 0
         self.compiled_steps: set[int] = set()  # 0-based steps during which this process compiled something
+        self.compiles_before = 0
 
-    def wrap(self, phase: str, fn):
-        import functools
+    def _start(self, phase: str) -> None:
+        self.started[phase] = (time.perf_counter(), time.process_time())
 
-        @functools.wraps(fn)
-        def timed(*a, **kw):
-            wall, cpu = time.perf_counter(), time.process_time()
-            try:
-                return fn(*a, **kw)
-            finally:
-                if self.step >= 1:  # 0-based: step 1 compiles
-                    t = self.totals.setdefault(phase, [0.0, 0.0])
-                    t[0] += time.perf_counter() - wall
-                    t[1] += time.process_time() - cpu
-        return timed
+    def _stop(self, phase: str) -> None:
+        wall, cpu = self.started.pop(phase)
+        if self.step >= 1:  # 0-based: step 1 compiles
+            t = self.totals.setdefault(phase, [0.0, 0.0])
+            t[0] += time.perf_counter() - wall
+            t[1] += time.process_time() - cpu
 
-    def __enter__(self):
-        from jodc.train.core.trainer import Trainer
-        from jodc.train.rl.loop import RLRun
-        from jodc.train.rl.sampler import RolloutSampler
+    def on_step_start(self, trainer, step):
+        self.step, self.compiles_before = step, COMPILES[0]
+        self._start("step")
 
-        self.saved = RLRun.train_step, Trainer.update, RolloutSampler.__call__
-        clock = self
-        train_step = self.wrap("step", RLRun.train_step)
+    def on_step_end(self, trainer, step, record):
+        self._stop("step")
+        if COMPILES[0] != self.compiles_before:
+            self.compiled_steps.add(step)
 
-        def step(run, i):
-            clock.step = i
-            before = COMPILES[0]
-            try:
-                return train_step(run, i)
-            finally:
-                if COMPILES[0] != before:
-                    clock.compiled_steps.add(i)
+    def on_rollout_start(self, trainer, step):
+        self._start("rollout")
 
-        RLRun.train_step, Trainer.update = step, self.wrap("train", Trainer.update)
-        RolloutSampler.__call__ = self.wrap("rollout", RolloutSampler.__call__)
-        return self
+    def on_rollout_end(self, trainer, step, rollout):
+        self._stop("rollout")
 
-    def __exit__(self, *exc):
-        from jodc.train.core.trainer import Trainer
-        from jodc.train.rl.loop import RLRun
-        from jodc.train.rl.sampler import RolloutSampler
+    def on_update_start(self, trainer):
+        self._start("train")
 
-        RLRun.train_step, Trainer.update, RolloutSampler.__call__ = self.saved
+    def on_update_end(self, trainer, result):
+        self._stop("train")
 
     def utilisation(self) -> dict[str, float]:
         return {f"{phase}_cpu_utilisation": cpu / wall if wall > 0 else 0.0
@@ -242,8 +232,8 @@ def run_variant(name: str, seed: int, args, work: str, warm_hf: str, regime: str
     # the compiled objective: the loss, and whether it reads recomputed old / proximal log-probs
     ENGINES.key = (name, build_objective(config.loss, config.rollout).recompute)
     started = time.perf_counter()
-    with PhaseClock() as clock:
-        summary = run_rl(config, log=lambda _: None)
+    clock = PhaseClock()
+    summary = run_rl(config, log=lambda _: None, engine_factory=ENGINES, callbacks=[clock])
     wall = time.perf_counter() - started
     utilisation = clock.utilisation()
     records = read_metrics(summary["metrics"])

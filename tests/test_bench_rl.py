@@ -4,7 +4,7 @@ import os
 import sys
 
 from jodc.train.core.metrics import read_metrics
-from jodc.train.core import trainer
+from jodc.train.core import model, trainer
 from jodc.train.rl import loop
 from jodc.train.rl.config import load_rl_config
 
@@ -37,23 +37,25 @@ def test_engine_pool_builds_once_and_a_reused_engine_repeats_a_fresh_run(tmp_pat
     """The second run reuses the first run's engine (no second build) after `load_state_dict` put back the initial
     parameters, optimizer state and step count; its records equal the first run's, which had a fresh engine. Had
     the reset missed the optimizer state or the step (the learning-rate schedule's position), the second run's
-    losses and gradient norms would differ. Leaving the pool restores the trainer's own `make_engine`."""
+    losses and gradient norms would differ. The pool is the runs' engine factory: the library is not patched."""
     built = []
-    make = trainer.make_engine
+    make = model.make_engine
 
     def counting(*args):
         built.append(args)
         return make(*args)
 
-    monkeypatch.setattr(trainer, "make_engine", counting)
+    monkeypatch.setattr(model, "make_engine", counting)
     with bench_rl.EnginePool() as pool:
         pool.key = ("test",)
-        first = _records(loop.run_rl(_config(tmp_path / "a"), reward_fn=_parity_reward, log=lambda _: None))
-        second = _records(loop.run_rl(_config(tmp_path / "b"), reward_fn=_parity_reward, log=lambda _: None))
+        runs = [_records(loop.run_rl(_config(tmp_path / name), reward_fn=_parity_reward, log=lambda _: None,
+                                     engine_factory=pool)) for name in ("a", "b")]
         assert len(built) == 1
-    assert trainer.make_engine is counting
+    assert trainer.make_engine is make  # nothing of the trainer was replaced
+    first, second = runs
     assert len(first) == 2 and first == second
     assert first[0]["loss"] != first[1]["loss"]  # the steps did change the policy
+    assert pool.engines == {}  # leaving the pool closed and dropped its engines
 
 
 def test_the_steps_that_compile_are_found(tmp_path):
@@ -75,9 +77,12 @@ def test_the_steps_that_compile_are_found(tmp_path):
     with bench_rl.EnginePool() as pool:
         pool.key = ("compiles",)
         for run in range(2):
-            with bench_rl.PhaseClock() as clock:
-                loop.run_rl(_config(tmp_path / f"run{run}"), reward_fn=_parity_reward, log=lambda _: None)
+            clock = bench_rl.PhaseClock()
+            loop.run_rl(_config(tmp_path / f"run{run}"), reward_fn=_parity_reward, log=lambda _: None,
+                        engine_factory=pool, callbacks=[clock])
             compiled.append(sorted(clock.compiled_steps))
+            assert {"rollout_cpu_utilisation", "train_cpu_utilisation", "step_cpu_utilisation"} <= \
+                set(clock.utilisation())
     assert 0 in compiled[0] and compiled[1] == []
 
 

@@ -62,13 +62,14 @@ class Run(Trainer):
 
     def __init__(self, config, deltas=None, supports_timeline=False, **kwargs):
         self.deltas, self.supports_timeline, self.evaluated = deltas or {}, supports_timeline, []
+        kwargs.setdefault("engine_factory", lambda config, model, groups: Engine(supports_timeline))
         super().__init__(config, **kwargs)
 
     def load_data(self):
         return {"examples": 5, "sha256": "0" * 64}
 
     def build(self):
-        self.engine = Engine(self.supports_timeline)
+        self.engine = self.engine_factory(self.config, None, None)  # what build_engine does with a real model
         self.model_config = self.tokenizer = None
 
     def train_step(self, step):
@@ -257,3 +258,42 @@ def test_the_skipped_update_count_loads_under_its_old_sft_name():
     assert Trainer.skipped_in({"skipped_updates": 3}) == 3
     assert Trainer.skipped_in({"skipped_steps": 2}) == 2  # SFT checkpoints written before the names were one
     assert Trainer.skipped_in({}) == 0
+
+
+def test_callbacks_see_every_step_and_update_and_an_engine_factory_keeps_its_engine(tmp_path):
+    from jodc.train.core.callbacks import Callback
+
+    class Recorder(Callback):
+        def __init__(self):
+            self.calls = []
+
+        def on_step_start(self, trainer, step):
+            self.calls.append(("step_start", step))
+
+        def on_step_end(self, trainer, step, record):
+            self.calls.append(("step_end", step, record["loss"]))
+
+        def on_update_start(self, trainer):
+            self.calls.append(("update_start",))
+
+        def on_update_end(self, trainer, result):
+            self.calls.append(("update_end", result.loss))
+
+    class Pool:
+        """An engine factory that keeps its engine open across runs (`release` instead of `close`)."""
+
+        def __init__(self):
+            self.engine, self.released = Engine(), 0
+
+        def __call__(self, config, model, groups):
+            return self.engine
+
+        def release(self, engine):
+            self.released += 1
+
+    recorder, pool = Recorder(), Pool()
+    run(Run, config(tmp_path, "--steps", "2"), log=quiet, callbacks=[recorder], engine_factory=pool)
+    assert recorder.calls == [("step_start", 0), ("update_start",), ("update_end", 2.0), ("step_end", 0, 2.0),
+                              ("step_start", 1), ("update_start",), ("update_end", 6.0), ("step_end", 1, 6.0)]
+    assert pool.released == 1 and not pool.engine.closed  # the run released it; the pool decides when to close
+    run(Run, config(tmp_path / "plain", "--steps", "1"), log=quiet)  # no factory given: the run closes its engine

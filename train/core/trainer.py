@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -30,6 +30,7 @@ from jodc.fsdp.engine import nonfinite_cause
 from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
+from .callbacks import Callback, EngineFactory, emit
 from .checkpoint import CheckpointStore, export_hf
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
@@ -50,7 +51,12 @@ class Trainer:
     logger_class = MetricsLogger
     bar_fields = BAR_FIELDS  # what the progress bar shows of a step's record
 
-    def __init__(self, config, *, log: Callable[[str], None] = print):
+    def __init__(self, config, *, log: Callable[[str], None] = print, engine_factory: EngineFactory | None = None,
+                 callbacks: Sequence[Callback] = ()):
+        """`engine_factory` builds the engine (default `make_engine`); `callbacks` observe the steps, rollouts and
+        updates (train/core/callbacks.py)."""
+        self.engine_factory = engine_factory or make_engine
+        self.callbacks = tuple(callbacks)
         self.config = config
         self.primary = jax.process_index() == 0
         self.log = log if self.primary else (lambda *_: None)
@@ -108,7 +114,7 @@ class Trainer:
         self.planner = self.timers.timed("plan", make_planner(config))
         self.cost_model = cost_model(config.engine.cost_model, self.model_config)
         self.lr_schedule = learning_rate_schedule(optimizer_config(config))
-        self.engine = make_engine(config, self.model, groups)
+        self.engine = self.engine_factory(config, self.model, groups)
         return groups
 
     # -- resume and checkpoints ------------------------------------------------------------------------------------
@@ -148,7 +154,7 @@ class Trainer:
         try:
             if self.engine is not None:
                 engine, self.engine = self.engine, None
-                engine.close()
+                getattr(self.engine_factory, "release", type(engine).close)(engine)
         finally:
             self.store.close()  # also when the engine fails to close: no orbax thread outlives the run
 
@@ -199,7 +205,9 @@ class Trainer:
         if self._eval_every() and step % self._eval_every() == 0:
             with self.timers("eval"):
                 record.update(self.evaluate(step + 1))
+        emit(self.callbacks, "on_step_start", self, step)
         record.update(self.train_step(step))
+        emit(self.callbacks, "on_step_end", self, step, record)
         if self.timeline and self.timeline["step"] == step + 1:  # the step drew one
             record["bubble_rate"] = self.timeline["bubble_rate"]
         times = step_times(self.timers.take())
@@ -221,7 +229,9 @@ class Trainer:
         # every process must run the same program
         record = timeline is not None and jax.process_count() == 1 and self.engine.supports_timeline
         # the engine's own non-finite path: such an update comes back not applied (the engine kept its state)
+        emit(self.callbacks, "on_update_start", self)
         result = self.engine.step(arrays, skip_nonfinite=True, **({"record_timeline": True} if record else {}))
+        emit(self.callbacks, "on_update_end", self, result)
         if not result.applied:
             if not self.config.run.skip_nonfinite_steps:
                 raise FloatingPointError(nonfinite_message(what, result, self.store.latest_step(), skip=False))

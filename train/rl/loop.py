@@ -42,6 +42,7 @@ from ..core import distributed
 from ..core.config import ConfigError
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path
+from ..core.callbacks import emit
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
 from .async_rollouts import AsyncRollouts, check_staleness
 from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
@@ -114,12 +115,12 @@ class RLRun(Trainer):
     format_summary = staticmethod(format_summary)
 
     def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, **extensions):
         self.reward_fn = reward_fn
         self.async_rollouts: AsyncRollouts | None = None  # the sampler thread (rollout.max_staleness > 0)
         self.sampler_process: SamplerProcess | None = None  # computes the thread's rollouts (sampler: process)
         self.restored_rollouts: dict[int, ScoredRollout] = {}  # rollouts sampled ahead, from the checkpoint
-        super().__init__(config, log=log)
+        super().__init__(config, log=log, **extensions)  # engine_factory, callbacks (train/core/callbacks.py)
 
     def load_data(self) -> dict | None:
         config = self.config
@@ -242,7 +243,9 @@ class RLRun(Trainer):
         staler than k)."""
         k = self.config.rollout.max_staleness
         if not k:
+            emit(self.callbacks, "on_rollout_start", self, step)
             scored = self.sampler(step, params, step)
+            emit(self.callbacks, "on_rollout_end", self, step, scored)
             check_staleness(scored.versions, step, 0)
             return scored, scored.seconds
         if self.async_rollouts is None:
@@ -351,10 +354,12 @@ class RLRun(Trainer):
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,
-           log: Callable[[str], None] = print) -> dict[str, Any]:
+           log: Callable[[str], None] = print, engine_factory=None, callbacks=()) -> dict[str, Any]:
     """Trains (or resumes) the RL run described by `config`; returns the summary (see `format_summary`).
 
     reward_fn: a `reward(prompt, response) -> float` to use instead of the task's own / `task.reward_fn`.
     stop_at_step: stop after that global step and checkpoint it, as a preempted job would.
+    engine_factory, callbacks: extension points (train/core/callbacks.py).
     """
-    return run(RLRun, config, stop_at_step=stop_at_step, reward_fn=reward_fn, log=log)
+    return run(RLRun, config, stop_at_step=stop_at_step, reward_fn=reward_fn, log=log,
+               engine_factory=engine_factory, callbacks=callbacks)

@@ -94,11 +94,13 @@ class SFTRun(Trainer):
                 "last_loss": losses[-1][1] if losses else None}
 
 
-def run_sft(config: SFTConfig, *, stop_at_step: int | None = None, log: Callable[[str], None] = print
-            ) -> dict[str, Any]:
+def run_sft(config: SFTConfig, *, stop_at_step: int | None = None, log: Callable[[str], None] = print,
+            engine_factory=None, callbacks=()) -> dict[str, Any]:
     """Trains (or resumes) the run described by `config`; returns the summary (see `format_summary`).
 
     stop_at_step: stop after that global step and checkpoint it, as a preempted job would (the run resumes
     from there when called again with the same config).
+    engine_factory, callbacks: extension points (train/core/callbacks.py).
     """
-    return run(SFTRun, config, stop_at_step=stop_at_step, log=log)
+    return run(SFTRun, config, stop_at_step=stop_at_step, log=log, engine_factory=engine_factory,
+               callbacks=callbacks)
