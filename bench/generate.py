@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from device_timing import copy_contender, median_seconds, print_table  # noqa: E402  (bench/device_timing.py)
-from model import hf_config, run_transformers_worker  # noqa: E402  (bench/model.py)
+from model import hf_config, run_facts, run_transformers_worker  # noqa: E402  (bench/model.py)
 
 from jodc.models import SamplingParams, generate, load_pretrained, split_params  # noqa: E402
 
@@ -151,11 +150,7 @@ def run(args) -> dict:
         "config": {**shape, "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
                    "top_k_logprobs": args.top_k, "temperature": 1.0, "dtype": "bfloat16",
                    "attention_impl": config.attention_impl},
-        "quick": bool(args.quick),
-        "repeats": args.repeats,
-        "transformers_peak_gib": theirs["peak_gib"],
-        "versions": {"jax": jax.__version__, "torch": theirs["torch"], "transformers": theirs["transformers"],
-                     "python": platform.python_version()},
+        **run_facts(args, theirs),
     }
     rows = [
         ("model", f"{args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}, bf16"),

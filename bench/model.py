@@ -268,6 +268,14 @@ def last_json_line(text: str) -> dict:
     return value
 
 
+def run_facts(args, theirs: dict) -> dict:
+    """The JSON keys every GPU comparison with transformers reports besides its figures: quick or not, repeats, the
+    transformers side's peak memory, and the versions of both sides."""
+    return {"quick": bool(args.quick), "repeats": args.repeats, "transformers_peak_gib": theirs["peak_gib"],
+            "versions": {"jax": jax.__version__, "torch": theirs["torch"], "transformers": theirs["transformers"],
+                         "python": platform.python_version()}}
+
+
 def run_transformers_worker(spec: dict, timeout_s: float, script: str = os.path.abspath(__file__)) -> dict:
     """Runs `script --transformers-worker SPEC` (this file's `transformers_worker`, or another benchmark's) in a child
     process (see the module docstring for why); returns its JSON line."""
@@ -383,15 +391,11 @@ def gpu_benchmark(args) -> dict:
         "config": {**shape, "dtype": "bfloat16", "attention_impl": headline,
                    "attention_block_size": config.attention_block_size,
                    "transformers_attention": theirs["attention"], "sequences_per_row": 1},
-        "quick": bool(args.quick),
-        "repeats": args.repeats,
-        "transformers_peak_gib": theirs["peak_gib"],
         "transformers_device": theirs["device"],
         "target": {"gpu_train_step_vs_transformers": 1.0},
         **({"gpu_flash_vs_blockwise": round(by_impl["blockwise"] / by_impl["flash"], 4)}
            if {"flash", "blockwise"} <= set(by_impl) else {}),
-        "versions": {"jax": jax.__version__, "torch": theirs["torch"], "transformers": theirs["transformers"],
-                     "python": platform.python_version()},
+        **run_facts(args, theirs),
     }
     rows = [
         ("model", f"{flops['params'] / 1e9:.3f}B params, {args.layers} layers, hidden {args.hidden}"),

@@ -17,6 +17,7 @@ waits in a barrier (released at once with position 1's reason). Prints "IPC CASE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -214,18 +215,29 @@ def _failed_barrier(compiled, x) -> tuple[str, float]:
     raise AssertionError("position 0's barrier passed although position 1 never arrived")
 
 
+@contextlib.contextmanager
+def _barrier_skipped_by_position_1(mesh, sync, timeout_s: float, label: str):
+    """A heap and a program with a barrier on every position but 1, compiled by every process before any runs it;
+    yields (heap, this process's position, program, its input); frees the (failed) heap at the end."""
+    import jax
+
+    from jodc import ops
+
+    heap = ops.SymmetricHeap(mesh, barrier_timeout_s=timeout_s)
+    try:
+        compiled, x = _skip_barrier_at(mesh, heap, skipping=1)
+        sync.allgather(f"{label}-compiled", b"")
+        yield heap, heap.positions[jax.local_devices()[0]], compiled, x
+    finally:
+        _free_failed(heap)
+
+
 def check_timeout(mesh, sync) -> str:
     """Position 1 never enters the barrier: position 0 times out naming it, and position 1, whose own ops all
     succeeded, finds the heap poisoned with position 0's cause through the shared control block."""
     import jax
 
-    from jodc import ops
-
-    heap = ops.SymmetricHeap(mesh, barrier_timeout_s=FAULT_TIMEOUT_S)
-    me = heap.positions[jax.local_devices()[0]]
-    try:
-        compiled, x = _skip_barrier_at(mesh, heap, skipping=1)
-        sync.allgather("timeout-compiled", b"")
+    with _barrier_skipped_by_position_1(mesh, sync, FAULT_TIMEOUT_S, "timeout") as (heap, me, compiled, x):
         if me == 0:
             message, elapsed = _failed_barrier(compiled, x)
             assert "device(s) [1] never arrived" in message, message
@@ -244,23 +256,13 @@ def check_timeout(mesh, sync) -> str:
         else:
             raise AssertionError("a poisoned heap accepted a bucket")
         return "timeout: ok"
-    finally:
-        _free_failed(heap)
 
 
 def check_abort(mesh, sync) -> str:
     """Position 0 waits in a barrier with a 60 s timeout; position 1 aborts the heap ABORT_AFTER_S later: position 0
     is released at once, failing with position 1's reason."""
-    import jax
-
-    from jodc import ops
-
     reason = "position 1 gives up on purpose"
-    heap = ops.SymmetricHeap(mesh, barrier_timeout_s=60.0)
-    me = heap.positions[jax.local_devices()[0]]
-    try:
-        compiled, x = _skip_barrier_at(mesh, heap, skipping=1)
-        sync.allgather("abort-compiled", b"")
+    with _barrier_skipped_by_position_1(mesh, sync, 60.0, "abort") as (heap, me, compiled, x):
         if me == 0:
             message, elapsed = _failed_barrier(compiled, x)
             assert reason in message and "position 1" in message, message
@@ -272,8 +274,6 @@ def check_abort(mesh, sync) -> str:
         sync.allgather("abort-seen", b"")
         assert reason in heap.poisoned, heap.poisoned
         return "abort: ok"
-    finally:
-        _free_failed(heap)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_losses import numeric_grad
 
 from jodc.losses import (
     ADVANTAGE_ESTIMATORS,
@@ -112,11 +113,7 @@ def test_gae_returns_gradient_matches_finite_differences():
     with jax.enable_x64(True):
         grad = np.asarray(jax.grad(lambda v: jnp.sum(w * gae_advantages(REWARDS, v, MASK, gamma=0.9, lam=0.8)[1]))(
             jnp.asarray(VALUES)))
-    eps, fd = 1e-6, np.zeros_like(VALUES)
-    for idx in np.ndindex(VALUES.shape):
-        d = np.zeros_like(VALUES)
-        d[idx] = eps
-        fd[idx] = (ref(VALUES + d) - ref(VALUES - d)) / (2 * eps)
+    fd = numeric_grad(ref, VALUES)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
@@ -149,11 +146,7 @@ def test_masked_whiten_reference_and_gradient():
     w = RNG.normal(size=MASK.shape)
     with jax.enable_x64(True):
         grad = np.asarray(jax.grad(lambda x: jnp.sum(w * masked_whiten(x, MASK)))(jnp.asarray(REWARDS)))
-    eps, fd = 1e-6, np.zeros_like(REWARDS)
-    for idx in np.ndindex(REWARDS.shape):
-        d = np.zeros_like(REWARDS)
-        d[idx] = eps
-        fd[idx] = (np.sum(w * np_whiten(REWARDS + d, MASK)) - np.sum(w * np_whiten(REWARDS - d, MASK))) / (2 * eps)
+    fd = numeric_grad(lambda x: np.sum(w * np_whiten(x, MASK)), REWARDS)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
 
 
@@ -182,12 +175,7 @@ def test_value_loss_against_reference_and_gradient(mode):
     with jax.enable_x64(True):
         grad = np.asarray(jax.grad(lambda x: clipped_value_loss(x, ret, old, MASK, clip_range=0.2,
                                                                 aggregation=mode)[0])(jnp.asarray(v)))
-    eps, fd = 1e-7, np.zeros_like(v)
-    for idx in np.ndindex(v.shape):
-        d = np.zeros_like(v)
-        d[idx] = eps
-        fd[idx] = (np_value_loss(v + d, ret, old, MASK, 0.2, mode)[0]
-                   - np_value_loss(v - d, ret, old, MASK, 0.2, mode)[0]) / (2 * eps)
+    fd = numeric_grad(lambda x: np_value_loss(x, ret, old, MASK, 0.2, mode)[0], v, eps=1e-7)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-9)
 
 
@@ -277,11 +265,7 @@ def test_entropy_bonus_against_reference_and_gradient(chunk_size):
     with jax.enable_x64(True):
         grad = np.asarray(jax.grad(lambda x: entropy_bonus(x, tokens, MASK, entropy_coeff=0.01,
                                                            chunk_size=chunk_size)[0])(jnp.asarray(logits)))
-    eps, fd = 1e-6, np.zeros_like(logits)
-    for idx in np.ndindex(logits.shape):
-        d = np.zeros_like(logits)
-        d[idx] = eps
-        fd[idx] = (ref(logits + d) - ref(logits - d)) / (2 * eps)
+    fd = numeric_grad(ref, logits)
     np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-10)
     assert np.abs(grad[MASK == 0]).max() == 0  # padding gets no gradient
 
