@@ -42,9 +42,7 @@ from ..core import distributed
 from ..core.config import ConfigError
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path
-from ..core.callbacks import emit
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
-from .async_rollouts import AsyncRollouts, check_staleness
 from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
 from .critic import critic_advantages, response_values
@@ -53,8 +51,8 @@ from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, rollout_metrics, upda
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, load_reward_function, score
 from .rollout import sample_rollout, sampling_params
+from .rollout_source import make_rollout_source
 from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
-from .sampler_process import SamplerProcess
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
 
@@ -117,9 +115,7 @@ class RLRun(Trainer):
     def __init__(self, config: RLConfig, *, reward_fn: RewardFunction | None = None,
                  log: Callable[[str], None] = print, **extensions):
         self.reward_fn = reward_fn
-        self.async_rollouts: AsyncRollouts | None = None  # the sampler thread (rollout.max_staleness > 0)
-        self.sampler_process: SamplerProcess | None = None  # computes the thread's rollouts (sampler: process)
-        self.restored_rollouts: dict[int, ScoredRollout] = {}  # rollouts sampled ahead, from the checkpoint
+        self.rollouts = None  # where each step's rollout comes from (rollout_source.py), chosen in `build`
         super().__init__(config, log=log, **extensions)  # engine_factory, callbacks (train/core/callbacks.py)
 
     def load_data(self) -> dict | None:
@@ -132,9 +128,6 @@ class RLRun(Trainer):
 
     def build(self) -> None:
         config, e, seed, r = self.config, self.config.engine, self.config.run.seed, self.config.rollout
-        if r.max_staleness and jax.process_count() > 1:
-            raise ConfigError(f"rollout.max_staleness={r.max_staleness}: asynchronous rollouts run in one process; "
-                              "across processes use rollout.max_staleness: 0")
         self.pool = training_pool(self.task, seed, config.task.pool_size) if config.task.pool_size else None
         self.eval_set = eval_problems(self.task, seed, config.task.eval_problems, exclude=self.pool or ())
         if len(self.eval_set) < config.task.eval_problems:
@@ -168,20 +161,11 @@ class RLRun(Trainer):
                                       # fresh problems every step: never the evaluation set's (held out)
                                       held_out=frozenset(p.prompt for p in self.eval_set) if self.pool is None
                                       else frozenset())
-        if r.max_staleness and r.sampler == "process":  # started now: its imports overlap the engine's compile
-            try:
-                self.sampler_process = SamplerProcess(self.sampler, nice=r.sampler_nice, reward_spec=reward_spec)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        self.rollouts = make_rollout_source(r, self.sampler, processes=jax.process_count(), reward_spec=reward_spec,
+                                            trainer=self, callbacks=self.callbacks)
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
-        k = self.config.rollout.max_staleness
-        if k:
-            pending = [ScoredRollout.from_json(p) for p in state.get("pending_rollouts") or []]
-            if [p.step for p in pending] != list(range(step, step + k)):
-                raise RuntimeError(f"checkpoint {self.store.step_dir(step)} does not hold the rollouts of steps "
-                                   f"{step + 1}..{step + k} that rollout.max_staleness={k} sampled ahead")
-            self.restored_rollouts = {p.step: p for p in pending}
+        self.rollouts.restore(step, state, self.store.step_dir(step))
         if self.kl_controller is not None:
             if "kl_controller" not in state:
                 raise RuntimeError(f"checkpoint {self.store.step_dir(step)} has no KL controller state, but "
@@ -197,27 +181,17 @@ class RLRun(Trainer):
         state = {"optimizer_updates": self.engine.steps_done}
         if self.kl_controller is not None:  # the beta the next step uses
             state["kl_controller"] = self.kl_controller.state()
-        if self.config.rollout.max_staleness:  # the rollouts sampled ahead, from weights no longer in the engine
-            if self.async_rollouts is not None:
-                pending = self.async_rollouts.pending(done)
-            else:  # nothing ran since the restore
-                pending = [self.restored_rollouts[s] for s in sorted(self.restored_rollouts)]
-            state["pending_rollouts"] = [p.to_json() for p in pending]
+        state.update(self.rollouts.checkpoint_state(done))  # asynchronous: the rollouts sampled ahead
         return state
 
     def close(self) -> None:
-        """Stops the sampler thread and process, then releases the engine and the checkpoint manager."""
+        """Stops the rollout source (a sampler thread and process), then releases the engine and the checkpoints."""
         try:
-            rollouts, self.async_rollouts = getattr(self, "async_rollouts", None), None
+            rollouts, self.rollouts = getattr(self, "rollouts", None), None
             if rollouts is not None:
                 rollouts.close()
         finally:
-            try:
-                process, self.sampler_process = getattr(self, "sampler_process", None), None
-                if process is not None:
-                    process.close()
-            finally:
-                super().close()
+            super().close()
 
     # -- the step ----------------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
@@ -237,23 +211,9 @@ class RLRun(Trainer):
         return out
 
     def next_rollout(self, step: int, params) -> tuple[ScoredRollout, float]:
-        """(step `step`'s scored rollout, seconds the trainer waited for it). Synchronous (max_staleness 0):
-        sampled now from `params`, the current weights. Asynchronous: `params` are published as version `step`
-        to the sampler thread, and the rollout it sampled from version max(0, step - k) is taken (refused if
-        staler than k)."""
-        k = self.config.rollout.max_staleness
-        if not k:
-            emit(self.callbacks, "on_rollout_start", self, step)
-            scored = self.sampler(step, params, step)
-            emit(self.callbacks, "on_rollout_end", self, step, scored)
-            check_staleness(scored.versions, step, 0)
-            return scored, scored.seconds
-        if self.async_rollouts is None:
-            self.async_rollouts = AsyncRollouts(self.sampler_process or self.sampler, max_staleness=k,
-                                                start_step=step, pending=self.restored_rollouts)
-            self.restored_rollouts = {}
-        self.async_rollouts.publish(step, params)
-        return self.async_rollouts.get(step)
+        """(step `step`'s scored rollout, seconds the trainer waited for it), from the run's rollout source
+        (rollout_source.py: sampled now from `params`, or taken from the sampler thread)."""
+        return self.rollouts.get(step, params)
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Runs 0-based step `step`: rollout, rewards, advantages, then `updates_per_step` optimizer updates;
@@ -319,8 +279,7 @@ class RLRun(Trainer):
         # every update of the step skipped (non-finite): no loss to report
         record.update(update_metrics(updates, unstable_kl=run_.unstable_kl) if updates else
                       {"loss": float("nan"), "grad_norm": float("nan")})
-        sampler_busy = (self.async_rollouts.busy_seconds(started, started + seconds)
-                        if self.async_rollouts is not None else scored.seconds)
+        sampler_busy = self.rollouts.sampler_busy(started, started + seconds, scored)
         record.update({self.SKIPPED_KEY: self.skipped, "learning_rate": learning_rate, "tokens": tokens,
                        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                        "microbatches": microbatches, "rollout_seconds": rollout.seconds,

@@ -1,0 +1,116 @@
+"""Where an RL step's rollout comes from, chosen once (`make_rollout_source`) from `rollout.max_staleness`:
+
+- `SyncRollouts` (0): the trainer samples step s's rollout itself, now, from the current weights; nothing is held
+  between steps, so a checkpoint holds no rollout.
+- `AsyncRollouts` source (k > 0): a sampler thread (computing the rollouts itself, or in a child process at a low OS
+  priority with `rollout.sampler: process`) samples step s from the weights of step max(0, s - k) while the trainer
+  trains; the k rollouts sampled ahead go into every checkpoint, so a resumed run continues exactly.
+
+Both have one interface for the RL loop: `get(step, params)` -> (scored rollout, seconds the trainer waited),
+`sampler_busy(start, end, scored)`, `checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.callbacks import emit
+from ..core.config import ConfigError
+from .async_rollouts import AsyncRollouts, check_staleness
+from .sampler import RolloutSampler, ScoredRollout
+from .sampler_process import SamplerProcess
+
+
+class SyncRollouts:
+    """The trainer samples each step's rollout itself (rollout.max_staleness: 0)."""
+
+    def __init__(self, sampler: RolloutSampler, *, trainer, callbacks=()):
+        self.sampler, self.trainer, self.callbacks = sampler, trainer, tuple(callbacks)
+
+    def get(self, step: int, params) -> tuple[ScoredRollout, float]:
+        """Step `step`'s rollout from `params` (version `step`); the trainer waited for all of it."""
+        emit(self.callbacks, "on_rollout_start", self.trainer, step)
+        scored = self.sampler(step, params, step)
+        emit(self.callbacks, "on_rollout_end", self.trainer, step, scored)
+        check_staleness(scored.versions, step, 0)
+        return scored, scored.seconds
+
+    def sampler_busy(self, start: float, end: float, scored: ScoredRollout) -> float:
+        """Seconds the sampler worked between `start` and `end` (the step): the rollout's own."""
+        return scored.seconds
+
+    def checkpoint_state(self, done: int) -> dict[str, Any]:
+        return {}
+
+    def restore(self, step: int, state: dict[str, Any], where: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRolloutSource:
+    """Rollouts sampled ahead by a sampler thread from weights at most `max_staleness` versions old."""
+
+    def __init__(self, sampler: RolloutSampler, *, max_staleness: int, process: SamplerProcess | None = None):
+        self.sampler, self.max_staleness, self.process = sampler, max_staleness, process
+        self.thread: AsyncRollouts | None = None  # started by the first `get`, at the run's first step
+        self.restored: dict[int, ScoredRollout] = {}  # rollouts sampled ahead, from the checkpoint
+
+    def get(self, step: int, params) -> tuple[ScoredRollout, float]:
+        """Publishes `params` as version `step` and takes the rollout sampled from version max(0, step - k)
+        (refused if staler than k)."""
+        if self.thread is None:
+            self.thread = AsyncRollouts(self.process or self.sampler, max_staleness=self.max_staleness,
+                                        start_step=step, pending=self.restored)
+            self.restored = {}
+        self.thread.publish(step, params)
+        return self.thread.get(step)
+
+    def sampler_busy(self, start: float, end: float, scored: ScoredRollout) -> float:
+        """Seconds the sampler thread worked between `start` and `end`."""
+        return self.thread.busy_seconds(start, end)
+
+    def checkpoint_state(self, done: int) -> dict[str, Any]:
+        """The rollouts sampled ahead (from weights no longer in the engine)."""
+        if self.thread is not None:
+            pending = self.thread.pending(done)
+        else:  # nothing ran since the restore
+            pending = [self.restored[s] for s in sorted(self.restored)]
+        return {"pending_rollouts": [p.to_json() for p in pending]}
+
+    def restore(self, step: int, state: dict[str, Any], where: str) -> None:
+        k = self.max_staleness
+        pending = [ScoredRollout.from_json(p) for p in state.get("pending_rollouts") or []]
+        if [p.step for p in pending] != list(range(step, step + k)):
+            raise RuntimeError(f"checkpoint {where} does not hold the rollouts of steps {step + 1}..{step + k} that "
+                               f"rollout.max_staleness={k} sampled ahead")
+        self.restored = {p.step: p for p in pending}
+
+    def close(self) -> None:
+        """Stops the sampler thread, then its process."""
+        try:
+            thread, self.thread = self.thread, None
+            if thread is not None:
+                thread.close()
+        finally:
+            process, self.process = self.process, None
+            if process is not None:
+                process.close()
+
+
+def make_rollout_source(rollout, sampler: RolloutSampler, *, processes: int, reward_spec: str | None, trainer,
+                        callbacks=()):
+    """The source `rollout` (the config's section) asks for; the sampler process starts now (its imports overlap
+    the engine's compilation). ConfigError for what cannot run: asynchronous rollouts across processes."""
+    if not rollout.max_staleness:
+        return SyncRollouts(sampler, trainer=trainer, callbacks=callbacks)
+    if processes > 1:
+        raise ConfigError(f"rollout.max_staleness={rollout.max_staleness}: asynchronous rollouts run in one "
+                          "process; across processes use rollout.max_staleness: 0")
+    process = None
+    if rollout.sampler == "process":
+        try:
+            process = SamplerProcess(sampler, nice=rollout.sampler_nice, reward_spec=reward_spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return AsyncRolloutSource(sampler, max_staleness=rollout.max_staleness, process=process)
