@@ -39,7 +39,6 @@ from jodc.losses import kl_controller_from_state
 from jodc.models.tokenizer import load_tokenizer
 
 from ..core import distributed
-from ..core.config import ConfigError
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
@@ -49,7 +48,7 @@ from .critic import critic_advantages, response_values
 from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
 from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, rollout_metrics, update_metrics
 from .reference import ReferencePolicy
-from .rewards import RewardFunction, load_reward_function, score
+from .rewards import RewardFunction, resolve_reward_function, score
 from .rollout import sample_rollout, sampling_params
 from .rollout_source import make_rollout_source
 from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
@@ -133,14 +132,7 @@ class RLRun(Trainer):
         if len(self.eval_set) < config.task.eval_problems:
             self.log(f"evaluating on the {len(self.eval_set)} distinct problems outside the training pool "
                      f"(task.eval_problems={config.task.eval_problems})")
-        reward_spec = None  # the reward function's `task.reward_fn` spec, if it came from there
-        if self.reward_fn is None and config.task.reward_fn:
-            self.reward_fn, reward_spec = load_reward_function(config.task.reward_fn), config.task.reward_fn
-        elif self.reward_fn is None and config.task.name == "jsonl":
-            raise ConfigError("task.name=jsonl has no built-in reward: set task.reward_fn ('module:function' "
-                              "or 'file.py:function'), or pass reward_fn= to run_rl")
-        elif self.reward_fn is None:
-            self.reward_fn = self.task.reward
+        self.reward_fn, reward_spec = resolve_reward_function(self.reward_fn, config.task, self.task)
         model_section = config.model
         if config.warmstart.sft_steps:
             model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))

@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..core.config import ConfigError
+
 RewardFunction = Callable[[str, str], float]
 
 
@@ -52,6 +54,20 @@ def load_reward_function(spec: str) -> RewardFunction:
     if not callable(function):
         raise TypeError(f"task.reward_fn: {spec} is a {type(function).__name__}, not a function")
     return function
+
+
+def resolve_reward_function(given: RewardFunction | None, task_config, task) -> tuple[RewardFunction, str | None]:
+    """(the run's reward function, its `task.reward_fn` spec when it came from there). In order: the one passed to
+    `run_rl`, the config's `task.reward_fn` ('module:function' or 'file.py:function'), the task's own reward;
+    a task without one (jsonl) needs one of the first two (ConfigError)."""
+    if given is not None:
+        return given, None
+    if task_config.reward_fn:
+        return load_reward_function(task_config.reward_fn), task_config.reward_fn
+    if task_config.name == "jsonl":
+        raise ConfigError("task.name=jsonl has no built-in reward: set task.reward_fn ('module:function' "
+                          "or 'file.py:function'), or pass reward_fn= to run_rl")
+    return task.reward, None
 
 
 def _excerpt(text: str, limit: int = 200) -> str:
