@@ -296,4 +296,3 @@ def test_callbacks_see_every_step_and_update_and_an_engine_factory_keeps_its_eng
     assert recorder.calls == [("step_start", 0), ("update_start",), ("update_end", 2.0), ("step_end", 0, 2.0),
                               ("step_start", 1), ("update_start",), ("update_end", 6.0), ("step_end", 1, 6.0)]
     assert pool.released == 1 and not pool.engine.closed  # the run released it; the pool decides when to close
-    run(Run, config(tmp_path / "plain", "--steps", "1"), log=quiet)  # no factory given: the run closes its engine

@@ -14,6 +14,7 @@ Cache: ``$JODC_CACHE_DIR``, else ``$XDG_CACHE_HOME/jodc``, else ``~/.cache/jodc`
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import os
@@ -34,8 +35,10 @@ def source_dir() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def build_script(folder: str) -> ModuleType:
-    """`folder`/build_mpi.py as a module (its sibling run_compiler.py importable while it loads)."""
+    """`folder`/build_mpi.py as a module (its sibling run_compiler.py importable while it loads), loaded once per
+    folder: transport selection asks whether the library can be built on every MPI heap."""
     spec = importlib.util.spec_from_file_location("_jodc_build_mpi", os.path.join(folder, "build_mpi.py"))
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, folder)
