@@ -9,10 +9,28 @@ Pure Python + numpy. Also holds synthetic length generators shaped like publishe
     plan = get_planner("lb_mini")(lengths, 8, 65536, cost_model=FlopsCost(MODEL))
     result = compare_schedules(plan, MODEL, A100_SXM_80GB)   # .collective, .odc, .speedup
 
-See docs/balance.md for the model and the sources of every constant.
+Multi-node layouts (flat vs hybrid sharding, ODC vs collective) are in :mod:`jodc.sim.hsdp`. See docs/balance.md for
+the model and the sources of every constant.
 """
 from jodc.sim.cluster import ClusterWhatIf, cluster_what_if
 from jodc.sim.hardware import A100_SXM_80GB, HardwareSpec
+from jodc.sim.hsdp import (
+    A100_NODES_400G,
+    DEFAULT_LAYOUTS,
+    FLAT_COLLECTIVE,
+    FLAT_ODC,
+    HSDP_COLLECTIVE,
+    HSDP_ODC,
+    HsdpWhatIf,
+    Layout,
+    LayoutResult,
+    NodeTopology,
+    group_transfer_time,
+    hsdp_what_if,
+    inter_bandwidth_crossover,
+    replica_all_reduce_time,
+    simulate_layout,
+)
 from jodc.sim.lengths import (
     AGENT_TRAJECTORIES,
     LENGTH_DISTRIBUTIONS,
@@ -34,14 +52,24 @@ from jodc.sim.schedule import (
 from jodc.sim.step_model import BucketSteps, StepConfig, bucket_steps, communication_times, compute_times, transfer_time
 
 __all__ = [
+    "A100_NODES_400G",
     "A100_SXM_80GB",
     "AGENT_TRAJECTORIES",
     "BucketSteps",
     "ClusterWhatIf",
+    "DEFAULT_LAYOUTS",
+    "FLAT_COLLECTIVE",
+    "FLAT_ODC",
+    "HSDP_COLLECTIVE",
+    "HSDP_ODC",
     "HardwareSpec",
+    "HsdpWhatIf",
     "LENGTH_DISTRIBUTIONS",
     "LONGALIGN_SFT",
+    "Layout",
+    "LayoutResult",
     "LengthDistribution",
+    "NodeTopology",
     "RL_RESPONSES",
     "SCHEDULES",
     "ScheduleComparison",
@@ -54,8 +82,13 @@ __all__ = [
     "compare_schedules",
     "compute_times",
     "get_length_distribution",
+    "group_transfer_time",
+    "hsdp_what_if",
+    "inter_bandwidth_crossover",
+    "replica_all_reduce_time",
     "simulate",
     "simulate_collective",
+    "simulate_layout",
     "simulate_odc",
     "transfer_time",
 ]
