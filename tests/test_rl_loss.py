@@ -132,13 +132,6 @@ def test_diagnostics_are_zero_on_policy_and_grow_off_policy():
         objective("--loss.name", "sapo"))
 
 
-def test_config_lists_are_the_librarys():
-    from jodc import losses
-    from jodc.train.rl import config as rl_config
-    assert rl_config.KL_ESTIMATORS == losses.KL_ESTIMATORS
-    assert set(rl_config.ADVANTAGE_ESTIMATORS) == set(losses.ADVANTAGE_ESTIMATORS)
-
-
 @pytest.mark.parametrize("name, fn, options", [
     ("geo_mean", "geo_mean_loss", {}), ("gpg", "gpg_loss", {}), ("kl_cov", "kl_cov_loss", {}),
     ("clip_cov", "clip_cov_loss", {}), ("tis_seq", "tis_loss", {"level": "sequence"}), ("dro", "dro_loss", {})])

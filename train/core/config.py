@@ -2,18 +2,20 @@
 
 Both trainers share `model`, `optimizer`, `engine`, `run`, `checkpoint` and `logging` (`TrainingConfig`);
 `SFTConfig` adds `data`, the RL config (`train/rl/config.py`) adds `task`, `rollout`, `loss` and `warmstart`.
-Every section checks its fields in `__post_init__`, so a config built in code is checked like one from YAML.
-Over draccus, a thin command-line layer: `--section.field value` or `=value`, a unique field name alone
-(`--devices 4`), a section alone for its `name` (`--engine odc`), a bool alone for true and `--no-<field>` for
-false, YAML scalar values, did-you-mean for unknown keys, and the old `trainer` section read with a note.
-Imports no JAX: the CLI validates the config and sets XLA flags before JAX loads.
+Names are read from what they name: `engine.name` from `jodc.fsdp.ENGINES` (and an engine's facts from its class),
+the `optimizer` section is `jodc.fsdp.OptimizerConfig`, RL's loss and estimator names come from `jodc.losses`.
+draccus decodes each value as its field's type (its error names the field); every section checks ranges and the
+relations between its fields in `__post_init__`, so a config built in code is checked like one from YAML; a finished
+config resolves `total_steps` once. Over draccus, a thin command-line layer: `--section.field value` or `=value`, a
+unique field name alone (`--devices 4`), a section alone for its `name` (`--engine odc`), a bool alone for true and
+`--no-<field>` for false, YAML scalar values, did-you-mean for unknown keys.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
-import sys
+import re
 import typing
 from typing import Any, Literal, Sequence
 
@@ -22,14 +24,12 @@ import mergedeep
 import yaml
 from draccus.utils import DecodingError, ParsingError, deflatten
 
-from jodc import optimizer_config
-from jodc.engine_facts import ENGINE_FACTS, ENGINE_NAMES
-from jodc.optimizer_config import Schedule
+from jodc.fsdp import ENGINES, OptimizerConfig, engine_class
 
 from .presets import MODEL_PRESETS
 
 Preset = Literal[tuple(MODEL_PRESETS)]
-Engine = Literal[ENGINE_NAMES]
+Engine = Literal[tuple(ENGINES)]
 Planner = Literal["lb_mini", "lb_micro", "local_sort"]
 CostModel = Literal["flops", "linear"]
 ComputeDtype = Literal["float32", "bfloat16"]
@@ -37,50 +37,26 @@ Platform = Literal["cpu", "gpu"]
 AttentionImpl = Literal["auto", "blockwise", "flash", "dense"]
 Overlong = Literal["truncate", "drop"]
 EMBEDDED = "embedded"
+#: What a config or checkpoint in the layout before the `trainer` section was split is told.
+TRAINER_SPLIT = ("the 'trainer' section was split: trainer.engine is now engine.name, trainer.sequences_per_minibatch "
+                 "data.sequences_per_minibatch, and its other fields are in engine, run, checkpoint and logging")
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the field and what is allowed."""
 
 
-def _parts(annotation) -> tuple[Any, bool]:
-    """(the type without None, whether None is allowed)."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    optional = typing.get_origin(annotation) is not Literal and len(args) < len(typing.get_args(annotation))
-    return (args[0] if optional else annotation), optional
-
-
-def describe(annotation) -> str:
-    """What a field of this type accepts, for error messages: 'an integer', 'one of odc, collective or null'."""
-    base, optional = _parts(annotation)
-    kind = ("one of " + ", ".join(map(str, typing.get_args(base))) if typing.get_origin(base) is Literal else
-            {bool: "true or false", int: "an integer", float: "a number", str: "a non-empty string"}[base])
-    return kind + (" or null" if optional else "")
-
-
-def _fits(value, annotation) -> bool:
-    base, optional = _parts(annotation)
-    if value is None or typing.get_origin(base) is Literal:
-        return optional if value is None else value in typing.get_args(base)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return {float: number, int: number and isinstance(value, int), str: isinstance(value, str) and value != "",
-            bool: isinstance(value, bool)}[base]
-
-
 class Section:
-    """Base of the config sections: `__post_init__` checks every field against its type and `minimum` (a lower
+    """Base of the config sections: `__post_init__` refuses non-finite numbers and values below `minimum` (a lower
     bound per field name), then runs the section's own `check` (relations between its fields)."""
 
     name_in_config = ""  # the section's key in a config ('engine'), for error messages
     minimum: dict[str, float] = {}
 
     def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
             key, value, low = f"{self.name_in_config}.{field.name}", getattr(self, field.name), \
                 self.minimum.get(field.name)
-            if not _fits(value, hints[field.name]):
-                raise ConfigError(f"{key} must be {describe(hints[field.name])}, got {value!r}")
             if isinstance(value, float) and not math.isfinite(value):  # nan/inf would reach the parameters
                 raise ConfigError(f"{key} must be a finite number, got {value!r}")
             if low is not None and value is not None and value < low:
@@ -115,23 +91,6 @@ class DataConfig(Section):
     embedded_examples: int = 4096  # size of the generated default dataset
     embedded_seed: int = 0  # seed of the generated default dataset
     sequences_per_minibatch: int = 32  # sequences per optimizer step
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig(Section, optimizer_config.OptimizerConfig):
-    """AdamW with warm-up, a schedule and global-norm clipping: `jodc.optimizer_config.OptimizerConfig` (its fields
-    and checks) with the trainer's defaults. `total_steps: null` means the run's length in optimizer updates."""
-
-    name_in_config, minimum = "optimizer", {"total_steps": 1}
-    learning_rate: float = 1e-3
-    schedule: Schedule = "cosine"
-    warmup_steps: int = 10
-
-    def check(self) -> None:
-        try:
-            optimizer_config.OptimizerConfig.check(self)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
 
 def parse_length_buckets(text) -> tuple[int, ...]:
@@ -169,14 +128,18 @@ class EngineConfig(Section):
     @property
     def planner_name(self) -> str:
         """The planner in effect (the engine's default when `planner` is null)."""
-        return self.planner or ENGINE_FACTS[self.name].default_planner
+        return self.planner or ENGINES[self.name].default_planner
 
     def check(self) -> None:
+        try:
+            engine = engine_class(self.name)
+        except ValueError as e:
+            raise ConfigError(f"engine.name: {e}") from None
         if self.barrier_timeout_s is not None and not self.barrier_timeout_s > 0:
             raise ConfigError(f"engine.barrier_timeout_s must be > 0 seconds or null (wait forever), got "
                               f"{self.barrier_timeout_s}")
-        if self.deterministic and not ENGINE_FACTS[self.name].supports_deterministic:
-            able = " or ".join(n for n, f in ENGINE_FACTS.items() if f.supports_deterministic)
+        if self.deterministic and not engine.supports_deterministic:
+            able = " or ".join(n for n, e in ENGINES.items() if e.supports_deterministic)
             raise ConfigError(f"engine.deterministic=true needs engine {able} (the {self.name} engine's reductions "
                               "are not guaranteed bit-for-bit reproducible)")
         if self.length_buckets is not None:
@@ -237,18 +200,39 @@ def config_class(cls):
 
 @config_class
 class TrainingConfig:
-    """The sections both trainers have."""
+    """The sections both trainers have. A finished config (`__post_init__`) has checked the relations between its
+    sections (`check`) and resolved the learning-rate schedule's length once: `total_steps`."""
 
     # Fields of RESUME_KEYS' sections that say how a value is computed, not what: a run may resume with others (a
     # CPU run resumed on a GPU picks the fused attention kernel), at floating-point rounding's difference.
     RESUME_FREE = ("model.attention_impl", "model.attention_block_size")
 
     model: ModelConfig
-    optimizer: OptimizerConfig
+    # AdamW with warm-up, a schedule and global-norm clipping (total_steps: null = the run's optimizer updates)
+    optimizer: OptimizerConfig = defaults(OptimizerConfig, learning_rate=1e-3, schedule="cosine", warmup_steps=10)
     engine: EngineConfig
     run: RunConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+
+    def __post_init__(self):
+        self.check()
+        #: the optimizer the engines run: the section with the schedule's length in effect
+        self.schedule_optimizer = dataclasses.replace(
+            self.optimizer, total_steps=self.optimizer.total_steps or self.optimizer_updates)
+
+    @property
+    def total_steps(self) -> int:
+        """Length of the learning-rate schedule in effect, in optimizer updates."""
+        return self.schedule_optimizer.total_steps
+
+    @property
+    def optimizer_updates(self) -> int:
+        """The run's length in optimizer updates (the schedule's length when `optimizer.total_steps` is null)."""
+        return self.run.steps
+
+    def check(self) -> None:
+        """Relations between sections (ConfigError naming the fields)."""
 
 
 @config_class
@@ -264,12 +248,7 @@ class SFTConfig(TrainingConfig):
         """Microbatch buffer length in effect."""
         return self.engine.token_cap or self.data.max_length
 
-    @property
-    def total_steps(self) -> int:
-        """Length of the learning-rate schedule in effect."""
-        return self.optimizer.total_steps or self.run.steps
-
-    def __post_init__(self):
+    def check(self) -> None:
         if self.token_cap < self.data.max_length:
             raise ConfigError(f"engine.token_cap={self.token_cap} is below data.max_length={self.data.max_length}: "
                               "the longest sequences would not fit in a microbatch")
@@ -278,8 +257,6 @@ class SFTConfig(TrainingConfig):
             if any(b > self.token_cap for b in buckets):
                 raise ConfigError(f"engine.length_buckets {list(buckets)} must not exceed the token cap "
                                   f"{self.token_cap}")
-
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -310,12 +287,12 @@ def aliases(cls=SFTConfig) -> dict[str, str]:
 
 
 def resolve_key(name: str, cls=SFTConfig) -> str:
-    """'engine.devices', 'devices', 'learning-rate' or 'engine' -> the dotted key; the old 'trainer.steps' ->
-    'run.steps'; ConfigError naming close matches."""
+    """'engine.devices', 'devices', 'learning-rate' or 'engine' -> the dotted key; ConfigError naming close
+    matches."""
     given = name = name.replace("-", "_")
     keys, short = all_keys(cls), aliases(cls)
-    if name.startswith("trainer.") and name not in keys:  # the layout before the trainer section was split
-        name = name.split(".", 1)[1]
+    if name.startswith("trainer."):
+        raise ConfigError(f"--{given}: {TRAINER_SPLIT}")
     if name in keys:
         return name
     if name in short:
@@ -364,24 +341,6 @@ def apply_overrides(raw: dict | None, overrides: Sequence[str], cls=SFTConfig) -
     return mergedeep.merge({}, raw or {}, deflatten(flat))
 
 
-def migrate(raw: dict, cls=SFTConfig, *, log=None) -> dict:
-    """`raw` with an old `trainer` section (configs saved before it was split into engine, run, checkpoint and
-    logging) moved to the new keys; `log` is told the renames once."""
-    if "trainer" in sections(cls) or not isinstance(raw.get("trainer"), dict):
-        return raw
-    out = {name: dict(values) if isinstance(values, dict) else values for name, values in raw.items()
-           if name != "trainer"}
-    moved = []
-    for field, value in raw["trainer"].items():
-        key = resolve_key(f"trainer.{field}", cls)
-        section, new = key.split(".", 1)
-        out.setdefault(section, {}).setdefault(new, value)
-        moved.append(f"trainer.{field} -> {key}")
-    if log is not None:
-        log(f"note: the 'trainer' section was split into engine, run, checkpoint and logging; read {', '.join(moved)}")
-    return out
-
-
 def check_keys(raw: Any, cls, source: str) -> None:
     """ConfigError naming the first unknown section or key of nested `raw` (with close matches)."""
     known, keys = sections(cls), all_keys(cls)
@@ -389,6 +348,8 @@ def check_keys(raw: Any, cls, source: str) -> None:
         raise ConfigError(f"{source}: the top level must be a mapping of sections ({', '.join(known)}), got "
                           f"{type(raw).__name__}")
     unknown = [s for s in raw if s not in known]
+    if "trainer" in unknown:
+        raise ConfigError(f"{source}: {TRAINER_SPLIT}")
     if unknown:
         raise ConfigError(f"{source}: unknown section(s) {', '.join(map(repr, unknown))}; sections are "
                           f"{', '.join(known)}")
@@ -402,25 +363,24 @@ def check_keys(raw: Any, cls, source: str) -> None:
                               f"{', '.join(k.split('.', 1)[1] for k in keys if k.startswith(f'{name}.'))}")
 
 
-def config_from_dict(raw: dict | None, cls=SFTConfig, *, source: str = "config", log=None):
+def config_from_dict(raw: dict | None, cls=SFTConfig, *, source: str = "config"):
     """A config of class `cls` from nested {section: {field: value}} (missing fields take their defaults),
     decoded by draccus and checked by every section's `__post_init__`."""
     raw = {} if raw is None else raw
-    if isinstance(raw, dict):
-        raw = migrate(raw, cls, log=log)
     check_keys(raw, cls, source)
     raw = {name: values for name, values in raw.items() if values is not None}
     try:  # over the config's defaults: draccus builds a section given in part from the section class's defaults
         return draccus.decode(cls, mergedeep.merge({}, draccus.encode(cls()), raw))
-    except DecodingError as e:  # a value draccus cannot read as the field's type
-        key = ".".join(e.key_path[:2])
-        value = raw.get(e.key_path[0], {}).get(e.key_path[1]) if len(e.key_path) > 1 else None
-        raise ConfigError(f"{key} must be {describe(_field_type(cls, key))}, got {value!r}") from None
+    except DecodingError as e:  # a value draccus cannot read as the field's type (the innermost reason)
+        reason = e
+        while isinstance(reason.__cause__, DecodingError):
+            reason = reason.__cause__
+        raise ConfigError(f"{'.'.join(e.key_path)}: {re.sub(r' [(]<class .*?>[)]', '', reason.message)}") from None
     except ParsingError as e:  # a section's __post_init__ refused it
         cause = e
-        while cause is not None and not isinstance(cause, ConfigError):
+        while cause is not None and not isinstance(cause, ValueError):
             cause = cause.__cause__
-        raise (cause or ConfigError(f"{source}: {e}")) from None
+        raise ConfigError(str(cause or f"{source}: {e}")) from None
 
 
 def to_dict(config) -> dict[str, dict[str, Any]]:
@@ -442,10 +402,10 @@ def read_yaml(path: str) -> dict:
     return raw or {}
 
 
-def load(cls, path: str | None = None, overrides: Sequence[str] = (), *, log=lambda m: print(m, file=sys.stderr)):
+def load(cls, path: str | None = None, overrides: Sequence[str] = ()):
     """Defaults, then the YAML file at `path` (if any), then `overrides`; checked."""
-    raw = migrate(read_yaml(path), cls, log=log) if path else {}
-    return config_from_dict(apply_overrides(raw, overrides, cls), cls, source=path or "config", log=log)
+    raw = read_yaml(path) if path else {}
+    return config_from_dict(apply_overrides(raw, overrides, cls), cls, source=path or "config")
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> SFTConfig:
@@ -465,9 +425,11 @@ def save_yaml(config, path: str) -> None:
 
 
 def resume_mismatches(saved: dict, current) -> list[str]:
-    """The `RESUME_KEYS` fields of `current`'s class where a checkpoint's saved config (either layout) differs
-    from `current`: 'key: saved -> now'."""
-    saved, now, out = migrate(saved, type(current)), to_dict(current), []
+    """The `RESUME_KEYS` fields of `current`'s class where a checkpoint's saved config differs from `current`:
+    'key: saved -> now'."""
+    if "trainer" in saved:
+        raise ConfigError(f"the checkpoint's config: {TRAINER_SPLIT}")
+    now, out = to_dict(current), []
     for key in type(current).RESUME_KEYS:
         section, _, field = key.partition(".")
         for name in [field] if field else list(now[section]):
