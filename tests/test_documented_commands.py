@@ -110,7 +110,7 @@ def test_documented_command_works_as_written(where, command, tmp_path, capsys):
         i = overrides.index("--config")
         overrides = overrides[:i] + overrides[i + 2:]
     overrides = [a for a in overrides if a != "--print-config"]
-    for section, values in core.apply_overrides({}, overrides, RLConfig if rl else core.SFTConfig).items():
-        for field, value in values.items():
-            assert _same(printed[section][field], value), \
-                f"{where}: `{command}` printed {section}.{field}={printed[section][field]!r}, expected {value!r}"
+    for key, value in core.parse_overrides(overrides, RLConfig if rl else core.SFTConfig).items():
+        section, field = key.split(".")
+        assert _same(printed[section][field], value), \
+            f"{where}: `{command}` printed {key}={printed[section][field]!r}, expected {value!r}"

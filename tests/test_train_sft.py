@@ -164,7 +164,7 @@ def test_another_runs_checkpoints_are_refused(straight):
 
 
 def test_too_few_devices_is_a_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="engine.devices=16 but only 8 cpu device.*xla_force_host_platform"):
+    with pytest.raises(RuntimeError, match="engine.devices=16 but only 8 cpu device.*jax_num_cpu_devices"):
         run_sft(load_config(None, overrides(tmp_path, "--devices", "16")), log=quiet)
 
 

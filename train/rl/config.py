@@ -14,7 +14,7 @@ from jodc.fsdp import OptimizerConfig
 from jodc.losses import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 
 from ..core.config import (CheckpointConfig, ConfigError, EngineConfig, RunConfig, Section, TrainingConfig,
-                           config_class, defaults, load)
+                           defaults, load)
 from .tasks import TASK_NAMES
 
 TaskName = Literal[TASK_NAMES]
@@ -195,14 +195,14 @@ class RlRunConfig(RunConfig):
     unstable_kl: float = 0.05  # an update whose KL(behaviour || policy) exceeds this counts as a blow-up
 
 
-@config_class
+@dataclasses.dataclass
 class RLConfig(TrainingConfig):
     """The RL job: the shared sections (with RL's defaults) and the RL sections."""
 
-    task: TaskConfig
-    rollout: RolloutConfig
-    loss: LossConfig
-    warmstart: WarmstartConfig
+    task: TaskConfig = defaults(TaskConfig)
+    rollout: RolloutConfig = defaults(RolloutConfig)
+    loss: LossConfig = defaults(LossConfig)
+    warmstart: WarmstartConfig = defaults(WarmstartConfig)
     # What a checkpoint means: resuming with other values would silently continue a different run (another
     # model, task, reward, warm start, prompt stream or rollout shape). Where the sampler computes (thread or
     # process, its priority) does not change a rollout, so it may change.
@@ -214,7 +214,7 @@ class RLConfig(TrainingConfig):
     # response), checkpoints every 10 steps.
     optimizer: OptimizerConfig = defaults(OptimizerConfig, learning_rate=1e-4, schedule="constant", warmup_steps=0)
     engine: EngineConfig = defaults(EngineConfig, devices=2, token_cap=256)
-    run: RlRunConfig
+    run: RlRunConfig = defaults(RlRunConfig)
     checkpoint: CheckpointConfig = defaults(CheckpointConfig, save_every=10, keep_checkpoints=2)
 
     @property
