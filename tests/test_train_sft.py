@@ -181,7 +181,7 @@ def test_cli_end_to_end_in_a_fresh_process(tmp_path):
     assert f"HF export:  {tmp_path / 'run' / 'hf'}" in proc.stdout
     assert len(read_metrics(str(tmp_path / "run" / "metrics.jsonl"))) == 2
     bad = subprocess.run(cmd[:4] + ["--engine", "mpi"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert bad.returncode == 2 and "engine.name must be one of" in bad.stderr
+    assert bad.returncode == 2 and "engine.name: Cannot convert 'mpi' into one of" in bad.stderr
 
 
 def test_training_starts_from_a_hf_checkpoint_and_its_tokenizer(straight, tmp_path):
