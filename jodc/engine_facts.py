@@ -1,9 +1,9 @@
-"""What each FSDP engine is, by name, free of JAX imports: the one table of engine facts.
+"""What each FSDP engine is, by name: the one table of engine facts.
 
 The engine classes in `jodc.fsdp` take their `name` and facts from here (`Engine.__init_subclass__`), and
-`jodc.fsdp.ENGINES` maps the same names to the classes; the trainer's config checks `engine.name`, picks the default
-planner and refuses `deterministic` where it cannot hold by reading this table, before JAX loads (XLA_FLAGS must be
-set first). A new engine adds one row here and one class there (a test checks that both agree).
+`jodc.fsdp.ENGINES` maps the same names to the classes; trainers and the trainer's config read the facts from the
+classes (`ENGINES[name].default_planner`, `.supports_deterministic`, ...). A new engine adds one row here and one
+class there (a test checks that both agree).
 """
 from __future__ import annotations
 

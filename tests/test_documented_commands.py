@@ -12,11 +12,10 @@ import yaml
 
 from jodc.train.cli import main as cli_main
 from jodc.train.core import config as core
-from jodc.train.rl.cli import main as rl_main
 from jodc.train.rl.config import RLConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMAND = re.compile(r"(?:jodc-train|python -m jodc\.train(?:\.rl\.cli)?)(?: [^`#|\n]*)?")
+COMMAND = re.compile(r"(?:jodc-train|python -m jodc\.train)(?: [^`#|\n]*)?")
 
 
 def _entry_points() -> dict:
@@ -24,7 +23,7 @@ def _entry_points() -> dict:
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
     assert scripts["jodc-train"] == "jodc.train.cli:main"
-    return {"python -m jodc.train.rl.cli": rl_main, "python -m jodc.train": cli_main, "jodc-train": cli_main}
+    return {"python -m jodc.train": cli_main, "jodc-train": cli_main}
 
 
 def _snippets(text: str) -> list[str]:
@@ -64,11 +63,10 @@ def documented_commands() -> list[tuple[str, str]]:
     complete = []
     for where, command in found:
         args = command.split()
-        needs_subcommand = not command.startswith("python -m jodc.train.rl.cli")
         prefix_words = 1 if command.startswith("jodc-train") else 3
         if any(mark in command for mark in ("...", "[", "<")):
             continue
-        if needs_subcommand and (len(args) <= prefix_words or args[prefix_words] not in ("sft", "rl")):
+        if len(args) <= prefix_words or args[prefix_words] not in ("sft", "rl"):
             continue
         if (where, command) not in complete:
             complete.append((where, command))
@@ -102,17 +100,17 @@ def test_documented_command_works_as_written(where, command, tmp_path, capsys):
             argv[i] = str(tmp_path / "user.yaml")
         else:
             argv[i] = os.path.join(ROOT, argv[i])
-    rl = prefix.endswith("rl.cli") or argv[0] == "rl"
+    rl = argv[0] == "rl"
     status = _entry_points()[prefix](argv + ["--print-config"])
     out, err = capsys.readouterr()
     assert status == 0, f"{where}: `{command}` failed: {err}"
     printed = yaml.safe_load(out)
-    overrides = argv[1:] if not prefix.endswith("rl.cli") else argv
+    overrides = argv[1:]
     if "--config" in overrides:
         i = overrides.index("--config")
         overrides = overrides[:i] + overrides[i + 2:]
     overrides = [a for a in overrides if a != "--print-config"]
-    for section, values in core.apply_overrides({}, overrides, RLConfig if rl else core.SFTConfig).items():
-        for field, value in values.items():
-            assert _same(printed[section][field], value), \
-                f"{where}: `{command}` printed {section}.{field}={printed[section][field]!r}, expected {value!r}"
+    for key, value in core.parse_overrides(overrides, RLConfig if rl else core.SFTConfig).items():
+        section, field = key.split(".")
+        assert _same(printed[section][field], value), \
+            f"{where}: `{command}` printed {key}={printed[section][field]!r}, expected {value!r}"

@@ -108,7 +108,7 @@ def test_engines_declare_their_capabilities():
 
 
 def test_the_registry_holds_every_engine_of_the_facts_table_with_its_row():
-    """`jodc.engine_facts` (read by the config before JAX loads) and `jodc.fsdp.ENGINES` name the same engines, and
+    """`jodc.engine_facts` and `jodc.fsdp.ENGINES` name the same engines, and
     each class carries its row."""
     assert list(ENGINES) == list(ENGINE_FACTS)
     for name, cls in ENGINES.items():

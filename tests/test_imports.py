@@ -36,7 +36,7 @@ def library_modules() -> list[str]:
 def test_every_package_is_walked():
     """The walk reaches the packages setup.py maps from other folders and their subpackages."""
     modules = library_modules()
-    for expected in ("jodc.ops.gather", "jodc.models.hf", "jodc.train.core.config", "jodc.train.rl.cli"):
+    for expected in ("jodc.ops.gather", "jodc.models.hf", "jodc.train.core.config", "jodc.train.rl.loop"):
         assert expected in modules
 
 

@@ -5,15 +5,14 @@ import pytest
 from jodc.train.rl import config as C
 from jodc.train.core import config as core
 from jodc.train.core.config import ConfigError
-from jodc.train.cli import _parser
-from jodc.train.rl.cli import main
+from jodc.train.cli import _parser, main
 
 
 def test_defaults_are_valid_and_dppo_is_the_default_loss():
     cfg = C.load_rl_config()
     assert cfg.loss.name == "dppo" and cfg.loss.options() == {}
     assert cfg.engine.name == "odc" and cfg.engine.planner_name == "lb_mini"
-    assert cfg.total_steps == cfg.run.steps * cfg.run.updates_per_step
+    assert cfg.total_steps == cfg.schedule_optimizer.total_steps == cfg.run.steps * cfg.run.updates_per_step
     assert cfg.rollout.rollout_size == cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert cfg.optimizer.schedule == "constant"  # RL's optimizer defaults, not SFT's
 
@@ -47,8 +46,12 @@ def test_yaml_then_overrides(tmp_path):
     (["--updates_per_step", "1000"], "run.updates_per_step=1000 exceeds the rollout's 128 responses"),
     (["--task.name", "jsonl"], "task.name=jsonl needs task.path"),
     (["--min_terms", "4"], "task.min_terms=4 exceeds task.max_terms=3"),
-    (["--kl_estimator", "k4"], "loss.kl_estimator must be one of k1, k2, k3"),
-    (["--divergence", "js"], "loss.divergence must be one of tv, kl"),
+    (["--kl_estimator", "k4"], "loss.kl_estimator: Cannot convert 'k4' into one of: k1, k2, k3"),
+    (["--divergence", "js"], "loss.divergence: Cannot convert 'js' into one of: tv, kl"),
+    # the names are the registries' of jodc.losses
+    (["--loss.name", "ppo2"], "loss.name: Cannot convert 'ppo2' into one of: dppo, dppo_tv"),
+    (["--advantage", "gpro"], "loss.advantage: Cannot convert 'gpro' into one of: grpo, dr_grpo"),
+    (["--aggregation", "mean"], "loss.aggregation: Cannot convert 'mean' into one of: token-mean"),
 ])
 def test_bad_configs_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -58,10 +61,10 @@ def test_bad_configs_name_the_field(overrides, message):
 def test_unknown_sections_and_keys_in_yaml(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("rollouts:\n  group_size: 4\n")
-    with pytest.raises(ConfigError, match="unknown section.*'rollouts'"):
+    with pytest.raises(ConfigError, match="unknown config key 'rollouts.group_size' .*did you mean rollout.group_size"):
         C.load_rl_config(str(path))
     path.write_text("loss:\n  clip: 0.2\n")
-    with pytest.raises(ConfigError, match="unknown key .loss.clip. .did you mean loss.clip_low or "):
+    with pytest.raises(ConfigError, match="unknown config key 'loss.clip' .did you mean loss.clip_low or "):
         C.load_rl_config(str(path))
 
 
@@ -73,10 +76,10 @@ def test_resume_mismatches_name_what_changed():
 
 
 def test_cli_prints_the_resolved_config_and_reports_config_errors(capsys):
-    assert main(["--print-config", "--loss.name", "dapo", "--steps", "3"]) == 0
+    assert main(["rl", "--print-config", "--loss.name", "dapo", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "name: dapo" in out and "steps: 3" in out
-    assert main(["--group_size", "1"]) == 2
+    assert main(["rl", "--group_size", "1"]) == 2
     assert "config error: rollout.group_size must be >= 2" in capsys.readouterr().err
 
 
@@ -84,23 +87,6 @@ def test_the_rl_subcommand_of_jodc_train():
     args, overrides = _parser().parse_known_args(["rl", "--config", "c.yaml", "--steps", "3"])
     assert (args.command, args.config, args.print_config, overrides) == ("rl", "c.yaml", False, ["--steps", "3"])
     assert "loss.name" in core.all_keys(C.RLConfig) and "warmstart.sft_steps" in core.all_keys(C.RLConfig)
-
-
-def test_rl_configs_in_the_old_trainer_layout_load(tmp_path, capsys):
-    path = tmp_path / "old.yaml"
-    path.write_text("trainer:\n  engine: collective\n  steps: 9\n  updates_per_step: 2\n  eval_every: 3\n"
-                    "  keep_checkpoints: 1\n  token_cap: 128\n")
-    cfg = C.load_rl_config(str(path))
-    assert (cfg.engine.name, cfg.run.steps, cfg.run.updates_per_step, cfg.run.eval_every,
-            cfg.checkpoint.keep_checkpoints, cfg.engine.token_cap, cfg.engine.devices) == \
-        ("collective", 9, 2, 3, 1, 128, 2)  # RL's defaults (2 devices) for what the file does not set
-    assert "trainer.updates_per_step -> run.updates_per_step" in capsys.readouterr().err
-    saved = core.to_dict(C.load_rl_config())
-    old = {k: v for k, v in saved.items() if k not in ("engine", "run", "checkpoint", "logging")}
-    old["trainer"] = {**saved["run"], **saved["checkpoint"], **saved["logging"], "engine": "odc",
-                      **{k: v for k, v in saved["engine"].items() if k != "name"}}
-    assert core.resume_mismatches(old, C.load_rl_config(None, ["--updates_per_step", "2"])) == \
-        ["run.updates_per_step: 4 -> 2"]
 
 
 def test_what_the_rl_trainer_does_not_support_is_refused():

@@ -2,12 +2,13 @@
 and the warm start's SFT job and its refusal to reuse a warm start made for another run."""
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from jodc.train.rl.config import load_rl_config
-from jodc.train.rl.metrics import plot_curves, rollout_metrics, update_metrics
+from jodc.train.rl.metrics import plot_curves, rollout_metrics, step_record, update_metrics
 from jodc.train.rl.tasks import make_task
 from jodc.train.rl.warmstart import IDENTITY_FILE, WARMSTART_DIR, run_warmstart, warmstart_sft_config
 
@@ -30,6 +31,24 @@ def test_update_metrics_flag_a_blow_up_by_the_largest_kl():
     assert m["policy_kl_max"] == 0.2 and m["policy_kl_last"] == 0.04 and m["unstable"] is True
     assert m["trust_region_fraction_last"] == 0.3
     assert update_metrics(updates, unstable_kl=0.5)["unstable"] is False
+
+
+def test_step_record_assembles_rollout_updates_time_split_and_extras():
+    rollout = SimpleNamespace(response_lengths=np.array([2, 4, 6, 8]), finished=np.array([1, 1, 1, 0], bool),
+                              seconds=2.0)
+    scored = SimpleNamespace(rollout=rollout, rewards=np.array([1.0, 0.0, 1.0, 1.0]), versions=np.array([3, 3, 4, 4]),
+                             reward_seconds=0.5, mismatch_seconds=0.25, mismatch={"logprob_mismatch": 0.01})
+    updates = [{"loss": 0.5, "grad_norm": 2.0, "policy_kl": 0.01}]
+    r = step_record(scored, 5, updates, group_size=2, success_reward=1.0, unstable_kl=0.1, seconds=8.0,
+                    train_seconds=4.0, waited=2.0, sampler_busy=6.0, tokens=100, learning_rate=1e-4, skipped_updates=0)
+    assert r["reward_mean"] == 0.75 and r["accuracy"] == 0.75 and r["loss"] == 0.5 and r["unstable"] is False
+    assert (r["tokens_per_s"], r["rollout_fraction"], r["train_fraction"]) == (25.0, 0.25, 0.5)
+    assert (r["policy_version"], r["staleness"], r["trainer_idle_fraction"], r["sampler_idle_fraction"]) == \
+        (3, 2, 0.25, 0.25)
+    assert (r["logprob_mismatch"], r["learning_rate"], r["skipped_updates"]) == (0.01, 1e-4, 0)
+    skipped = step_record(scored, 5, [], group_size=2, success_reward=1.0, unstable_kl=0.1, seconds=8.0,
+                          train_seconds=0.0, waited=0.0, sampler_busy=0.0, tokens=0)
+    assert np.isnan(skipped["loss"]) and np.isnan(skipped["grad_norm"]) and skipped["tokens_per_s"] == 0.0
 
 
 def test_plot_curves_writes_a_png(tmp_path):

@@ -1,5 +1,5 @@
 """jodc.train config: YAML + overrides, aliases, validation errors that name the field, resume checks, and the
-CLI's handling of XLA flags (which must happen before JAX is imported)."""
+CLI's CPU device count (set before JAX's backend first starts)."""
 import dataclasses
 import os
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jodc.train.core import config as C
-from jodc.train.cli import main, set_host_device_count
+from jodc.train.cli import main
 
 
 def write(tmp_path, text, name="c.yaml"):
@@ -44,11 +44,12 @@ def test_round_trip_through_dict_and_yaml(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["--engine.nmae", "odc"], "unknown config key 'engine.nmae' .*did you mean engine.name"),
-    (["--engine", "mpi"], "engine.name must be one of odc, collective, xla_spmd, reference, got 'mpi'"),
-    (["--planner", "greedy"], "engine.planner must be one of lb_mini, lb_micro, local_sort"),
-    (["--devices", "two"], "engine.devices must be an integer"),
+    (["--engine", "mpi"], "engine.name: Cannot convert 'mpi' into one of: odc, collective, xla_spmd, reference"),
+    (["--planner", "greedy"], "engine.planner: .*'greedy'.* lb_mini, lb_micro, local_sort"),
+    (["--devices", "two"], "engine.devices: Couldn't parse 'two' into an int"),
     (["--devices", "0"], "engine.devices must be >= 1"),
-    (["--deterministic", "yes please"], "engine.deterministic must be true or false"),
+    (["--deterministic", "yes please"], "engine.deterministic: Couldn't parse 'yes please' into a bool"),
+    (["--learning_rate", "fast"], "optimizer.learning_rate: Couldn't parse 'fast' into a float"),
     (["--steps"], "override --steps needs a value"),
     (["steps", "3"], "expected an override like"),
     (["--token_cap", "64"], "engine.token_cap=64 is below data.max_length=1024"),
@@ -56,8 +57,9 @@ def test_round_trip_through_dict_and_yaml(tmp_path):
     (["--learning_rate", "0"], "optimizer.learning_rate must be > 0, got 0.0"),
     (["--max_grad_norm", "0"], "optimizer.max_grad_norm must be > 0 or null"),
     (["--b2", "1.0"], "optimizer.b1 and optimizer.b2 must lie in"),
-    (["--overlong", "wrap"], "data.overlong must be one of truncate, drop"),
-    (["--preset", "huge"], "model.preset must be one of tiny, small, base"),
+    (["--overlong", "wrap"], "data.overlong: Cannot convert 'wrap' into one of: truncate, drop"),
+    (["--preset", "huge"], "model.preset: Cannot convert 'huge' into one of: tiny, small, base"),
+    (["--trainer.steps", "5"], "the 'trainer' section was split: trainer.engine is now engine.name"),
 ])
 def test_bad_overrides_name_the_field(overrides, message):
     with pytest.raises(C.ConfigError, match=message):
@@ -69,9 +71,9 @@ def test_bad_yaml_files_name_the_problem(tmp_path):
         C.load_config(str(tmp_path / "absent.yaml"))
     with pytest.raises(C.ConfigError, match="not valid YAML"):
         C.load_config(write(tmp_path, "trainer: [engine: odc\n"))
-    with pytest.raises(C.ConfigError, match="unknown section\\(s\\) 'trainr'"):
+    with pytest.raises(C.ConfigError, match="c.yaml: unknown config key 'trainr.engine'"):
         C.load_config(write(tmp_path, "trainr:\n  engine: odc\n"))
-    with pytest.raises(C.ConfigError, match="unknown key 'data.max_len' .*did you mean data.max_length"):
+    with pytest.raises(C.ConfigError, match="unknown config key 'data.max_len' .*did you mean data.max_length"):
         C.load_config(write(tmp_path, "data:\n  max_len: 5\n"))
     with pytest.raises(C.ConfigError, match="section 'model' must be a mapping"):
         C.load_config(write(tmp_path, "model: small\n"))
@@ -79,10 +81,9 @@ def test_bad_yaml_files_name_the_problem(tmp_path):
         C.load_config(write(tmp_path, "- a\n- b\n"))
 
 
-def test_aliases_cover_unique_names_and_refuse_ambiguous_ones():
-    alias = C.aliases()
-    assert alias["engine"] == "engine.name" and alias["learning_rate"] == "optimizer.learning_rate"
-    assert set(alias.values()) == set(C.all_keys())  # every field name is unique today
+def test_short_keys_cover_unique_names_and_refuse_ambiguous_ones():
+    assert C.resolve_key("engine") == "engine.name" and C.resolve_key("learning-rate") == "optimizer.learning_rate"
+    assert all(C.resolve_key(key.split(".")[1]) == key for key in C.all_keys())  # every field name is unique today
 
     @dataclasses.dataclass
     class Extra(C.Section):
@@ -90,17 +91,11 @@ def test_aliases_cover_unique_names_and_refuse_ambiguous_ones():
 
     @dataclasses.dataclass
     class Clash(C.SFTConfig):
-        extra: Extra = dataclasses.field(default_factory=Extra)
+        extra: Extra = C.defaults(Extra)
 
     with pytest.raises(C.ConfigError, match="'devices' is ambiguous: use one of engine.devices, extra.devices"):
         C.resolve_key("devices", Clash)
-
-
-def test_optimizer_section_mirrors_the_engines_optimizer_config():
-    from jodc.fsdp import OptimizerConfig
-
-    assert [f.name for f in dataclasses.fields(C.OptimizerConfig)] == \
-        [f.name for f in dataclasses.fields(OptimizerConfig)]
+    assert C.load(Clash, None, ["--extra.devices", "3"]).extra.devices == 3
 
 
 def test_resume_mismatches_list_what_changed():
@@ -117,42 +112,40 @@ def test_resume_mismatches_list_what_changed():
     assert C.resume_mismatches(saved, base) == []
 
 
-def test_set_host_device_count_keeps_other_flags_and_never_lowers():
-    env = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"}
-    set_host_device_count(4, env)
-    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
-    set_host_device_count(2, env)
-    assert env["XLA_FLAGS"].endswith("device_count=4")
-    empty = {}
-    set_host_device_count(3, empty)
-    assert empty["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
-
-
 def test_cli_reports_config_errors_and_prints_config(tmp_path, capsys):
     assert main(["sft", "--engine", "mpi"]) == 2
-    assert "config error: engine.name must be one of" in capsys.readouterr().err
+    assert "config error: engine.name: Cannot convert 'mpi' into one of" in capsys.readouterr().err
     assert main(["sft", "--devices", "3", "--print-config"]) == 0
     assert "devices: 3" in capsys.readouterr().out
 
 
 def test_the_optimizer_section_is_the_engines_optimizer_config():
-    """One definition of the optimizer's fields and checks (jodc.optimizer_config): the section is that class with the
-    trainer's defaults, and the library's checks reach the CLI as config errors."""
-    from jodc.optimizer_config import OptimizerConfig
+    """One definition of the optimizer's fields and checks (jodc.fsdp.OptimizerConfig): the section is that class with
+    the trainer's defaults, its checks reach the CLI as config errors, and the finished config resolves the
+    schedule's length once (null: the run's optimizer updates) into the optimizer the engines run."""
+    from jodc.fsdp import OptimizerConfig
 
-    section = C.load_config().optimizer
-    assert isinstance(section, OptimizerConfig) and (section.learning_rate, section.schedule) == (1e-3, "cosine")
-    assert [f.name for f in dataclasses.fields(section)] == [f.name for f in dataclasses.fields(OptimizerConfig)]
+    config = C.load_config(None, ["--steps", "40"])
+    assert type(config.optimizer) is OptimizerConfig and C.sections(C.SFTConfig)["optimizer"] is OptimizerConfig
+    assert (config.optimizer.learning_rate, config.optimizer.schedule, config.optimizer.total_steps) == \
+        (1e-3, "cosine", None)
+    assert config.schedule_optimizer == dataclasses.replace(config.optimizer, total_steps=40) and \
+        config.total_steps == 40
+    assert C.load_config(None, ["--total_steps", "7"]).schedule_optimizer.total_steps == 7
     with pytest.raises(C.ConfigError, match="optimizer.eps and optimizer.weight_decay must be >= 0"):
         C.load_config(None, ["--eps", "-1"])
     assert main(["sft", "--weight_decay", "-0.5", "--print-config"]) == 2
 
 
-def test_cli_module_does_not_import_jax():
-    code = "import sys, jodc.train, jodc.train.cli, jodc.train.core.config; print('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "XLA_FLAGS": ""})
-    assert out.stdout.strip() == "False"
+def test_the_cli_sets_the_cpu_device_count_before_the_backend_starts():
+    """Importing the CLI, configs and trainers starts no JAX backend, so the CLI may set the CPU device count after
+    loading them; it never lowers what XLA_FLAGS asks for."""
+    code = ("import jax, jodc.train, jodc.train.cli as cli, jodc.train.rl.loop; cli.use_cpu_devices(3); "
+            "cli.use_cpu_devices(2); print(jax.device_count('cpu'))")
+    for flags, devices in (("", 3), ("--xla_force_host_platform_device_count=5", 5)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"})
+        assert out.stdout.strip() == str(devices)
 
 
 def test_length_buckets_and_spmd_engine_are_configurable():
@@ -184,46 +177,21 @@ def test_lb_mini_is_told_the_engines_length_buckets():
 
 
 
-def _old_layout(new: dict) -> dict:
-    """A config dict as the code before the split saved it: engine, run, checkpoint and logging in `trainer`."""
-    old = {k: dict(v) for k, v in new.items() if k not in ("engine", "run", "checkpoint", "logging")}
-    trainer = {"engine": new["engine"]["name"], **{k: v for k, v in new["engine"].items() if k != "name"}}
-    for section in ("run", "checkpoint", "logging"):
-        trainer.update(new[section])
-    if "sequences_per_minibatch" in old.get("data", {}):
-        trainer["sequences_per_minibatch"] = old["data"].pop("sequences_per_minibatch")
-    return {**old, "trainer": trainer}
-
-
-def test_configs_in_the_old_trainer_layout_load_with_a_note(tmp_path, capsys):
-    old = write(tmp_path, "model:\n  preset: tiny\ntrainer:\n  engine: collective\n  devices: 2\n  steps: 7\n"
-                          "  save_every: 3\n  timeline_every: 2\n  sequences_per_minibatch: 8\n")
-    cfg = C.load_config(old, ["--trainer.seed", "5"])
-    assert (cfg.engine.name, cfg.engine.devices, cfg.run.steps, cfg.checkpoint.save_every, cfg.logging.timeline_every,
-            cfg.data.sequences_per_minibatch, cfg.run.seed) == ("collective", 2, 7, 3, 2, 8, 5)
-    err = capsys.readouterr().err
-    assert "'trainer' section was split" in err and "trainer.engine -> engine.name" in err
-    assert "trainer.steps -> run.steps" in err and "trainer.sequences_per_minibatch -> data.sequences_per_minibatch" in err
-    with pytest.raises(C.ConfigError, match="unknown config key 'trainer.engnie' .*did you mean engine"):
-        C.load_config(write(tmp_path, "trainer:\n  engnie: odc\n", "typo.yaml"))
-    # a full config saved by the old code (every field) reads back as the same config
-    assert C.config_from_dict(_old_layout(C.to_dict(cfg))) == cfg
-
-
-def test_a_checkpoint_config_in_the_old_layout_is_compared_field_by_field():
-    base = C.load_config()
-    saved = _old_layout(C.to_dict(base))
-    assert "trainer" in saved and C.resume_mismatches(saved, base) == []
-    assert C.resume_mismatches(saved, C.load_config(None, ["--seed", "1", "--sequences_per_minibatch", "16"])) == \
-        ["data.sequences_per_minibatch: 32 -> 16", "run.seed: 0 -> 1"]
+def test_configs_and_checkpoints_in_the_old_trainer_layout_are_refused_naming_the_renames(tmp_path):
+    old = write(tmp_path, "model:\n  preset: tiny\ntrainer:\n  engine: collective\n  steps: 7\n")
+    with pytest.raises(C.ConfigError, match="the 'trainer' section was split: trainer.engine is now engine.name"):
+        C.load_config(old)
+    saved = {**C.to_dict(C.load_config()), "trainer": {"steps": 7}}
+    with pytest.raises(C.ConfigError, match="checkpoint's config: the 'trainer' section was split"):
+        C.resume_mismatches(saved, C.load_config())
 
 
 def test_sections_check_themselves_when_built_in_code():
-    with pytest.raises(C.ConfigError, match="engine.name must be one of odc, collective, xla_spmd, reference"):
-        C.EngineConfig(name="mpi")
-    with pytest.raises(C.ConfigError, match="optimizer.learning_rate must be a finite number"):
-        C.OptimizerConfig(learning_rate=float("nan"))
-    with pytest.raises(C.ConfigError, match="run.out_dir must be a non-empty string, got None"):
-        C.RunConfig(out_dir=None)
+    with pytest.raises(ValueError, match="unknown engine 'mpi'; engines are odc, collective, xla_spmd, reference"):
+        C.EngineConfig(name="mpi")  # jodc.fsdp.engine_class's error
+    with pytest.raises(C.ConfigError, match="run.steps must be >= 1, got 0"):
+        C.RunConfig(steps=0)
+    with pytest.raises(C.ConfigError, match="engine.barrier_timeout_s must be a finite number, got nan"):
+        C.EngineConfig(barrier_timeout_s=float("nan"))
     with pytest.raises(C.ConfigError, match="engine.token_cap=64 is below data.max_length=1024"):
         C.SFTConfig(engine=C.EngineConfig(token_cap=64))

@@ -2,47 +2,48 @@
 
     jodc-train sft --config configs/sft_demo.yaml [--engine collective --devices 2 --run.steps 50 ...]
     jodc-train rl --config configs/rl_demo.yaml [--loss.name ppo --steps 20 ...]
-    python -m jodc.train sft ...        (python -m jodc.train.rl.cli ...: the same as jodc-train rl ...)
+    python -m jodc.train sft ...        (the same as jodc-train sft ...)
     mpirun -np 2 jodc-train sft --config configs/sft_demo.yaml     (processes x devices: see train/core/distributed.py)
 
-The config is loaded and validated first; then, for a CPU run on several devices, XLA is told to simulate
-that many host devices (XLA_FLAGS) before JAX is imported. This module must therefore not import JAX at import
-time; the trainer is imported only after the flags are set.
+The config is loaded and validated first; then, for a CPU run on several devices, JAX's CPU backend is told to
+simulate that many devices (`jax_num_cpu_devices`), which must happen before the backend first starts: nothing
+imported here starts it.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import sys
 import traceback
 from typing import Sequence
 
+import jax
+
 from .core import distributed
 from .core.config import ConfigError, SFTConfig, all_keys, dump, load_config, sections
 from .rl.config import RLConfig, load_rl_config
-
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def set_host_device_count(count: int, environ=os.environ) -> None:
-    """Makes XLA's CPU backend expose at least `count` devices (a no-op if JAX was already imported, which the
-    trainer then reports)."""
-    flags = environ.get("XLA_FLAGS", "")
-    match = re.search(rf"{DEVICE_COUNT_FLAG}=(\d+)", flags)
-    if match and int(match.group(1)) >= count:
-        return
-    flags = re.sub(rf"{DEVICE_COUNT_FLAG}=\d+", "", flags).strip()
-    environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
+from .rl.loop import run_rl
+from .sft.loop import run_sft
 
 
-# name: (config class, load, the trainer as module:function (imported after the XLA flags are set), label of its
-# messages, help, description)
+def use_cpu_devices(count: int) -> None:
+    """Makes JAX's CPU backend expose at least `count` devices: never fewer than XLA_FLAGS'
+    --xla_force_host_platform_device_count or an earlier call asked for, and a no-op once the backend has started
+    (the trainer then reports too few devices)."""
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if max(jax.config.jax_num_cpu_devices, int(flag.group(1)) if flag else 1) < count:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:  # the backend has started
+            pass
+
+
+# name: (config class, load, trainer, label of its messages, help, description)
 COMMANDS = {
-    "sft": (SFTConfig, load_config, ".sft.loop:run_sft", "jodc-train", "supervised fine-tuning",
+    "sft": (SFTConfig, load_config, run_sft, "jodc-train", "supervised fine-tuning",
             "Supervised fine-tuning with the ODC, collective, XLA-SPMD or reference engine."),
-    "rl": (RLConfig, load_rl_config, ".rl.loop:run_rl", "jodc-train rl", "RL post-training (DPPO by default)",
+    "rl": (RLConfig, load_rl_config, run_rl, "jodc-train rl", "RL post-training (DPPO by default)",
            "RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference engine, on a "
            "verifiable task or your own reward function."),
 }
@@ -61,12 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, trainer: str) -> int:
-    """The flow of every subcommand: load and validate the config, print it if asked, set the host device count,
-    then import the trainer (`trainer`, 'module:function': only now, JAX comes with it) and run it, under mpirun
-    in every process on its share of the devices. A config error, also one only the trainer can detect (some checks
-    need JAX), is printed and gives exit status 2; any other error prints its traceback and then, as the last line,
-    `<label>: error: <type>: <message>`, with exit status 1."""
+def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, trainer) -> int:
+    """The flow of every subcommand: load and validate the config, print it if asked, set the CPU device count,
+    then run `trainer` on the config, under mpirun in every process on its share of the devices. A config error,
+    also one only the trainer can detect, is printed and gives exit status 2; any other error prints its traceback
+    and then, as the last line, `<label>: error: <type>: <message>`, with exit status 1."""
     try:
         config = load(args.config, overrides)
         if args.print_config:
@@ -77,13 +77,11 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
             local = distributed.local_device_count(config.engine.devices, processes)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if config.engine.platform == "cpu" and local > 1:
-            set_host_device_count(local)
-        module, _, function = trainer.partition(":")
-        run = getattr(importlib.import_module(module, __package__), function)
+        if config.engine.platform == "cpu":
+            use_cpu_devices(local)
         if processes > 1:
             distributed.initialize()
-        run(config)
+        trainer(config)
     except ConfigError as e:
         print(f"{label}: config error: {e}", file=sys.stderr)
         return 2

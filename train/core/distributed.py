@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 # Process-count variables of the common MPI launchers (Open MPI, MPICH/Hydra, PMIx).
 _SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
@@ -35,8 +37,6 @@ def local_device_count(total_devices: int, processes: int) -> int:
 
 def initialize() -> None:
     """jax.distributed over the processes of MPI_COMM_WORLD (idempotent); needs the jodc[mpi] extra."""
-    import jax
-
     if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
         return
     try:
@@ -48,19 +48,13 @@ def initialize() -> None:
 
 def is_primary() -> bool:
     """True in the process that prints and writes the run's outputs (process 0)."""
-    import jax
-
     return jax.process_index() == 0
 
 
 def barrier(name: str) -> None:
     """Waits until every process of the run reaches the barrier `name` (a no-op in a single-process run): e.g. until
     process 0 has written a file the others read next."""
-    import jax
-
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -83,12 +77,8 @@ def check_agreement(what: str, value) -> None:
     advantages) instead of receiving it; this check turns a divergence (a non-deterministic reward function, a
     process sampling with other parameters) into an error naming the processes instead of silently training each
     process's devices on different data."""
-    import jax
-
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     value = np.asarray(value() if callable(value) else value)
     values = np.asarray(multihost_utils.process_allgather(value)).reshape(jax.process_count(), *value.shape)
     differ = [p for p in range(values.shape[0]) if not np.array_equal(values[p], values[0])]

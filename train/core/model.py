@@ -2,7 +2,6 @@
 HF checkpoint), the planner and its cost model for that decoder's shape, and the engine with its optimizer."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -12,7 +11,6 @@ import numpy as np
 
 from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
 from jodc import fsdp
-from jodc.fsdp import OptimizerConfig
 from jodc.models import DecoderConfig, init_params, load_pretrained, split_params
 from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
@@ -79,11 +77,6 @@ def cost_model(name: str, config: DecoderConfig):
     return make_cost_model(name, **({"shape": model_shape(config)} if name == "flops" else {}))
 
 
-def optimizer_config(config) -> OptimizerConfig:
-    """The engines' OptimizerConfig: the optimizer section with the schedule's length in effect (`total_steps`)."""
-    return dataclasses.replace(config.optimizer, total_steps=config.total_steps)
-
-
 def mesh_devices(platform: str, count: int) -> list:
     """The first `count` devices of `platform`; a clear error when there are fewer."""
     try:
@@ -91,8 +84,8 @@ def mesh_devices(platform: str, count: int) -> list:
     except RuntimeError as e:
         raise RuntimeError(f"engine.platform={platform!r} has no devices here: {e}") from None
     if len(devices) < count:
-        hint = (f" On a CPU host, set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX is "
-                "imported (the jodc-train CLI does this).") if platform == "cpu" else ""
+        hint = (f" On a CPU host, call jax.config.update('jax_num_cpu_devices', {count}) before JAX first runs "
+                "(the jodc-train CLI does this).") if platform == "cpu" else ""
         raise RuntimeError(f"engine.devices={count} but only {len(devices)} {platform} device(s) exist.{hint}")
     return devices[:count]
 
@@ -102,7 +95,7 @@ def make_engine(config, model, groups):
     options of the engine section that engine takes (`Engine.options`)."""
     e = config.engine
     mesh = jax.sharding.Mesh(np.array(mesh_devices(e.platform, e.devices)), ("d",))
-    return fsdp.make_engine(e.name, model, groups, mesh, optimizer=optimizer_config(config),
+    return fsdp.make_engine(e.name, model, groups, mesh, optimizer=config.schedule_optimizer,
                             compute_dtype=jnp.dtype(e.compute_dtype),
                             length_buckets=parse_length_buckets(e.length_buckets) if e.length_buckets else None,
                             deterministic=e.deterministic,

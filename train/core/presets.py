@@ -1,7 +1,6 @@
 """Built-in model shapes for training from scratch, as plain `DecoderConfig` keyword arguments.
 
 They are sized for CPU runs and tests (the vocabulary comes from the tokenizer, so it is not part of a preset).
-Kept free of JAX imports so that the CLI can validate a config before JAX starts.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from .callbacks import Callback, EngineFactory, emit
 from .checkpoint import CheckpointStore, export_hf
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
-from .model import build_decoder, cost_model, make_engine, make_planner, optimizer_config
+from .model import build_decoder, cost_model, make_engine, make_planner
 from .timers import Timers, step_times, timing_lines, timing_summary
 
 CHECKPOINT_DIR, HF_DIR, TIMELINE_DIR, CONFIG_FILE = "checkpoints", "hf", "timeline", "config.yaml"
@@ -113,7 +113,7 @@ class Trainer:
         self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed, **head)
         self.planner = self.timers.timed("plan", make_planner(config))
         self.cost_model = cost_model(config.engine.cost_model, self.model_config)
-        self.lr_schedule = learning_rate_schedule(optimizer_config(config))
+        self.lr_schedule = learning_rate_schedule(config.schedule_optimizer)
         self.engine = self.engine_factory(config, self.model, groups)
         return groups
 

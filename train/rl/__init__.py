@@ -1,2 +1,2 @@
 """GRPO-style RL: the task and its rewards, rollouts, the reference policy, packing rollouts into minibatches, the
-policy loss, metrics, the SFT warm start, the CLI, and the loop (`loop.run_rl`). Imports no JAX."""
+policy loss, metrics, the SFT warm start, and the loop (`loop.run_rl`)."""

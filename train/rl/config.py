@@ -1,5 +1,6 @@
 """The RL job: the shared sections of `train/core/config.py` with RL's defaults, plus `task`, `rollout`, `loss`
-and `warmstart`; read like the SFT config (`--steps 20`, `--group_size 4`, `--loss ppo`). Imports no JAX.
+and `warmstart`; read like the SFT config (`--steps 20`, `--group_size 4`, `--loss ppo`). The loss, advantage and
+KL estimator names are those of `jodc.losses`' registries.
 
 Loss hyper-parameters left at null take the loss's own (published) default; only the ones set are passed, and
 one the chosen loss does not take is an error at start-up. `dual_clip: 0` and `ratio_cap: 0` switch those off.
@@ -9,19 +10,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Sequence
 
-from ..core.config import (CheckpointConfig, ConfigError, EngineConfig, OptimizerConfig, RunConfig, Section,
-                           TrainingConfig, config_class, defaults, load)
+from jodc.fsdp import OptimizerConfig
+from jodc.losses import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+from ..core.config import (CheckpointConfig, ConfigError, EngineConfig, RunConfig, Section, TrainingConfig,
+                           defaults, load)
 from .tasks import TASK_NAMES
 
 TaskName = Literal[TASK_NAMES]
-#: jodc.losses.KL_ESTIMATORS and the names of jodc.losses.ADVANTAGE_ESTIMATORS (this module imports no JAX; a test
-#: keeps the lists in step).
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl",
-                 "k1+", "k2+", "k3+", "abs+", "kl+", "mse+", "low_var_kl+")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                        "grpo_passk", "gpg", "opo", "gdpo", "optimal_token_baseline", "gae")
+LossName = Literal[tuple(POLICY_LOSSES)]
+Aggregation = Literal[AGGREGATIONS]
 KlEstimator = Literal[KL_ESTIMATORS]
-AdvantageEstimator = Literal[ADVANTAGE_ESTIMATORS]
+AdvantageEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
 #: Loss hyper-parameters that may be set in the `loss` section; null = the loss's default.
 LOSS_OPTIONS = ("divergence", "approximation", "delta_low", "delta_high", "ratio_cap", "clip_low", "clip_high",
                 "dual_clip", "tau_pos", "tau_neg", "eta", "tis_cap", "behaviour_weight_cap", "dro_beta")
@@ -110,8 +110,8 @@ class LossConfig(Section):
     minimum = {"kl_coef": 0.0, "entropy_coeff": 0.0, "critic_vf_coef": 0.0, "critic_value_clip": 0.0,
                "critic_gamma": 0.0, "critic_lam": 0.0, "kl_in_reward_coef": 0.0, "kl_in_reward_target": 0.0,
                "kl_in_reward_horizon": 1, **{name: 0.0 for name in LOSS_OPTIONS[2:]}}
-    name: str = "dppo"  # dppo (binary TV), dppo_kl, dppo_topk, ppo, grpo, dapo, gspo, sapo, cispo, dro, ...
-    aggregation: str | None = None  # token-mean, seq-mean-token-mean, ...; null: the loss's default
+    name: LossName = "dppo"  # dppo (binary TV), dppo_kl, dppo_topk, ppo, grpo, dapo, gspo, sapo, cispo, dro, ...
+    aggregation: Aggregation | None = None  # token-mean, seq-mean-token-mean, ...; null: the loss's default
     advantage: AdvantageEstimator = "grpo"  # advantage estimator (verl's names)
     normalize_std: bool = True  # divide group advantages by the group's std (false: Dr.GRPO)
     kl_coef: float = 0.0  # weight of a KL penalty to the initial policy (0: none)
@@ -195,14 +195,14 @@ class RlRunConfig(RunConfig):
     unstable_kl: float = 0.05  # an update whose KL(behaviour || policy) exceeds this counts as a blow-up
 
 
-@config_class
+@dataclasses.dataclass
 class RLConfig(TrainingConfig):
     """The RL job: the shared sections (with RL's defaults) and the RL sections."""
 
-    task: TaskConfig
-    rollout: RolloutConfig
-    loss: LossConfig
-    warmstart: WarmstartConfig
+    task: TaskConfig = defaults(TaskConfig)
+    rollout: RolloutConfig = defaults(RolloutConfig)
+    loss: LossConfig = defaults(LossConfig)
+    warmstart: WarmstartConfig = defaults(WarmstartConfig)
     # What a checkpoint means: resuming with other values would silently continue a different run (another
     # model, task, reward, warm start, prompt stream or rollout shape). Where the sampler computes (thread or
     # process, its priority) does not change a rollout, so it may change.
@@ -214,15 +214,15 @@ class RLConfig(TrainingConfig):
     # response), checkpoints every 10 steps.
     optimizer: OptimizerConfig = defaults(OptimizerConfig, learning_rate=1e-4, schedule="constant", warmup_steps=0)
     engine: EngineConfig = defaults(EngineConfig, devices=2, token_cap=256)
-    run: RlRunConfig
+    run: RlRunConfig = defaults(RlRunConfig)
     checkpoint: CheckpointConfig = defaults(CheckpointConfig, save_every=10, keep_checkpoints=2)
 
     @property
-    def total_steps(self) -> int:
-        """Length of the learning-rate schedule in optimizer updates."""
-        return self.optimizer.total_steps or self.run.steps * self.run.updates_per_step
+    def optimizer_updates(self) -> int:
+        """The run's length in optimizer updates: run.steps x run.updates_per_step."""
+        return self.run.steps * self.run.updates_per_step
 
-    def __post_init__(self):
+    def check(self) -> None:
         e = self.engine
         if self.run.updates_per_step > self.rollout.rollout_size:
             raise ConfigError(f"run.updates_per_step={self.run.updates_per_step} exceeds the rollout's "

@@ -46,7 +46,7 @@ from .batch import pack_minibatch, sequences_digest, split_minibatches, training
 from .config import RLConfig
 from .critic import critic_advantages, response_values
 from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
-from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, rollout_metrics, update_metrics
+from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, step_record
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, resolve_reward_function, score
 from .rollout import sample_rollout, sampling_params
@@ -265,24 +265,13 @@ class RLRun(Trainer):
                                     **summarize_metrics(result.metrics, self.objective)})
                     tokens += arrays.num_tokens
                     microbatches.append(result.microbatches)
-        seconds, train_seconds = timers["step"], timers["train"]
-        record = rollout_metrics(rewards, r.group_size, rollout.response_lengths, rollout.finished,
-                                 success_reward=self.config.task.success_reward)
-        # every update of the step skipped (non-finite): no loss to report
-        record.update(update_metrics(updates, unstable_kl=run_.unstable_kl) if updates else
-                      {"loss": float("nan"), "grad_norm": float("nan")})
-        sampler_busy = self.rollouts.sampler_busy(started, started + seconds, scored)
-        record.update({self.SKIPPED_KEY: self.skipped, "learning_rate": learning_rate, "tokens": tokens,
-                       "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
-                       "microbatches": microbatches, "rollout_seconds": rollout.seconds,
-                       "reward_seconds": scored.reward_seconds, "mismatch_seconds": scored.mismatch_seconds,
-                       "rollout_fraction": rollout.seconds / seconds, "train_fraction": train_seconds / seconds,
-                       "policy_version": int(scored.versions.min()),
-                       "staleness": int(step - scored.versions.min()), "rollout_wait_seconds": waited,
-                       "trainer_idle_fraction": min(waited / seconds, 1.0),
-                       "sampler_idle_fraction": max(0.0, 1.0 - sampler_busy / seconds), **scored.mismatch,
-                       **kl_record})
-        return record
+        seconds = timers["step"]
+        return step_record(scored, step, updates, group_size=r.group_size,
+                           success_reward=self.config.task.success_reward, unstable_kl=run_.unstable_kl,
+                           seconds=seconds, train_seconds=timers["train"], waited=waited, tokens=tokens,
+                           sampler_busy=self.rollouts.sampler_busy(started, started + seconds, scored),
+                           **{self.SKIPPED_KEY: self.skipped}, learning_rate=learning_rate,
+                           microbatches=microbatches, **kl_record)
 
     # -- the end of a run --------------------------------------------------------------------------------------
     def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:

@@ -15,8 +15,10 @@ import json
 import os
 from typing import Callable
 
+from jodc.fsdp import OptimizerConfig
+
 from ..core import distributed
-from ..core.config import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig, SFTConfig
+from ..core.config import CheckpointConfig, DataConfig, LoggingConfig, RunConfig, SFTConfig
 from .config import RLConfig
 from .tasks import Task, warmstart_records
 
