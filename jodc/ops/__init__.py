@@ -15,12 +15,15 @@ from jodc.ops.gather import gather
 from jodc.ops.heap import Bucket, SymmetricHeap
 from jodc.ops.layer import odc_layer
 from jodc.ops.publish import publish
+from jodc.ops.replicated_heap import ReplicatedBucket, ReplicatedHeap
 from jodc.ops.scatter_accumulate import scatter_accumulate
 from jodc.ops.token import after, depend_on, new_token
 
 __all__ = [
     "Bucket",
     "DeviceFailed",
+    "ReplicatedBucket",
+    "ReplicatedHeap",
     "SymmetricHeap",
     "after",
     "barrier",
