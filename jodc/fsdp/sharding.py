@@ -94,14 +94,13 @@ def hsdp_mesh(devices, replicas: int) -> Mesh:
     ('r', 'd') with consecutive devices in one group (devices r * shards .. r * shards + shards - 1 form group r: a
     process's or a node's devices, listed together, share the fast link). ValueError naming `replicas` when it is
     not a positive divisor of the device count."""
+    from jodc.engine_facts import hsdp_shards
+
     devices = list(devices)
-    if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
-        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
-    if len(devices) % replicas:
-        raise ValueError(f"replicas={replicas} does not divide the {len(devices)} devices into equal replica groups")
+    shards = hsdp_shards(len(devices), replicas)
     if replicas == 1:
         return Mesh(np.array(devices), (SHARD_AXIS,))
-    return Mesh(np.array(devices).reshape(replicas, len(devices) // replicas), (REPLICA_AXIS, SHARD_AXIS))
+    return Mesh(np.array(devices).reshape(replicas, shards), (REPLICA_AXIS, SHARD_AXIS))
 
 
 def shard_numels(numels: dict[str, int], devices: int) -> dict[str, int]:

@@ -85,8 +85,6 @@ class ShardedStateMixin:
         """Hook: the canonical flat parameters were just loaded (the ODC engine republishes them)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from jodc.fsdp import sharding
-
         params = {g: np.asarray(state["params"][g], np.float32) for g in self.model.group_names}
         self._params_loaded(params)
         self.shards = self._sharded(params)

@@ -23,7 +23,7 @@ import yaml
 from draccus.utils import DecodingError, ParsingError, deflatten
 
 from jodc import optimizer_config
-from jodc.engine_facts import ENGINE_FACTS, ENGINE_NAMES
+from jodc.engine_facts import ENGINE_FACTS, ENGINE_NAMES, hsdp_shards
 from jodc.optimizer_config import Schedule
 
 from .presets import MODEL_PRESETS
@@ -150,9 +150,11 @@ def parse_length_buckets(text) -> tuple[int, ...]:
 class EngineConfig(Section):
     """How a step runs: which engine on how many devices, how sequences are balanced, precision."""
 
-    name_in_config, minimum = "engine", {"devices": 1, "token_cap": 8}
+    name_in_config, minimum = "engine", {"devices": 1, "token_cap": 8, "replicas": 1}
     name: Engine = "odc"  # odc (on-demand), collective (lock-step FSDP), xla_spmd (NamedSharding + jit), reference
     devices: int = 4  # data-parallel devices (simulated CPU devices on a CPU host)
+    # HSDP replica groups: parameters sharded over devices / replicas devices, replicated over the groups (1: flat)
+    replicas: int = 1
     platform: Platform = "cpu"  # JAX platform whose devices form the mesh
     planner: Planner | None = None  # default: the engine's (lb_mini for odc, lb_micro for the lock-step ones)
     cost_model: CostModel = "flops"  # how the planner weighs a sequence
@@ -181,6 +183,10 @@ class EngineConfig(Section):
                               "are not guaranteed bit-for-bit reproducible)")
         if self.length_buckets is not None:
             parse_length_buckets(self.length_buckets)
+        try:
+            hsdp_shards(self.devices, self.replicas)
+        except ValueError as e:
+            raise ConfigError(f"engine.replicas: {e} (engine.devices={self.devices})") from None
 
 
 @dataclasses.dataclass
