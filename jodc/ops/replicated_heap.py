@@ -7,8 +7,9 @@ ops accept a :class:`ReplicatedHeap` / :class:`ReplicatedBucket` wherever they a
 (``lax.switch`` over the groups, one native call per branch; the handlers are unchanged). Summing the groups'
 accumulated shards across replicas is the caller's collective (``lax.psum`` over `replica_axis`), once per minibatch.
 
-Each replica group must sit in one process (its heap is in-process memory); replicas may be spread over processes
-(one process per node: shards inside, replicas across). A group spanning processes is refused.
+Layouts across processes: each group inside one process (in-process heaps, one process per node: shards inside,
+replicas across; the cross-replica reduce is the only traffic between processes), or every group spread over the
+same processes (MPI heaps: shards across processes, replicas inside). Others are refused (`local_replicas`).
 """
 from __future__ import annotations
 
@@ -40,31 +41,40 @@ def replica_groups(mesh: jax.sharding.Mesh, axis_name: str, replica_axis: str) -
     return devices.reshape(int(mesh.shape[replica_axis]), int(mesh.shape[axis_name]))
 
 
+def local_replicas(groups: np.ndarray, process: int) -> list[int]:
+    """The replica groups (rows of `groups`, [replicas, shards] devices) whose heap `process` creates.
+
+    Two layouts work: every group inside one process (its heap is in-process memory; a process creates its own
+    groups' heaps), or every group spread over the same processes (shards across processes, replicas inside: every
+    process creates every group's heap, in order, each an MPI heap, collective over those processes). ValueError
+    for any other layout, naming the groups' processes."""
+    spans = [sorted({int(d.process_index) for d in row}) for row in groups]
+    if all(len(s) == 1 for s in spans):
+        local = [r for r, s in enumerate(spans) if s == [process]]
+        if not local:
+            raise ValueError(f"no replica group holds a device of process {process} (groups' processes: {spans})")
+        return local
+    if all(s == spans[0] for s in spans):
+        return list(range(len(spans)))
+    raise ValueError(
+        f"replica groups over processes {spans}: each group must lie in one process (shards inside a process, "
+        f"replicas across: the fast layout), or every group must span the same processes (shards across processes, "
+        f"replicas inside)")
+
+
 class ReplicatedHeap:
     """Buckets sharded along `axis_name` and replicated along `replica_axis`: one `SymmetricHeap` per replica group.
 
     Args as `SymmetricHeap` (each group's heap gets them), plus `replica_axis`. This process creates the heaps of
-    the groups whose devices it holds (`heaps`: replica index -> heap); every group must lie in one process.
-    ``world`` is the group size (shards per bucket), ``replicas`` the number of groups.
+    the groups whose devices it holds (`heaps`: replica index -> heap; layouts: `local_replicas`). ``world`` is the
+    group size (shards per bucket), ``replicas`` the number of groups.
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: str = "d", replica_axis: str = "r", *,
                  deterministic: bool = False, barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
                  transport: str = "auto"):
         groups = replica_groups(mesh, axis_name, replica_axis)
-        me = jax.process_index()
-        local = []
-        for r, row in enumerate(groups):
-            processes = sorted({int(d.process_index) for d in row})
-            if len(processes) > 1:
-                raise ValueError(
-                    f"replica group {r} of mesh {dict(mesh.shape)} spans processes {processes}: a replica group "
-                    f"must lie in one process (shards inside a process, replicas across); put the processes' "
-                    f"devices along {replica_axis!r}")
-            if processes == [me]:
-                local.append(r)
-        if not local:
-            raise ValueError(f"no replica group of mesh {dict(mesh.shape)} holds a device of process {me}")
+        local = local_replicas(groups, jax.process_index())
         self.mesh = mesh
         self.axis_name, self.replica_axis = axis_name, replica_axis
         self.replicas, self.world = groups.shape
