@@ -1,6 +1,11 @@
 """HSDP: the engines on a 2-D (replica, shard) mesh of 8 simulated CPU devices as 2x4 and 4x2, against the unsharded
 reference, with uneven microbatch counts per device and per replica; the replicated heap's ops; deterministic mode;
-resume across layouts; bad mesh settings refused."""
+resume across layouts; a failed or late device ends every replica's step; bad mesh settings refused."""
+import threading
+import time
+import types
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +134,7 @@ def test_replicated_heap_keeps_each_group_to_itself():
             scale = (lax.axis_index("r") + 1).astype(jnp.float32)
             token = ops.scatter_accumulate(bucket, full * scale, token)
             token = ops.barrier(heap, token)
+            token = ops.replica_barrier(heap, token)
             acc, token = ops.read_accumulator(bucket, token)
             token = ops.zero_accumulator(bucket, token)
             total = ops.depend_on(lax.psum(acc, "r"), token)
@@ -144,7 +150,7 @@ def test_replicated_heap_keeps_each_group_to_itself():
                 own = padded[d * shard:(d + 1) * shard] * 4 * (r + 1)  # four devices pushed into it
                 np.testing.assert_allclose(out[r * 4 + d, 0], own, rtol=1e-6)
                 np.testing.assert_allclose(out[r * 4 + d, 1], padded[d * shard:(d + 1) * shard] * 12, rtol=1e-6)
-        assert heap.generations() == {0: [1] * 4, 1: [1] * 4}
+        assert heap.generations() == {0: [1] * 4, 1: [1] * 4} and heap.world_heap.generations() == [1] * 8
         assert np.abs(bucket.accumulated(1)).max() == 0  # zeroed
         np.testing.assert_array_equal(bucket.full(1), values)
         assert heap.positions[mesh.devices[1, 2]] == 6 and heap.transport == "local"
@@ -184,3 +190,77 @@ def test_bad_mesh_settings_are_refused():
             engine.step(fsdp_toy.random_minibatch([1, 1, 1, 1]))
     finally:
         engine.close()
+
+
+class StalledHSDP(ODCEngine):
+    """ODC whose device 0 (replica 0) raises, or sleeps past the barrier timeout, before its first step's barrier."""
+
+    def __init__(self, *args, fault, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fault = fault
+
+    def _barrier(self, token, recorder, every_group=False):
+        if every_group and not getattr(self, "_faulted", False):
+            self._faulted = True
+
+            def host(device):
+                if int(device) == 0:
+                    if self.fault == "raise":
+                        raise ValueError("boom on device 0")
+                    time.sleep(4.0)
+                return np.int32(0)
+
+            token = token + jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.int32), sharding.device_position())
+        return super()._barrier(token, recorder, every_group)
+
+
+@pytest.mark.parametrize("fault", ["raise", "late"])
+def test_a_failed_or_late_device_ends_every_replicas_step(fault):
+    """Device 0 of replica 0 fails (or never arrives within the timeout) before the minibatch barrier: every device
+    of both groups leaves the step with that cause within seconds; none waits in the cross-replica psum."""
+    model, groups = fsdp_toy.make_model(num_layers=1)
+    engine = StalledHSDP(model, groups, sharding.hsdp_mesh(jax.devices("cpu")[:4], 2), optimizer=OPT,
+                         barrier_timeout_s=120 if fault == "raise" else 1.0, fault=fault)
+    outcome = {}
+
+    def step():
+        try:
+            engine.step(fsdp_toy.random_minibatch([2, 1, 1, 2], seed=0))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"] = e
+
+    start = time.monotonic()
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        engine.heap.abort("the test gave up")
+        pytest.fail("the step still waits after 60 s")
+    error = outcome.get("error")
+    if fault == "raise":
+        assert isinstance(error, ops.DeviceFailed) and error.device == 0, error
+        assert "boom on device 0" in str(error)
+    else:
+        assert "jodc barrier timed out after 1 s" in str(error), error
+    assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="aborted|timed out"):
+        engine.heap.check_alive()  # poisoned until re-created
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        engine.close()
+
+
+def test_replica_groups_across_processes_are_checked():
+    from jodc.ops.replicated_heap import local_replicas
+
+    def dev(process):
+        return types.SimpleNamespace(process_index=process)
+
+    per_process = np.array([[dev(0), dev(0)], [dev(1), dev(1)]])
+    assert local_replicas(per_process, 1) == [1]
+    spread = np.array([[dev(0), dev(1)], [dev(0), dev(1)]])
+    assert local_replicas(spread, 0) == [0, 1]
+    with pytest.raises(ValueError, match=r"replica groups over processes \[\[0, 1\], \[2\]\]"):
+        local_replicas(np.array([[dev(0), dev(1)], [dev(2), dev(2)]]), 0)
+    with pytest.raises(ValueError, match="no replica group holds a device of process 2"):
+        local_replicas(per_process, 2)

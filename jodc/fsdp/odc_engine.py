@@ -114,7 +114,9 @@ class ODCEngine(ShardedStateMixin, Engine):
         loss_sum, metric_sums, token = microbatch_loop(
             run_microbatch, arrays, counts[0], ops.new_token(self.axes), normalizer=per_device_normalizer,
             lengths=lengths, bucket=bucket_index[0], metric_names=self.model.metric_names, axis=self.axes)
-        token = self._barrier(token, recorder)  # every device's pushes have landed
+        # every device's pushes have landed. HSDP: every device of every group meets here (`replica_barrier`), so
+        # that a failure anywhere ends every device's step in an abortable barrier, never in a collective below
+        token = self._barrier(token, recorder, every_group=isinstance(self.axes, tuple))
         # the reductions below are collectives: keep them after the barrier (XLA would otherwise hoist them, and
         # the devices would meet there instead, invisibly)
         loss_sum, metric_sums = ops.depend_on((loss_sum, metric_sums), token)
@@ -134,10 +136,10 @@ class ODCEngine(ShardedStateMixin, Engine):
         return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None],
                 sharding.stacked(metrics), applied[None])
 
-    def _barrier(self, token, recorder):
+    def _barrier(self, token, recorder, every_group: bool = False):
         if recorder is not None:
             token = recorder.mark(token, -1, timeline.BARRIER_ENTER)
-        token = ops.barrier(self.heap, token)
+        token = ops.replica_barrier(self.heap, token) if every_group else ops.barrier(self.heap, token)
         if recorder is not None:
             token = recorder.mark(token, -1, timeline.BARRIER_EXIT)
         return token

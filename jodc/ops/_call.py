@@ -70,12 +70,13 @@ def native(owner, op: str, results, *operands):
     member, chosen by its index along the replica axis (``lax.switch``: one branch per group)."""
     if isinstance(owner, (ReplicatedBucket, ReplicatedHeap)):
         heap = owner if isinstance(owner, ReplicatedHeap) else owner.heap
-        branches = [functools.partial(_native_one, member, op, results) for member in owner.members()]
+        branches = [functools.partial(native_one, member, op, results) for member in owner.members()]
         return lax.switch(lax.axis_index(heap.replica_axis), branches, *operands)
-    return _native_one(owner, op, results, *operands)
+    return native_one(owner, op, results, *operands)
 
 
-def _native_one(owner, op: str, results, *operands):
+def native_one(owner, op: str, results, *operands):
+    """`op`'s FFI target called for one `SymmetricHeap` (heap-wide op) or one `Bucket`."""
     if isinstance(owner, SymmetricHeap):
         heap, kwargs = owner, {"heap": np.int64(owner.id)}
     else:

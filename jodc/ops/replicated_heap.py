@@ -80,11 +80,17 @@ class ReplicatedHeap:
         self.replicas, self.world = groups.shape
         self.deterministic = bool(deterministic)
         self.heaps: dict[int, SymmetricHeap] = {}
+        self.world_heap: SymmetricHeap | None = None
         try:
             for r in local:
                 sub = jax.sharding.Mesh(groups[r], (axis_name,))
                 self.heaps[r] = SymmetricHeap(sub, axis_name, deterministic=deterministic,
                                               barrier_timeout_s=barrier_timeout_s, transport=transport)
+            # no buckets: only the barrier of every device of every group (`jodc.ops.replica_barrier`), position
+            # r * world + d; in-process, or MPI when the groups span processes
+            everyone = jax.sharding.Mesh(groups.reshape(-1), (axis_name,))
+            self.world_heap = SymmetricHeap(everyone, axis_name, barrier_timeout_s=barrier_timeout_s,
+                                            transport="auto" if transport == "local" else transport)
         except BaseException:
             self.free()
             raise
@@ -113,12 +119,15 @@ class ReplicatedHeap:
         return [self.heaps.get(r, first) for r in range(self.replicas)]
 
     # -- lifetime ----------------------------------------------------------------------------------------------
+    def _all_heaps(self) -> list[SymmetricHeap]:
+        return list(self.heaps.values()) + ([self.world_heap] if self.world_heap is not None else [])
+
     @property
     def freed(self) -> bool:
-        return all(h.freed for h in self.heaps.values())
+        return all(h.freed for h in self._all_heaps())
 
     def free(self) -> None:
-        for h in self.heaps.values():
+        for h in self._all_heaps():
             h.free()
         for b in self._buckets:
             b._freed = True
@@ -130,17 +139,18 @@ class ReplicatedHeap:
         self.free()
 
     def check_alive(self) -> None:
-        for h in self.heaps.values():
+        for h in self._all_heaps():
             h.check_alive()
 
     @property
     def poisoned(self) -> str:
-        return next((p for p in (h.poisoned for h in self.heaps.values()) if p), "")
+        return next((p for p in (h.poisoned for h in self._all_heaps()) if p), "")
 
     def abort(self, reason: str) -> str:
-        """Aborts every local group's heap (a failed device stops its replicas' peers too: they would otherwise
-        wait at the cross-replica reduce). Returns the poison message now recorded."""
-        for h in self.heaps.values():
+        """Aborts every local group's heap and the all-groups barrier: a failed device's group peers leave their
+        barrier, and the other groups' devices leave `replica_barrier` instead of waiting in the cross-replica
+        collective after it (which nothing could wake). Returns the poison message now recorded."""
+        for h in self._all_heaps():
             h.abort(reason)
         return self.poisoned
 
