@@ -264,3 +264,21 @@ def test_replica_groups_across_processes_are_checked():
         local_replicas(np.array([[dev(0), dev(1)], [dev(2), dev(2)]]), 0)
     with pytest.raises(ValueError, match="no replica group holds a device of process 2"):
         local_replicas(per_process, 2)
+
+
+def test_trainer_engine_follows_engine_replicas():
+    """The trainer's engine (`jodc.train.core.model.make_engine`) runs on the HSDP mesh `engine.replicas` asks for,
+    and takes minibatches planned for every device (`engine.devices`, which the planners are given)."""
+    from jodc.train import load_config
+    from jodc.train.core.model import make_engine
+
+    model, groups = fsdp_toy.make_model(num_layers=1)
+    for name, replicas in (("odc", 2), ("collective", 4)):
+        config = load_config(None, ["--engine", name, "--devices", "8", "--replicas", str(replicas)])
+        engine = make_engine(config, model, groups)
+        try:
+            assert dict(engine.mesh.shape) == {"r": replicas, "d": 8 // replicas} and engine.num_devices == 8
+            if name == "odc":
+                assert (engine.heap.replicas, engine.heap.world) == (2, 4)
+        finally:
+            engine.close()
