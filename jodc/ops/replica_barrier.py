@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.ops._call import TOKEN_TYPE, native_one, device_index
+from jodc.ops._call import TOKEN_TYPE, device_index, native_one
+from jodc.ops.barrier import barrier
 from jodc.ops.replicated_heap import ReplicatedHeap
 from jodc.ops.token import check_token
 
@@ -20,10 +21,14 @@ from jodc.ops.token import check_token
 def replica_barrier(heap: ReplicatedHeap, token) -> jax.Array:
     """Blocks until every device of every replica group of `heap` has arrived; returns a new token. Call inside
     ``shard_map`` over the heap's two axes; fails (instead of hanging) after the heap's barrier timeout, or at once
-    when the heap is aborted."""
+    when the heap is aborted. Where the heap has no all-groups barrier (`ReplicatedHeap.world_heap` is None: GPUs of
+    several processes), this is each group's own `barrier`, and a failure in one group can leave the others waiting
+    in a later cross-replica collective."""
     if not isinstance(heap, ReplicatedHeap):
         raise ValueError(f"jodc.ops.replica_barrier: expected a ReplicatedHeap, got {type(heap).__name__}")
     token = check_token(token, "replica_barrier")
+    if heap.world_heap is None:
+        return barrier(heap, token)
     device_index(heap, "replica_barrier")  # the checks: both axes bound, of the heap's sizes
     position = lax.axis_index(heap.device_axes).astype(jnp.int32)  # r * world + d: the world heap's position
     (token,) = native_one(heap.world_heap, "barrier", (TOKEN_TYPE,), position, token)

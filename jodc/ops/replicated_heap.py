@@ -87,10 +87,14 @@ class ReplicatedHeap:
                 self.heaps[r] = SymmetricHeap(sub, axis_name, deterministic=deterministic,
                                               barrier_timeout_s=barrier_timeout_s, transport=transport)
             # no buckets: only the barrier of every device of every group (`jodc.ops.replica_barrier`), position
-            # r * world + d; in-process, or MPI when the groups span processes
-            everyone = jax.sharding.Mesh(groups.reshape(-1), (axis_name,))
-            self.world_heap = SymmetricHeap(everyone, axis_name, barrier_timeout_s=barrier_timeout_s,
-                                            transport="auto" if transport == "local" else transport)
+            # r * world + d; in-process, or MPI when the groups span processes (CPU). GPUs of several processes
+            # have no transport for it (CUDA IPC and NVSHMEM serve one GPU per process): None there
+            everyone = groups.reshape(-1)
+            several = len({int(d.process_index) for d in everyone}) > 1
+            if self.members()[0].platform == "cpu" or not several:
+                self.world_heap = SymmetricHeap(jax.sharding.Mesh(everyone, (axis_name,)), axis_name,
+                                                barrier_timeout_s=barrier_timeout_s,
+                                                transport="auto" if transport == "local" else transport)
         except BaseException:
             self.free()
             raise
