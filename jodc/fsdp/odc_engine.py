@@ -1,9 +1,10 @@
 """The ODC engine: parameters live in a symmetric heap; each device runs its own number of microbatches,
 gathering layers on demand and pushing gradients to their owners, and meets the others once per minibatch.
 
-On an HSDP mesh ('r', 'd') every replica group is its own ODC world (`jodc.ops.ReplicatedHeap`): gathers, pushes
-and barriers stay inside the group, and after the group's barrier each device's accumulated shard is summed over
-the replicas once per minibatch (`replica_sum`), then updated and published as on a flat mesh."""
+On an HSDP mesh ('r', 'd') every replica group is its own ODC world (`jodc.ops.ReplicatedHeap`): gathers and pushes
+stay inside the group; once every device of every group has arrived (`jodc.ops.replica_barrier`), each device's
+accumulated shard is summed over the replicas once per minibatch (`replica_sum`), then updated and published into
+its own group's heap as on a flat mesh."""
 from __future__ import annotations
 
 import functools
