@@ -335,11 +335,11 @@ def print_table(r: dict) -> None:
     print(f"End-to-end SFT step, {c['devices']} CPU devices x 1 thread, decoder {c['layers']} layers x {c['hidden']}, "
           f"T={c['token_cap']}, {c['seqs_per_device']} sequences/device, {c['minibatches']} minibatches, "
           f"ODC microbatch overhead {1e3 * c['microbatch_overhead_s']:.1f} ms")
-    print(f"{'scenario':<12}{'engine':<12}{'planner':<16}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}"
+    print(f"{'scenario':<12}{'engine':<16}{'planner':<16}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}"
           f"{'effic.':>8}{'sched.':>8}{'imbal.':>8}  microbatches/device")
     for scenario in ("imbalanced", "balanced"):
         for name, row in r[scenario]["engines"].items():
-            print(f"{scenario:<12}{name:<12}{row['planner']:<16}{row['samples_per_s']:>10.2f}{row['tokens_per_s']:>10.0f}"
+            print(f"{scenario:<12}{name:<16}{row['planner']:<16}{row['samples_per_s']:>10.2f}{row['tokens_per_s']:>10.0f}"
                   f"{row['bubble_rate']:>8.2f}{row['efficiency']:>8.2f}{row['schedule_efficiency']:>8.2f}"
                   f"{row['imbalance']:>8.2f}  "
                   f"{row['microbatches_per_device']}")
@@ -349,7 +349,7 @@ def print_table(r: dict) -> None:
         for name, row in r[scenario]["engines"].items():
             parts = [f"p{p}: {q['wall_s']:.2f} = {q['busy_s']:.2f} + {q['cpu_s'] - q['busy_s']:.2f} + "
                      f"{q['wall_s'] - q['cpu_s']:.2f}" for p, q in enumerate(row.get("per_process", []))]
-            print(f"  {scenario:<12}{name:<12}" + "   ".join(parts))
+            print(f"  {scenario:<12}{name:<16}" + "   ".join(parts))
     print(f"ODC speed-up over the faster baseline: imbalanced {r['odc_speedup_imbalanced']:.2f}, "
           f"balanced {r['odc_speedup_balanced']:.2f}")
     print(f"Balance bound (compute-only walls from the calibration, lock-step / ODC schedule): imbalanced "
