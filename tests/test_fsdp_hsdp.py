@@ -282,3 +282,27 @@ def test_trainer_engine_follows_engine_replicas():
                 assert (engine.heap.replicas, engine.heap.world) == (2, 4)
         finally:
             engine.close()
+
+
+def test_a_nan_gradient_in_one_replica_reaches_no_replica():
+    """A NaN gradient on a device of replica 1 is summed into every replica's gradient: no replica applies the step
+    (every group keeps the same parameters and optimizer state, bit for bit), and training goes on."""
+    from jodc.fsdp import NonFiniteStepError
+
+    model = fsdp_toy.poison_backward(fsdp_toy.make_model(num_layers=1)[0])
+    groups = fsdp_toy.make_model(num_layers=1)[1]
+    good = fsdp_toy.random_minibatch([1, 2, 0, 1], seed=4)
+    bad = fsdp_toy.poison(fsdp_toy.random_minibatch([1, 1, 2, 1], seed=5), device=2, microbatch=1)
+    engine = ODCEngine(model, groups, sharding.hsdp_mesh(jax.devices("cpu")[:4], 2), optimizer=OPT)
+    try:
+        before = engine.state_dict()
+        with pytest.raises(NonFiniteStepError, match="not applied"):
+            engine.step(bad)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(engine.state_dict())):
+            np.testing.assert_array_equal(a, b)
+        for g, b in engine.buckets.items():  # both groups' heaps still hold the same, unchanged parameters
+            np.testing.assert_array_equal(b.full(0), before["params"][g])
+            np.testing.assert_array_equal(b.full(1), before["params"][g])
+        assert engine.step(good).applied and engine.steps_done == 1
+    finally:
+        engine.close()
