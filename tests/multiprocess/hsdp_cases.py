@@ -8,9 +8,14 @@ Cases (P processes x LOCAL_DEVICES devices, uneven microbatch counts per device 
                           driver compares bit for bit with `single_process_run` (one process driving the same mesh)
   odc_shards_across       ODC, every replica group spread over the processes (MPI heaps; replicas inside a process)
   collective_replicas_across  collective FSDP, gathers inside a process, all-reduce over replicas across them
+  odc_replica_fails       ODC with a replica group per process whose last process's first device raises before the
+                          minibatch barrier: every process's step fails within the barrier timeout (no device waits
+                          in the cross-replica psum), then every process frees its heaps
 """
 import os
 import sys
+import time
+import warnings
 
 import numpy as np  # no JAX: the device count is set first (main)
 
@@ -85,7 +90,40 @@ def main():
         check(*run(CollectiveEngine(model, groups, replicas_across, optimizer=opt), batches),
               "collective replicas across processes")
 
-    cases = {f.__name__: f for f in (odc_replicas_across, odc_shards_across, collective_replicas_across)}
+    def odc_replica_fails():
+        import jax.numpy as jnp
+
+        from jodc.ops.failure import summarize
+
+        class FailingODC(ODCEngine):
+            def _barrier(self, token, recorder, every_group=False):
+                if every_group:
+                    def host(device):
+                        if int(device) == P * L - 1:
+                            raise ValueError("boom on the last process")
+                        return np.int32(0)
+
+                    token = token + jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.int32),
+                                                      sharding.device_position())
+                return super()._barrier(token, recorder, every_group)
+
+        timeout_s = 5.0
+        engine = FailingODC(model, groups, replicas_across, optimizer=opt, barrier_timeout_s=timeout_s)
+        t0 = time.monotonic()
+        try:
+            engine.step(batches[0])
+        except Exception as e:  # noqa: BLE001 - what every process must see
+            elapsed = time.monotonic() - t0
+            print(f"[rank {rank}] step failed after {elapsed:.1f} s: {summarize(e)[:300]}", flush=True)
+            assert elapsed < timeout_s + 20, elapsed
+        else:
+            raise AssertionError("the step succeeded")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            engine.close()  # collective (the all-groups barrier's MPI heap): every process frees here
+
+    cases = {f.__name__: f for f in (odc_replicas_across, odc_shards_across, collective_replicas_across,
+                                     odc_replica_fails)}
     _mp.run_cases(cases, sys.argv[3:], comm)
 
 
