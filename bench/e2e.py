@@ -34,6 +34,7 @@ import time
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="replica groups of the hsdp_* rows (HSDP_CONTENDERS)")
     p.add_argument("--minibatches", type=int, default=6)
     p.add_argument("--seqs-per-device", type=int, default=4)
     p.add_argument("--token-cap", type=int, default=1024)
@@ -63,7 +64,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from jodc.balance import LinearCost, QuadraticCost, get_planner  # noqa: E402
-from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, XlaSpmdEngine  # noqa: E402
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, XlaSpmdEngine, sharding  # noqa: E402
 from jodc.fsdp.batch import minibatch_from_plan  # noqa: E402
 from jodc.train.core.staged_decoder import decoder_staged_model  # noqa: E402
 from jodc.models.config import DecoderConfig  # noqa: E402
@@ -73,7 +74,10 @@ from jodc.sim.lengths import get_length_distribution  # noqa: E402
 # "odc_det" is the "odc" row (same plans) with a deterministic heap: the price of bit-for-bit reproducibility
 CONTENDERS = (("odc", "lb_mini", ODCEngine), ("odc_det", "lb_mini", ODCEngine), ("odc_seq", "lb_mini", ODCEngine),
               ("collective", "lb_micro", CollectiveEngine), ("xla_spmd", "lb_micro", XlaSpmdEngine))
+# HSDP rows (bench/multiprocess.py --hsdp): the same engines on the (replica, shard) mesh of `args.replicas` groups
+HSDP_CONTENDERS = (("hsdp_odc", "lb_mini", ODCEngine), ("hsdp_collective", "lb_micro", CollectiveEngine))
 ENGINE_OPTIONS = {"odc_det": {"deterministic": True}}
+BUCKET_PLANNED = ("odc", "odc_det", "hsdp_odc")  # rows whose LB-Mini plans for the length buckets
 
 
 def make_sequences(lengths, rng, vocab):
@@ -213,6 +217,16 @@ def microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrat
     return max(0.0, (walls[3] - walls[1] - (busy[3] - busy[1])) / 2)
 
 
+def hsdp_ratios(rows: dict) -> dict:
+    """HSDP-ODC's samples/s over each other row present of hsdp_collective, odc and collective: {"hsdp_odc_vs_<row>":
+    ratio}; empty without an hsdp_odc row."""
+    if "hsdp_odc" not in rows:
+        return {}
+    mine = rows["hsdp_odc"]["samples_per_s"]
+    return {f"hsdp_odc_vs_{other}": mine / rows[other]["samples_per_s"]
+            for other in ("hsdp_collective", "odc", "collective") if other in rows}
+
+
 def run(args, sync=None, contenders=CONTENDERS) -> dict:
     """The whole comparison on `args.devices` devices. `sync`: see LocalSync (devices spanning processes: every
     process calls this, with the same arguments). `contenders`: a subset of CONTENDERS ("odc" and at least one of
@@ -222,6 +236,8 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
         args.minibatches, args.layers = 2, 2
     devices = jax.devices("cpu")[: args.devices]
     mesh = Mesh(np.array(devices), ("d",))
+    meshes = {name: sharding.hsdp_mesh(devices, args.replicas) if name.startswith("hsdp_") else mesh
+              for name, _, _ in contenders}
     local = np.array([d.process_index == jax.process_index() for d in devices])  # this process's devices
     config = DecoderConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                            num_layers=args.layers, num_heads=4, num_kv_heads=2, attention_block_size=128,
@@ -264,13 +280,13 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
         rows, ideal_totals = {}, {}
         for name, planner, engine_cls in contenders:
             plan_fn = get_planner(planner)
-            if name in ("odc", "odc_det"):  # ODC plans for the buckets it runs at (jodc.balance.buckets)
+            if name in BUCKET_PLANNED:  # ODC plans for the buckets it runs at (jodc.balance.buckets)
                 plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
             batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
                                            *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
             busy = [calibrator.busy(b, lengths) for b in batches]
-            walls, own = run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets, sync,
-                                       **ENGINE_OPTIONS.get(name, {}))
+            walls, own = run_contender(engine_cls, model, groups, meshes[name], batches, optimizer, length_buckets,
+                                       sync, **ENGINE_OPTIONS.get(name, {}))
             own["busy_s"] = float(sum(b[local].sum() for b in busy))  # calibrated compute of this process's devices
             busy_total = np.array([b.sum() for b in busy])
             if engine_cls is ODCEngine:
@@ -280,7 +296,7 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
             ideal_totals[name] = float(ideal.sum())
             tokens = np.array([b.num_tokens for b in batches])
             rows[name] = {
-                "planner": planner + ("+buckets" if name in ("odc", "odc_det") else ""),
+                "planner": planner + ("+buckets" if name in BUCKET_PLANNED else ""),
                 "wall_s": float(np.median(walls)),
                 "samples_per_s": float(np.sum([b.num_sequences for b in batches]) / walls.sum()),
                 "tokens_per_s": float(tokens.sum() / walls.sum()),
@@ -301,6 +317,7 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
         bound = ideal_totals[best_name] / ideal_totals["odc"]
         results[scenario] = {"engines": rows, "odc_speedup": rows["odc"]["samples_per_s"] / best_baseline,
                              "balance_bound": bound, "best_baseline": best_name}
+        results[scenario].update(hsdp_ratios(rows))
         if "odc_det" in rows:  # step time of deterministic ODC relative to the default (same plans): 1.05 = 5% slower
             results[scenario]["deterministic_cost"] = rows["odc"]["samples_per_s"] / rows["odc_det"]["samples_per_s"]
     results["odc_speedup_imbalanced"] = results["imbalanced"]["odc_speedup"]
@@ -318,11 +335,11 @@ def print_table(r: dict) -> None:
     print(f"End-to-end SFT step, {c['devices']} CPU devices x 1 thread, decoder {c['layers']} layers x {c['hidden']}, "
           f"T={c['token_cap']}, {c['seqs_per_device']} sequences/device, {c['minibatches']} minibatches, "
           f"ODC microbatch overhead {1e3 * c['microbatch_overhead_s']:.1f} ms")
-    print(f"{'scenario':<12}{'engine':<12}{'planner':<16}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}"
+    print(f"{'scenario':<12}{'engine':<16}{'planner':<16}{'samples/s':>10}{'tokens/s':>10}{'bubble':>8}"
           f"{'effic.':>8}{'sched.':>8}{'imbal.':>8}  microbatches/device")
     for scenario in ("imbalanced", "balanced"):
         for name, row in r[scenario]["engines"].items():
-            print(f"{scenario:<12}{name:<12}{row['planner']:<16}{row['samples_per_s']:>10.2f}{row['tokens_per_s']:>10.0f}"
+            print(f"{scenario:<12}{name:<16}{row['planner']:<16}{row['samples_per_s']:>10.2f}{row['tokens_per_s']:>10.0f}"
                   f"{row['bubble_rate']:>8.2f}{row['efficiency']:>8.2f}{row['schedule_efficiency']:>8.2f}"
                   f"{row['imbalance']:>8.2f}  "
                   f"{row['microbatches_per_device']}")
@@ -332,7 +349,7 @@ def print_table(r: dict) -> None:
         for name, row in r[scenario]["engines"].items():
             parts = [f"p{p}: {q['wall_s']:.2f} = {q['busy_s']:.2f} + {q['cpu_s'] - q['busy_s']:.2f} + "
                      f"{q['wall_s'] - q['cpu_s']:.2f}" for p, q in enumerate(row.get("per_process", []))]
-            print(f"  {scenario:<12}{name:<12}" + "   ".join(parts))
+            print(f"  {scenario:<12}{name:<16}" + "   ".join(parts))
     print(f"ODC speed-up over the faster baseline: imbalanced {r['odc_speedup_imbalanced']:.2f}, "
           f"balanced {r['odc_speedup_balanced']:.2f}")
     print(f"Balance bound (compute-only walls from the calibration, lock-step / ODC schedule): imbalanced "

@@ -27,6 +27,13 @@ process 0's), and a step's wall is the slowest process's. `mp_odc_speedup_*` is 
 lock-step engine's. --quick: 2 minibatches of a 2-layer model (bench/e2e.py --quick); --skip-ops / --skip-e2e run
 one half only.
 
+HSDP (--hsdp; `mpirun -np 2`, 2 processes x --hsdp-local-devices CPU devices, 1 thread each): the same end-to-end
+comparison on 4 devices with four rows: flat ODC over the MPI transport (`odc`), HSDP-ODC with a replica group per
+process (`hsdp_odc`: in-process heaps, the cross-replica reduce over gloo once per minibatch), flat collective FSDP
+over gloo (`collective`) and HSDP-collective (`hsdp_collective`: gathers inside a process, an all-reduce across
+them per microbatch). `mp_hsdp_odc_vs_hsdp_collective_*` and `mp_hsdp_odc_vs_flat_odc_*` are samples/s ratios of
+the same run (each row timed over the same minibatches one after the other, not in paired rounds).
+
 Progress (each op's ratio; each end-to-end phase with wall and process 0's CPU time) goes to stderr as the workers
 report it. Every mpirun is bounded by --timeout; on expiry it and all its workers are killed (the whole session).
 """
@@ -62,8 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--skip-ops", action="store_true", help="only the end-to-end comparison")
     p.add_argument("--skip-e2e", action="store_true", help="only the op-level comparison")
     p.add_argument("--e2e-nprocs", type=int, default=2, help="processes (1 device each) for the end-to-end part")
+    p.add_argument("--hsdp", action="store_true", help="also the HSDP comparison (2 processes x --hsdp-local-devices)")
+    p.add_argument("--hsdp-local-devices", type=int, default=2, help="CPU devices per process of the HSDP comparison")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-e2e", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-hsdp", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -169,9 +179,13 @@ def worker(args) -> None:
         print(RESULT_PREFIX + json.dumps(rows), flush=True)
 
 
-def e2e_worker(args) -> None:
+def e2e_worker(args, hsdp: bool = False) -> None:
+    """bench/e2e.py's comparison across the processes: 1 device each, or with `hsdp` --hsdp-local-devices each and
+    the flat and HSDP rows of ODC and collective FSDP (a replica group per process)."""
+    local_devices = args.hsdp_local_devices if hsdp else 1
     # as bench/e2e.py: NPROC=1 (the fewest intra-op threads XLA keeps: 2 on jax 0.10.2)
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false"
+    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={local_devices} "
+                               "--xla_cpu_multi_thread_eigen=false")
     os.environ.setdefault("NPROC", "1")
     from mpi4py import MPI
 
@@ -213,23 +227,28 @@ def e2e_worker(args) -> None:
         def per_process(self, value):
             return comm.allgather(value)
 
-    e2e_args = e2e.parse_args(["--devices", str(jax.device_count())] + (["--quick"] if args.quick else []))
-    contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective", "xla_spmd")]
+    e2e_args = e2e.parse_args(["--devices", str(jax.device_count()), "--replicas", str(jax.process_count())]
+                              + (["--quick"] if args.quick else []))
+    if hsdp:
+        contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective")] + list(e2e.HSDP_CONTENDERS)
+    else:
+        contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective", "xla_spmd")]
     r = e2e.run(e2e_args, MPISync(), contenders)
     if comm.Get_rank() == 0:
-        print(f"{E2E_TABLE_HEADING}{jax.process_count()} processes x {jax.local_device_count()} device", flush=True)
+        print(f"{E2E_TABLE_HEADING}{jax.process_count()} processes x {jax.local_device_count()} device(s)", flush=True)
         e2e.print_table(r)
         print(RESULT_PREFIX + json.dumps(r), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------- driver side
-def run_nprocs(nprocs: int, args, e2e: bool = False):
+def run_nprocs(nprocs: int, args, e2e: bool = False, hsdp: bool = False):
     env = mpi_env()
     if not args.default_malloc:
         env.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(1 << 33))
     cmd = mpirun_command(nprocs, sys.executable, "-m", "mpi4py", os.path.abspath(__file__))
-    if e2e:
-        cmd += ["--worker-e2e"] + (["--quick"] if args.quick else [])
+    if e2e or hsdp:
+        cmd += ["--worker-hsdp" if hsdp else "--worker-e2e"] + (["--quick"] if args.quick else [])
+        cmd += ["--hsdp-local-devices", str(args.hsdp_local_devices)]
     else:
         cmd += ["--worker", "--ops", str(args.ops), "--rounds", str(args.rounds), "--mib", *[str(m) for m in args.mib]]
     # Output is read as it comes: progress lines are echoed at once; on timeout the whole process group (mpirun and
@@ -250,7 +269,8 @@ def run_nprocs(nprocs: int, args, e2e: bool = False):
             line = line.rstrip("\n")
             lines.append(line)
             if line.startswith(PROGRESS_PREFIX):
-                print(f"# mpirun -np {nprocs}{' (end to end)' if e2e else ''}: {line[len(PROGRESS_PREFIX):]}",
+                what = " (HSDP)" if hsdp else " (end to end)" if e2e else ""
+                print(f"# mpirun -np {nprocs}{what}: {line[len(PROGRESS_PREFIX):]}",
                       file=sys.stderr, flush=True)
         proc.wait()
     except BaseException:  # Ctrl-C included: leave no workers behind
@@ -261,7 +281,7 @@ def run_nprocs(nprocs: int, args, e2e: bool = False):
     timed_out = expired.is_set()
     for line in lines:
         if line.startswith(RESULT_PREFIX):
-            if e2e:  # the worker's own table (from its heading on: MPI's and gloo's chatter before it is dropped)
+            if e2e or hsdp:  # the worker's own table (from its heading on: MPI's and gloo's chatter before it is dropped)
                 table = [i for i, x in enumerate(lines) if x.startswith(E2E_TABLE_HEADING)]
                 sys.stderr.write("".join(x + "\n" for x in lines[table[0] if table else 0:]
                                          if not x.startswith((RESULT_PREFIX, PROGRESS_PREFIX))))
@@ -272,7 +292,7 @@ def run_nprocs(nprocs: int, args, e2e: bool = False):
 
 
 def main(args) -> dict:
-    rows, summary, e2e = [], {"nprocs": min(args.nprocs), "malloc_tuned": not args.default_malloc}, None
+    rows, summary, e2e, hsdp = [], {"nprocs": min(args.nprocs), "malloc_tuned": not args.default_malloc}, None, None
     for n in [] if args.skip_ops else args.nprocs:
         t0 = time.monotonic()
         rows += run_nprocs(n, args)
@@ -281,16 +301,22 @@ def main(args) -> dict:
         t0 = time.monotonic()
         e2e = run_nprocs(args.e2e_nprocs, args, e2e=True)
         print(f"# mpirun -np {args.e2e_nprocs} (end to end): {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    if args.hsdp:
+        t0 = time.monotonic()
+        hsdp = run_nprocs(2, args, hsdp=True)
+        print(f"# mpirun -np 2 (HSDP): {time.monotonic() - t0:.0f} s", file=sys.stderr)
     if rows:
         summary.update(op_table(rows, args))
     if e2e is not None:
         summary.update(e2e_table(e2e, args))
+    if hsdp is not None:
+        summary.update(hsdp_table(hsdp, args))
     print(json.dumps(summary))
     if not args.no_save:
         os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
         name = "multiprocess_quick.json" if args.quick else "multiprocess.json"
         with open(os.path.join(HERE, "results", name), "w") as f:
-            json.dump({"summary": summary, "rows": rows, "e2e": e2e}, f, indent=1)
+            json.dump({"summary": summary, "rows": rows, "e2e": e2e, "hsdp": hsdp}, f, indent=1)
     return summary
 
 
@@ -311,6 +337,29 @@ def e2e_table(r: dict, args) -> dict:
         for name, row in rows.items():
             out[f"mp_{scenario}_{name}_samples_per_s"] = round(row["samples_per_s"], 3)
             out[f"mp_{scenario}_{name}_bubble_rate"] = round(row["bubble_rate"], 4)
+    return out
+
+
+def hsdp_table(r: dict, args) -> dict:
+    """The HSDP comparison's table (samples/s and bubble rate per row) and its JSON keys."""
+    c = r["config"]
+    print(f"HSDP across 2 processes x {args.hsdp_local_devices} CPU devices (a replica group per process), decoder "
+          f"{c['layers']} layers x {c['hidden']}, T={c['token_cap']}, {c['minibatches']} minibatches; samples/s "
+          f"(bubble rate)")
+    names = list(r["imbalanced"]["engines"])
+    print(f"{'scenario':<12}" + "".join(f"{n:>20}" for n in names) + f"{'HSDP-ODC/HSDP-coll':>20}"
+          f"{'HSDP-ODC/flat ODC':>19}")
+    out = {"hsdp_local_devices": args.hsdp_local_devices, "hsdp_quick": bool(args.quick)}
+    for scenario in ("imbalanced", "balanced"):
+        rows, s = r[scenario]["engines"], r[scenario]
+        print(f"{scenario:<12}" + "".join(f"{rows[n]['samples_per_s']:>13.2f} ({rows[n]['bubble_rate']:.2f})"
+                                         for n in names)
+              + f"{s['hsdp_odc_vs_hsdp_collective']:>20.2f}{s['hsdp_odc_vs_odc']:>19.2f}")
+        out[f"mp_hsdp_odc_vs_hsdp_collective_{scenario}"] = round(s["hsdp_odc_vs_hsdp_collective"], 4)
+        out[f"mp_hsdp_odc_vs_flat_odc_{scenario}"] = round(s["hsdp_odc_vs_odc"], 4)
+        for name, row in rows.items():
+            out[f"mp_hsdp_{scenario}_{name}_samples_per_s"] = round(row["samples_per_s"], 3)
+            out[f"mp_hsdp_{scenario}_{name}_bubble_rate"] = round(row["bubble_rate"], 4)
     return out
 
 
@@ -335,7 +384,7 @@ if __name__ == "__main__":
     ARGS = parse_args()
     if ARGS.worker:
         worker(ARGS)
-    elif ARGS.worker_e2e:
-        e2e_worker(ARGS)
+    elif ARGS.worker_e2e or ARGS.worker_hsdp:
+        e2e_worker(ARGS, hsdp=ARGS.worker_hsdp)
     else:
         main(ARGS)

@@ -41,3 +41,15 @@ def engine_facts(name: str) -> EngineFacts:
         return ENGINE_FACTS[name]
     except KeyError:
         raise ValueError(f"unknown engine {name!r}; engines are {', '.join(ENGINE_NAMES)}") from None
+
+
+def hsdp_shards(devices: int, replicas: int) -> int:
+    """Devices per replica group (shards per parameter group) when `devices` data-parallel devices form `replicas`
+    HSDP replica groups; ValueError naming `replicas` unless it is a positive integer dividing `devices`. JAX-free so
+    that the trainer's config can check it before JAX loads (`jodc.fsdp.sharding.hsdp_mesh` builds the mesh)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    if devices % replicas:
+        raise ValueError(f"replicas={replicas} does not divide the {devices} devices into equal replica groups "
+                         f"(replicas x shards = devices)")
+    return devices // replicas

@@ -65,3 +65,24 @@ def test_run_contender_reports_this_process_wall_and_cpu():
     assert len(walls) == 2 and np.allclose(walls, 2 * own["wall_s"] / 2, rtol=0.5)
     assert own["wall_s"] >= 0.08 and 0.019 <= own["cpu_s"] < own["wall_s"] - 0.04
     assert e2e.LocalSync().per_process({"x": 1}) == [{"x": 1}]
+
+
+def test_hsdp_rows_are_reported_as_ratios_and_json_keys(capsys):
+    import multiprocess
+
+    def row(samples, bubble):
+        return {"samples_per_s": samples, "bubble_rate": bubble}
+
+    assert e2e.hsdp_ratios({"odc": row(1.0, 0.1)}) == {}
+    result = {"config": {"layers": 2, "hidden": 64, "token_cap": 1024, "minibatches": 2}}
+    for scenario, (hsdp_odc, hsdp_col, odc) in (("imbalanced", (3.0, 2.0, 4.0)), ("balanced", (2.0, 2.0, 1.0))):
+        rows = {"odc": row(odc, 0.2), "collective": row(1.0, 0.5), "hsdp_odc": row(hsdp_odc, 0.1),
+                "hsdp_collective": row(hsdp_col, 0.4)}
+        result[scenario] = {"engines": rows, **e2e.hsdp_ratios(rows)}
+    summary = multiprocess.hsdp_table(result, types.SimpleNamespace(hsdp_local_devices=2, quick=True))
+    assert summary["mp_hsdp_odc_vs_hsdp_collective_imbalanced"] == 1.5
+    assert summary["mp_hsdp_odc_vs_flat_odc_imbalanced"] == 0.75
+    assert summary["mp_hsdp_odc_vs_hsdp_collective_balanced"] == 1.0
+    assert summary["mp_hsdp_odc_vs_flat_odc_balanced"] == 2.0
+    assert summary["mp_hsdp_balanced_hsdp_collective_bubble_rate"] == 0.4
+    assert "HSDP across 2 processes x 2 CPU devices" in capsys.readouterr().out

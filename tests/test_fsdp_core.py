@@ -156,9 +156,9 @@ def test_a_timeline_from_an_engine_without_one_is_refused_before_dispatch(kind):
     assert engine.step(batch).timeline is None and engine.steps_done == 1  # and it still trains
 
 
-def test_meshes_without_one_d_axis_are_refused_by_name():
+def test_meshes_without_a_d_axis_are_refused_by_name():
     model, groups = fsdp_toy.make_model(num_layers=1)
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
     for cls, name in ((ODCEngine, "ODC"), (CollectiveEngine, "collective"), (XlaSpmdEngine, "SPMD")):
-        with pytest.raises(ValueError, match=f"the {name} engine needs a 1-D mesh with axis 'd'"):
+        with pytest.raises(ValueError, match=rf"the {name} engine needs a mesh with axes \('d',\) or \('r', 'd'\)"):
             cls(model, groups, mesh, optimizer=OPT)

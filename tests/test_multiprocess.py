@@ -199,6 +199,37 @@ def test_odc_engine_across_processes(tmp_path, nprocs, local):
 
 @needs_mpi
 @pytest.mark.slow
+def test_hsdp_across_processes(tmp_path):
+    """HSDP on 2 processes x 2 devices, both ways round: ODC with a replica group per process (in-process heaps, the
+    cross-replica reduce over gloo) and with every group spread over both processes (MPI heaps), and collective FSDP
+    with a group per process, each equal to the reference engine (1e-5); the deterministic ODC run equals, bit for
+    bit, one process driving the same 2x2 mesh (the cross-replica sum is added in replica order). A device of one
+    replica that fails before the minibatch barrier fails every process's step at once, with its cause."""
+    cases = ["odc_replicas_across", "odc_shards_across", "collective_replicas_across", "odc_replica_fails"]
+    rc, out, _ = run_mpi(2, "hsdp_cases.py", "2", str(tmp_path), *cases, timeout=480)
+    check_cases(out, rc, cases)
+    for rank in (0, 1):
+        failed = [x for x in out.splitlines() if x.startswith(f"[rank {rank}] step failed after")]
+        assert failed and "boom on the last process" in failed[0], out[-6000:]
+    import jax
+    import numpy as np
+
+    from jodc.fsdp import sharding
+
+    sys.path.insert(0, WORKERS)
+    try:
+        import hsdp_cases
+    finally:
+        sys.path.remove(WORKERS)
+    single = hsdp_cases.single_process_run(sharding.hsdp_mesh(jax.devices("cpu")[:4], 2))
+    mp = np.load(tmp_path / "hsdp_det.npz")
+    assert sorted(mp.files) == sorted(single)
+    for k in mp.files:
+        assert mp[k].tobytes() == single[k].tobytes(), (k, float(np.abs(mp[k] - single[k]).max()))
+
+
+@needs_mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs,local", [(2, 1)])
 def test_lockstep_engines_across_processes(nprocs, local):
     """The collective engine (and XLA-SPMD) over nprocs x local devices, XLA's collectives over gloo, with uneven

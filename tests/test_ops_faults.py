@@ -368,11 +368,11 @@ def _ctrl_c_while_waiting():
 class FailingODCEngine(ODCEngine):
     """The ODC engine with a host callback that raises on device 0 before the minibatch's first barrier."""
 
-    def _barrier(self, token, recorder):
+    def _barrier(self, token, recorder, **kinds):
         if not getattr(self, "_failed_once", False):
             self._failed_once = True
             token = raise_on_device_0("pure_callback")(lax.axis_index("d"), token)
-        return super()._barrier(token, recorder)
+        return super()._barrier(token, recorder, **kinds)
 
 
 def test_odc_engine_step_fails_at_once_when_a_device_fails():

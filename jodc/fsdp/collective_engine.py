@@ -1,5 +1,8 @@
 """The collective FSDP engine: every stage all-gathers its parameters and the backward pass reduce-scatters the
-gradients (the transpose of all_gather), devices in lock-step over the same number of microbatches."""
+gradients (the transpose of all_gather), devices in lock-step over the same number of microbatches.
+
+On an HSDP mesh ('r', 'd') the all-gathers and reduce-scatters stay inside a replica group ('d') and every
+microbatch's gradient shard is all-reduced across the replicas ('r'), as torch's HSDP does."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import MinibatchArrays
-from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, update_step
+from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, replica_sum, update_step
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
@@ -30,13 +33,14 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
         self.mesh = sharding.check_mesh(mesh, self.name)
+        self.axes = sharding.device_axes(mesh)
         self.numels = {g: model.layouts[g].numel for g in model.group_names}
-        self.shard_numels = sharding.shard_numels(self.numels, self.num_devices)
+        self.shard_numels = sharding.shard_numels(self.numels, sharding.shards(mesh))
         self._init_sharded_state(model.flatten_groups(groups))
 
     @property
     def num_devices(self) -> int:
-        return int(self.mesh.shape["d"])
+        return int(self.mesh.devices.size)  # replicas x shards
 
     def _microbatch_loss(self, shards, microbatch, i=None, recorder=None):
         h = None
@@ -59,23 +63,31 @@ class CollectiveEngine(ShardedStateMixin, Engine):
     def _device_step(self, shards, opt_state, arrays, round_bucket, normalizer, recorder=None, lengths=()):
         shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
         grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder), has_aux=True)
+
+        def microbatch_grads(mb, i):
+            aux, grads = grad_fn(shards, mb, i)
+            if isinstance(self.axes, tuple):  # HSDP: all-reduce every microbatch's gradient over the replicas
+                grads = replica_sum(grads, sharding.REPLICA_AXIS)
+            return aux, grads
+
         arrays = jax.tree.map(lambda v: v[:, None], arrays)  # [M, 1, T]: this device's one row per microbatch
         # lock-step: every device runs round i at the longest bucket any device needs in that round
         loss_sum, metric_sums, grads = microbatch_loop(
-            accumulate(lambda mb, i: grad_fn(shards, mb, i)), arrays, next(iter(arrays.values())).shape[0],
+            accumulate(microbatch_grads), arrays, next(iter(arrays.values())).shape[0],
             jax.tree.map(jnp.zeros_like, shards), normalizer=normalizer, lengths=lengths, bucket=round_bucket,
-            metric_names=self.model.metric_names, axis="d", recorder=recorder)
+            metric_names=self.model.metric_names, axis=self.axes, recorder=recorder)
         shards, opt_state, loss, norm, metrics, applied = update_step(
-            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis="d")
+            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis=self.axes)
         return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None],
                 sharding.stacked(metrics), applied[None])
 
     def _build(self, arrays, recorder, lengths):
-        specs = (sharding.device_spec(self.shards), sharding.opt_state_specs(self.tx, self.shards),
-                 sharding.device_spec(arrays), P(), P())
+        axes = self.axes
+        specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
+                 sharding.device_spec(arrays, axes), P(), P())
         device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
         return jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
-                                     out_specs=(specs[0], specs[1], P("d"), P("d"), P("d"), P("d"))),
+                                     out_specs=(specs[0], specs[1], *[P(axes)] * 4)),
                        donate_argnums=(0, 1))
 
     def _run(self, batch: MinibatchArrays, recorder=None):

@@ -262,23 +262,41 @@ def accumulate(grad_fn: Callable) -> Callable:
     return run
 
 
-def device_sum(tree, axis: str):
-    """Every leaf of `tree` summed over the devices of `axis` (inside shard_map), added in device order: the same bits
-    whether the devices sit in one process or several. A psum adds in its collective's own order, and the in-process
-    all-reduce and the cross-process one differ (in the last bit on jax 0.11.2), which would break the deterministic
-    ODC engine's bit-for-bit equality between one process driving every device and several processes. The leaves
-    here are scalars (a squared norm, the loss, metrics), so gathering them costs nothing."""
+def device_sum(tree, axis):
+    """Every leaf of `tree` summed over the devices of `axis` (a mesh axis or a tuple of them, inside shard_map), added
+    in device order: the same bits whether the devices sit in one process or several. A psum adds in its collective's
+    own order, and the in-process all-reduce and the cross-process one differ (in the last bit on jax 0.11.2), which
+    would break the deterministic ODC engine's bit-for-bit equality between one process driving every device and
+    several processes. The leaves here are scalars (a squared norm, the loss, metrics), so gathering them costs
+    nothing."""
     return jax.tree.map(lambda x: jnp.sum(lax.all_gather(x, axis), axis=0), tree)
 
 
+def replica_sum(tree, axis: str, *, ordered: bool = False):
+    """HSDP's cross-replica reduce: every leaf (a device's gradient shard) summed over the replica groups along
+    `axis`, inside shard_map. `ordered`: added in replica order from an all-gather (`device_sum`; replicas x the
+    shard's memory for a moment), so the bits do not depend on how the replicas are spread over processes; else one
+    psum (in-process all-reduce on CPU, gloo across processes, NCCL on GPUs)."""
+    if ordered:
+        return device_sum(tree, axis)
+    return lax.psum(tree, axis)
+
+
 def update_step(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads, params, opt_state, loss_sum,
-                metric_sums, *, axis: str | None = None):
+                metric_sums, *, axis: str | tuple[str, ...] | None = None):
     """The optimizer update every engine ends its step with, on whole parameters (`axis` None) or on this device's
     shards inside shard_map (`axis` 'd': the squared gradient norm, the loss and the metrics are summed over the
-    devices in device order, `device_sum`, so clipping sees the global norm). Non-finite steps are not applied
-    (`optim.guarded_update`). Returns (params, opt_state, loss, grad_norm, metrics, applied)."""
-    reduce = (lambda x: x) if axis is None else functools.partial(device_sum, axis=axis)
-    global_sq, loss = reduce((squared_norm(grads), loss_sum))
+    devices in device order, `device_sum`, so clipping sees the global norm). On an HSDP mesh (`axis` ('r', 'd'))
+    `grads` are this device's shard already summed over the replicas: every replica group holds the whole gradient
+    once, so its squared norm is summed over the last axis ('d') only, and the loss and metrics over every device.
+    Non-finite steps are not applied (`optim.guarded_update`). Returns (params, opt_state, loss, grad_norm, metrics,
+    applied)."""
+    if axis is None:
+        reduce = shard_reduce = (lambda x: x)
+    else:
+        reduce = functools.partial(device_sum, axis=axis)
+        shard_reduce = functools.partial(device_sum, axis=axis[-1] if isinstance(axis, tuple) else axis)
+    global_sq, loss = shard_reduce(squared_norm(grads)), reduce(loss_sum)
     params, opt_state, norm, applied = guarded_update(tx, cfg, grads, params, opt_state, global_sq_norm=global_sq,
                                                       loss=loss, all_reduce=reduce)
     return params, opt_state, loss, norm, reduce(metric_sums), applied

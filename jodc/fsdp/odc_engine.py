@@ -1,5 +1,10 @@
 """The ODC engine: parameters live in a symmetric heap; each device runs its own number of microbatches,
-gathering layers on demand and pushing gradients to their owners, and meets the others once per minibatch."""
+gathering layers on demand and pushing gradients to their owners, and meets the others once per minibatch.
+
+On an HSDP mesh ('r', 'd') every replica group is its own ODC world (`jodc.ops.ReplicatedHeap`): gathers and pushes
+stay inside the group; once every device of every group has arrived (`jodc.ops.replica_barrier`), each device's
+accumulated shard is summed over the replicas once per minibatch (`replica_sum`), then updated and published into
+its own group's heap as on a flat mesh."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jodc import ops
 from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import FIELDS, MinibatchArrays
-from jodc.fsdp.engine import Engine, microbatch_loop, update_step
+from jodc.fsdp.engine import Engine, microbatch_loop, replica_sum, update_step
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
@@ -31,9 +36,14 @@ def _stage_layer_fn(stage):
 class ODCEngine(ShardedStateMixin, Engine):
     """On-Demand Communication. Use with per-device microbatch counts (e.g. `lb_mini` plans).
 
-    `deterministic=True` makes gradient accumulation bit-for-bit reproducible (per-source landing slots).
-    `barrier_timeout_s` bounds the wait for a device that never arrives (``inf``: forever); a device that fails
-    aborts the step at once (`jodc.ops.DeviceFailed`), whatever the timeout.
+    `deterministic=True` makes gradient accumulation bit-for-bit reproducible (per-source landing slots; on an
+    HSDP mesh the cross-replica sum is added in replica order too). `barrier_timeout_s` bounds the wait for a device
+    that never arrives (``inf``: forever); a device that fails aborts the step at once (`jodc.ops.DeviceFailed`),
+    whatever the timeout.
+
+    `mesh`: ('d',) for flat ODC over every device, or ('r', 'd') for HSDP (`sharding.hsdp_mesh`): replica groups
+    along 'r', each sharding the parameters over its 'd' devices. Minibatches are planned for all replicas x shards
+    devices (device (r, d) runs row r * shards + d); replicas may run different microbatch counts.
     """
 
     name = "odc"
@@ -45,10 +55,16 @@ class ODCEngine(ShardedStateMixin, Engine):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
         self.mesh = sharding.check_mesh(mesh, "ODC")
-        self.heap = ops.SymmetricHeap(mesh, "d", deterministic=deterministic, barrier_timeout_s=barrier_timeout_s)
+        self.axes = sharding.device_axes(mesh)
+        if isinstance(self.axes, tuple):  # HSDP: one heap per replica group
+            self.heap = ops.ReplicatedHeap(mesh, sharding.SHARD_AXIS, sharding.REPLICA_AXIS,
+                                           deterministic=deterministic, barrier_timeout_s=barrier_timeout_s)
+        else:
+            self.heap = ops.SymmetricHeap(mesh, "d", deterministic=deterministic, barrier_timeout_s=barrier_timeout_s)
+        self.deterministic = bool(deterministic)
         self.buckets = {g: self.heap.register(model.layouts[g].numel, jnp.float32, name=g) for g in model.group_names}
         self.numels = {g: b.numel for g, b in self.buckets.items()}
-        self.shard_numels = sharding.shard_numels(self.numels, self.num_devices)
+        self.shard_numels = sharding.shard_numels(self.numels, sharding.shards(mesh))
         native = {g: b.shard_numel for g, b in self.buckets.items()}
         if native != self.shard_numels:  # one layout for every engine and checkpoint; never expected to differ
             raise RuntimeError(f"the heap's shard sizes {native} differ from jodc.ops.layout's {self.shard_numels}")
@@ -56,7 +72,7 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     @property
     def num_devices(self) -> int:
-        return self.heap.world
+        return int(self.mesh.devices.size)  # replicas x shards: the devices a minibatch is planned for
 
     # -- compiled pieces ---------------------------------------------------------------------------------------
     def _layers(self):
@@ -86,7 +102,7 @@ class ODCEngine(ShardedStateMixin, Engine):
 
         def run_microbatch(microbatch, i, token):
             """Forward + backward of one microbatch; its gradients are pushed to their owners, not carried."""
-            anchor = lax.pcast(jnp.zeros(()), "d", to="varying")
+            anchor = lax.pcast(jnp.zeros(()), self.axes, to="varying")
             loss, vjp_fn, (token, metrics) = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor,
                                                      token, has_aux=True)
             d_anchor, _ = vjp_fn(jnp.ones_like(loss))
@@ -95,11 +111,13 @@ class ODCEngine(ShardedStateMixin, Engine):
 
         # each device runs its own count and picks its own length per microbatch: no collective inside the loop
         arrays = jax.tree.map(lambda v: v[:, None], arrays)  # [M, 1, T]: this device's one row per microbatch
-        per_device_normalizer = lax.pcast(normalizer, "d", to="varying")  # no collective in the backward pass
+        per_device_normalizer = lax.pcast(normalizer, self.axes, to="varying")  # no collective in the backward
         loss_sum, metric_sums, token = microbatch_loop(
-            run_microbatch, arrays, counts[0], ops.new_token("d"), normalizer=per_device_normalizer,
-            lengths=lengths, bucket=bucket_index[0], metric_names=self.model.metric_names, axis="d")
-        token = self._barrier(token, recorder)  # every device's pushes have landed
+            run_microbatch, arrays, counts[0], ops.new_token(self.axes), normalizer=per_device_normalizer,
+            lengths=lengths, bucket=bucket_index[0], metric_names=self.model.metric_names, axis=self.axes)
+        # every device's pushes have landed. HSDP: every device of every group meets here (`replica_barrier`), so
+        # that a failure anywhere ends every device's step in an abortable barrier, never in a collective below
+        token = self._barrier(token, recorder, every_group=isinstance(self.axes, tuple))
         # the reductions below are collectives: keep them after the barrier (XLA would otherwise hoist them, and
         # the devices would meet there instead, invisibly)
         loss_sum, metric_sums = ops.depend_on((loss_sum, metric_sums), token)
@@ -107,9 +125,11 @@ class ODCEngine(ShardedStateMixin, Engine):
         for g in self.model.group_names:
             grads[g], token = ops.read_accumulator(self.buckets[g], token)
             token = ops.zero_accumulator(self.buckets[g], token)
+        if isinstance(self.axes, tuple):  # HSDP: each group holds its own devices' gradients; sum them, once
+            grads = replica_sum(grads, sharding.REPLICA_AXIS, ordered=self.deterministic)
         # a non-finite step keeps (and republishes) the previous shards: a NaN on one device reaches no parameter
         shards, opt_state, loss, norm, metrics, applied = update_step(
-            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis="d")
+            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis=self.axes)
         for g in self.model.group_names:
             token = ops.publish(self.buckets[g], shards[g], token)
         token = self._barrier(token, recorder)  # nobody gathers the next minibatch before everyone published
@@ -117,10 +137,10 @@ class ODCEngine(ShardedStateMixin, Engine):
         return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None],
                 sharding.stacked(metrics), applied[None])
 
-    def _barrier(self, token, recorder):
+    def _barrier(self, token, recorder, every_group: bool = False):
         if recorder is not None:
             token = recorder.mark(token, -1, timeline.BARRIER_ENTER)
-        token = ops.barrier(self.heap, token)
+        token = ops.replica_barrier(self.heap, token) if every_group else ops.barrier(self.heap, token)
         if recorder is not None:
             token = recorder.mark(token, -1, timeline.BARRIER_EXIT)
         return token
@@ -131,11 +151,12 @@ class ODCEngine(ShardedStateMixin, Engine):
         key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None, lengths)
 
         def build():
-            specs = (sharding.device_spec(self.shards), sharding.opt_state_specs(self.tx, self.shards),
-                     sharding.device_spec(arrays_template), P("d"), P("d"), P())
+            axes = self.axes
+            specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
+                     sharding.device_spec(arrays_template, axes), P(axes), P(axes), P())
             device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
             return jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
-                                         out_specs=(specs[0], specs[1], *[P("d")] * 4)),
+                                         out_specs=(specs[0], specs[1], *[P(axes)] * 4)),
                            donate_argnums=(0, 1))
 
         return self._cached(key, build)

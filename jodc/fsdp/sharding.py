@@ -1,15 +1,43 @@
 """Helpers for sharded engine state: per-device trees under shard_map (every leaf carries a leading device axis
-of size `devices`), placement on a mesh, the shard sizes and the optimizer state of sharded parameters."""
+of size `devices`), placement on a mesh, the shard sizes and the optimizer state of sharded parameters.
+
+Meshes: 1-D ('d',) (flat FSDP: every device a shard) or 2-D ('r', 'd') (HSDP: parameters sharded over the 'd'
+devices of a replica group, replicated over the 'r' groups). A per-device leaf [D, ...] has one row per device in
+mesh order, D = replicas x shards: device (r, d) holds row r * shards + d (`device_axes`)."""
 from __future__ import annotations
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+REPLICA_AXIS = "r"  # HSDP: the axis the replica groups lie along
+SHARD_AXIS = "d"  # the axis parameters are sharded over (inside a replica group)
 
-def device_spec(tree):
-    """P('d') for every leaf: leaf [D, ...] is split so each device sees [1, ...]."""
-    return jax.tree.map(lambda _: P("d"), tree)
+
+def device_axes(mesh) -> str | tuple[str, str]:
+    """The mesh axes a per-device leading axis is split over: 'd', or ('r', 'd') on an HSDP mesh."""
+    return (REPLICA_AXIS, SHARD_AXIS) if REPLICA_AXIS in mesh.axis_names else SHARD_AXIS
+
+
+def replicas(mesh) -> int:
+    """Replica groups of `mesh` (1 on a 1-D mesh)."""
+    return int(mesh.shape[REPLICA_AXIS]) if REPLICA_AXIS in mesh.axis_names else 1
+
+
+def shards(mesh) -> int:
+    """Devices of one replica group: the number of shards each parameter group is split into."""
+    return int(mesh.shape[SHARD_AXIS])
+
+
+def device_position():
+    """Inside shard_map: this device's row in per-device leaves (r * shards + d on an HSDP mesh)."""
+    return lax.axis_index(device_axes(jax.sharding.get_abstract_mesh()))
+
+
+def device_spec(tree, axes="d"):
+    """P(axes) for every leaf: leaf [D, ...] is split so each device sees [1, ...] (`axes`: `device_axes(mesh)`)."""
+    return jax.tree.map(lambda _: P(axes), tree)
 
 
 def local(tree):
@@ -23,8 +51,8 @@ def stacked(tree):
 
 
 def put_per_device(mesh: Mesh, tree):
-    """Places host arrays [D, ...] so device d holds row d."""
-    sharding = NamedSharding(mesh, P("d"))
+    """Places host arrays [D, ...] so device d holds row d (device (r, d) row r * shards + d on an HSDP mesh)."""
+    sharding = NamedSharding(mesh, P(device_axes(mesh)))
     return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
 
 
@@ -53,11 +81,26 @@ def first_value(x) -> float:
 
 
 def check_mesh(mesh: Mesh, engine: str) -> Mesh:
-    """`mesh` when it is 1-D with axis 'd' (every engine shards over that one axis); a ValueError naming `engine`
-    and the axes it got otherwise."""
-    if "d" not in mesh.shape or len(mesh.shape) != 1:
-        raise ValueError(f"the {engine} engine needs a 1-D mesh with axis 'd', got axes {dict(mesh.shape)}")
+    """`mesh` when its axes are ('d',) (flat FSDP) or ('r', 'd') (HSDP: replica groups along 'r', shards along 'd');
+    a ValueError naming `engine` and the axes it got otherwise."""
+    if tuple(mesh.axis_names) not in ((SHARD_AXIS,), (REPLICA_AXIS, SHARD_AXIS)):
+        raise ValueError(f"the {engine} engine needs a mesh with axes ('d',) or ('r', 'd') (replicas, shards), got "
+                         f"axes {dict(mesh.shape)}")
     return mesh
+
+
+def hsdp_mesh(devices, replicas: int) -> Mesh:
+    """The mesh of `devices` (a flat sequence) for `replicas` replica groups: 1-D ('d',) when `replicas` is 1, else
+    ('r', 'd') with consecutive devices in one group (devices r * shards .. r * shards + shards - 1 form group r: a
+    process's or a node's devices, listed together, share the fast link). ValueError naming `replicas` when it is
+    not a positive divisor of the device count."""
+    from jodc.engine_facts import hsdp_shards
+
+    devices = list(devices)
+    shards = hsdp_shards(len(devices), replicas)
+    if replicas == 1:
+        return Mesh(np.array(devices), (SHARD_AXIS,))
+    return Mesh(np.array(devices).reshape(replicas, shards), (REPLICA_AXIS, SHARD_AXIS))
 
 
 def shard_numels(numels: dict[str, int], devices: int) -> dict[str, int]:
@@ -68,15 +111,16 @@ def shard_numels(numels: dict[str, int], devices: int) -> dict[str, int]:
     return {g: layout.shard_numel(n, devices, 4) for g, n in numels.items()}
 
 
-def opt_state_specs(tx, shards):
+def opt_state_specs(tx, shards, axes="d"):
     """PartitionSpecs of the optimizer state of per-device `shards` ([D, shard] leaves): every leaf split over
-    'd' (each device keeps its own moments and step count)."""
+    `axes` (each device keeps its own moments and step count)."""
     shapes = jax.eval_shape(lambda s: tx.init(local(s)), shards)
-    return jax.tree.map(lambda _: P("d"), shapes)
+    return jax.tree.map(lambda _: P(axes), shapes)
 
 
 def init_opt_state(tx, mesh: Mesh, shards):
     """`tx.init` run on every device's own shard under shard_map: optimizer state with a leading device axis."""
-    init = jax.shard_map(lambda s: stacked(tx.init(local(s))), mesh=mesh, in_specs=(device_spec(shards),),
-                         out_specs=opt_state_specs(tx, shards))
+    axes = device_axes(mesh)
+    init = jax.shard_map(lambda s: stacked(tx.init(local(s))), mesh=mesh, in_specs=(device_spec(shards, axes),),
+                         out_specs=opt_state_specs(tx, shards, axes))
     return jax.jit(init)(shards)

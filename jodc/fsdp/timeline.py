@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
+from jodc.fsdp.sharding import device_position
 from jodc.ops.token import depend_on
 
 # event codes
@@ -57,7 +58,7 @@ class TimelineRecorder:
     def _stamp(self, value, microbatch, code, stage):
         """Records a mark after `value` exists, and returns `value` made to depend on the mark (so the mark sits
         exactly between what produced `value` and what consumes it)."""
-        done = io_callback(self._record, jax.ShapeDtypeStruct((), jnp.int32), lax.axis_index("d"), microbatch,
+        done = io_callback(self._record, jax.ShapeDtypeStruct((), jnp.int32), device_position(), microbatch,
                            code, stage, lax.stop_gradient(_first(value)))
         return depend_on(value, done)
 

@@ -21,7 +21,10 @@ from jodc.fsdp.stages import StagedModel
 
 class XlaSpmdEngine(Engine):
     """Flat fp32 parameter vectors per group, padded as the heap pads them (`sharding.shard_numels`) and sharded
-    over 'd'. No timelines: one program for all devices has no per-device place to stamp (`supports_timeline`)."""
+    over 'd'. No timelines: one program for all devices has no per-device place to stamp (`supports_timeline`).
+
+    On an HSDP mesh ('r', 'd') the parameters are sharded over 'd' and replicated over 'r', and the batch rows are
+    split over both (XLA places the cross-replica reduction)."""
 
     name = "xla_spmd"
     options = ("remat",)
@@ -31,15 +34,16 @@ class XlaSpmdEngine(Engine):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
         self.mesh = sharding.check_mesh(mesh, "SPMD")
+        self.axes = sharding.device_axes(mesh)
         self.remat = remat  # per-stage rematerialisation, like the other engines (MaxText's remat_policy=full)
         self.numels = {g: model.layouts[g].numel for g in model.group_names}
-        self.padded = {g: n * self.num_devices
-                       for g, n in sharding.shard_numels(self.numels, self.num_devices).items()}
+        shards = sharding.shards(mesh)
+        self.padded = {g: n * shards for g, n in sharding.shard_numels(self.numels, shards).items()}
         self.param_sharding = NamedSharding(mesh, P("d"))
         flats = model.flatten_groups(groups)
         flats = {g: np.pad(flats[g], (0, self.padded[g] - self.numels[g])) for g in model.group_names}
         self._place_state(flats, self.param_sharding, self._opt_shardings(jax.eval_shape(self.tx.init, flats)))
-        self.batch_sharding = NamedSharding(mesh, P(None, "d", None))  # [M, D, T]: one row per device
+        self.batch_sharding = NamedSharding(mesh, P(None, self.axes, None))  # [M, D, T]: one row per device
 
     def _opt_shardings(self, opt_state):
         """Optimizer state leaves of a parameter group are sharded as the parameters, the others replicated."""
@@ -52,7 +56,7 @@ class XlaSpmdEngine(Engine):
 
     @property
     def num_devices(self) -> int:
-        return int(self.mesh.shape["d"])
+        return int(self.mesh.devices.size)  # replicas x shards
 
     def _loss(self, flats, microbatch):
         # FSDP's partitioning, stated: each group is gathered whole (one all-gather of its flat vector per
@@ -66,13 +70,13 @@ class XlaSpmdEngine(Engine):
         # sums over rows, so the psum is the whole microbatch's).
         replicated = NamedSharding(self.mesh, P())
         flats = {g: lax.with_sharding_constraint(v, replicated) for g, v in flats.items()}
-        specs = {k: P("d") if jnp.ndim(v) else P() for k, v in microbatch.items()}
+        specs = {k: P(self.axes) if jnp.ndim(v) else P() for k, v in microbatch.items()}
 
         def per_device(flats, microbatch):
             groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
                       for g, v in flats.items()}
             loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
-            return lax.psum((loss.astype(jnp.float32), metrics), "d")
+            return lax.psum((loss.astype(jnp.float32), metrics), self.axes)
 
         return jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), specs), out_specs=P())(flats, microbatch)
 

@@ -15,12 +15,16 @@ from jodc.ops.gather import gather
 from jodc.ops.heap import Bucket, SymmetricHeap
 from jodc.ops.layer import odc_layer
 from jodc.ops.publish import publish
+from jodc.ops.replica_barrier import replica_barrier
+from jodc.ops.replicated_heap import ReplicatedBucket, ReplicatedHeap
 from jodc.ops.scatter_accumulate import scatter_accumulate
 from jodc.ops.token import after, depend_on, new_token
 
 __all__ = [
     "Bucket",
     "DeviceFailed",
+    "ReplicatedBucket",
+    "ReplicatedHeap",
     "SymmetricHeap",
     "after",
     "barrier",
@@ -31,6 +35,7 @@ __all__ = [
     "odc_layer",
     "publish",
     "read_accumulator",
+    "replica_barrier",
     "scatter_accumulate",
     "zero_accumulator",
 ]

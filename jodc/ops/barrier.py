@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 
-from jodc.ops._call import TOKEN_TYPE, device_index, target
+from jodc.ops._call import HEAP_TYPES, TOKEN_TYPE, device_index, native
 from jodc.ops.heap import SymmetricHeap
+from jodc.ops.replicated_heap import ReplicatedHeap
 from jodc.ops.token import check_token
 
 
-def barrier(heap: SymmetricHeap, token) -> jax.Array:
+def barrier(heap: SymmetricHeap | ReplicatedHeap, token) -> jax.Array:
     """Blocks until every device of `heap` has reached the same barrier; returns a new token.
 
     Fails (instead of hanging) after ``heap.barrier_timeout_s`` (``inf``: never) with the indices of the devices that
@@ -18,11 +18,9 @@ def barrier(heap: SymmetricHeap, token) -> jax.Array:
     fails). Bound dispatch to one step in flight: many launches queued ahead can exhaust XLA's CPU threads while each
     waits here.
     """
-    if not isinstance(heap, SymmetricHeap):
-        raise ValueError(f"jodc.ops.barrier: expected a SymmetricHeap, got {type(heap).__name__}")
+    if not isinstance(heap, HEAP_TYPES):
+        raise ValueError(f"jodc.ops.barrier: expected a SymmetricHeap or ReplicatedHeap, got {type(heap).__name__}")
     token = check_token(token, "barrier")
     device = device_index(heap, "barrier")
-    (token,) = jax.ffi.ffi_call(target(heap, "barrier"), (TOKEN_TYPE,), has_side_effect=True)(
-        device, token, heap=np.int64(heap.id)
-    )
+    (token,) = native(heap, "barrier", (TOKEN_TYPE,), device, token)
     return token

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import jax
 
-from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, per_device, prepare, target
+from jodc.ops._call import TOKEN_TYPE, float_dtype, native, per_device, prepare
 from jodc.ops.heap import Bucket
+from jodc.ops.replicated_heap import ReplicatedBucket
 
 
-def gather(bucket: Bucket, token, *, dtype=None) -> tuple[jax.Array, jax.Array]:
+def gather(bucket: Bucket | ReplicatedBucket, token, *, dtype=None) -> tuple[jax.Array, jax.Array]:
     """Returns (full bucket of `bucket.shape` in `dtype` (default: the master dtype), new token).
 
     Call inside ``shard_map`` over the heap's axis. Point to point: it waits for no other device, so shards must
@@ -15,10 +16,6 @@ def gather(bucket: Bucket, token, *, dtype=None) -> tuple[jax.Array, jax.Array]:
     """
     device, token = prepare(bucket, token, "gather")
     out_dtype = float_dtype(dtype if dtype is not None else bucket.np_dtype, "dtype", "gather")
-    full, token = jax.ffi.ffi_call(
-        target(bucket.heap, "gather"),
-        (jax.ShapeDtypeStruct((bucket.numel,), out_dtype), TOKEN_TYPE),
-        has_side_effect=True,
-    )(device, token, **attrs(bucket))
-    axis = bucket.heap.axis_name
-    return per_device(full.reshape(bucket.shape), axis), token
+    full, token = native(bucket, "gather", (jax.ShapeDtypeStruct((bucket.numel,), out_dtype), TOKEN_TYPE),
+                         device, token)
+    return per_device(full.reshape(bucket.shape), bucket.heap), token

@@ -123,6 +123,11 @@ class SymmetricHeap:
         self._finalizer = weakref.finalize(self, _free_quietly, self._lib, self.id)
 
     @property
+    def device_axes(self) -> tuple[str]:
+        """The mesh axes a device's values vary over: the heap's axis (a `ReplicatedHeap` adds its replica axis)."""
+        return (self.axis_name,)
+
+    @property
     def transport(self) -> str:
         """How the heap reaches its devices: 'local', 'mpi', 'cuda_ipc' or 'nvshmem' (`jodc.ops.transports`)."""
         return self._transport.name

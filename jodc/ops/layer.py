@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jodc.ops.gather import gather
 from jodc.ops.heap import Bucket
+from jodc.ops.replicated_heap import ReplicatedBucket
 from jodc.ops.scatter_accumulate import scatter_accumulate
 from jodc.ops.token import after, depend_on, varying_axes
 
@@ -19,7 +20,7 @@ def _is_float(leaf) -> bool:
     return jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
 
 
-def odc_layer(fn: Callable, bucket: Bucket | Sequence[Bucket], *, dtype=None,
+def odc_layer(fn: Callable, bucket: Bucket | ReplicatedBucket | Sequence[Bucket | ReplicatedBucket], *, dtype=None,
               unflatten: Callable | Sequence[Callable] | None = None) -> Callable:
     """Wraps ``fn(params, x) -> y`` into ``layer(x, token) -> (y, token)`` backed by `bucket`.
 
@@ -34,7 +35,7 @@ def odc_layer(fn: Callable, bucket: Bucket | Sequence[Bucket], *, dtype=None,
     `x` may be any pytree (activations plus integer side inputs such as positions); float leaves receive
     cotangents. In the backward pass the re-gather waits for the output cotangent, and the input cotangent is
     released only after the weight gradients were pushed, so consecutive layers' backward ops stay ordered.
-    Call inside ``shard_map`` over the buckets' heap axis.
+    Call inside ``shard_map`` over the buckets' heap axis (and replica axis, for replicated buckets).
     """
     multi = isinstance(bucket, (tuple, list))
     buckets = tuple(bucket) if multi else (bucket,)
@@ -60,18 +61,18 @@ def odc_layer(fn: Callable, bucket: Bucket | Sequence[Bucket], *, dtype=None,
             fulls.append(full)
         return tuple(fulls), token
 
-    axis = buckets[0].heap.axis_name
+    axes = buckets[0].heap.device_axes  # ('d',), or ('r', 'd') for a replicated heap
 
     def check_inputs(x, fulls):
         """Under shard_map's type checks, a float input that is the same on every device would get a cotangent
         summed over devices (a collective in every backward pass): refuse it with a clear message instead."""
-        if axis not in varying_axes(fulls[0]):
+        if not set(axes) <= varying_axes(fulls[0]):
             return  # check_vma=False: no axis typing
         for path, leaf in jax.tree_util.tree_leaves_with_path(x):
-            if _is_float(leaf) and axis not in varying_axes(leaf):
+            if _is_float(leaf) and not set(axes) <= varying_axes(leaf):
                 raise ValueError(
                     f"odc_layer: input {jax.tree_util.keystr(path)} is the same on every device (not varying over "
-                    f"{axis!r}); pass per-device values (e.g. lax.pcast(x, {axis!r}, to='varying')) so its gradient "
+                    f"{axes}); pass per-device values (e.g. lax.pcast(x, {axes}, to='varying')) so its gradient "
                     f"needs no collective")
 
     @jax.custom_vjp

@@ -4,11 +4,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.ops._call import TOKEN_TYPE, attrs, prepare, target
+from jodc.ops._call import TOKEN_TYPE, native, prepare
 from jodc.ops.heap import Bucket
+from jodc.ops.replicated_heap import ReplicatedBucket
 
 
-def publish(bucket: Bucket, shard, token) -> jax.Array:
+def publish(bucket: Bucket | ReplicatedBucket, shard, token) -> jax.Array:
     """Writes `shard` ([shard_numel], cast to the master dtype) as this device's shard; returns a new token.
 
     Publish only between two barriers: peers must not be gathering this bucket meanwhile.
@@ -22,7 +23,5 @@ def publish(bucket: Bucket, shard, token) -> jax.Array:
         )
     if not jnp.issubdtype(shard.dtype, jnp.floating):
         raise ValueError(f"jodc.ops.publish: shard must be floating point, got {shard.dtype}")
-    (token,) = jax.ffi.ffi_call(target(bucket.heap, "publish"), (TOKEN_TYPE,), has_side_effect=True)(
-        device, shard.astype(bucket.np_dtype), token, **attrs(bucket)
-    )
+    (token,) = native(bucket, "publish", (TOKEN_TYPE,), device, shard.astype(bucket.np_dtype), token)
     return token

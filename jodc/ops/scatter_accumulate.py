@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodc.ops._call import TOKEN_TYPE, attrs, float_dtype, prepare, target
+from jodc.ops._call import TOKEN_TYPE, float_dtype, native, prepare
 from jodc.ops.heap import Bucket
+from jodc.ops.replicated_heap import ReplicatedBucket
 
 
-def scatter_accumulate(bucket: Bucket, grad, token) -> jax.Array:
+def scatter_accumulate(bucket: Bucket | ReplicatedBucket, grad, token) -> jax.Array:
     """Adds `grad` (bucket shape or flat, fp32 or bf16) into the owners' accumulators; returns a new token.
 
     Concurrent pushes from all devices into one owner are race-free. In a deterministic heap the result is
@@ -23,7 +24,5 @@ def scatter_accumulate(bucket: Bucket, grad, token) -> jax.Array:
             f"jodc.ops.scatter_accumulate: gradient of shape {tuple(grad.shape)} does not match bucket "
             f"{bucket.name!r} of shape {bucket.shape} ({bucket.numel} elements)"
         )
-    (token,) = jax.ffi.ffi_call(target(bucket.heap, "scatter_accumulate"), (TOKEN_TYPE,), has_side_effect=True)(
-        device, grad.reshape(-1), token, **attrs(bucket)
-    )
+    (token,) = native(bucket, "scatter_accumulate", (TOKEN_TYPE,), device, grad.reshape(-1), token)
     return token

@@ -24,6 +24,7 @@ import mergedeep
 import yaml
 from draccus.utils import DecodingError, ParsingError, deflatten
 
+from jodc.engine_facts import hsdp_shards
 from jodc.fsdp import ENGINES, OptimizerConfig, engine_class
 
 from .presets import MODEL_PRESETS
@@ -102,10 +103,12 @@ def parse_length_buckets(text) -> tuple[int, ...]:
 class EngineConfig(Section):
     """How a step runs: which engine on how many devices, how sequences are balanced, precision."""
 
-    name_in_config, minimum = "engine", {"devices": 1, "token_cap": 8}
+    name_in_config, minimum = "engine", {"devices": 1, "token_cap": 8, "replicas": 1}
     # odc (on-demand), collective (lock-step FSDP), xla_spmd (NamedSharding + jit), reference: jodc.fsdp.ENGINES
     name: Literal[tuple(ENGINES)] = "odc"
     devices: int = 4  # data-parallel devices (simulated CPU devices on a CPU host)
+    # HSDP replica groups: parameters sharded over devices / replicas devices, replicated over the groups (1: flat)
+    replicas: int = 1
     platform: Literal["cpu", "gpu"] = "cpu"  # JAX platform whose devices form the mesh
     # default: the engine's (lb_mini for odc, lb_micro for the lock-step ones)
     planner: Literal["lb_mini", "lb_micro", "local_sort"] | None = None
@@ -136,6 +139,10 @@ class EngineConfig(Section):
                               "are not guaranteed bit-for-bit reproducible)")
         if self.length_buckets is not None:
             parse_length_buckets(self.length_buckets)
+        try:
+            hsdp_shards(self.devices, self.replicas)
+        except ValueError as e:
+            raise ConfigError(f"engine.replicas: {e} (engine.devices={self.devices})") from None
 
 
 @dataclasses.dataclass

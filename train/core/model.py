@@ -91,10 +91,11 @@ def mesh_devices(platform: str, count: int) -> list:
 
 
 def make_engine(config, model, groups):
-    """The engine of `engine.name` on a 1-D mesh of `engine.devices` devices (an SFT or RL config), with the
+    """The engine of `engine.name` on `engine.devices` devices (an SFT or RL config): a 1-D mesh, or with
+    `engine.replicas` > 1 an HSDP mesh of that many replica groups (`jodc.fsdp.sharding.hsdp_mesh`), with the
     options of the engine section that engine takes (`Engine.options`)."""
     e = config.engine
-    mesh = jax.sharding.Mesh(np.array(mesh_devices(e.platform, e.devices)), ("d",))
+    mesh = fsdp.sharding.hsdp_mesh(mesh_devices(e.platform, e.devices), e.replicas)
     return fsdp.make_engine(e.name, model, groups, mesh, optimizer=config.schedule_optimizer,
                             compute_dtype=jnp.dtype(e.compute_dtype),
                             length_buckets=parse_length_buckets(e.length_buckets) if e.length_buckets else None,
