@@ -16,8 +16,10 @@ on these minibatches ("balance bound"), next to the measured one. ODC's LB-Mini 
 per-microbatch overhead measured first (ODC steps of 1 and 3 tiny microbatches per device, less their compute); the
 "odc_seq" row runs ODC on LB-Mini plans that balance sequence costs only, and the "odc_det" row the "odc" plans with a
 deterministic heap (bit-for-bit reproducible accumulation; its step time over the default's is printed as the
-deterministic cost). Each engine runs all minibatches once to compile,
-then again timed; the medians of the per-minibatch walls are reported.
+deterministic cost). Every engine is built and runs all minibatches once to compile; then `--rounds` paired rounds
+each time every engine's pass over the minibatches back to back (the order rotated per round). Rows report
+samples/s and bubble rates over all rounds; the ratios (ODC's speed-up, the deterministic cost, the HSDP ratios) are
+medians over rounds of the ratio of two passes of the same round, robust to a shared machine's load drifting.
 
 Prints a table, then one JSON line (also written to bench/results/e2e.json unless --no-save).
 """
@@ -42,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="2 minibatches, 2 layers (a smoke run)")
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds: every row's timed pass back to back, per round")
+    p.add_argument("--quick", action="store_true", help="2 minibatches, 2 layers, 2 rounds (a smoke run)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)
 
@@ -179,19 +182,51 @@ class LocalSync:
         return [value]
 
 
-def run_contender(engine_cls, model, groups, mesh, batches, optimizer, length_buckets, sync=None, **options):
-    """Per-step walls of the timed pass (the slowest process's), and this process's own wall and CPU seconds over
-    that pass."""
-    engine = engine_cls(model, groups, mesh, optimizer=optimizer, length_buckets=length_buckets, **options)
-    try:
-        for b in batches:  # compile every shape
-            engine.step(b)
+class Contender:
+    """One row's engine and minibatches: built and compiled once (every shape stepped once), then timed pass by pass,
+    so that `paired_rounds` can time every row's pass of a round back to back."""
+
+    def __init__(self, engine_cls, model, groups, mesh, batches, optimizer, length_buckets, sync=None, **options):
+        self.batches, self.sync = batches, sync or LocalSync()
+        self.engine = engine_cls(model, groups, mesh, optimizer=optimizer, length_buckets=length_buckets, **options)
+        self.walls: list[np.ndarray] = []  # per timed pass: the per-step walls of the slowest process
+        self.own = {"wall_s": 0.0, "cpu_s": 0.0}  # this process's own wall and CPU seconds over the timed passes
+        try:
+            for b in batches:  # compile every shape
+                self.engine.step(b)
+        except BaseException:
+            self.engine.close()
+            raise
+
+    def timed_pass(self) -> float:
+        """Steps every minibatch once; the pass's wall (the slowest process's steps, summed)."""
         cpu0 = time.process_time()
-        walls = [engine.step(b).seconds for b in batches]
-        cpu = time.process_time() - cpu0
-    finally:
-        engine.close()
-    return (sync or LocalSync()).slowest(walls), {"wall_s": float(np.sum(walls)), "cpu_s": cpu}
+        walls = [self.engine.step(b).seconds for b in self.batches]
+        self.own["cpu_s"] += time.process_time() - cpu0
+        self.own["wall_s"] += float(np.sum(walls))
+        self.walls.append(np.asarray(self.sync.slowest(walls), np.float64))
+        return float(self.walls[-1].sum())
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def paired_rounds(contenders: dict, rounds: int) -> dict[str, list[float]]:
+    """Times `rounds` rounds; in each, every contender's pass back to back (the order rotated round by round, the
+    same in every process), so a ratio of two passes of one round sees the same machine load. Returns each
+    contender's pass walls in round order."""
+    names = list(contenders)
+    passes = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            passes[name].append(contenders[name].timed_pass())
+    return passes
+
+
+def paired_speedup(passes: dict[str, list[float]], faster: str, slower: str) -> float:
+    """`faster`'s samples/s over `slower`'s (the same minibatches): the median over rounds of the ratio of their
+    pass walls in that round."""
+    return float(np.median(np.asarray(passes[slower]) / np.asarray(passes[faster])))
 
 
 def microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator, token_cap, vocab,
@@ -217,14 +252,13 @@ def microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrat
     return max(0.0, (walls[3] - walls[1] - (busy[3] - busy[1])) / 2)
 
 
-def hsdp_ratios(rows: dict) -> dict:
-    """HSDP-ODC's samples/s over each other row present of hsdp_collective, odc and collective: {"hsdp_odc_vs_<row>":
-    ratio}; empty without an hsdp_odc row."""
-    if "hsdp_odc" not in rows:
+def hsdp_ratios(passes: dict[str, list[float]]) -> dict:
+    """HSDP-ODC's samples/s over each other row present of hsdp_collective, odc and collective, from paired rounds
+    (`paired_speedup`): {"hsdp_odc_vs_<row>": ratio}; empty without an hsdp_odc row."""
+    if "hsdp_odc" not in passes:
         return {}
-    mine = rows["hsdp_odc"]["samples_per_s"]
-    return {f"hsdp_odc_vs_{other}": mine / rows[other]["samples_per_s"]
-            for other in ("hsdp_collective", "odc", "collective") if other in rows}
+    return {f"hsdp_odc_vs_{other}": paired_speedup(passes, "hsdp_odc", other)
+            for other in ("hsdp_collective", "odc", "collective") if other in passes}
 
 
 def run(args, sync=None, contenders=CONTENDERS) -> dict:
@@ -233,7 +267,7 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
     "collective" / "xla_spmd" are needed)."""
     sync = sync or LocalSync()
     if args.quick:
-        args.minibatches, args.layers = 2, 2
+        args.minibatches, args.layers, args.rounds = 2, 2, min(args.rounds, 2)
     devices = jax.devices("cpu")[: args.devices]
     mesh = Mesh(np.array(devices), ("d",))
     meshes = {name: sharding.hsdp_mesh(devices, args.replicas) if name.startswith("hsdp_") else mesh
@@ -277,49 +311,58 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
     for scenario in ("imbalanced", "balanced"):
         lengths_per_mb = scenario_lengths(scenario, args, rng)
         data = [make_sequences(lengths, rng, config.vocab_size) for lengths in lengths_per_mb]
+        prepared, built = {}, {}
+        try:
+            for name, planner, engine_cls in contenders:
+                plan_fn = get_planner(planner)
+                if name in BUCKET_PLANNED:  # ODC plans for the buckets it runs at (jodc.balance.buckets)
+                    plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
+                batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
+                                               *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
+                prepared[name] = (planner, engine_cls, batches, [calibrator.busy(b, lengths) for b in batches])
+                built[name] = Contender(engine_cls, model, groups, meshes[name], batches, optimizer, length_buckets,
+                                        sync, **ENGINE_OPTIONS.get(name, {}))
+            passes = paired_rounds(built, args.rounds)
+        finally:
+            for contender in built.values():
+                contender.close()
         rows, ideal_totals = {}, {}
-        for name, planner, engine_cls in contenders:
-            plan_fn = get_planner(planner)
-            if name in BUCKET_PLANNED:  # ODC plans for the buckets it runs at (jodc.balance.buckets)
-                plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
-            batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
-                                           *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
-            busy = [calibrator.busy(b, lengths) for b in batches]
-            walls, own = run_contender(engine_cls, model, groups, meshes[name], batches, optimizer, length_buckets,
-                                       sync, **ENGINE_OPTIONS.get(name, {}))
-            own["busy_s"] = float(sum(b[local].sum() for b in busy))  # calibrated compute of this process's devices
-            busy_total = np.array([b.sum() for b in busy])
+        for name, (planner, engine_cls, batches, busy) in prepared.items():
+            walls = np.concatenate(built[name].walls)  # every timed pass's per-step walls
+            own = dict(built[name].own)
+            own["busy_s"] = args.rounds * float(sum(b[local].sum() for b in busy))  # this process's devices' compute
+            busy_total = args.rounds * np.array([b.sum() for b in busy])
             if engine_cls is ODCEngine:
                 ideal = np.array([b.max() for b in busy])
             else:
                 ideal = np.array([calibrator.lockstep_seconds(b, lengths) for b in batches])
             ideal_totals[name] = float(ideal.sum())
-            tokens = np.array([b.num_tokens for b in batches])
+            tokens = args.rounds * np.array([b.num_tokens for b in batches])
             rows[name] = {
                 "planner": planner + ("+buckets" if name in BUCKET_PLANNED else ""),
                 "wall_s": float(np.median(walls)),
-                "samples_per_s": float(np.sum([b.num_sequences for b in batches]) / walls.sum()),
+                "samples_per_s": float(args.rounds * np.sum([b.num_sequences for b in batches]) / walls.sum()),
                 "tokens_per_s": float(tokens.sum() / walls.sum()),
                 "bubble_rate": float(1 - busy_total.sum() / (args.devices * walls.sum())),
                 "efficiency": float((busy_total.sum() / args.devices) / walls.sum()),
                 "imbalance": float(np.mean([b.max() / max(b.mean(), 1e-12) for b in busy])),
                 "microbatches_per_device": [int(c) for c in batches[0].counts],
                 "compute_only_wall_s": float(np.median(ideal)),
-                "schedule_efficiency": float(ideal.sum() / walls.sum()),
-                # where each process's time went over the timed pass: its devices' calibrated compute (busy_s), the
+                "schedule_efficiency": float(args.rounds * ideal.sum() / walls.sum()),
+                "pass_walls_s": passes[name],
+                # where each process's time went over the timed passes: its devices' calibrated compute (busy_s), the
                 # CPU it spent beyond that (cpu_s - busy_s: communication, dispatch, host work) and the wall it did
                 # not run at all (wall_s - cpu_s: waiting for peers, or descheduled on a loaded machine)
                 "per_process": sync.per_process(own),
             }
         baselines = [n for n in ("collective", "xla_spmd") if n in rows]
         best_name = max(baselines, key=lambda n: rows[n]["samples_per_s"])
-        best_baseline = rows[best_name]["samples_per_s"]
         bound = ideal_totals[best_name] / ideal_totals["odc"]
-        results[scenario] = {"engines": rows, "odc_speedup": rows["odc"]["samples_per_s"] / best_baseline,
+        results[scenario] = {"engines": rows, "odc_speedup": paired_speedup(passes, "odc", best_name),
                              "balance_bound": bound, "best_baseline": best_name}
-        results[scenario].update(hsdp_ratios(rows))
+        results[scenario].update(hsdp_ratios(passes))
         if "odc_det" in rows:  # step time of deterministic ODC relative to the default (same plans): 1.05 = 5% slower
-            results[scenario]["deterministic_cost"] = rows["odc"]["samples_per_s"] / rows["odc_det"]["samples_per_s"]
+            results[scenario]["deterministic_cost"] = paired_speedup(passes, "odc", "odc_det")
     results["odc_speedup_imbalanced"] = results["imbalanced"]["odc_speedup"]
     results["odc_speedup_balanced"] = results["balanced"]["odc_speedup"]
     results["balance_bound_imbalanced"] = results["imbalanced"]["balance_bound"]
@@ -343,7 +386,7 @@ def print_table(r: dict) -> None:
                   f"{row['bubble_rate']:>8.2f}{row['efficiency']:>8.2f}{row['schedule_efficiency']:>8.2f}"
                   f"{row['imbalance']:>8.2f}  "
                   f"{row['microbatches_per_device']}")
-    print("Per process, timed pass (s): wall = calibrated compute of its devices + other CPU (communication, "
+    print("Per process, timed passes (s): wall = calibrated compute of its devices + other CPU (communication, "
           "dispatch, host) + not running (waiting for peers, or descheduled)")
     for scenario in ("imbalanced", "balanced"):
         for name, row in r[scenario]["engines"].items():

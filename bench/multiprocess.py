@@ -31,8 +31,9 @@ HSDP (--hsdp; `mpirun -np 2`, 2 processes x --hsdp-local-devices CPU devices, 1 
 comparison on 4 devices with four rows: flat ODC over the MPI transport (`odc`), HSDP-ODC with a replica group per
 process (`hsdp_odc`: in-process heaps, the cross-replica reduce over gloo once per minibatch), flat collective FSDP
 over gloo (`collective`) and HSDP-collective (`hsdp_collective`: gathers inside a process, an all-reduce across
-them per microbatch). `mp_hsdp_odc_vs_hsdp_collective_*` and `mp_hsdp_odc_vs_flat_odc_*` are samples/s ratios of
-the same run (each row timed over the same minibatches one after the other, not in paired rounds).
+them per microbatch). `mp_hsdp_odc_vs_hsdp_collective_*` and `mp_hsdp_odc_vs_flat_odc_*` are samples/s ratios from
+paired rounds (bench/e2e.py: every row's pass over the same minibatches back to back per round, median of the rounds'
+ratios).
 
 Progress (each op's ratio; each end-to-end phase with wall and process 0's CPU time) goes to stderr as the workers
 report it. Every mpirun is bounded by --timeout; on expiry it and all its workers are killed (the whole session).
@@ -314,7 +315,8 @@ def main(args) -> dict:
     print(json.dumps(summary))
     if not args.no_save:
         os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        name = "multiprocess_quick.json" if args.quick else "multiprocess.json"
+        only_hsdp = args.hsdp and args.skip_ops and args.skip_e2e  # a run of its own: keep the full run's file
+        name = f"multiprocess{'_hsdp' if only_hsdp else ''}{'_quick' if args.quick else ''}.json"
         with open(os.path.join(HERE, "results", name), "w") as f:
             json.dump({"summary": summary, "rows": rows, "e2e": e2e, "hsdp": hsdp}, f, indent=1)
     return summary

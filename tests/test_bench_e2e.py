@@ -36,13 +36,15 @@ def test_busy_calibrator_counts_cpu_time_not_wall_time():
     assert burning.seconds(_microbatch()) >= 0.019
 
 
-def test_run_contender_reports_this_process_wall_and_cpu():
-    """run_contender returns the slowest process's per-step walls and this process's own wall and CPU over the timed
-    pass (compile pass excluded), from which the benchmark splits a process's time into compute, other CPU and
-    time not running."""
+def test_contender_times_passes_of_this_process_wall_and_cpu():
+    """A Contender compiles (steps every minibatch once) when built, then each timed pass records the slowest
+    process's per-step walls and adds this process's own wall and CPU (compile pass excluded), from which the
+    benchmark splits a process's time into compute, other CPU and time not running."""
     steps = []
 
     class Engine:
+        closed = False
+
         def __init__(self, *args, **kwargs):
             pass
 
@@ -54,17 +56,43 @@ def test_run_contender_reports_this_process_wall_and_cpu():
             return types.SimpleNamespace(seconds=time.perf_counter() - t0)
 
         def close(self):
-            pass
+            Engine.closed = True
 
     class Sync(e2e.LocalSync):
         def slowest(self, seconds):
             return np.asarray(seconds) * 2  # another process was slower
 
-    walls, own = e2e.run_contender(Engine, None, None, None, ["a", "b"], None, None, Sync())
-    assert steps == ["a", "b", "a", "b"]  # a compile pass, then the timed one
-    assert len(walls) == 2 and np.allclose(walls, 2 * own["wall_s"] / 2, rtol=0.5)
+    contender = e2e.Contender(Engine, None, None, None, ["a", "b"], None, None, Sync())
+    assert steps == ["a", "b"]  # the compile pass
+    pass_wall = contender.timed_pass()
+    assert steps == ["a", "b", "a", "b"]
+    own = contender.own
+    assert len(contender.walls) == 1 and pass_wall == contender.walls[0].sum()
+    assert np.isclose(pass_wall, 2 * own["wall_s"], rtol=0.5)
     assert own["wall_s"] >= 0.08 and 0.019 <= own["cpu_s"] < own["wall_s"] - 0.04
+    contender.close()
+    assert Engine.closed
     assert e2e.LocalSync().per_process({"x": 1}) == [{"x": 1}]
+
+
+def test_paired_rounds_rotate_the_order_and_ratios_are_per_round_medians():
+    order = []
+
+    class Fake:
+        def __init__(self, name, walls):
+            self.name, self.walls = name, list(walls)
+
+        def timed_pass(self):
+            order.append(self.name)
+            return self.walls.pop(0)
+
+    # the machine slows down round by round; each round's ratio is still 2
+    passes = e2e.paired_rounds({"odc": Fake("odc", [1.0, 2.0, 4.0]), "collective": Fake("collective", [2, 4, 8]),
+                                "xla_spmd": Fake("xla_spmd", [3, 3, 3])}, 3)
+    assert order == ["odc", "collective", "xla_spmd", "collective", "xla_spmd", "odc", "xla_spmd", "odc", "collective"]
+    assert passes["odc"] == [1.0, 2.0, 4.0]
+    assert e2e.paired_speedup(passes, "odc", "collective") == 2.0
+    assert e2e.paired_speedup(passes, "odc", "xla_spmd") == 1.5  # median of 3, 1.5, 0.75
 
 
 def test_hsdp_rows_are_reported_as_ratios_and_json_keys(capsys):
@@ -73,12 +101,13 @@ def test_hsdp_rows_are_reported_as_ratios_and_json_keys(capsys):
     def row(samples, bubble):
         return {"samples_per_s": samples, "bubble_rate": bubble}
 
-    assert e2e.hsdp_ratios({"odc": row(1.0, 0.1)}) == {}
+    assert e2e.hsdp_ratios({"odc": [1.0]}) == {}
     result = {"config": {"layers": 2, "hidden": 64, "token_cap": 1024, "minibatches": 2}}
     for scenario, (hsdp_odc, hsdp_col, odc) in (("imbalanced", (3.0, 2.0, 4.0)), ("balanced", (2.0, 2.0, 1.0))):
         rows = {"odc": row(odc, 0.2), "collective": row(1.0, 0.5), "hsdp_odc": row(hsdp_odc, 0.1),
                 "hsdp_collective": row(hsdp_col, 0.4)}
-        result[scenario] = {"engines": rows, **e2e.hsdp_ratios(rows)}
+        passes = {name: [1 / r["samples_per_s"]] * 3 for name, r in rows.items()}  # pass walls of equal rounds
+        result[scenario] = {"engines": rows, **e2e.hsdp_ratios(passes)}
     summary = multiprocess.hsdp_table(result, types.SimpleNamespace(hsdp_local_devices=2, quick=True))
     assert summary["mp_hsdp_odc_vs_hsdp_collective_imbalanced"] == 1.5
     assert summary["mp_hsdp_odc_vs_flat_odc_imbalanced"] == 0.75
