@@ -32,6 +32,21 @@ def _positive(value, name: str, *, allow_inf: bool = False) -> float:
     return value
 
 
+def _fraction(value, name: str) -> float:
+    """`value` as a float in (0, 1]; ValueError naming `name` otherwise."""
+    value = _positive(value, name)
+    if value > 1:
+        raise ValueError(f"{name} must be at most 1, got {value}")
+    return value
+
+
+def _latency(value, name: str) -> float:
+    """`value` as a finite float >= 0 (seconds); ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < math.inf):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class HardwareSpec:
     """One accelerator and its links, as the simulator sees them.
@@ -56,19 +71,10 @@ class HardwareSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", _positive(self.peak_flops, "peak_flops"))
-        fraction = _positive(self.achieved_fraction, "achieved_fraction")
-        if fraction > 1:
-            raise ValueError(f"achieved_fraction must be at most 1, got {fraction}")
-        object.__setattr__(self, "achieved_fraction", fraction)
+        object.__setattr__(self, "achieved_fraction", _fraction(self.achieved_fraction, "achieved_fraction"))
         object.__setattr__(self, "link_bandwidth", _positive(self.link_bandwidth, "link_bandwidth", allow_inf=True))
-        latency = self.link_latency
-        if isinstance(latency, bool) or not isinstance(latency, numbers.Real) or not (0 <= latency < math.inf):
-            raise ValueError(f"link_latency must be a finite number >= 0, got {latency!r}")
-        object.__setattr__(self, "link_latency", float(latency))
-        efficiency = _positive(self.p2p_efficiency, "p2p_efficiency")
-        if efficiency > 1:
-            raise ValueError(f"p2p_efficiency must be at most 1, got {efficiency}")
-        object.__setattr__(self, "p2p_efficiency", efficiency)
+        object.__setattr__(self, "link_latency", _latency(self.link_latency, "link_latency"))
+        object.__setattr__(self, "p2p_efficiency", _fraction(self.p2p_efficiency, "p2p_efficiency"))
 
     @property
     def achieved_flops(self) -> float:

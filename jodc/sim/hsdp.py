@@ -49,7 +49,7 @@ from jodc.balance import FlopsCost, get_planner
 from jodc.balance.model_shape import DEEPSEEK_R1_DISTILL_QWEN_1_5B, ModelShape
 from jodc.balance.plan import Plan
 from jodc.balance.validation import positive_int
-from jodc.sim.hardware import A100_SXM_80GB, HardwareSpec, _positive
+from jodc.sim.hardware import A100_SXM_80GB, HardwareSpec, _fraction, _latency, _positive
 from jodc.sim.lengths import LONGALIGN_SFT, LengthDistribution
 from jodc.sim.step_model import StepConfig, bucket_steps, compute_times, microbatch_shapes
 
@@ -85,14 +85,8 @@ class NodeTopology:
         positive_int(self.devices_per_node, "devices_per_node")
         positive_int(self.state_bytes_per_param, "state_bytes_per_param")
         object.__setattr__(self, "inter_bandwidth", _positive(self.inter_bandwidth, "inter_bandwidth", allow_inf=True))
-        latency = self.inter_latency
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
-            raise ValueError(f"inter_latency must be a finite number >= 0, got {latency!r}")
-        object.__setattr__(self, "inter_latency", float(latency))
-        efficiency = _positive(self.inter_p2p_efficiency, "inter_p2p_efficiency")
-        if efficiency > 1:
-            raise ValueError(f"inter_p2p_efficiency must be at most 1, got {efficiency}")
-        object.__setattr__(self, "inter_p2p_efficiency", efficiency)
+        object.__setattr__(self, "inter_latency", _latency(self.inter_latency, "inter_latency"))
+        object.__setattr__(self, "inter_p2p_efficiency", _fraction(self.inter_p2p_efficiency, "inter_p2p_efficiency"))
 
 
 A100_NODES_400G = NodeTopology(
