@@ -370,6 +370,43 @@ def test_mpirun_rl_refuses_processes_that_disagree(tmp_path):
     assert not (tmp_path / "run" / "checkpoints" / "1").exists()
 
 
+@needs_mpi
+def test_rl_rollout_shares_across_processes(tmp_path):
+    """2 processes x 2 devices sample step 3's rollout in shares (tests/multiprocess/rl_sampling_case.py): every
+    process gets the whole rollout, equal (prompts, groups, tokens, behaviour top-k, rewards) to one process sampling
+    it over 1 and 4 devices here; each response is scored once, by the process that sampled it. A reward that raises
+    in process 1 fails both processes naming process 1 and its cause; a process 1 that hangs is named by process 0
+    within the exchange timeout (3 s), which ends the job."""
+    import json
+
+    import numpy as np
+
+    from rl_sampling_setup import GROUP, PROMPTS, CountingReward, make_params, make_sampler
+
+    rc, out, _ = run_mpi(2, "rl_sampling_case.py", "2", str(tmp_path), timeout=240)
+    world = 4
+    for rank in (0, 1):
+        assert f"PASS sampled process={rank} world={world} responses={PROMPTS * GROUP}" in out, out[-6000:]
+        assert f"RAISED {rank}: step 5's rollout failed in process(es) [1]" in out, out[-6000:]
+    assert "process 1: RewardError: the reward function raised KeyError on step 5" in out, out[-6000:]
+    timed_out = [line for line in out.splitlines() if line.startswith("TIMED OUT 0 after")]
+    assert timed_out and "step 6's rollout: process(es) [1] sent nothing within 3 s" in timed_out[0], out[-6000:]
+    assert float(timed_out[0].split()[4]) < 30 and rc != 0  # not the hanging reward's 120 s; the job aborted
+    mp = json.loads((tmp_path / "mp.json").read_text())
+    calls = [json.loads((tmp_path / f"calls-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [len(c) for c in calls] == [PROMPTS * GROUP // 2] * 2  # each process scored its half, once each
+    params = make_params()
+    for devices in (1, 4):
+        reward = CountingReward()
+        here = make_sampler(devices, reward)(3, params, 3)
+        r = here.rollout
+        assert mp["prompts"] == r.prompts and mp["response_ids"] == [x.tolist() for x in r.response_ids], devices
+        assert mp["topk_ids"] == [x.tolist() for x in r.topk_ids] and mp["rewards"] == here.rewards.tolist()
+        for a, b in zip(mp["logprobs"], r.logprobs):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        assert sorted(map(tuple, calls[0] + calls[1])) == sorted(reward.calls)  # the same (prompt, response) pairs
+
+
 def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():
     """The XLA-SPMD engine's compiled step on 2 devices (one process: the partitioning does not depend on how the
     devices are spread over processes). Its only collectives are the all-gathers of whole parameter vectors (1-D)
