@@ -315,10 +315,10 @@ def _rl_args(out_dir, steps, reward="varied"):
             "--reward_fn", os.path.join(WORKERS, f"rl_reward.py:{reward}"), "--out_dir", str(out_dir)]
 
 
-def _mpirun_train(args, timeout=300):
+def _mpirun_train(args, timeout=300, **env):
     cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
            "jodc.train", *args]
-    return run_session(cmd, timeout, mpi_env())
+    return run_session(cmd, timeout, mpi_env(**env))
 
 
 @needs_mpi
@@ -326,20 +326,24 @@ def _mpirun_train(args, timeout=300):
 def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
     """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic): stopped
     after step 1 and resumed to step 2, its metrics (rewards, losses, KL) and exported parameters equal
-    bit for bit those of one process driving both devices uninterrupted. Every process samples the same rollout
-    (same parameters, key and compiled sampler on one CPU device) and the step checks that they agree; deterministic
-    ODC reduces gradients in source order in both launches, so no tolerance is needed. Only process 0 prints and
-    writes the run's files."""
+    bit for bit those of one process driving both devices uninterrupted. Each process samples and scores its half of
+    the rollout on its device (the single process samples the same halves on its two devices: the same keys and
+    batch shapes) and the halves are exchanged; the reward function is called once per response over both
+    processes; deterministic ODC reduces gradients in source order in both launches, so no tolerance is needed.
+    Only process 0 prints and writes the run's files."""
     import json
 
     from jodc.train.cli import main as train_main
 
-    mp_dir = tmp_path / "mp"
+    mp_dir, calls = tmp_path / "mp", tmp_path / "calls"
+    calls.mkdir()
     for steps in (1, 2):
-        rc, out = _mpirun_train(_rl_args(mp_dir, steps))
+        rc, out = _mpirun_train(_rl_args(mp_dir, steps, reward="counted"), JODC_TEST_REWARD_CALLS=str(calls))
         assert rc == 0, out[-6000:]
         assert out.count("done: ") == 1, out[-3000:]  # one process prints
     assert "resumed from" in out and "(step 1)" in out, out[-3000:]
+    # each process sampled and scored its half of each step's 4 x 4 responses, each response once
+    assert [len((calls / f"calls-{rank}.txt").read_text().splitlines()) for rank in (0, 1)] == [16, 16]
     single_dir = tmp_path / "single"
     assert train_main(_rl_args(single_dir, 2)) == 0  # this process, 2 of its CPU devices
 
@@ -360,23 +364,14 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.slow
-def test_mpirun_rl_refuses_processes_that_disagree(tmp_path):
-    """A reward function that gives each process other rewards: the first step's agreement check fails in every
-    process, naming what differs, before any update trains the processes' devices on different advantages."""
-    rc, out = _mpirun_train(_rl_args(tmp_path / "run", 2, reward="per_process"))
-    assert rc != 0, out[-6000:]
-    assert "the processes disagree on step 1's rollout, rewards and advantages: process(es) [1]" in out, out[-6000:]
-    assert not (tmp_path / "run" / "checkpoints" / "1").exists()
-
-
-@needs_mpi
 def test_rl_rollout_shares_across_processes(tmp_path):
     """2 processes x 2 devices sample step 3's rollout in shares (tests/multiprocess/rl_sampling_case.py): every
     process gets the whole rollout, equal (prompts, groups, tokens, behaviour top-k, rewards) to one process sampling
     it over 1 and 4 devices here; each response is scored once, by the process that sampled it. A reward that raises
-    in process 1 fails both processes naming process 1 and its cause; a process 1 that hangs is named by process 0
-    within the exchange timeout (3 s), which ends the job."""
+    in process 1 fails both processes naming process 1 and its cause; the agreement check the trainer runs before
+    each step's first update fails in both processes on a value process 1 computed otherwise; a process 1 that hangs
+    is named by process 0 within the exchange timeout (3 s), which ends the job. (A reward that differs between
+    processes no longer makes them disagree: each response is scored once and its reward exchanged.)"""
     import json
 
     import numpy as np
@@ -389,6 +384,8 @@ def test_rl_rollout_shares_across_processes(tmp_path):
         assert f"PASS sampled process={rank} world={world} responses={PROMPTS * GROUP}" in out, out[-6000:]
         assert f"RAISED {rank}: step 5's rollout failed in process(es) [1]" in out, out[-6000:]
     assert "process 1: RewardError: the reward function raised KeyError on step 5" in out, out[-6000:]
+    for rank in (0, 1):
+        assert f"DISAGREE {rank}: the processes disagree on a value that differs: process(es) [1]" in out, out[-6000:]
     timed_out = [line for line in out.splitlines() if line.startswith("TIMED OUT 0 after")]
     assert timed_out and "step 6's rollout: process(es) [1] sent nothing within 3 s" in timed_out[0], out[-6000:]
     assert float(timed_out[0].split()[4]) < 30 and rc != 0  # not the hanging reward's 120 s; the job aborted

@@ -2,19 +2,23 @@
 
     mpirun -np 2 python -m mpi4py rl_sampling_case.py LOCAL_DEVICES OUT_DIR
 
-Three phases in one launch (tests/test_multiprocess.py::test_rl_rollout_shares_across_processes checks them):
+Four phases in one launch (tests/test_multiprocess.py::test_rl_rollout_shares_across_processes checks them):
 1. step 3 sampled over the 2 x LOCAL_DEVICES devices: each process samples and scores its devices' shares, the shares
    are exchanged; process 0 writes the whole rollout to OUT_DIR/mp.json, every process its reward calls to
    OUT_DIR/calls-<process>.json (the driver compares with one process sampling over 1 and 4 devices);
 2. step 4 with a reward that raises in process 1 only: every process raises RolloutShareError naming process 1 and
    its cause (printed as "RAISED <process>: ...");
-3. step 5 with process 1's reward hanging: process 0 raises, naming process 1, within the exchange timeout, and
+3. the agreement check (`distributed.check_agreement`) on a value that differs in process 1: every process raises
+   naming process 1 ("DISAGREE <process>: ...");
+4. step 5 with process 1's reward hanging: process 0 raises, naming process 1, within the exchange timeout, and
    aborts the job (non-zero exit).
 """
 import json
 import os
 import sys
 import time
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 3.0
@@ -63,6 +67,13 @@ def main():
         print(f"NOT RAISED {rank}", flush=True)
     except RolloutShareError as e:
         print(f"RAISED {rank}: {e}", flush=True)
+    from jodc.train.core.distributed import check_agreement
+
+    try:  # what the trainer checks before a step's first update (now that rewards are exchanged, not recomputed)
+        check_agreement("a value that differs", np.array([rank, 7], np.uint32))
+        print(f"NOT RAISED agreement {rank}", flush=True)
+    except RuntimeError as e:
+        print(f"DISAGREE {rank}: {e}", flush=True)
     reward.mode = "hang"
     started = time.monotonic()
     try:
