@@ -17,6 +17,7 @@ K, it replaces the K-th entry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -279,6 +280,7 @@ def _is_key_batch(key) -> bool:
     return key.ndim == 2
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def row_keys(key: jax.Array, rows: int) -> jax.Array:
     """The per-row keys a single `key` stands for: fold_in(key, b) for b in 0..rows-1."""
     return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(rows, dtype=jnp.uint32))

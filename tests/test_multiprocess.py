@@ -302,7 +302,7 @@ def test_rl_refuses_an_uneven_device_split(monkeypatch, capsys):
     assert "does not split over 3 processes" in capsys.readouterr().err
 
 
-def _rl_args(out_dir, steps, reward="varied"):
+def _rl_args(out_dir, steps, reward="varied", max_staleness=0):
     """A tiny RL run: random-init tiny model (no warm start), 4 prompts x 4 responses, 2 updates per step, a KL
     penalty (reference policy), deterministic ODC on 2 devices, a checkpoint after every step; no evaluation (the
     same sampler as the rollouts, and most of the run's compile time on this machine).
@@ -312,7 +312,8 @@ def _rl_args(out_dir, steps, reward="varied"):
             "--prompts_per_step", "4", "--group_size", "4", "--updates_per_step", "2", "--learning_rate", "1e-2",
             "--kl_coef", "0.1", "--steps", str(steps), "--total_steps", "4", "--devices", "2", "--deterministic",
             "--no-progress", "--save_every", "1", "--eval_every", "0", "--eval_problems", "4", "--export_hf", "true",
-            "--reward_fn", os.path.join(WORKERS, f"rl_reward.py:{reward}"), "--out_dir", str(out_dir)]
+            "--reward_fn", os.path.join(WORKERS, f"rl_reward.py:{reward}"), "--out_dir", str(out_dir),
+            "--max_staleness", str(max_staleness)]
 
 
 def _mpirun_train(args, timeout=300, **env):
@@ -324,34 +325,42 @@ def _mpirun_train(args, timeout=300, **env):
 @needs_mpi
 @pytest.mark.slow
 def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
-    """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic): stopped
-    after step 1 and resumed to step 2, its metrics (rewards, losses, KL) and exported parameters equal
-    bit for bit those of one process driving both devices uninterrupted. Each process samples and scores its half of
-    the rollout on its device (the single process samples the same halves on its two devices: the same keys and
-    batch shapes) and the halves are exchanged; the reward function is called once per response over both
-    processes; deterministic ODC reduces gradients in source order in both launches, so no tolerance is needed.
-    Only process 0 prints and writes the run's files."""
+    """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic) with
+    asynchronous rollouts (`rollout.max_staleness: 1`, each process's sampler thread sampling its share of the next
+    step's rollout while the trainer trains): stopped after step 1 and resumed to step 2, its metrics (rewards,
+    losses, KL, staleness) and exported parameters equal bit for bit those of one process driving both devices
+    uninterrupted. Each process samples and scores its half of each rollout on its device (the single process
+    samples the same halves on its two devices: the same keys and batch shapes) and the halves are exchanged; the
+    reward function is called once per response over both processes; the first launch's step-1 checkpoint holds the
+    rollout it sampled ahead; deterministic ODC reduces gradients in source order, so no tolerance is needed.
+    Only process 0 prints and writes the run's files. (The synchronous loop runs the same sampler and exchange on
+    the trainer's thread: test_rl_rollout_shares_across_processes.)"""
     import json
 
     from jodc.train.cli import main as train_main
 
+    max_staleness = 1
+
     mp_dir, calls = tmp_path / "mp", tmp_path / "calls"
     calls.mkdir()
     for steps in (1, 2):
-        rc, out = _mpirun_train(_rl_args(mp_dir, steps, reward="counted"), JODC_TEST_REWARD_CALLS=str(calls))
+        rc, out = _mpirun_train(_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness),
+                                JODC_TEST_REWARD_CALLS=str(calls))
         assert rc == 0, out[-6000:]
         assert out.count("done: ") == 1, out[-3000:]  # one process prints
     assert "resumed from" in out and "(step 1)" in out, out[-3000:]
-    # each process sampled and scored its half of each step's 4 x 4 responses, each response once
-    assert [len((calls / f"calls-{rank}.txt").read_text().splitlines()) for rank in (0, 1)] == [16, 16]
+    # each process sampled and scored its half (8) of each rollout's 4 x 4 responses, each response once: steps 1
+    # and 2, and asynchronously the rollout sampled ahead for the final checkpoint (step 3's)
+    sampled = [len((calls / f"calls-{rank}.txt").read_text().splitlines()) for rank in (0, 1)]
+    assert sampled == [8 * (2 + max_staleness)] * 2, sampled
     single_dir = tmp_path / "single"
-    assert train_main(_rl_args(single_dir, 2)) == 0  # this process, 2 of its CPU devices
+    assert train_main(_rl_args(single_dir, 2, max_staleness=max_staleness)) == 0  # this process, 2 CPU devices
 
     def records(d):
         return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
     exact = ("reward_mean", "reward_std", "accuracy", "response_length", "loss", "grad_norm", "policy_kl", "tokens",
-             "microbatches")
+             "microbatches", "staleness", "policy_version")
     mp, single = records(mp_dir), records(single_dir)
     assert [r["step"] for r in mp] == [r["step"] for r in single] == [1, 2]
     assert len({r["reward_mean"] for r in single}) > 1 or single[0]["reward_std"] > 0  # the rewards vary

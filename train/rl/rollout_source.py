@@ -4,7 +4,10 @@
   between steps, so a checkpoint holds no rollout.
 - `AsyncRollouts` source (k > 0): a sampler thread (computing the rollouts itself, or in a child process at a low OS
   priority with `rollout.sampler: process`) samples step s from the weights of step max(0, s - k) while the trainer
-  trains; the k rollouts sampled ahead go into every checkpoint, so a resumed run continues exactly.
+  trains; the k rollouts sampled ahead go into every checkpoint, so a resumed run continues exactly. Across
+  processes (mpirun) every process runs its own sampler thread, which samples its share of each rollout and
+  exchanges it with the other processes' threads (`RolloutSampler.__call__`); a sampler process, outside the MPI
+  job, cannot, and is refused there.
 
 Both have one interface for the RL loop: `get(step, params)` -> (scored rollout, seconds the trainer waited),
 `sampler_busy(start, end, scored)`, `checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
@@ -101,12 +104,13 @@ class AsyncRolloutSource:
 def make_rollout_source(rollout, sampler: RolloutSampler, *, processes: int, reward_spec: str | None, trainer,
                         callbacks=()):
     """The source `rollout` (the config's section) asks for; the sampler process starts now (its imports overlap
-    the engine's compilation). ConfigError for what cannot run: asynchronous rollouts across processes."""
+    the engine's compilation). ConfigError for what cannot run: a sampler process across processes."""
     if not rollout.max_staleness:
         return SyncRollouts(sampler, trainer=trainer, callbacks=callbacks)
-    if processes > 1:
-        raise ConfigError(f"rollout.max_staleness={rollout.max_staleness}: asynchronous rollouts run in one "
-                          "process; across processes use rollout.max_staleness: 0")
+    if processes > 1 and rollout.sampler == "process":
+        raise ConfigError("rollout.sampler=process runs in one process: across processes (mpirun) each process's "
+                          "sampler thread samples its share and exchanges it with the other processes' threads, "
+                          "which a child process outside the MPI job cannot; use rollout.sampler: thread")
     process = None
     if rollout.sampler == "process":
         try:
