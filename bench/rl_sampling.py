@@ -95,7 +95,8 @@ def replicated_rollout(sampler, step: int, params):
 
 def shard_map_seconds(sampler, params, devices: int, repeats: int) -> tuple[float, float]:
     """(median wall of per-device dispatch, of one shard_map program) sampling step 1's rows over `devices`
-    devices at the `generate` level: the same prompts, keys and prompt width."""
+    devices at the `generate` level: the same prompts, keys and prompt width (RuntimeError if their tokens
+    differ)."""
     from functools import partial
 
     import jax
@@ -129,15 +130,18 @@ def shard_map_seconds(sampler, params, devices: int, repeats: int) -> tuple[floa
     def sharded():
         return jax.device_get(spmd(params, tokens, lengths, keys))
 
-    walls = {}
+    walls, sampled = {}, {}
     for name, fn in (("dispatch", dispatch), ("shard_map", sharded)):
-        fn()  # compiles
+        out = fn()  # compiles
+        sampled[name] = np.concatenate([o.tokens for o in out]) if isinstance(out, list) else np.asarray(out.tokens)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             fn()
             times.append(time.perf_counter() - started)
         walls[name] = statistics.median(times)
+    if not np.array_equal(sampled["dispatch"], sampled["shard_map"]):
+        raise RuntimeError(f"per-device dispatch and shard_map sampled different tokens on {devices} devices")
     return walls["dispatch"], walls["shard_map"]
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from jodc.models import DecoderConfig, SamplingParams
 from jodc.models.tokenizer import Tokenizer
 
+from ..core.model import mesh_devices
 from .config import RolloutConfig
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, score
@@ -167,7 +168,7 @@ class RolloutSampler:
     def local_devices(self) -> tuple[range, list[jax.Device]]:
         """(the step prompts this process samples, its devices that sample them): the shares (`device_shares`)
         of this process's devices among the engine's `devices` (process-major, as the engine's mesh)."""
-        devices = jax.devices(self.platform)[:self.devices]
+        devices = mesh_devices(self.platform, self.devices)  # the engine's mesh, in its order
         shares = device_shares(self.rollout.prompts_per_step, len(devices))
         mine = [(share, d) for share, d in zip(shares, devices) if d.process_index == jax.process_index()]
         if not mine:
