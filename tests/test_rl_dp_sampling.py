@@ -193,3 +193,21 @@ def test_exchange_names_the_process_that_failed_or_sent_nothing():
         allgather_bytes(b"x", timeout_s=0.2, what="step 4's rollout", comm=FakeComm(0, 3, {1: b"y"}))
     with pytest.raises(RolloutShareError, match=r"step 4's rollout: process\(es\) \[1\] sent nothing"):
         gather_shares(lambda: 1, what="step 4's rollout", timeout_s=0.2, comm=FakeComm(0, 2, {}))
+
+
+def test_empty_shares_and_mismatched_parts_are_handled():
+    """A process whose devices got no prompt samples an empty rollout (joined like any share); parts of other group
+    sizes or prompt indices that do not fit are refused before anything is dispatched."""
+    from jodc.train.rl.rollout import sample_rollout, sampling_params
+
+    from rl_sampling_setup import TOKENIZER
+
+    sampling = sampling_params(TOKENIZER, CONFIG, max_new_tokens=NEW, temperature=1.0, top_k=2)
+    empty = sample_rollout(CONFIG, None, TOKENIZER, [], group_size=GROUP, sampling=sampling,
+                           key=jax.random.PRNGKey(0), prompt_indices=[])
+    assert len(empty) == 0 and empty.topk_ids == [] and empty.finished.shape == (0,)
+    with pytest.raises(ValueError, match="1 prompt indices for 2 prompts"):
+        sample_rollout(CONFIG, None, TOKENIZER, ["1+1=", "2+2="], group_size=GROUP, sampling=sampling,
+                       key=jax.random.PRNGKey(0), prompt_indices=[3])
+    with pytest.raises(ValueError, match="parts of group sizes"):
+        Rollout.concat([empty, dataclasses.replace(empty, group_size=GROUP + 1)])
