@@ -19,8 +19,10 @@ Prints a table and one JSON line (also written to bench/results/rl_sampling.json
 `rollout_seconds_<D>dev` and `tokens_per_s_<D>dev` (one process), `rollout_seconds_2proc_sharded` /
 `_replicated`, `rollout_sharded_vs_replicated_2proc` (sharded wall / replicated wall: below 1 is faster; the issue's
 target is <= 0.6), `reward_calls_per_response` (sharded, over both processes: 1.0) and
-`reward_calls_per_response_replicated` (2.0). A full RL step's samples/s is bench/rl.py's (one process) and
-bench/multiprocess.py's (SFT); this benchmark times the rollout phase only.
+`reward_calls_per_response_replicated` (2.0). Alongside (`--full-steps N`, 0 to skip), whole RL steps with the
+trainer (configs/rl_demo.yaml without warm start, evaluation, checkpoints or export; the same model and rollout
+sizes), one process x 2 devices and `mpirun -np 2` x 1 device: `step_seconds_<layout>`,
+`step_rollout_seconds_<layout>` and `step_samples_per_s_<layout>` (responses per second of the whole step).
 """
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ RESULTS = os.path.join(HERE, "results", "rl_sampling.json")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
 
-DEFAULTS = dict(preset="small", prompts=32, group=8, new_tokens=16, repeats=5)
-QUICK = dict(preset="tiny", prompts=4, group=2, new_tokens=4, repeats=2)
+DEFAULTS = dict(preset="small", prompts=32, group=8, new_tokens=16, repeats=5, full_steps=6)
+QUICK = dict(preset="tiny", prompts=4, group=2, new_tokens=4, repeats=2, full_steps=3)
 
 
 class CountingReward:
@@ -206,6 +208,43 @@ def mp_worker(args) -> dict | None:
             "reward_calls_per_response_replicated": calls["replicated"] / responses}
 
 
+def full_steps(args) -> dict:
+    """Whole RL steps with the trainer (configs/rl_demo.yaml without warm start, evaluation, checkpoints or export;
+    the benchmark's model and rollout sizes): one process driving 2 CPU devices, and `mpirun -np 2` with 1 device
+    each (sharded rollouts). Median step and rollout seconds over the steps after the first two (which compile),
+    and samples (responses) per second of the whole step."""
+    import tempfile
+
+    common = ["rl", "--config", os.path.join(ROOT, "configs", "rl_demo.yaml"), "--warmstart.sft_steps", "0",
+              "--run.eval_every", "0", "--checkpoint.save_every", "0", "--no-export_hf", "--no-progress",
+              "--run.steps", str(args.full_steps), "--model.preset", args.preset,
+              "--rollout.prompts_per_step", str(args.prompts), "--rollout.group_size", str(args.group),
+              "--rollout.max_new_tokens", str(args.new_tokens), "--engine.devices", "2"]
+    out = {}
+    for name, launcher, env in (("1proc_2dev", [sys.executable, "-m", "jodc.train"], dict(os.environ)),
+                                ("2proc", mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train"),
+                                 mpi_env())):
+        with tempfile.TemporaryDirectory() as out_dir:
+            cmd = [*launcher, *common, "--out_dir", out_dir]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                    cwd=ROOT, start_new_session=True)
+            try:
+                log, _ = proc.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                kill_session(proc.pid)
+                raise RuntimeError(f"{' '.join(cmd)} did not finish within {args.timeout} s") from None
+            if proc.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{log[-3000:]}")
+            with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        steady = records[2:] or records[-1:]
+        step = statistics.median(r["step_seconds"] for r in steady)
+        out[f"step_seconds_{name}"] = step
+        out[f"step_rollout_seconds_{name}"] = statistics.median(r["rollout_seconds"] for r in steady)
+        out[f"step_samples_per_s_{name}"] = args.prompts * args.group / step
+    return out
+
+
 def run_json(cmd: list[str], env: dict, timeout: float) -> dict:
     """Runs a worker; its last stdout line that parses as JSON. On timeout the whole session is killed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
@@ -248,6 +287,8 @@ def main() -> None:
                            {**os.environ, "JAX_PLATFORMS": "cpu"}, args.timeout))
     result.update(run_json(mpirun_command(2, sys.executable, "-m", "mpi4py", me, "--worker", "mp", *settings),
                            mpi_env(), args.timeout))
+    if args.full_steps:
+        result.update(full_steps(args))
     print(f"{'layout':<28}{'rollout s':>12}{'tokens/s':>12}")
     for name, seconds, rate in [(f"1 process, {d} device(s)", result[f"rollout_seconds_{d}dev"],
                                  result[f"tokens_per_s_{d}dev"]) for d in (1, 2, 4)] + [
@@ -260,6 +301,11 @@ def main() -> None:
     print(f"sharded / replicated (2 processes): {result['rollout_sharded_vs_replicated_2proc']:.3f}; reward calls "
           f"per response {result['reward_calls_per_response']:.2f} (replicated "
           f"{result['reward_calls_per_response_replicated']:.2f})")
+    if args.full_steps:
+        for name, label in (("1proc_2dev", "1 process x 2 devices"), ("2proc", "2 processes x 1 device")):
+            print(f"whole RL step, {label}: {result[f'step_seconds_{name}']:.3f} s (rollout "
+                  f"{result[f'step_rollout_seconds_{name}']:.3f} s), {result[f'step_samples_per_s_{name}']:.1f} "
+                  "samples/s")
     if not args.no_save:
         with open(RESULTS, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)
