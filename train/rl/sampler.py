@@ -1,7 +1,9 @@
 """The sampler side of an RL step: the scored rollout of step s from the weights of one policy version.
 
 `RolloutSampler(step, params, version)` draws step s's prompts (a pure function of (seed, s)), samples
-`group_size` responses each with the sampler's copy of the weights, scores them, and measures the rollout/trainer
+`group_size` responses each with the sampler's copy of the weights, split in whole groups over the engine's devices
+(each device sampling its share; across processes each process samples and scores only its devices' shares, and
+the scored shares are exchanged once: `rollout_exchange.py`), scores them, and measures the rollout/trainer
 mismatch: the log-probs of the sampled tokens under the trainer's fp32 forward pass *at the same weights* against
 the behaviour log-probs the sampler stored. A *policy version* is the number of RL steps applied to the weights
 (version s = the weights at the start of step s). With `rollout.dtype: bfloat16` the sampler's parameters and
