@@ -327,7 +327,8 @@ def _mpirun_train(args, timeout=300, **env):
 def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
     """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic) with
     asynchronous rollouts (`rollout.max_staleness: 1`, each process's sampler thread sampling its share of the next
-    step's rollout while the trainer trains): stopped after step 1 and resumed to step 2, its metrics (rewards,
+    step's rollout while the trainer trains; until step 1 through a sampler child process, after the resume
+    itself): stopped after step 1 and resumed to step 2, its metrics (rewards,
     losses, KL, staleness) and exported parameters equal bit for bit those of one process driving both devices
     uninterrupted. Each process samples and scores its half of each rollout on its device (the single process
     samples the same halves on its two devices: the same keys and batch shapes) and the halves are exchanged; the
@@ -343,9 +344,9 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
 
     mp_dir, calls = tmp_path / "mp", tmp_path / "calls"
     calls.mkdir()
-    for steps in (1, 2):
-        rc, out = _mpirun_train(_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness),
-                                JODC_TEST_REWARD_CALLS=str(calls))
+    for steps, sampler in ((1, "process"), (2, "thread")):  # where the sampler computes may change on resume
+        rc, out = _mpirun_train([*_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness),
+                                 "--rollout.sampler", sampler], JODC_TEST_REWARD_CALLS=str(calls))
         assert rc == 0, out[-6000:]
         assert out.count("done: ") == 1, out[-3000:]  # one process prints
     assert "resumed from" in out and "(step 1)" in out, out[-3000:]

@@ -295,12 +295,11 @@ def test_the_summary_line_of_stale_fp32_rollouts_has_no_mismatch():
 
 
 def test_the_rollout_source_is_chosen_once_from_the_config():
-    """rollout.max_staleness 0: the trainer samples itself; k > 0: a sampler thread (also across processes), or a
-    sampler process in one process only (the refusal names the setting); the synchronous source holds nothing for
+    """rollout.max_staleness 0: the trainer samples itself; k > 0: a sampler thread (also across processes: the
+    sampler process across processes is tests/test_multiprocess.py's); the synchronous source holds nothing for
     checkpoints."""
     import types
 
-    from jodc.train.core.config import ConfigError
     from jodc.train.rl.rollout_source import AsyncRolloutSource, SyncRollouts, make_rollout_source
 
     sync = make_rollout_source(types.SimpleNamespace(max_staleness=0), sampler=None, processes=2, reward_spec=None,
@@ -315,6 +314,3 @@ def test_the_rollout_source_is_chosen_once_from_the_config():
     across = make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="thread"), sampler=None,
                                  processes=2, reward_spec=None, trainer=None)
     assert isinstance(across, AsyncRolloutSource) and across.process is None
-    with pytest.raises(ConfigError, match="rollout.sampler=process runs in one process: across processes"):
-        make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="process"), sampler=None, processes=2,
-                            reward_spec=None, trainer=None)

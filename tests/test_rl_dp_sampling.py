@@ -211,3 +211,12 @@ def test_empty_shares_and_mismatched_parts_are_handled():
                        key=jax.random.PRNGKey(0), prompt_indices=[3])
     with pytest.raises(ValueError, match="parts of group sizes"):
         Rollout.concat([empty, dataclasses.replace(empty, group_size=GROUP + 1)])
+
+
+def test_a_child_sampler_samples_the_shares_of_the_process_it_works_for():
+    """A sampler process of MPI process 1 of 2 (outside the MPI job: its JAX sees one process) samples the shares of
+    the second half of the engine's devices, on its own first devices."""
+    sampler = dataclasses.replace(make_sampler(4, CountingReward()), process=(1, 2))
+    assert sampler.local_devices() == (range(2, 4), jax.local_devices()[:2])
+    assert dataclasses.replace(sampler, process=(0, 2)).local_devices()[0] == range(0, 2)
+    assert make_sampler(4, CountingReward()).local_devices()[0] == range(0, 4)  # one process: all of them

@@ -157,7 +157,8 @@ class RLRun(Trainer):
                                       platform=e.platform, devices=e.devices,
                                       exchange_timeout_s=e.barrier_timeout_s)
         self.rollouts = make_rollout_source(r, self.sampler, processes=jax.process_count(), reward_spec=reward_spec,
-                                            trainer=self, callbacks=self.callbacks)
+                                            trainer=self, callbacks=self.callbacks,
+                                            process_index=jax.process_index())
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         self.rollouts.restore(step, state, self.store.step_dir(step))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +161,9 @@ class RolloutSampler:
     platform: str = "cpu"  # the engine's devices (`engine.platform`, `engine.devices`): the step's prompts are
     devices: int = 1  # split over all of them (`device_shares`), each process sampling its own devices' shares
     exchange_timeout_s: float | None = None  # across processes: how long to wait for another process's share
+    # (index, count) of the MPI process a sampler child process works for (it is outside the MPI job, so its own
+    # JAX sees one process); None: JAX's own
+    process: tuple[int, int] | None = None
 
     def rollout_key(self, step: int) -> jax.Array:
         """The key of 0-based step `step` (a pure function of (seed, step)); response j of the step's prompt i
@@ -170,8 +173,13 @@ class RolloutSampler:
     def local_devices(self) -> tuple[range, list[jax.Device]]:
         """(the step prompts this process samples, its devices that sample them): the shares (`device_shares`)
         of this process's devices among the engine's `devices` (process-major, as the engine's mesh)."""
+        shares = device_shares(self.rollout.prompts_per_step, self.devices)
+        if self.process is not None:  # a child sampling for MPI process `index`: its devices are the index-th block
+            index, count = self.process  # of the process-major mesh (as many in every process)
+            per_process = self.devices // count
+            mine = shares[index * per_process:(index + 1) * per_process]
+            return range(mine[0].start, mine[-1].stop), jax.local_devices(backend=self.platform)[:per_process]
         devices = mesh_devices(self.platform, self.devices)  # the engine's mesh, in its order
-        shares = device_shares(self.rollout.prompts_per_step, len(devices))
         mine = [(share, d) for share, d in zip(shares, devices) if d.process_index == jax.process_index()]
         if not mine:
             raise RuntimeError(f"process {jax.process_index()} holds none of the {len(devices)} sampling devices")
@@ -183,11 +191,7 @@ class RolloutSampler:
         (`rollout_exchange.gather_shares`): every process gets the whole rollout, every response scored once."""
         if jax.process_count() == 1:
             return self.share(step, params, version)
-        started = time.perf_counter()
-        parts = gather_shares(lambda: self.share(step, params, version), what=f"step {step + 1}'s rollout",
-                              timeout_s=self.exchange_timeout_s)
-        own = parts[jax.process_index()]
-        return ScoredRollout.concat(parts, exchange_seconds=max(0.0, time.perf_counter() - started - own.seconds))
+        return exchange_shares(step, lambda: self.share(step, params, version), timeout_s=self.exchange_timeout_s)
 
     def share(self, step: int, params, version: int) -> ScoredRollout:
         """This process's share of step `step`'s scored rollout (all of it in one process), sampled over its
@@ -216,6 +220,31 @@ class RolloutSampler:
                              versions=np.full(len(rollout), version, np.int64), trainer_logprobs=trainer,
                              mismatch=logprob_mismatch(rollout.logprobs, trainer) if trainer is not None else {},
                              reward_seconds=reward_seconds, mismatch_seconds=mismatch_seconds)
+
+
+def exchange_shares(step: int, share: Callable[[], ScoredRollout], *, timeout_s: float | None) -> ScoredRollout:
+    """Step `step`'s whole scored rollout across processes: this process's `share()`, exchanged with every other
+    process's (`rollout_exchange.gather_shares`: a share that fails or does not come fails every process)."""
+    started = time.perf_counter()
+    parts = gather_shares(share, what=f"step {step + 1}'s rollout", timeout_s=timeout_s)
+    own = parts[jax.process_index()]
+    return ScoredRollout.concat(parts, exchange_seconds=max(0.0, time.perf_counter() - started - own.seconds))
+
+
+@dataclasses.dataclass
+class ExchangedShares:
+    """`produce(step, params, version)` for the sampler thread of an asynchronous run across processes whose shares
+    come from a sampler child process (`sampler_process.py`): the child computes this process's share, this
+    process's sampler thread exchanges it."""
+
+    share: Callable[[int, Any, int], ScoredRollout]  # a `SamplerProcess` of a sampler with `process` set
+    timeout_s: float | None = None
+
+    def __call__(self, step: int, params, version: int) -> ScoredRollout:
+        return exchange_shares(step, lambda: self.share(step, params, version), timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        self.share.close()
 
 
 def trainer_logprobs(config: DecoderConfig, params, rollout: Rollout, *, temperature: float,
