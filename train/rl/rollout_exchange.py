@@ -22,6 +22,7 @@ import numpy as np
 
 _TAG_SIZE, _TAG_DATA = 7301, 7302  # message tags of the exchange (point-to-point: no other message uses them)
 _POLL_S = 0.001
+_ABANDONED: list = []  # buffers of exchanges that timed out, which MPI may still access
 
 
 class RolloutShareError(RuntimeError):
@@ -62,6 +63,8 @@ def allgather_bytes(payload: bytes, *, timeout_s: float | None, what: str, comm=
             if deadline is not None and time.monotonic() > deadline:
                 for _, request in waiting.values():
                     request.Cancel()
+                # the sends may still read these buffers: keep them alive (the run is failing anyway)
+                _ABANDONED.append((header, data, buffers, sizes, sends))
                 raise TimeoutError(f"{what}: process(es) {sorted(waiting)} sent nothing within {timeout_s:g} s")
             time.sleep(_POLL_S)
     for request in sends:
