@@ -17,6 +17,7 @@ K, it replaces the K-th entry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -91,13 +92,14 @@ def sampling_logprobs(logits_bv: jax.Array, temperature: float, top_p: float) ->
     return jax.nn.log_softmax(jnp.where(logprobs >= cutoff, scaled, -jnp.inf), axis=-1)
 
 
-def _sample(logits_bv, key, sampling: SamplingParams):
-    """One sampling step: token [B], its log-prob [B], and (top-K ids, log-probs) or (None, None)."""
+def _sample(logits_bv, keys_b, sampling: SamplingParams):
+    """One sampling step: token [B], its log-prob [B], and (top-K ids, log-probs) or (None, None). Row b draws
+    with its own key `keys_b[b]`, so its token does not depend on which other rows share the batch."""
     logprobs = sampling_logprobs(logits_bv, sampling.temperature, sampling.top_p)
     if sampling.temperature == 0:
         token = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     else:
-        token = jax.random.categorical(key, logprobs, axis=-1).astype(jnp.int32)
+        token = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_b, logprobs).astype(jnp.int32)
     token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
     if sampling.top_k_logprobs == 0:
         return token, token_logprob, None, None
@@ -150,8 +152,9 @@ def _decode_step(config, params, token_b, step, lengths_b, prompt_width, cache):
     return logits, tuple(new_cache)
 
 
-def _generate_padded(config: DecoderConfig, sampling: SamplingParams, params, tokens_bp, lengths_b, key):
-    """The compiled sampler on left-padded prompts."""
+def _generate_padded(config: DecoderConfig, sampling: SamplingParams, params, tokens_bp, lengths_b, keys_b):
+    """The compiled sampler on left-padded prompts; `keys_b` one PRNG key per row (new token t of row b is drawn
+    with fold_in(keys_b[b], t))."""
     b, p = tokens_bp.shape
     n = sampling.max_new_tokens
     k_top = sampling.top_k_logprobs
@@ -164,7 +167,8 @@ def _generate_padded(config: DecoderConfig, sampling: SamplingParams, params, to
 
     def body(carry):
         step, logits, cache, done, tokens, logprobs, lengths, top_ids, top_logprobs = carry
-        token, token_logprob, step_top_ids, step_top_logprobs = _sample(logits, jax.random.fold_in(key, step), sampling)
+        token, token_logprob, step_top_ids, step_top_logprobs = _sample(
+            logits, jax.vmap(lambda key: jax.random.fold_in(key, step))(keys_b), sampling)
         active = ~done
         tokens = tokens.at[:, step].set(jnp.where(active, token, sampling.pad_token_id))
         logprobs = logprobs.at[:, step].set(jnp.where(active, token_logprob, 0.0))
@@ -192,14 +196,16 @@ def _generate_padded(config: DecoderConfig, sampling: SamplingParams, params, to
 _generate_jit = jax.jit(_generate_padded, static_argnums=(0, 1))
 
 
-def left_pad_prompts(prompts: Sequence[Sequence[int]], bucket: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad ragged prompts to a width that is a multiple of `bucket`: (tokens [B, P] int32, lengths [B])."""
+def left_pad_prompts(prompts: Sequence[Sequence[int]], bucket: int, pad_token_id: int,
+                     min_width: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad ragged prompts to a width that is a multiple of `bucket` (and at least `min_width`):
+    (tokens [B, P] int32, lengths [B])."""
     if len(prompts) == 0:
         raise ValueError("generate: no prompts")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if (lengths == 0).any():
         raise ValueError(f"generate: prompts {np.flatnonzero(lengths == 0).tolist()} are empty")
-    width = int(-(-lengths.max() // bucket) * bucket)
+    width = int(-(-max(int(lengths.max()), min_width) // bucket) * bucket)
     tokens = np.full((len(prompts), width), pad_token_id, np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, width - len(prompt):] = np.asarray(prompt, np.int32)
@@ -214,13 +220,20 @@ def generate(
     sampling: SamplingParams,
     prompt_lengths: Sequence[int] | np.ndarray | None = None,
     params=None,
+    prompt_width: int = 0,
+    device: jax.Device | None = None,
 ) -> Generation:
     """Sample continuations of a batch of prompts.
 
     model: a `Decoder`, or a `DecoderConfig` together with `params` ({group: {name: array}}, e.g. gathered
       FSDP shards).
     prompts: a list of token-id lists (ragged), or a right-padded int array [B, P] with `prompt_lengths`.
-    key: PRNG key (unused for greedy sampling).
+    key: one PRNG key (row b then samples with `row_keys(key, B)[b]`), or one key per row (a batch of B keys:
+      row b's tokens depend only on its prompt, its key and the parameters, not on the other rows). Unused for
+      greedy sampling.
+    prompt_width: pad the prompts to at least this width (so batches sampled apart share one compiled shape).
+    device: where to run (default: JAX's default device); the call returns without waiting (async dispatch), so
+      calls on several devices run concurrently.
     """
     if isinstance(model, Decoder):
         if params is not None:
@@ -243,7 +256,7 @@ def generate(
         if (lengths < 1).any() or (lengths > array.shape[1]).any():
             raise ValueError(f"generate: prompt_lengths must be in [1, {array.shape[1]}], got {lengths.tolist()}")
         prompts = [array[row, :n].tolist() for row, n in enumerate(lengths)]
-    tokens, lengths = left_pad_prompts(prompts, sampling.prompt_bucket, sampling.pad_token_id)
+    tokens, lengths = left_pad_prompts(prompts, sampling.prompt_bucket, sampling.pad_token_id, prompt_width)
     real = np.arange(tokens.shape[1])[None, :] >= (tokens.shape[1] - lengths)[:, None]
     bad = np.unique(tokens[real & ((tokens < 0) | (tokens >= config.vocab_size))])
     if bad.size:
@@ -252,4 +265,31 @@ def generate(
         raise ValueError(f"generate: pad_token_id {sampling.pad_token_id} is outside [0, {config.vocab_size})")
     if sampling.top_k_logprobs > config.vocab_size:
         raise ValueError(f"generate: top_k_logprobs={sampling.top_k_logprobs} exceeds vocab_size {config.vocab_size}")
-    return _generate_jit(config, sampling, params, jnp.asarray(tokens), jnp.asarray(lengths), key)
+    keys = per_row_keys(key, len(tokens))
+    if device is None:
+        return _generate_jit(config, sampling, params, jnp.asarray(tokens), jnp.asarray(lengths), keys)
+    placed = jax.device_put((params, tokens, lengths, keys), device)
+    return _generate_jit(config, sampling, *placed)
+
+
+def _is_key_batch(key) -> bool:
+    """Whether `key` holds one PRNG key per row (typed keys [B], raw uint32 keys [B, 2]) rather than one key."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 1
+    return key.ndim == 2
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def row_keys(key: jax.Array, rows: int) -> jax.Array:
+    """The per-row keys a single `key` stands for: fold_in(key, b) for b in 0..rows-1."""
+    return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(rows, dtype=jnp.uint32))
+
+
+def per_row_keys(key: jax.Array, rows: int) -> jax.Array:
+    """`key` as `rows` per-row keys: a single key through `row_keys`, a batch of keys as it is (its length checked)."""
+    if not _is_key_batch(key):
+        return row_keys(key, rows)
+    if len(key) != rows:
+        raise ValueError(f"generate: {len(key)} keys for {rows} prompts (pass one key, or one per prompt)")
+    return key

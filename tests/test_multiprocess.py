@@ -333,7 +333,7 @@ def test_rl_refuses_an_uneven_device_split(monkeypatch, capsys):
     assert "does not split over 3 processes" in capsys.readouterr().err
 
 
-def _rl_args(out_dir, steps, reward="varied"):
+def _rl_args(out_dir, steps, reward="varied", max_staleness=0):
     """A tiny RL run: random-init tiny model (no warm start), 4 prompts x 4 responses, 2 updates per step, a KL
     penalty (reference policy), deterministic ODC on 2 devices, a checkpoint after every step; no evaluation (the
     same sampler as the rollouts, and most of the run's compile time on this machine).
@@ -343,42 +343,56 @@ def _rl_args(out_dir, steps, reward="varied"):
             "--prompts_per_step", "4", "--group_size", "4", "--updates_per_step", "2", "--learning_rate", "1e-2",
             "--kl_coef", "0.1", "--steps", str(steps), "--total_steps", "4", "--devices", "2", "--deterministic",
             "--no-progress", "--save_every", "1", "--eval_every", "0", "--eval_problems", "4", "--export_hf", "true",
-            "--reward_fn", os.path.join(WORKERS, f"rl_reward.py:{reward}"), "--out_dir", str(out_dir)]
+            "--reward_fn", os.path.join(WORKERS, f"rl_reward.py:{reward}"), "--out_dir", str(out_dir),
+            "--max_staleness", str(max_staleness)]
 
 
-def _mpirun_train(args, timeout=300):
+def _mpirun_train(args, timeout=300, **env):
     cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
            "jodc.train", *args]
-    return run_session(cmd, timeout, mpi_env())
+    return run_session(cmd, timeout, mpi_env(**env))
 
 
 @needs_mpi
 @pytest.mark.slow
 def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
-    """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic): stopped
-    after step 1 and resumed to step 2, its metrics (rewards, losses, KL) and exported parameters equal
-    bit for bit those of one process driving both devices uninterrupted. Every process samples the same rollout
-    (same parameters, key and compiled sampler on one CPU device) and the step checks that they agree; deterministic
-    ODC reduces gradients in source order in both launches, so no tolerance is needed. Only process 0 prints and
-    writes the run's files."""
+    """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic) with
+    asynchronous rollouts (`rollout.max_staleness: 1`, each process's sampler thread sampling its share of the next
+    step's rollout while the trainer trains; until step 1 through a sampler child process, after the resume
+    itself): stopped after step 1 and resumed to step 2, its metrics (rewards,
+    losses, KL, staleness) and exported parameters equal bit for bit those of one process driving both devices
+    uninterrupted. Each process samples and scores its half of each rollout on its device (the single process
+    samples the same halves on its two devices: the same keys and batch shapes) and the halves are exchanged; the
+    reward function is called once per response over both processes; the first launch's step-1 checkpoint holds the
+    rollout it sampled ahead; deterministic ODC reduces gradients in source order, so no tolerance is needed.
+    Only process 0 prints and writes the run's files. (The synchronous loop runs the same sampler and exchange on
+    the trainer's thread: test_rl_rollout_shares_across_processes.)"""
     import json
 
     from jodc.train.cli import main as train_main
 
-    mp_dir = tmp_path / "mp"
-    for steps in (1, 2):
-        rc, out = _mpirun_train(_rl_args(mp_dir, steps))
+    max_staleness = 1
+
+    mp_dir, calls = tmp_path / "mp", tmp_path / "calls"
+    calls.mkdir()
+    for steps, sampler in ((1, "process"), (2, "thread")):  # where the sampler computes may change on resume
+        rc, out = _mpirun_train([*_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness),
+                                 "--rollout.sampler", sampler], JODC_TEST_REWARD_CALLS=str(calls))
         assert rc == 0, out[-6000:]
         assert out.count("done: ") == 1, out[-3000:]  # one process prints
     assert "resumed from" in out and "(step 1)" in out, out[-3000:]
+    # each process sampled and scored its half (8) of each rollout's 4 x 4 responses, each response once: steps 1
+    # and 2, and asynchronously the rollout sampled ahead for the final checkpoint (step 3's)
+    sampled = [len((calls / f"calls-{rank}.txt").read_text().splitlines()) for rank in (0, 1)]
+    assert sampled == [8 * (2 + max_staleness)] * 2, sampled
     single_dir = tmp_path / "single"
-    assert train_main(_rl_args(single_dir, 2)) == 0  # this process, 2 of its CPU devices
+    assert train_main(_rl_args(single_dir, 2, max_staleness=max_staleness)) == 0  # this process, 2 CPU devices
 
     def records(d):
         return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
     exact = ("reward_mean", "reward_std", "accuracy", "response_length", "loss", "grad_norm", "policy_kl", "tokens",
-             "microbatches")
+             "microbatches", "staleness", "policy_version")
     mp, single = records(mp_dir), records(single_dir)
     assert [r["step"] for r in mp] == [r["step"] for r in single] == [1, 2]
     assert len({r["reward_mean"] for r in single}) > 1 or single[0]["reward_std"] > 0  # the rewards vary
@@ -391,14 +405,44 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.slow
-def test_mpirun_rl_refuses_processes_that_disagree(tmp_path):
-    """A reward function that gives each process other rewards: the first step's agreement check fails in every
-    process, naming what differs, before any update trains the processes' devices on different advantages."""
-    rc, out = _mpirun_train(_rl_args(tmp_path / "run", 2, reward="per_process"))
-    assert rc != 0, out[-6000:]
-    assert "the processes disagree on step 1's rollout, rewards and advantages: process(es) [1]" in out, out[-6000:]
-    assert not (tmp_path / "run" / "checkpoints" / "1").exists()
+def test_rl_rollout_shares_across_processes(tmp_path):
+    """2 processes x 2 devices sample step 3's rollout in shares (tests/multiprocess/rl_sampling_case.py): every
+    process gets the whole rollout, equal (prompts, groups, tokens, behaviour top-k, rewards) to one process sampling
+    it over 1 and 4 devices here; each response is scored once, by the process that sampled it. A reward that raises
+    in process 1 fails both processes naming process 1 and its cause; the agreement check the trainer runs before
+    each step's first update fails in both processes on a value process 1 computed otherwise; a process 1 that hangs
+    is named by process 0 within the exchange timeout (3 s), which ends the job. (A reward that differs between
+    processes no longer makes them disagree: each response is scored once and its reward exchanged.)"""
+    import json
+
+    import numpy as np
+
+    from rl_sampling_setup import GROUP, PROMPTS, CountingReward, make_params, make_sampler
+
+    rc, out, _ = run_mpi(2, "rl_sampling_case.py", "2", str(tmp_path), timeout=240)
+    world = 4
+    for rank in (0, 1):
+        assert f"PASS sampled process={rank} world={world} responses={PROMPTS * GROUP}" in out, out[-6000:]
+        assert f"RAISED {rank}: step 5's rollout failed in process(es) [1]" in out, out[-6000:]
+    assert "process 1: RewardError: the reward function raised KeyError on step 5" in out, out[-6000:]
+    for rank in (0, 1):
+        assert f"DISAGREE {rank}: the processes disagree on a value that differs: process(es) [1]" in out, out[-6000:]
+    timed_out = [line for line in out.splitlines() if line.startswith("TIMED OUT 0 after")]
+    assert timed_out and "step 6's rollout: process(es) [1] sent nothing within 3 s" in timed_out[0], out[-6000:]
+    assert float(timed_out[0].split()[4]) < 30 and rc != 0  # not the hanging reward's 120 s; the job aborted
+    mp = json.loads((tmp_path / "mp.json").read_text())
+    calls = [json.loads((tmp_path / f"calls-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [len(c) for c in calls] == [PROMPTS * GROUP // 2] * 2  # each process scored its half, once each
+    params = make_params()
+    for devices in (1, 4):
+        reward = CountingReward()
+        here = make_sampler(devices, reward)(3, params, 3)
+        r = here.rollout
+        assert mp["prompts"] == r.prompts and mp["response_ids"] == [x.tolist() for x in r.response_ids], devices
+        assert mp["topk_ids"] == [x.tolist() for x in r.topk_ids] and mp["rewards"] == here.rewards.tolist()
+        for a, b in zip(mp["logprobs"], r.logprobs):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        assert sorted(map(tuple, calls[0] + calls[1])) == sorted(reward.calls)  # the same (prompt, response) pairs
 
 
 def test_spmd_step_gathers_parameters_and_keeps_rows_per_device():

@@ -295,11 +295,11 @@ def test_the_summary_line_of_stale_fp32_rollouts_has_no_mismatch():
 
 
 def test_the_rollout_source_is_chosen_once_from_the_config():
-    """rollout.max_staleness 0: the trainer samples itself; k > 0: a sampler thread, in one process only (the
-    refusal names the setting); the synchronous source holds nothing for checkpoints."""
+    """rollout.max_staleness 0: the trainer samples itself; k > 0: a sampler thread (also across processes: the
+    sampler process across processes is tests/test_multiprocess.py's); the synchronous source holds nothing for
+    checkpoints."""
     import types
 
-    from jodc.train.core.config import ConfigError
     from jodc.train.rl.rollout_source import AsyncRolloutSource, SyncRollouts, make_rollout_source
 
     sync = make_rollout_source(types.SimpleNamespace(max_staleness=0), sampler=None, processes=2, reward_spec=None,
@@ -311,6 +311,6 @@ def test_the_rollout_source_is_chosen_once_from_the_config():
     assert thread.checkpoint_state(0) == {"pending_rollouts": []}
     with pytest.raises(RuntimeError, match="does not hold the rollouts of steps 5..6"):
         thread.restore(4, {"pending_rollouts": []}, "ckpt/4")
-    with pytest.raises(ConfigError, match="rollout.max_staleness=2: asynchronous rollouts run in one process"):
-        make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="thread"), sampler=None, processes=2,
-                            reward_spec=None, trainer=None)
+    across = make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="thread"), sampler=None,
+                                 processes=2, reward_spec=None, trainer=None)
+    assert isinstance(across, AsyncRolloutSource) and across.process is None

@@ -13,10 +13,12 @@ The trainer takes rollout s with `get(s)`, which checks each response's recorded
 with `StaleRolloutError`) and reports how long the trainer waited.
 
 Devices: on CPU the simulated devices of `--xla_force_host_platform_device_count` share the host's cores, so
-there is nothing to partition: the sampler computes on the default device with its own host copy of the weights,
-the trainer's engine on all its devices, and the two overlap because JAX dispatch and XLA execution release the
-GIL (the only Python work in the sampler thread, tokenizing and the reward function, holds it briefly). On an
-accelerator the same thread overlaps the sampler's kernels with the trainer's on the default device. With
+there is nothing to partition: the sampler computes with its own host copy of the weights, split over the
+engine's devices as every rollout is (`RolloutSampler`), the trainer's engine on the same devices, and the two
+overlap because JAX dispatch and XLA execution release the GIL (the only Python work in the sampler thread,
+tokenizing and the reward function, holds it briefly). On an accelerator the same thread overlaps the sampler's
+kernels with the trainer's on the same devices. Across processes each process runs its own thread, which samples
+its share of each rollout and exchanges it with the other processes' threads (`RolloutSampler.__call__`). With
 `rollout.sampler: process` the thread hands each rollout to a `SamplerProcess` (a child at a lower OS priority,
 `sampler_process.py`) instead of computing it; everything else here is unchanged.
 

@@ -152,9 +152,13 @@ class RLRun(Trainer):
                                       sampling=self.sampling, reward_fn=self.reward_fn,
                                       # fresh problems every step: never the evaluation set's (held out)
                                       held_out=frozenset(p.prompt for p in self.eval_set) if self.pool is None
-                                      else frozenset())
+                                      else frozenset(),
+                                      # every engine device samples a share; processes exchange theirs
+                                      platform=e.platform, devices=e.devices,
+                                      exchange_timeout_s=e.barrier_timeout_s)
         self.rollouts = make_rollout_source(r, self.sampler, processes=jax.process_count(), reward_spec=reward_spec,
-                                            trainer=self, callbacks=self.callbacks)
+                                            trainer=self, callbacks=self.callbacks,
+                                            process_index=jax.process_index())
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         self.rollouts.restore(step, state, self.store.step_dir(step))

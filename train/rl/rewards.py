@@ -74,14 +74,16 @@ def _excerpt(text: str, limit: int = 200) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def score(reward_fn: RewardFunction, prompts: Sequence[str], responses: Sequence[str], *, step: int) -> np.ndarray:
-    """Rewards (float64 [N]) of N (prompt, response) pairs; `step` is the 1-based step, for error messages.
+def score(reward_fn: RewardFunction, prompts: Sequence[str], responses: Sequence[str], *, step: int,
+          first_sample: int = 0) -> np.ndarray:
+    """Rewards (float64 [N]) of N (prompt, response) pairs, one call each; `step` is the 1-based step and
+    `first_sample` the step's index of the first pair (a share of the step's rollout), for error messages.
 
     Raises RewardError for the first sample whose reward raises or is not a finite real number."""
     if len(prompts) != len(responses):
         raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
     rewards = np.empty(len(prompts), np.float64)
-    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+    for i, (prompt, response) in enumerate(zip(prompts, responses), start=first_sample):
         where = f"step {step}, sample {i} (prompt {_excerpt(prompt)}, response {_excerpt(response)})"
         try:
             value = reward_fn(prompt, response)
@@ -91,5 +93,5 @@ def score(reward_fn: RewardFunction, prompts: Sequence[str], responses: Sequence
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise RewardError(f"the reward function returned {value!r} ({type(value).__name__}) on {where}; it must "
                               "return a finite real number", step=step, sample=i, prompt=prompt, response=response)
-        rewards[i] = float(value)
+        rewards[i - first_sample] = float(value)
     return rewards

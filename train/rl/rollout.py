@@ -43,6 +43,25 @@ class Rollout:
         """Tokens per response (stop token included)."""
         return np.array([len(r) for r in self.response_ids], np.int64)
 
+    @classmethod
+    def concat(cls, parts: Sequence["Rollout"]) -> "Rollout":
+        """The parts' responses in order (shares of one step sampled apart); `seconds` is the slowest part's."""
+        if not parts:
+            raise ValueError("Rollout.concat: no parts")
+        if len({p.group_size for p in parts}) != 1:
+            raise ValueError(f"Rollout.concat: parts of group sizes {[p.group_size for p in parts]}")
+        if len({p.topk_ids is None for p in parts if len(p)}) > 1:
+            raise ValueError("Rollout.concat: some parts hold the behaviour top-k and some do not")
+
+        def joined(field):
+            values = [getattr(p, field) for p in parts]
+            return None if all(v is None for v in values) else [x for v in values if v is not None for x in v]
+
+        return cls(prompts=joined("prompts"), prompt_ids=joined("prompt_ids"), response_ids=joined("response_ids"),
+                   logprobs=joined("logprobs"), topk_ids=joined("topk_ids"), topk_logprobs=joined("topk_logprobs"),
+                   responses=joined("responses"), finished=np.concatenate([p.finished for p in parts]).astype(bool),
+                   group_size=parts[0].group_size, seconds=max(p.seconds for p in parts))
+
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str]) -> list[np.ndarray]:
     """`[bos] prompt` token ids of each prompt (no bos when the tokenizer has none)."""
@@ -75,17 +94,67 @@ def sampling_params(tokenizer: Tokenizer, config: DecoderConfig, *, max_new_toke
                           prompt_bucket=prompt_bucket)
 
 
+def device_shares(num_prompts: int, num_devices: int) -> list[range]:
+    """The prompts each of `num_devices` devices samples: contiguous ranges of whole prompts (so a group's responses
+    stay on one device), sizes differing by at most one, device order (empty ranges when prompts are fewer)."""
+    if num_devices < 1:
+        raise ValueError(f"device_shares: need at least one device, got {num_devices}")
+    bounds = np.cumsum([0] + [num_prompts // num_devices + (d < num_prompts % num_devices)
+                              for d in range(num_devices)])
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def response_keys(key: jax.Array, prompt_indices: Sequence[int], group_size: int) -> jax.Array:
+    """One sampling key per response: response j of prompt i samples with fold_in(fold_in(key, i), j), so a
+    response's key depends on (key, its prompt's index in the step, j) only, never on which device or process
+    samples it. Returns keys [len(prompt_indices) * group_size], group after group."""
+    indices = np.repeat(np.asarray(prompt_indices, np.uint32), group_size)
+    members = np.tile(np.arange(group_size, dtype=np.uint32), len(prompt_indices))
+    return _response_keys(key, indices, members)
+
+
+@jax.jit
+def _response_keys(key, indices, members):
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(indices, members)
+
+
 def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: int,
-                   sampling: SamplingParams, key: jax.Array) -> Rollout:
-    """Samples `group_size` responses to each prompt with `params` (group pytrees, e.g. `Engine.params()`)."""
+                   sampling: SamplingParams, key: jax.Array, prompt_indices: Sequence[int] | None = None,
+                   prompt_width: int = 0, devices: Sequence[jax.Device] | None = None) -> Rollout:
+    """Samples `group_size` responses to each prompt with `params` (group pytrees, e.g. `Engine.params()`).
+
+    key: the rollout's key; response j of prompt `prompt_indices[i]` (default i) samples with
+      `response_keys(key, ...)`, so a subset of a step's prompts sampled elsewhere gets the same keys.
+    prompt_width: pad prompts to at least this width (the whole step's, so that every share of it compiles and
+      computes the same shape).
+    devices: split the prompts in whole groups over these devices (`device_shares`), each sampling its share
+      concurrently; default: JAX's default device."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
+    prompt_indices = range(len(prompts)) if prompt_indices is None else list(prompt_indices)
+    if len(prompt_indices) != len(prompts):
+        raise ValueError(f"sample_rollout: {len(prompt_indices)} prompt indices for {len(prompts)} prompts")
     started = time.perf_counter()
+    if not prompts:  # a process whose devices got no prompt of the step
+        return Rollout(prompts=[], prompt_ids=[], response_ids=[], logprobs=[],
+                       topk_ids=[] if sampling.top_k_logprobs else None,
+                       topk_logprobs=[] if sampling.top_k_logprobs else None, responses=[],
+                       finished=np.zeros(0, bool), group_size=group_size, seconds=0.0)
     repeated = [p for p in prompts for _ in range(group_size)]
     prompt_ids = [ids for ids in encode_prompts(tokenizer, prompts) for _ in range(group_size)]
-    out = jax.device_get(generate(config, prompt_ids, key=key, sampling=sampling, params=params))
-    lengths = np.asarray(out.lengths)
-    tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs, np.float32)
+    keys = response_keys(key, prompt_indices, group_size)
+    devices = [None] if not devices else list(devices)
+    calls = [(share, device) for share, device in zip(device_shares(len(prompts), len(devices)), devices) if share]
+    outs = [generate(config, prompt_ids[s.start * group_size:s.stop * group_size], sampling=sampling, params=params,
+                     key=keys[s.start * group_size:s.stop * group_size], prompt_width=prompt_width, device=device)
+            for s, device in calls]  # dispatched without waiting: the devices sample concurrently
+    outs = jax.device_get(outs)
+
+    def rows(field):
+        return np.concatenate([np.asarray(getattr(o, field)) for o in outs])
+
+    lengths = rows("lengths")
+    tokens, logprobs = rows("tokens"), rows("logprobs").astype(np.float32)
     stops = np.asarray(sampling.stop_token_ids, np.int32)
     response_ids = [tokens[i, :n].astype(np.int32) for i, n in enumerate(lengths)]
     finished = np.array([n > 0 and np.isin(r[-1], stops) for r, n in zip(response_ids, lengths)], bool)
@@ -93,7 +162,7 @@ def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts:
                                            skip_special_tokens=True)
     topk_ids = topk_logprobs = None
     if sampling.top_k_logprobs:
-        ids, lps = np.asarray(out.topk_ids), np.asarray(out.topk_logprobs, np.float32)
+        ids, lps = rows("topk_ids"), rows("topk_logprobs").astype(np.float32)
         topk_ids = [ids[i, :n].astype(np.int32) for i, n in enumerate(lengths)]
         topk_logprobs = [lps[i, :n] for i, n in enumerate(lengths)]
     return Rollout(prompts=repeated, prompt_ids=prompt_ids, response_ids=response_ids,

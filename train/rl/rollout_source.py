@@ -4,19 +4,23 @@
   between steps, so a checkpoint holds no rollout.
 - `AsyncRollouts` source (k > 0): a sampler thread (computing the rollouts itself, or in a child process at a low OS
   priority with `rollout.sampler: process`) samples step s from the weights of step max(0, s - k) while the trainer
-  trains; the k rollouts sampled ahead go into every checkpoint, so a resumed run continues exactly.
+  trains; the k rollouts sampled ahead go into every checkpoint, so a resumed run continues exactly. Across
+  processes (mpirun) every process runs its own sampler thread, which samples its share of each rollout (itself, or
+  through its child process) and exchanges it with the other processes' threads (`RolloutSampler.__call__`,
+  `ExchangedShares`).
 
 Both have one interface for the RL loop: `get(step, params)` -> (scored rollout, seconds the trainer waited),
 `sampler_busy(start, end, scored)`, `checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..core.callbacks import emit
 from ..core.config import ConfigError
 from .async_rollouts import AsyncRollouts, check_staleness
-from .sampler import RolloutSampler, ScoredRollout
+from .sampler import ExchangedShares, RolloutSampler, ScoredRollout
 from .sampler_process import SamplerProcess
 
 
@@ -99,18 +103,21 @@ class AsyncRolloutSource:
 
 
 def make_rollout_source(rollout, sampler: RolloutSampler, *, processes: int, reward_spec: str | None, trainer,
-                        callbacks=()):
+                        callbacks=(), process_index: int = 0):
     """The source `rollout` (the config's section) asks for; the sampler process starts now (its imports overlap
-    the engine's compilation). ConfigError for what cannot run: asynchronous rollouts across processes."""
+    the engine's compilation); across processes (`processes` > 1, this one `process_index`) a sampler process
+    computes this process's share and the sampler thread exchanges it. ConfigError for what cannot run (a reward
+    function that does not pickle for the sampler process)."""
     if not rollout.max_staleness:
         return SyncRollouts(sampler, trainer=trainer, callbacks=callbacks)
-    if processes > 1:
-        raise ConfigError(f"rollout.max_staleness={rollout.max_staleness}: asynchronous rollouts run in one "
-                          "process; across processes use rollout.max_staleness: 0")
     process = None
     if rollout.sampler == "process":
+        # across processes the child computes this process's share and the sampler thread exchanges it
+        child = sampler if processes == 1 else dataclasses.replace(sampler, process=(process_index, processes))
         try:
-            process = SamplerProcess(sampler, nice=rollout.sampler_nice, reward_spec=reward_spec)
+            process = SamplerProcess(child, nice=rollout.sampler_nice, reward_spec=reward_spec)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if processes > 1:
+            process = ExchangedShares(process, timeout_s=sampler.exchange_timeout_s)
     return AsyncRolloutSource(sampler, max_staleness=rollout.max_staleness, process=process)

@@ -1,7 +1,9 @@
 """The sampler side of an RL step: the scored rollout of step s from the weights of one policy version.
 
 `RolloutSampler(step, params, version)` draws step s's prompts (a pure function of (seed, s)), samples
-`group_size` responses each with the sampler's copy of the weights, scores them, and measures the rollout/trainer
+`group_size` responses each with the sampler's copy of the weights, split in whole groups over the engine's devices
+(each device sampling its share; across processes each process samples and scores only its devices' shares, and
+the scored shares are exchanged once: `rollout_exchange.py`), scores them, and measures the rollout/trainer
 mismatch: the log-probs of the sampled tokens under the trainer's fp32 forward pass *at the same weights* against
 the behaviour log-probs the sampler stored. A *policy version* is the number of RL steps applied to the weights
 (version s = the weights at the start of step s). With `rollout.dtype: bfloat16` the sampler's parameters and
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +26,12 @@ import numpy as np
 from jodc.models import DecoderConfig, SamplingParams
 from jodc.models.tokenizer import Tokenizer
 
+from ..core.model import mesh_devices
 from .config import RolloutConfig
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, score
-from .rollout import Rollout, sample_rollout
+from .rollout import Rollout, device_shares, encode_prompts, sample_rollout
+from .rollout_exchange import gather_shares
 from .tasks import Problem, Task, step_problems
 
 
@@ -50,11 +54,31 @@ class ScoredRollout:
     mismatch: dict[str, float]
     reward_seconds: float = 0.0
     mismatch_seconds: float = 0.0
+    exchange_seconds: float = 0.0  # across processes: waiting for and receiving the other processes' shares
 
     @property
     def seconds(self) -> float:
-        """The sampler's wall time for this rollout: sampling, scoring and the mismatch forward."""
-        return self.rollout.seconds + self.reward_seconds + self.mismatch_seconds
+        """The sampler's wall time for this rollout: sampling, scoring, the mismatch forward and (across
+        processes) the exchange of the shares."""
+        return self.rollout.seconds + self.reward_seconds + self.mismatch_seconds + self.exchange_seconds
+
+    @classmethod
+    def concat(cls, parts: Sequence["ScoredRollout"], exchange_seconds: float = 0.0) -> "ScoredRollout":
+        """One step's rollout from its shares (in prompt order); times are the slowest share's, the mismatch is
+        measured over the whole rollout."""
+        steps = {p.step for p in parts}
+        if len(steps) != 1:
+            raise ValueError(f"ScoredRollout.concat: shares of steps {sorted(steps)}")
+        with_trainer = {p.trainer_logprobs is not None for p in parts}
+        if len(with_trainer) != 1:
+            raise ValueError("ScoredRollout.concat: some shares measured the mismatch and some did not")
+        rollout = Rollout.concat([p.rollout for p in parts])
+        trainer = [x for p in parts for x in p.trainer_logprobs] if True in with_trainer else None
+        return cls(step=parts[0].step, rollout=rollout, rewards=np.concatenate([p.rewards for p in parts]),
+                   versions=np.concatenate([p.versions for p in parts]), trainer_logprobs=trainer,
+                   mismatch=logprob_mismatch(rollout.logprobs, trainer) if trainer is not None else {},
+                   reward_seconds=max(p.reward_seconds for p in parts),
+                   mismatch_seconds=max(p.mismatch_seconds for p in parts), exchange_seconds=exchange_seconds)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field (`from_json` restores it bit for bit)."""
@@ -134,30 +158,93 @@ class RolloutSampler:
     sampling: SamplingParams
     reward_fn: RewardFunction
     held_out: frozenset[str] = frozenset()  # evaluation prompts that fresh training draws skip (`step_problems`)
+    platform: str = "cpu"  # the engine's devices (`engine.platform`, `engine.devices`): the step's prompts are
+    devices: int = 1  # split over all of them (`device_shares`), each process sampling its own devices' shares
+    exchange_timeout_s: float | None = None  # across processes: how long to wait for another process's share
+    # (index, count) of the MPI process a sampler child process works for (it is outside the MPI job, so its own
+    # JAX sees one process); None: JAX's own
+    process: tuple[int, int] | None = None
 
     def rollout_key(self, step: int) -> jax.Array:
-        """The sampling key of 0-based step `step` (a pure function of (seed, step))."""
+        """The key of 0-based step `step` (a pure function of (seed, step)); response j of the step's prompt i
+        samples with fold_in(fold_in(this key, i), j) (`response_keys`), wherever it is sampled."""
         return jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
 
+    def local_devices(self) -> tuple[range, list[jax.Device]]:
+        """(the step prompts this process samples, its devices that sample them): the shares (`device_shares`)
+        of this process's devices among the engine's `devices` (process-major, as the engine's mesh)."""
+        shares = device_shares(self.rollout.prompts_per_step, self.devices)
+        if self.process is not None:  # a child sampling for MPI process `index`: its devices are the index-th block
+            index, count = self.process  # of the process-major mesh (as many in every process)
+            per_process = self.devices // count
+            mine = shares[index * per_process:(index + 1) * per_process]
+            return range(mine[0].start, mine[-1].stop), jax.local_devices(backend=self.platform)[:per_process]
+        devices = mesh_devices(self.platform, self.devices)  # the engine's mesh, in its order
+        mine = [(share, d) for share, d in zip(shares, devices) if d.process_index == jax.process_index()]
+        if not mine:
+            raise RuntimeError(f"process {jax.process_index()} holds none of the {len(devices)} sampling devices")
+        return range(mine[0][0].start, mine[-1][0].stop), [d for _, d in mine]
+
     def __call__(self, step: int, params, version: int) -> ScoredRollout:
-        """Step `step`'s scored rollout, sampled with `params` (host fp32 group pytrees) of policy `version`."""
+        """Step `step`'s scored rollout, sampled with `params` (host fp32 group pytrees) of policy `version`. Across
+        processes each process samples and scores its share (`share`) and the shares are exchanged once
+        (`rollout_exchange.gather_shares`): every process gets the whole rollout, every response scored once."""
+        if jax.process_count() == 1:
+            return self.share(step, params, version)
+        return exchange_shares(step, lambda: self.share(step, params, version), timeout_s=self.exchange_timeout_s)
+
+    def share(self, step: int, params, version: int) -> ScoredRollout:
+        """This process's share of step `step`'s scored rollout (all of it in one process), sampled over its
+        devices and scored (each response once)."""
         r = self.rollout
         problems = step_problems(self.task, self.seed, step, r.prompts_per_step, pool=self.pool,
                                  held_out=self.held_out)
+        prompts = [p.prompt for p in problems]
+        mine, devices = self.local_devices()
         config, weights = sampler_weights(self.model_config, params, r.dtype)
-        rollout = sample_rollout(config, weights, self.tokenizer, [p.prompt for p in problems],
-                                 group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step))
+        rollout = sample_rollout(config, weights, self.tokenizer, prompts[mine.start:mine.stop],
+                                 group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step),
+                                 prompt_indices=mine, devices=devices,
+                                 prompt_width=max(len(ids) for ids in encode_prompts(self.tokenizer, prompts)))
         started = time.perf_counter()
-        rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1)
+        rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1,
+                        first_sample=mine.start * r.group_size)
         reward_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        trainer = (trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
-                                    bucket=r.prompt_bucket) if measures_mismatch(r) else None)
+        trainer = None
+        if measures_mismatch(r):
+            trainer = (trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
+                                        bucket=r.prompt_bucket) if len(rollout) else [])
         mismatch_seconds = time.perf_counter() - started
         return ScoredRollout(step=step, rollout=rollout, rewards=rewards,
                              versions=np.full(len(rollout), version, np.int64), trainer_logprobs=trainer,
                              mismatch=logprob_mismatch(rollout.logprobs, trainer) if trainer is not None else {},
                              reward_seconds=reward_seconds, mismatch_seconds=mismatch_seconds)
+
+
+def exchange_shares(step: int, share: Callable[[], ScoredRollout], *, timeout_s: float | None) -> ScoredRollout:
+    """Step `step`'s whole scored rollout across processes: this process's `share()`, exchanged with every other
+    process's (`rollout_exchange.gather_shares`: a share that fails or does not come fails every process)."""
+    started = time.perf_counter()
+    parts = gather_shares(share, what=f"step {step + 1}'s rollout", timeout_s=timeout_s)
+    own = parts[jax.process_index()]
+    return ScoredRollout.concat(parts, exchange_seconds=max(0.0, time.perf_counter() - started - own.seconds))
+
+
+@dataclasses.dataclass
+class ExchangedShares:
+    """`produce(step, params, version)` for the sampler thread of an asynchronous run across processes whose shares
+    come from a sampler child process (`sampler_process.py`): the child computes this process's share, this
+    process's sampler thread exchanges it."""
+
+    share: Callable[[int, Any, int], ScoredRollout]  # a `SamplerProcess` of a sampler with `process` set
+    timeout_s: float | None = None
+
+    def __call__(self, step: int, params, version: int) -> ScoredRollout:
+        return exchange_shares(step, lambda: self.share(step, params, version), timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        self.share.close()
 
 
 def trainer_logprobs(config: DecoderConfig, params, rollout: Rollout, *, temperature: float,

@@ -10,9 +10,11 @@ engine's simulated devices wait on each other, and Python dispatch leaves gaps) 
 thread keeps the schedule, the staleness bound and the checkpoints, and only the computation moves. The child
 holds a pickled `RolloutSampler` (task, tokenizer, sampling parameters and reward function must pickle; a
 `task.reward_fn` is loaded again from its spec there) and the weights of the version it last sampled from; the
-parent sends a version's weights once (host numpy), then sample requests. The child computes on its default
-device with the trainer's XLA flags (the same compiled programs), so a rollout is the same as the thread's for
-the same (step, weights, version) (tested bit for bit on CPU).
+parent sends a version's weights once (host numpy), then sample requests. The child computes with the trainer's
+XLA flags, on as many devices as the engine's, split the same way (the same compiled programs), so a rollout is the
+same as the thread's for the same (step, weights, version) (tested bit for bit on CPU). Across processes (mpirun)
+the child, outside the MPI job, computes its process's share only (`RolloutSampler.process`) and the parent's
+sampler thread exchanges it (`sampler.ExchangedShares`).
 
 Failures: an exception in the child comes back as `SamplerProcessError` with the child's traceback for the step
 that raised it; a child that dies (killed, out of memory) is reported with its exit code instead of hanging
