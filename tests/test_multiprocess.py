@@ -181,17 +181,25 @@ def test_odc_engine_across_processes(tmp_path, nprocs, local):
     nprocs x local devices."""
     rc, out, _ = run_mpi(nprocs, "engine_cases.py", str(local), str(tmp_path), timeout=480)
     assert rc == 0 and f"PASS engine world={nprocs * local}" in out, out[-6000:]
-    import numpy as np
-
     from conftest import cpu_mesh
+
+    assert_bits_of_one_process(tmp_path / "mp.npz", "engine_cases", cpu_mesh(nprocs * local))
+
+
+def assert_bits_of_one_process(saved, cases_module: str, mesh) -> None:
+    """The arrays a multi-process run saved (`saved`, .npz) equal, bit for bit, `cases_module`'s
+    `single_process_run(mesh)` run here (no third interpreter start)."""
+    import importlib
+
+    import numpy as np
 
     sys.path.insert(0, WORKERS)
     try:
-        import engine_cases
+        cases = importlib.import_module(cases_module)
     finally:
         sys.path.remove(WORKERS)
-    single = engine_cases.single_process_run(cpu_mesh(nprocs * local))  # here: no third interpreter start
-    mp = np.load(tmp_path / "mp.npz")
+    single = cases.single_process_run(mesh)
+    mp = np.load(saved)
     assert sorted(mp.files) == sorted(single)
     for k in mp.files:
         assert mp[k].tobytes() == single[k].tobytes(), (k, float(np.abs(mp[k] - single[k]).max()))
@@ -212,20 +220,10 @@ def test_hsdp_across_processes(tmp_path):
         failed = [x for x in out.splitlines() if x.startswith(f"[rank {rank}] step failed after")]
         assert failed and "boom on the last process" in failed[0], out[-6000:]
     import jax
-    import numpy as np
 
     from jodc.fsdp import sharding
 
-    sys.path.insert(0, WORKERS)
-    try:
-        import hsdp_cases
-    finally:
-        sys.path.remove(WORKERS)
-    single = hsdp_cases.single_process_run(sharding.hsdp_mesh(jax.devices("cpu")[:4], 2))
-    mp = np.load(tmp_path / "hsdp_det.npz")
-    assert sorted(mp.files) == sorted(single)
-    for k in mp.files:
-        assert mp[k].tobytes() == single[k].tobytes(), (k, float(np.abs(mp[k] - single[k]).max()))
+    assert_bits_of_one_process(tmp_path / "hsdp_det.npz", "hsdp_cases", sharding.hsdp_mesh(jax.devices("cpu")[:4], 2))
 
 
 @needs_mpi

@@ -24,13 +24,15 @@ def test_python_names_are_the_headers():
 
 
 def test_every_op_module_calls_a_listed_target():
-    """Each Python op file names its target through _targets (a typo'd or unlisted op would fail at trace time)."""
+    """Each Python op file names its target through _targets or _call.native (a typo'd or unlisted op would fail at
+    trace time)."""
     ops_dir = os.path.join(ROOT, "jodc", "ops")
     called = set()
     for name in os.listdir(ops_dir):
         if name.endswith(".py") and not name.startswith("_"):  # the op modules, not the plumbing
             src = open(os.path.join(ops_dir, name)).read()
             called |= set(re.findall(r"""target(?:_name)?\([^"']*["'](\w+)["']\)""", src))
+            called |= set(re.findall(r"""\bnative\(\w+, ["'](\w+)["']""", src))  # _call.native(owner, "op", ...)
             assert not re.search(r"""ffi_call\(\s*["']""", src), f"{name} hard-codes an FFI target name"
     assert called == set(_targets.ALL_OPS)
 

@@ -67,7 +67,17 @@ def check_one_replica(mesh: jax.sharding.Mesh, axis_name: str) -> None:
             f"device group: use a mesh whose only axis of size > 1 is {axis_name!r}")
 
 
-class SymmetricHeap:
+class FreedOnExit:
+    """`with heap: ...` frees the heap (`free()`) when the block ends, however it ends."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+class SymmetricHeap(FreedOnExit):
     """Buckets shared by the devices along one mesh axis.
 
     Args:
@@ -149,12 +159,6 @@ class SymmetricHeap:
         self._transport.after_free()
         for b in self._buckets:
             b._freed = True
-
-    def __enter__(self) -> "SymmetricHeap":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.free()
 
     def check_alive(self) -> None:
         if self._freed:

@@ -19,7 +19,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jodc.ops.heap import DEFAULT_BARRIER_TIMEOUT_S, Bucket, SymmetricHeap
+from jodc.ops.heap import DEFAULT_BARRIER_TIMEOUT_S, Bucket, FreedOnExit, SymmetricHeap
 
 
 def replica_groups(mesh: jax.sharding.Mesh, axis_name: str, replica_axis: str) -> np.ndarray:
@@ -62,7 +62,7 @@ def local_replicas(groups: np.ndarray, process: int) -> list[int]:
         f"replicas inside)")
 
 
-class ReplicatedHeap:
+class ReplicatedHeap(FreedOnExit):
     """Buckets sharded along `axis_name` and replicated along `replica_axis`: one `SymmetricHeap` per replica group.
 
     Args as `SymmetricHeap` (each group's heap gets them), plus `replica_axis`. This process creates the heaps of
@@ -135,12 +135,6 @@ class ReplicatedHeap:
             h.free()
         for b in self._buckets:
             b._freed = True
-
-    def __enter__(self) -> "ReplicatedHeap":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.free()
 
     def check_alive(self) -> None:
         for h in self._all_heaps():
