@@ -291,12 +291,12 @@ def update_step(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads, p
     once, so its squared norm is summed over the last axis ('d') only, and the loss and metrics over every device.
     Non-finite steps are not applied (`optim.guarded_update`). Returns (params, opt_state, loss, grad_norm, metrics,
     applied)."""
-    if axis is None:
-        reduce = shard_reduce = (lambda x: x)
+    shard_axis = axis[-1] if isinstance(axis, tuple) else axis
+    reduce = (lambda x: x) if axis is None else functools.partial(device_sum, axis=axis)
+    if shard_axis == axis:  # flat (or no) sharding: norm and loss in one gather
+        global_sq, loss = reduce((squared_norm(grads), loss_sum))
     else:
-        reduce = functools.partial(device_sum, axis=axis)
-        shard_reduce = functools.partial(device_sum, axis=axis[-1] if isinstance(axis, tuple) else axis)
-    global_sq, loss = shard_reduce(squared_norm(grads)), reduce(loss_sum)
+        global_sq, loss = device_sum(squared_norm(grads), shard_axis), reduce(loss_sum)
     params, opt_state, norm, applied = guarded_update(tx, cfg, grads, params, opt_state, global_sq_norm=global_sq,
                                                       loss=loss, all_reduce=reduce)
     return params, opt_state, loss, norm, reduce(metric_sums), applied
