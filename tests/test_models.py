@@ -9,21 +9,9 @@ from flax import nnx
 from conftest import cpu_mesh
 from jodc.fsdp import GroupLayout
 from jodc.models import (
-    Decoder,
-    DecoderConfig,
-    RopeScaling,
-    check_group_params,
-    embed_apply,
-    forward,
-    group_param_shapes,
-    head_apply,
-    init_params,
-    layer_apply,
-    layer_group_name,
-    merge_params,
-    param_groups,
-    positions_from_segment_ids,
-    split_params,
+    Decoder, DecoderConfig, RopeScaling, check_group_params, embed_apply, forward, group_param_shapes,
+    head_apply, init_params, layer_apply, layer_group_name, merge_params, param_groups,
+    positions_from_segment_ids, split_params,
 )
 from jodc.models.norm import rms_norm
 from jodc.models.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies

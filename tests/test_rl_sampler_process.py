@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from step_runner import process_alive  # tools/step_runner.py (tests/conftest.py puts tools/ on the path)
 
 from jodc.train.core.config import ConfigError
 from jodc.train.rl.config import RolloutConfig
@@ -82,7 +83,7 @@ def test_the_config_refuses_a_process_sampler_without_asynchrony_and_a_bad_prior
 
 CHILD_OF_A_KILLED_TRAINER = f"""
 import sys, time
-sys.path.insert(0, {TESTS!r})
+sys.path[:0] = [{TESTS!r}, {os.path.join(os.path.dirname(TESTS), "tools")!r}]
 import numpy as np
 from jodc.train.rl.sampler_process import SamplerProcess
 from test_rl_sampler_process import ScriptedSampler
@@ -101,18 +102,9 @@ def test_the_child_of_a_killed_trainer_exits():
         parent.kill()
         parent.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and running(child):
+        while time.monotonic() < deadline and process_alive(child):
             time.sleep(0.2)
-        assert not running(child), f"the sampler process {child} outlived its killed trainer"
+        assert not process_alive(child), f"the sampler process {child} outlived its killed trainer"
     finally:
         if parent.poll() is None:
             parent.kill()
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` is a live process (not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

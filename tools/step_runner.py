@@ -321,7 +321,8 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -344,9 +345,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in targets)):
+        while time.monotonic() < deadline and (proc.poll() is None or any(process_alive(p) for p in targets)):
             time.sleep(0.05)
-        if proc.poll() is not None and not any(_alive(p) for p in targets):
+        if proc.poll() is not None and not any(process_alive(p) for p in targets):
             return
 
 

@@ -171,10 +171,7 @@ class ReplicatedHeap(FreedOnExit):
         """Registers the bucket in every local group's heap (same order and sizes in each)."""
         self.check_alive()
         name = name or f"bucket{len(self._buckets)}"
-        members = {r: h.register(shape, dtype, name=name) for r, h in self.heaps.items()}
-        first = members[min(members)]
-        bucket = ReplicatedBucket(self, members, first.shape, first.numel, first.master_dtype, first.shard_numel,
-                                  name)
+        bucket = ReplicatedBucket(self, {r: h.register(shape, dtype, name=name) for r, h in self.heaps.items()})
         self._buckets.append(bucket)
         return bucket
 
@@ -185,25 +182,27 @@ class ReplicatedHeap(FreedOnExit):
 
 @dataclasses.dataclass(eq=False)
 class ReplicatedBucket:
-    """One bucket registered in every local replica group's heap (`members`: replica index -> `Bucket`)."""
+    """One bucket registered in every local replica group's heap (`members_by_replica`: replica index -> `Bucket`).
+    Its shape, dtype and shard size are its members' (equal in every group: each registers the same bucket)."""
 
     heap: ReplicatedHeap
     members_by_replica: dict[int, Bucket]
-    shape: tuple[int, ...]
-    numel: int
-    master_dtype: str
-    shard_numel: int
-    name: str
     _freed: bool = False
 
     @property
-    def np_dtype(self) -> np.dtype:
-        return self.members_by_replica[min(self.members_by_replica)].np_dtype
+    def _first(self) -> Bucket:
+        return self.members_by_replica[min(self.members_by_replica)]
+
+    shape = property(lambda self: self._first.shape)
+    numel = property(lambda self: self._first.numel)
+    master_dtype = property(lambda self: self._first.master_dtype)
+    shard_numel = property(lambda self: self._first.shard_numel)
+    name = property(lambda self: self._first.name)
+    np_dtype = property(lambda self: self._first.np_dtype)
 
     def members(self) -> list[Bucket]:
         """The bucket serving each replica index, in order (see `ReplicatedHeap.members`)."""
-        first = self.members_by_replica[min(self.members_by_replica)]
-        return [self.members_by_replica.get(r, first) for r in range(self.heap.replicas)]
+        return [self.members_by_replica.get(r, self._first) for r in range(self.heap.replicas)]
 
     def check_alive(self) -> None:
         if self._freed:
