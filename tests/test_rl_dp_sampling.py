@@ -14,7 +14,7 @@ from jodc.models.generate import row_keys
 from jodc.train.rl.rollout import Rollout, device_shares, response_keys
 from jodc.train.rl.rollout_exchange import RolloutShareError, allgather_bytes, gather_shares
 from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
-from rl_sampling_setup import CONFIG, GROUP, NEW, PROMPTS, CountingReward, make_params, make_sampler
+from rl_sampling_setup import CONFIG, GROUP, NEW, PROMPTS, TOKENIZER, CountingReward, make_params, make_sampler
 
 
 
@@ -220,3 +220,34 @@ def test_a_child_sampler_samples_the_shares_of_the_process_it_works_for():
     assert sampler.local_devices() == (range(2, 4), jax.local_devices()[:2])
     assert dataclasses.replace(sampler, process=(0, 2)).local_devices()[0] == range(0, 2)
     assert make_sampler(4, CountingReward()).local_devices()[0] == range(0, 4)  # one process: all of them
+
+
+def test_evaluation_split_over_devices_gives_the_same_scores_each_response_scored_once(params):
+    """`RLRun.evaluate` splits the held-out problems over the engine's devices as rollouts are split: the same
+    greedy accuracy and sampled reward over 2 devices (3 problems: uneven shares) as sampling the whole set on one
+    device, and one reward call per response."""
+    import types
+
+    from jodc.train.rl.loop import EVAL_SAMPLES, RLRun
+    from jodc.train.rl.rewards import score
+    from jodc.train.rl.rollout import sample_rollout
+
+    problems = [types.SimpleNamespace(prompt=f"{a}+{a + 1}=") for a in range(3)]
+    reference = CountingReward()
+    greedy = dataclasses.replace(make_sampler(1, reference).sampling, temperature=0.0, top_k_logprobs=0)
+    sampled = dataclasses.replace(greedy, temperature=1.0)
+    config = types.SimpleNamespace(run=types.SimpleNamespace(seed=3), task=types.SimpleNamespace(success_reward=1.0),
+                                   engine=types.SimpleNamespace(barrier_timeout_s=None))
+    expected = {}
+    for key, group, sampling in (("eval_accuracy", 1, greedy), ("eval_sampled_reward", EVAL_SAMPLES, sampled)):
+        whole = sample_rollout(CONFIG, params, TOKENIZER, [p.prompt for p in problems], group_size=group,
+                               sampling=sampling, key=jax.random.PRNGKey(3))
+        rewards = score(reference, whole.prompts, whole.responses, step=1)
+        expected[key] = float(np.mean(rewards >= 1.0) if group == 1 else np.mean(rewards))
+    for devices in (2,):  # uneven shares (2 + 1 problems); 1 device is the reference above
+        reward = CountingReward()
+        run = types.SimpleNamespace(eval_set=problems, engine=types.SimpleNamespace(params=lambda: params),
+                                    sampler=make_sampler(devices, reward), model_config=CONFIG, tokenizer=TOKENIZER,
+                                    greedy=greedy, eval_sampling=sampled, reward_fn=reward, config=config)
+        assert RLRun.evaluate(run, 1) == expected, devices
+        assert sorted(reward.calls) == sorted(reference.calls), devices

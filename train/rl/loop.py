@@ -49,7 +49,8 @@ from .loss import build_advantages, build_kl_controller, build_objective, kl_sha
 from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, step_record
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, resolve_reward_function, score
-from .rollout import sample_rollout, sampling_params
+from .rollout import encode_prompts, sample_rollout, sampling_params
+from .rollout_exchange import gather_shares
 from .rollout_source import make_rollout_source
 from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
@@ -193,18 +194,34 @@ class RLRun(Trainer):
     def evaluate(self, step: int) -> dict[str, float]:
         """The current policy on the fixed held-out evaluation set: `eval_accuracy` (greedy decoding) and
         `eval_sampled_reward` (mean reward of `EVAL_SAMPLES` responses per problem at the rollout temperature,
-        fixed key: the quantity RL optimises); `step` is for error messages."""
+        fixed key: the quantity RL optimises); `step` is for error messages.
+
+        Sampled as the rollouts are: the problems are split over the engine's devices (`RolloutSampler.local_devices`),
+        each process samples and scores its devices' share, and across processes the shares' rewards (not their
+        tokens) are exchanged. Response j of problem i samples with the same key wherever it runs (`response_keys`)."""
         prompts = [p.prompt for p in self.eval_set]
         params = self.engine.params()
-        out = {}
-        for key, group_size, sampling in (("eval_accuracy", 1, self.greedy),
-                                          ("eval_sampled_reward", EVAL_SAMPLES, self.eval_sampling)):
-            rollout = sample_rollout(self.model_config, params, self.tokenizer, prompts, group_size=group_size,
-                                     sampling=sampling, key=jax.random.PRNGKey(self.config.run.seed))
-            rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step)
-            out[key] = float(np.mean(rewards >= self.config.task.success_reward) if group_size == 1
-                             else np.mean(rewards))
-        return out
+        mine, devices = self.sampler.local_devices(len(prompts))
+        width = max(len(ids) for ids in encode_prompts(self.tokenizer, prompts))
+
+        def share() -> dict[str, np.ndarray]:  # this process's rewards per measure
+            rewards = {}
+            for key, group_size, sampling in (("eval_accuracy", 1, self.greedy),
+                                              ("eval_sampled_reward", EVAL_SAMPLES, self.eval_sampling)):
+                rollout = sample_rollout(self.model_config, params, self.tokenizer, prompts[mine.start:mine.stop],
+                                         group_size=group_size, sampling=sampling, prompt_indices=mine,
+                                         devices=devices, prompt_width=width,
+                                         key=jax.random.PRNGKey(self.config.run.seed))
+                rewards[key] = score(self.reward_fn, rollout.prompts, rollout.responses, step=step,
+                                     first_sample=mine.start * group_size)
+            return rewards
+
+        parts = ([share()] if jax.process_count() == 1 else
+                 gather_shares(share, what=f"the evaluation at step {step}",
+                               timeout_s=self.config.engine.barrier_timeout_s))
+        rewards = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        return {"eval_accuracy": float(np.mean(rewards["eval_accuracy"] >= self.config.task.success_reward)),
+                "eval_sampled_reward": float(np.mean(rewards["eval_sampled_reward"]))}
 
     def next_rollout(self, step: int, params) -> tuple[ScoredRollout, float]:
         """(step `step`'s scored rollout, seconds the trainer waited for it), from the run's rollout source

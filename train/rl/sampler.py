@@ -170,10 +170,11 @@ class RolloutSampler:
         samples with fold_in(fold_in(this key, i), j) (`response_keys`), wherever it is sampled."""
         return jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
 
-    def local_devices(self) -> tuple[range, list[jax.Device]]:
-        """(the step prompts this process samples, its devices that sample them): the shares (`device_shares`)
-        of this process's devices among the engine's `devices` (process-major, as the engine's mesh)."""
-        shares = device_shares(self.rollout.prompts_per_step, self.devices)
+    def local_devices(self, num_prompts: int | None = None) -> tuple[range, list[jax.Device]]:
+        """(the prompts this process samples, its devices that sample them) of `num_prompts` prompts (default: a
+        step's): the shares (`device_shares`) of this process's devices among the engine's `devices`
+        (process-major, as the engine's mesh)."""
+        shares = device_shares(self.rollout.prompts_per_step if num_prompts is None else num_prompts, self.devices)
         if self.process is not None:  # a child sampling for MPI process `index`: its devices are the index-th block
             index, count = self.process  # of the process-major mesh (as many in every process)
             per_process = self.devices // count
