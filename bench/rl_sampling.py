@@ -8,8 +8,8 @@ prompts, sampling, rewards; across processes the exchange of the shares), as the
    the other way to sample data-parallel, one SPMD program (`shard_map` of the same sampler over the devices), on
    the same prompts and keys, at the `generate` level (`dispatch_vs_shard_map_<D>dev`: dispatch's wall over
    shard_map's; > 1 means shard_map was faster).
-2. `mpirun -np 2`, 1 CPU device per process: *sharded* (each process samples and scores its half, the halves are
-   exchanged: the trainer now) against *replicated* (each process samples and scores the whole rollout on its
+2. `mpirun -np 2`, 1 CPU device per process: *sharded* (each process samples and scores its half, the halves'
+   metadata is exchanged: the trainer now) against *replicated* (each process samples and scores the whole rollout on its
    device: the trainer before), alternating. The rollout's wall is the slower process's.
 
 The model is the config's preset with random weights (sampling cost does not depend on them; a random policy rarely
@@ -194,8 +194,8 @@ def mp_worker(args) -> dict | None:
             comm.Barrier()
             before = reward.calls
             started = time.perf_counter()
-            rollout = sampler(step, params, step).rollout if mode == "sharded" else replicated_rollout(
-                sampler, step, params)
+            # sharded: this process's share and every response's metadata (a ShardedRollout); replicated: a Rollout
+            rollout = sampler(step, params, step) if mode == "sharded" else replicated_rollout(sampler, step, params)
             wall = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)  # the slower process's
             walls[mode].append(wall)
             calls[mode] += comm.allreduce(reward.calls - before, op=MPI.SUM)

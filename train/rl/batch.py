@@ -6,8 +6,9 @@ the behaviour log-prob of the sampled token, the response's advantage, and when 
 reference log-prob (prompt positions hold zeros and are masked out).
 
 The rollout is shuffled (a pure function of the seed and the step) and cut into `updates_per_step` minibatches
-of near-equal size; each is balanced over the devices by the planner (LB-Mini for ODC: by compute cost, so
-devices may run different numbers of microbatches) and packed. Every update after the first sees a policy the
+of near-equal size (`split_minibatches`); each is balanced over the devices by the planner (LB-Mini for ODC: by
+compute cost, so devices may run different numbers of microbatches; `plan_minibatch`, a pure function of the
+lengths, so processes that hold only some of the sequences plan alike: `assembly.py`) and packed. Every update after the first sees a policy the
 rollout did not come from: the off-policy regime the trust region is for. The loss normaliser is the
 minibatch's total number of response tokens (token-mean) or of responses (sequence-level aggregations).
 """
@@ -129,10 +130,11 @@ def plan_minibatch(lengths: Sequence[int], *, planner: Callable, num_devices: in
                    skip_empty_microbatches: bool = True):
     """The plan of a minibatch of sequences of `lengths` (a pure function of them: every process of a run computes
     the same). ValueError when a sequence exceeds `token_cap`."""
+    lengths = [int(n) for n in lengths]
     if max(lengths) > token_cap:
         raise ValueError(f"a prompt + response of {max(lengths)} tokens exceeds engine.token_cap={token_cap}; "
                          "raise engine.token_cap or lower rollout.max_new_tokens")
-    plan = planner(list(lengths), num_devices, token_cap, cost_model=cost_model)
+    plan = planner(lengths, num_devices, token_cap, cost_model=cost_model)
     return without_empty_microbatches(plan) if skip_empty_microbatches else plan
 
 
