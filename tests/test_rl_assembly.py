@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 
-from jodc.balance import get_planner
+from jodc.balance import LinearCost, get_planner
 from jodc.fsdp.batch import minibatch_from_plan
 from jodc.train.rl.assembly import (ShardedRollout, ShareMeta, StepInputs, assembly_digest, extra_specs,
                                     local_sequences, pack_local_minibatch, sequence_destinations)
@@ -100,7 +100,7 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
     splits = split_minibatches(N, 2, seed=1, step=2)
     view = ShardedRollout.from_whole(whole, SHARES, 0)
     plans = [plan_minibatch(view.sequence_lengths[i], planner=planner, num_devices=devices, token_cap=T,
-                            cost_model=None, skip_empty_microbatches=planner_name == "lb_mini") for i in splits]
+                            cost_model=LinearCost(), skip_empty_microbatches=planner_name == "lb_mini") for i in splits]
     destinations = sequence_destinations(plans, splits, device_processes, N)
     specs = extra_specs(with_topk=True, top_k=K, with_ref=True, with_old=True, critic=False)
     for process in (0, 1):
@@ -117,7 +117,7 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
                                        response_lengths=view.response_lengths, local_devices=mine, specs=specs,
                                        aggregation="token-mean")
             _, want = pack_minibatch(sequences, indices, planner=planner, num_devices=devices, token_cap=T,
-                                     cost_model=None, aggregation="token-mean",
+                                     cost_model=LinearCost(), aggregation="token-mean",
                                      skip_empty_microbatches=planner_name == "lb_mini")
             assert got.normalizer == want.normalizer and got.num_tokens == want.num_tokens
             np.testing.assert_array_equal(got.counts, want.counts)
@@ -133,7 +133,7 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
 
 def test_sequences_nobody_plans_and_empty_local_sets():
     """A plan that leaves a response unplaced is an error; a process that trains nothing gets no sequences."""
-    plan = plan_minibatch([3, 4], planner=get_planner("lb_mini"), num_devices=2, token_cap=8, cost_model=None)
+    plan = plan_minibatch([3, 4], planner=get_planner("lb_mini"), num_devices=2, token_cap=8, cost_model=LinearCost())
     with pytest.raises(ValueError, match=r"no device for responses \[2\]"):
         sequence_destinations([plan], [np.array([0, 1])], [0, 1], 3)
     ids, sequences = local_sequences({}, np.zeros(3, np.float32))
@@ -144,7 +144,7 @@ def test_sequences_nobody_plans_and_empty_local_sets():
 def test_minibatch_from_plan_packs_only_the_given_devices():
     """`devices`: the other devices' rows stay zero and their sequences' arrays are never read (placeholders);
     `microbatch_tokens` counts every device's tokens."""
-    plan = plan_minibatch([3, 5, 2], planner=get_planner("lb_mini"), num_devices=2, token_cap=8, cost_model=None)
+    plan = plan_minibatch([3, 5, 2], planner=get_planner("lb_mini"), num_devices=2, token_cap=8, cost_model=LinearCost())
     inputs = [np.arange(1, n + 1, dtype=np.int32) for n in (3, 5, 2)]
     full = minibatch_from_plan(plan, inputs, inputs, [np.ones(n, np.float32) for n in (3, 5, 2)])
     on_0 = {i for mb in plan.devices[0] for i in mb.seq_indices}

@@ -53,17 +53,26 @@ class CountingPolicy:
         self.rows.append(len(rollout))
         return self.policy.response_logprobs(rollout, width=width)
 
+    def per_device_share(self, rollout, width):
+        """Log-probs of `rollout` (whole device shares) one engine device's sampling share at a time (3 responses
+        here), rows `width` wide: as the trainer runs its passes (`RLRun.forward_passes`)."""
+        from rl_sampling_setup import GROUP
+
+        return [x for start in range(0, len(rollout), GROUP)
+                for x in self.response_logprobs(rollout.select(range(start, start + GROUP)), width=width)]
+
 
 def assemble(jax, rank, scored, whole, params):
     """Step 3's minibatches assembled without replication (train/rl/assembly.py, as the trainer does under mpirun):
-    the reference and recompute passes over this process's share only (rows counted), the KL-in-reward inputs
+    the reference and recompute passes over this process's share only (rows counted; one pass per device share, as
+    the trainer runs them), the KL-in-reward inputs
     exchanged, the plans computed here, each sequence sent to the process of its device. Every packed row of this
     process's devices equals the replicated assembly's (the whole rollout, every pass over all of it: the trainer
     before) bit for bit, the other devices' rows are zero placeholders, and the process received exactly the
     sequences the plans put on its devices that it did not sample. Prints "PASS assembled ..."."""
     import numpy as np
 
-    from jodc.balance import get_planner
+    from jodc.balance import LinearCost, get_planner
     from jodc.losses import grpo_advantages
     from jodc.train.rl.assembly import (StepInputs, exchange_step_inputs, extra_specs, local_sequences,
                                         pack_local_minibatch, send_sequences, sequence_destinations)
@@ -78,8 +87,8 @@ def assemble(jax, rank, scored, whole, params):
     width = scored.width(8)
     own = scored.own.rollout
     inputs = exchange_step_inputs(
-        3, lambda: StepInputs(ref_logprobs=reference.response_logprobs(own, width=width),
-                              old_logprobs=recompute.response_logprobs(own, width=width), values=None),
+        3, lambda: StepInputs(ref_logprobs=reference.per_device_share(own, width),
+                              old_logprobs=recompute.per_device_share(own, width), values=None),
         kl_in_reward=True, critic=False, behaviour_logprobs=own.logprobs, timeout_s=TIMEOUT_S)
 
     def advantages_of(logprobs, ref_logprobs):
@@ -90,7 +99,7 @@ def assemble(jax, rank, scored, whole, params):
     splits = split_minibatches(len(scored), updates, seed=7, step=3)
     lengths = scored.sequence_lengths
     plans = [plan_minibatch(lengths[i], planner=planner, num_devices=len(device_processes), token_cap=token_cap,
-                            cost_model=None) for i in splits]
+                            cost_model=LinearCost()) for i in splits]
     destinations = sequence_destinations(plans, splits, device_processes, len(scored))
     flags = dict(with_topk=True, with_ref=True, with_old=True)
     received = send_sequences(3, scored, destinations, inputs, timeout_s=TIMEOUT_S, **flags)
@@ -100,9 +109,9 @@ def assemble(jax, rank, scored, whole, params):
     placed = {int(i) for i in np.flatnonzero(destinations == rank)}
     foreign = sorted(set(received) - mine)
     assert set(ids) == placed and set(foreign) == placed - mine, (ids, placed, foreign)
-    assert reference.rows == recompute.rows == [len(mine)], (reference.rows, recompute.rows)
-    # the replicated assembly of the same step, from the whole rollout
-    ref_all = CountingPolicy(params).response_logprobs(whole.rollout)
+    assert sum(reference.rows) == sum(recompute.rows) == len(mine), (reference.rows, recompute.rows)
+    # the replicated assembly of the same step, from the whole rollout (its passes over every device's share)
+    ref_all = CountingPolicy(params).per_device_share(whole.rollout, width)
     replicated_advantages = advantages_of(ref_all, ref_all)
     assert np.array_equal(replicated_advantages, advantages)
     whole_sequences = training_sequences(whole.rollout, replicated_advantages, with_topk=True, ref_logprobs=ref_all,
@@ -112,7 +121,7 @@ def assemble(jax, rank, scored, whole, params):
                                        response_lengths=scored.response_lengths, local_devices=local, specs=specs,
                                        aggregation="token-mean")
         _, replicated = pack_minibatch(whole_sequences, indices, planner=planner, num_devices=len(device_processes),
-                                       token_cap=token_cap, cost_model=None, aggregation="token-mean")
+                                       token_cap=token_cap, cost_model=LinearCost(), aggregation="token-mean")
         assert sharded.normalizer == replicated.normalizer and sharded.num_tokens == replicated.num_tokens
         assert np.array_equal(sharded.counts, replicated.counts)
         assert np.array_equal(sharded.microbatch_tokens, replicated.tokens_per_microbatch())
@@ -123,7 +132,7 @@ def assemble(jax, rank, scored, whole, params):
             others = [d for d in range(len(device_processes)) if d not in local]
             assert not np.any(values[others]), name
     print(f"PASS assembled process={rank} own={len(mine)} placed={len(placed)} received={len(foreign)} "
-          f"forward_rows={reference.rows[0]}+{recompute.rows[0]}", flush=True)
+          f"forward_rows={sum(reference.rows)}+{sum(recompute.rows)}", flush=True)
 
 
 def main():
@@ -142,8 +151,10 @@ def main():
     scored = sampler(3, params, 3)  # this process's share and the whole rollout's metadata (assembly: sharded)
     with open(os.path.join(out_dir, f"calls-{rank}.json"), "w") as f:
         json.dump(counting.calls, f)
+    started = time.monotonic()
     whole = scored.gather_whole(timeout_s=TIMEOUT_S)  # what a checkpoint holds (and the replicated baseline)
     assemble(jax, rank, scored, whole, params)
+    print(f"assembly phase {rank}: {time.monotonic() - started:.1f} s", flush=True)
     if rank == 0:
         r = whole.rollout
         with open(os.path.join(out_dir, "mp.json"), "w") as f:

@@ -161,11 +161,7 @@ class ShardedRollout:
             return None if values is None else values[mine.start:mine.stop]
 
         r = whole.rollout
-        rollout = dataclasses.replace(r, prompts=part(r.prompts), prompt_ids=part(r.prompt_ids),
-                                      response_ids=part(r.response_ids), logprobs=part(r.logprobs),
-                                      topk_ids=part(r.topk_ids), topk_logprobs=part(r.topk_logprobs),
-                                      responses=part(r.responses), finished=part(r.finished))
-        own = dataclasses.replace(whole, rollout=rollout, rewards=part(whole.rewards), versions=part(whole.versions),
+        own = dataclasses.replace(whole, rollout=r.select(mine), rewards=part(whole.rewards), versions=part(whole.versions),
                                   trainer_logprobs=part(whole.trainer_logprobs))
         return cls(own=own, process=process, shares=list(shares),
                    prompt_lengths=np.array([len(p) for p in r.prompt_ids], np.int64),

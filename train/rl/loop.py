@@ -51,7 +51,7 @@ from .loss import build_advantages, build_kl_controller, build_objective, kl_sha
 from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, step_record
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, resolve_reward_function, score
-from .rollout import sample_rollout, sampling_params
+from .rollout import device_shares, sample_rollout, sampling_params
 from .rollout_source import make_rollout_source
 from .rollout_exchange import bytes_received
 from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
@@ -161,6 +161,9 @@ class RLRun(Trainer):
                                       exchange_timeout_s=e.barrier_timeout_s)
         # the process of each engine device (mesh order = the minibatch arrays' rows): where sequences are trained
         self.device_processes = [d.process_index for d in mesh_devices(e.platform, e.devices)]
+        # the responses each engine device samples: the row blocks of the per-sequence forward passes
+        self.device_rows = [range(s.start * r.group_size, s.stop * r.group_size)
+                            for s in device_shares(r.prompts_per_step, e.devices)]
         self.assembled: dict[str, Any] = {}  # across processes: what the last sharded step received and trained on
         self.rollouts = make_rollout_source(r, self.sampler, processes=jax.process_count(), reward_spec=reward_spec,
                                             trainer=self, callbacks=self.callbacks,
@@ -217,27 +220,38 @@ class RLRun(Trainer):
         (rollout_source.py: sampled now from `params`, or taken from the sampler thread)."""
         return self.rollouts.get(step, params)
 
-    def forward_passes(self, rollout, params, scored, step: int, *, width: int = 0) -> StepInputs:
-        """The per-sequence forward passes of `rollout` (the whole one, or across processes this process's share):
-        the reference's log-probs (KL penalty / KL in the reward), the trainer's recomputed old / proximal log-probs
-        (`objective.recompute`; reused from the sampler when it measured them at these weights) and the critic's
-        values; rows padded to at least `width` (the whole rollout's, so shares compute the same row shapes)."""
+    def forward_passes(self, rollout, params, scored, step: int, *, first: int, width: int) -> StepInputs:
+        """The per-sequence forward passes of `rollout`, the step's responses `first` .. (the whole rollout, or
+        across processes this process's share): the reference's log-probs (KL penalty / KL in the reward), the
+        trainer's recomputed old / proximal log-probs (`objective.recompute`; reused from the sampler when it
+        measured them at these weights) and the critic's values.
+
+        Each pass runs once per engine device's sampling share (`device_shares`, the rows one device sampled) with
+        rows of the whole rollout's `width`: XLA's CPU kernels round a row differently with the batch's row count,
+        so passes over whole shares of fixed shapes give every layout (one process driving every device, or
+        processes each holding their devices' shares) the same bits."""
         r, timers = self.config.rollout, self.timers
+        chunks = [range(max(c.start, first) - first, min(c.stop, first + len(rollout)) - first)
+                  for c in self.device_rows if c.start < first + len(rollout) and c.stop > first]
+
+        def per_share(fn) -> list[np.ndarray]:
+            return [x for c in chunks if len(c) for x in fn(rollout.select(c))]
+
         with timers("reference"):
-            ref_logprobs = (self.reference.response_logprobs(rollout, width=width)
-                            if self.reference and len(rollout) else [] if self.reference else None)
+            ref_logprobs = (per_share(lambda part: self.reference.response_logprobs(part, width=width))
+                            if self.reference else None)
         old_logprobs = None
         if self.objective.recompute:  # one extra forward pass: the trainer's log-probs before the updates
             with timers("recompute"):
                 reuse = scored.trainer_logprobs is not None and (scored.versions == step).all()
-                old_logprobs = (scored.trainer_logprobs if reuse else
-                                trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
-                                                 bucket=r.prompt_bucket, width=width) if len(rollout) else [])
+                old_logprobs = (scored.trainer_logprobs if reuse else per_share(
+                    lambda part: trainer_logprobs(self.model_config, params, part, temperature=r.temperature,
+                                                  bucket=r.prompt_bucket, width=width)))
         values = None
         if self.objective.critic:  # GAE over token rewards with the value head's values at these weights
             with timers("values"):
-                values = (response_values(self.model_config, params, rollout, bucket=r.prompt_bucket, width=width)
-                          if len(rollout) else [])
+                values = per_share(lambda part: response_values(self.model_config, params, part,
+                                                                bucket=r.prompt_bucket, width=width))
         return StepInputs(ref_logprobs=ref_logprobs, old_logprobs=old_logprobs, values=values)
 
     def batch_advantages(self, rewards, response_lengths, *, kl_inputs, values):
@@ -266,9 +280,9 @@ class RLRun(Trainer):
         """(the step's minibatches, packed one by one as the loop asks, the KL-in-reward record) from the whole
         rollout, which this process holds (one process, or `rollout.assembly: replicated`): every pass over all of
         it, every device's rows packed."""
-        e, run_ = self.config.engine, self.config.run
+        e, run_, r = self.config.engine, self.config.run, self.config.rollout
         rollout = scored.rollout
-        passes = self.forward_passes(rollout, params, scored, step)
+        passes = self.forward_passes(rollout, params, scored, step, first=0, width=rollout.width(r.prompt_bucket))
         kl_logprobs = passes.old_logprobs if passes.old_logprobs is not None else rollout.logprobs
         advantages, returns, extra_record = self.batch_advantages(
             scored.rewards, rollout.response_lengths, kl_inputs=(kl_logprobs, passes.ref_logprobs),
@@ -297,7 +311,9 @@ class RLRun(Trainer):
         timeout_s = e.barrier_timeout_s
         own = scored.own
         inputs = exchange_step_inputs(
-            step, lambda: self.forward_passes(own.rollout, params, scored, step, width=scored.width(r.prompt_bucket)),
+            step, lambda: self.forward_passes(own.rollout, params, scored, step,
+                                              first=scored.shares[scored.process].start,
+                                              width=scored.width(r.prompt_bucket)),
             kl_in_reward=self.kl_controller is not None, critic=objective.critic,
             behaviour_logprobs=own.rollout.logprobs, timeout_s=timeout_s)
         advantages, returns, extra_record = self.batch_advantages(
