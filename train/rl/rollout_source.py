@@ -84,10 +84,10 @@ class AsyncRolloutSource:
             pending = self.thread.pending(done)
         else:  # nothing ran since the restore
             pending = [self.restored[s] for s in sorted(self.restored)]
-        timeout_s = self.sampler.exchange_timeout_s
-        # across processes (rollout.assembly: sharded) each process holds its share: the whole of each is gathered
-        return {"pending_rollouts": [(p.gather_whole(timeout_s=timeout_s) if isinstance(p, ShardedRollout) else p
-                                      ).to_json() for p in pending]}
+        def whole(p):  # across processes (rollout.assembly: sharded) each process holds its share: gather all
+            return p.gather_whole(timeout_s=self.sampler.exchange_timeout_s) if isinstance(p, ShardedRollout) else p
+
+        return {"pending_rollouts": [whole(p).to_json() for p in pending]}
 
     def restore(self, step: int, state: dict[str, Any], where: str) -> None:
         k = self.max_staleness
