@@ -9,8 +9,8 @@ prompts, sampling, rewards; across processes the exchange of the shares), as the
    the same prompts and keys, at the `generate` level (`dispatch_vs_shard_map_<D>dev`: dispatch's wall over
    shard_map's; > 1 means shard_map was faster).
 2. `mpirun -np 2`, 1 CPU device per process: *sharded* (each process samples and scores its half, the halves'
-   metadata is exchanged: the trainer now) against *replicated* (each process samples and scores the whole rollout on its
-   device: the trainer before), alternating. The rollout's wall is the slower process's.
+   metadata is exchanged: the trainer now) against *replicated* (each process samples and scores the whole rollout
+   on its device: the trainer before), alternating. The rollout's wall is the slower process's.
 
 The model is the config's preset with random weights (sampling cost does not depend on them; a random policy rarely
 emits eos, so every response runs to `max_new_tokens`). Rollouts after the first (which compiles) are timed.
@@ -262,7 +262,8 @@ def full_steps(args) -> dict:
         out[f"step_samples_per_s_{name}"] = args.prompts * args.group / step
         if name != "1proc_2dev":
             out[f"bytes_received_per_step_{name}"] = statistics.median(r["bytes_received"] for r in records)
-    out["step_sharded_vs_replicated_2proc"] = out["step_samples_per_s_2proc"] / out["step_samples_per_s_2proc_replicated"]
+    out["step_sharded_vs_replicated_2proc"] = (out["step_samples_per_s_2proc"]
+                                               / out["step_samples_per_s_2proc_replicated"])
     out["bytes_sharded_vs_replicated_2proc"] = (out["bytes_received_per_step_2proc"]
                                                 / out["bytes_received_per_step_2proc_replicated"])
     return out

@@ -144,7 +144,8 @@ def test_sequences_nobody_plans_and_empty_local_sets():
 def test_minibatch_from_plan_packs_only_the_given_devices():
     """`devices`: the other devices' rows stay zero and their sequences' arrays are never read (placeholders);
     `microbatch_tokens` counts every device's tokens."""
-    plan = plan_minibatch([3, 5, 2], planner=get_planner("lb_mini"), num_devices=2, token_cap=8, cost_model=LinearCost())
+    plan = plan_minibatch([3, 5, 2], planner=get_planner("lb_mini"), num_devices=2, token_cap=8,
+                          cost_model=LinearCost())
     inputs = [np.arange(1, n + 1, dtype=np.int32) for n in (3, 5, 2)]
     full = minibatch_from_plan(plan, inputs, inputs, [np.ones(n, np.float32) for n in (3, 5, 2)])
     on_0 = {i for mb in plan.devices[0] for i in mb.seq_indices}

@@ -161,7 +161,8 @@ class ShardedRollout:
             return None if values is None else values[mine.start:mine.stop]
 
         r = whole.rollout
-        own = dataclasses.replace(whole, rollout=r.select(mine), rewards=part(whole.rewards), versions=part(whole.versions),
+        own = dataclasses.replace(whole, rollout=r.select(mine), rewards=part(whole.rewards),
+                                  versions=part(whole.versions),
                                   trainer_logprobs=part(whole.trainer_logprobs))
         return cls(own=own, process=process, shares=list(shares),
                    prompt_lengths=np.array([len(p) for p in r.prompt_ids], np.int64),
@@ -341,7 +342,8 @@ def pack_local_minibatch(plan, indices: np.ndarray, ids: list[int], sequences: T
     extras = {name: per_position(sequences.extras.get(name, {}), dtype, trailing)
               for name, (dtype, trailing) in specs.items()}
     return minibatch_from_plan(plan, per_position(sequences.inputs, np.int32),
-                               per_position(sequences.targets, np.int32), per_position(sequences.loss_masks, np.float32),
+                               per_position(sequences.targets, np.int32),
+                               per_position(sequences.loss_masks, np.float32),
                                extras=extras, normalizer=masks_total, devices=local_devices)
 
 

@@ -8,9 +8,10 @@ reference log-prob (prompt positions hold zeros and are masked out).
 The rollout is shuffled (a pure function of the seed and the step) and cut into `updates_per_step` minibatches
 of near-equal size (`split_minibatches`); each is balanced over the devices by the planner (LB-Mini for ODC: by
 compute cost, so devices may run different numbers of microbatches; `plan_minibatch`, a pure function of the
-lengths, so processes that hold only some of the sequences plan alike: `assembly.py`) and packed. Every update after the first sees a policy the
-rollout did not come from: the off-policy regime the trust region is for. The loss normaliser is the
-minibatch's total number of response tokens (token-mean) or of responses (sequence-level aggregations).
+lengths, so processes that hold only some of the sequences plan alike: `assembly.py`) and packed. Every update
+after the first sees a policy the rollout did not come from: the off-policy regime the trust region is for. The
+loss normaliser is the minibatch's total number of response tokens (token-mean) or of responses (sequence-level
+aggregations).
 """
 from __future__ import annotations
 
