@@ -156,3 +156,19 @@ def test_minibatch_from_plan_packs_only_the_given_devices():
     assert not part.tokens[1].any() and not part.segment_ids[1].any()
     np.testing.assert_array_equal(part.microbatch_tokens, full.microbatch_tokens)
     assert part.num_tokens == full.num_tokens == 10 == int((full.segment_ids > 0).sum())
+
+
+def test_sequences_travel_packed_and_arrive_bit_for_bit():
+    """`send_sequences`' message form: per field one concatenated array and the lengths; unpacked, every sequence's
+    arrays equal what was sent (dtypes and trailing shapes kept)."""
+    from jodc.train.rl.assembly import _packed, _unpacked
+
+    whole = whole_rollout()
+    fields = ("prompt_ids", "response_ids", "logprobs", "topk_ids")
+    sent = [(i, {"prompt_ids": whole.rollout.prompt_ids[i], "response_ids": whole.rollout.response_ids[i],
+                 "logprobs": whole.rollout.logprobs[i], "topk_ids": whole.rollout.topk_ids[i]}) for i in (7, 2, 9)]
+    got = _unpacked(pickle.loads(pickle.dumps(_packed(sent, fields))))
+    assert list(got) == [7, 2, 9]
+    for i, arrays in sent:
+        for f in fields:
+            assert got[i][f].dtype == arrays[f].dtype and np.array_equal(got[i][f], arrays[f]), (i, f)

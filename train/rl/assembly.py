@@ -272,19 +272,34 @@ def send_sequences(step: int, scored: ShardedRollout, destinations: np.ndarray, 
     def arrays(k: int) -> dict[str, np.ndarray]:
         return {f: per_field[f][k] for f in fields}
 
-    processes = len(scored.shares)
-
     def produce():
-        out = [{} for _ in range(processes)]
-        for k, i in enumerate(mine):
-            out[int(destinations[i])][i] = arrays(k)
-        out[scored.process] = {}  # kept here, not sent
+        out: list[Any] = [None] * len(scored.shares)  # nothing to a process that trains none of them
+        for p in set(int(destinations[i]) for i in mine) - {scored.process}:  # this process's own stay here
+            out[p] = _packed([(i, arrays(k)) for k, i in enumerate(mine) if destinations[i] == p], fields)
         return out
 
     parts = exchange(produce, what=f"step {step + 1}'s training sequences", timeout_s=timeout_s, tags=ASSEMBLY_TAGS)
-    received = {i: a for part in parts for i, a in part.items()}
+    received = {i: a for part in parts if part is not None for i, a in _unpacked(part).items()}
     received.update((i, arrays(k)) for k, i in enumerate(mine) if destinations[i] == scored.process)
     return received
+
+
+def _packed(sequences: list[tuple[int, dict[str, np.ndarray]]], fields: Sequence[str]) -> dict[str, np.ndarray]:
+    """Sequences' arrays as one message: per field the arrays concatenated, with every sequence's length (a
+    pickled array per sequence and field would cost more in pickle framing than the tokens themselves)."""
+    out = {"ids": np.array([i for i, _ in sequences], np.int64)}
+    for f in fields:
+        values = [a[f] for _, a in sequences]
+        out[f] = np.concatenate(values)
+        out[f"{f}/lengths"] = np.array([len(v) for v in values], np.int64)
+    return out
+
+
+def _unpacked(message: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+    """{sequence: {field: array}} of a `_packed` message (the same values, bit for bit)."""
+    fields = [f for f in message if f != "ids" and not f.endswith("/lengths")]
+    split = {f: np.split(message[f], np.cumsum(message[f"{f}/lengths"])[:-1]) for f in fields}
+    return {int(i): {f: split[f][n] for f in fields} for n, i in enumerate(message["ids"])}
 
 
 def local_sequences(received: dict[int, dict[str, np.ndarray]], advantages, *, returns=None, old_values=None
