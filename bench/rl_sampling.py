@@ -8,9 +8,9 @@ prompts, sampling, rewards; across processes the exchange of the shares), as the
    the other way to sample data-parallel, one SPMD program (`shard_map` of the same sampler over the devices), on
    the same prompts and keys, at the `generate` level (`dispatch_vs_shard_map_<D>dev`: dispatch's wall over
    shard_map's; > 1 means shard_map was faster).
-2. `mpirun -np 2`, 1 CPU device per process: *sharded* (each process samples and scores its half, the halves are
-   exchanged: the trainer now) against *replicated* (each process samples and scores the whole rollout on its
-   device: the trainer before), alternating. The rollout's wall is the slower process's.
+2. `mpirun -np 2`, 1 CPU device per process: *sharded* (each process samples and scores its half, the halves'
+   metadata is exchanged: the trainer now) against *replicated* (each process samples and scores the whole rollout
+   on its device: the trainer before), alternating. The rollout's wall is the slower process's.
 
 The model is the config's preset with random weights (sampling cost does not depend on them; a random policy rarely
 emits eos, so every response runs to `max_new_tokens`). Rollouts after the first (which compiles) are timed.
@@ -21,8 +21,13 @@ Prints a table and one JSON line (also written to bench/results/rl_sampling.json
 target is <= 0.6), `reward_calls_per_response` (sharded, over both processes: 1.0) and
 `reward_calls_per_response_replicated` (2.0). Alongside (`--full-steps N`, 0 to skip), whole RL steps with the
 trainer (configs/rl_demo.yaml without warm start, evaluation, checkpoints or export; the same model and rollout
-sizes), one process x 2 devices and `mpirun -np 2` x 1 device: `step_seconds_<layout>`,
-`step_rollout_seconds_<layout>` and `step_samples_per_s_<layout>` (responses per second of the whole step).
+sizes), one process x 2 devices (`1proc_2dev`) and `mpirun -np 2` x 1 device with the minibatches assembled without
+replication (`2proc`: each sequence sent only to the process that trains it, the forward passes over each process's
+share) and all-gathered (`2proc_replicated`: the trainer before), launched alternately `--full-step-pairs` times:
+`step_seconds_<layout>`, `step_rollout_seconds_<layout>`, `step_samples_per_s_<layout>` (responses per second of
+the whole step), `bytes_received_per_step_<2proc layout>` (process 0's, the rollout's and the assembly's
+exchanges), `step_sharded_vs_replicated_2proc` (samples/s ratio: above 1 is faster) and
+`bytes_sharded_vs_replicated_2proc`.
 """
 from __future__ import annotations
 
@@ -40,8 +45,8 @@ RESULTS = os.path.join(HERE, "results", "rl_sampling.json")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
 
-DEFAULTS = dict(preset="small", prompts=32, group=8, new_tokens=16, repeats=5, full_steps=6)
-QUICK = dict(preset="tiny", prompts=4, group=2, new_tokens=4, repeats=2, full_steps=3)
+DEFAULTS = dict(preset="small", prompts=32, group=8, new_tokens=16, repeats=5, full_steps=6, full_step_pairs=2)
+QUICK = dict(preset="tiny", prompts=4, group=2, new_tokens=4, repeats=2, full_steps=3, full_step_pairs=1)
 
 
 class CountingReward:
@@ -189,8 +194,8 @@ def mp_worker(args) -> dict | None:
             comm.Barrier()
             before = reward.calls
             started = time.perf_counter()
-            rollout = sampler(step, params, step).rollout if mode == "sharded" else replicated_rollout(
-                sampler, step, params)
+            # sharded: this process's share and every response's metadata (a ShardedRollout); replicated: a Rollout
+            rollout = sampler(step, params, step) if mode == "sharded" else replicated_rollout(sampler, step, params)
             wall = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)  # the slower process's
             walls[mode].append(wall)
             calls[mode] += comm.allreduce(reward.calls - before, op=MPI.SUM)
@@ -208,40 +213,59 @@ def mp_worker(args) -> dict | None:
             "reward_calls_per_response_replicated": calls["replicated"] / responses}
 
 
+def trainer_run(cmd: list[str], env: dict, timeout: float) -> list[dict]:
+    """Runs the trainer `cmd` (its --out_dir is added); the step records of its metrics.jsonl."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        cmd = [*cmd, "--out_dir", out_dir]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            raise RuntimeError(f"{' '.join(cmd)} did not finish within {timeout} s") from None
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{log[-3000:]}")
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
 def full_steps(args) -> dict:
     """Whole RL steps with the trainer (configs/rl_demo.yaml without warm start, evaluation, checkpoints or export;
     the benchmark's model and rollout sizes): one process driving 2 CPU devices, and `mpirun -np 2` with 1 device
-    each (sharded rollouts). Median step and rollout seconds over the steps after the first two (which compile),
-    and samples (responses) per second of the whole step."""
-    import tempfile
-
+    each, the minibatches assembled without replication (`rollout.assembly: sharded`, `2proc`) and all-gathered
+    (`replicated`, `2proc_replicated`), the two launched alternately `--full-step-pairs` times. Median step and
+    rollout seconds over the steps after the first two (which compile) of every launch of a layout, samples
+    (responses) per second of the whole step, and across processes the bytes process 0 received per step (the
+    rollout's exchange and the assembly's; the step record's `bytes_received`)."""
     common = ["rl", "--config", os.path.join(ROOT, "configs", "rl_demo.yaml"), "--warmstart.sft_steps", "0",
               "--run.eval_every", "0", "--checkpoint.save_every", "0", "--no-export_hf", "--no-progress",
               "--run.steps", str(args.full_steps), "--model.preset", args.preset,
               "--rollout.prompts_per_step", str(args.prompts), "--rollout.group_size", str(args.group),
               "--rollout.max_new_tokens", str(args.new_tokens), "--engine.devices", "2"]
+    mpi = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train")
+    runs = [("1proc_2dev", [sys.executable, "-m", "jodc.train", *common], dict(os.environ))]
+    for _ in range(args.full_step_pairs):
+        runs += [("2proc", [*mpi, *common, "--rollout.assembly", "sharded"], mpi_env()),
+                 ("2proc_replicated", [*mpi, *common, "--rollout.assembly", "replicated"], mpi_env())]
+    steady: dict[str, list[dict]] = {}
+    for name, cmd, env in runs:
+        records = trainer_run(cmd, env, args.timeout)
+        steady.setdefault(name, []).extend(records[2:] or records[-1:])
     out = {}
-    for name, launcher, env in (("1proc_2dev", [sys.executable, "-m", "jodc.train"], dict(os.environ)),
-                                ("2proc", mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train"),
-                                 mpi_env())):
-        with tempfile.TemporaryDirectory() as out_dir:
-            cmd = [*launcher, *common, "--out_dir", out_dir]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                    cwd=ROOT, start_new_session=True)
-            try:
-                log, _ = proc.communicate(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                kill_session(proc.pid)
-                raise RuntimeError(f"{' '.join(cmd)} did not finish within {args.timeout} s") from None
-            if proc.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{log[-3000:]}")
-            with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-        steady = records[2:] or records[-1:]
-        step = statistics.median(r["step_seconds"] for r in steady)
+    for name, records in steady.items():
+        step = statistics.median(r["step_seconds"] for r in records)
         out[f"step_seconds_{name}"] = step
-        out[f"step_rollout_seconds_{name}"] = statistics.median(r["rollout_seconds"] for r in steady)
+        out[f"step_rollout_seconds_{name}"] = statistics.median(r["rollout_seconds"] for r in records)
         out[f"step_samples_per_s_{name}"] = args.prompts * args.group / step
+        if name != "1proc_2dev":
+            out[f"bytes_received_per_step_{name}"] = statistics.median(r["bytes_received"] for r in records)
+    out["step_sharded_vs_replicated_2proc"] = (out["step_samples_per_s_2proc"]
+                                               / out["step_samples_per_s_2proc_replicated"])
+    out["bytes_sharded_vs_replicated_2proc"] = (out["bytes_received_per_step_2proc"]
+                                                / out["bytes_received_per_step_2proc_replicated"])
     return out
 
 
@@ -302,10 +326,16 @@ def main() -> None:
           f"per response {result['reward_calls_per_response']:.2f} (replicated "
           f"{result['reward_calls_per_response_replicated']:.2f})")
     if args.full_steps:
-        for name, label in (("1proc_2dev", "1 process x 2 devices"), ("2proc", "2 processes x 1 device")):
+        for name, label in (("1proc_2dev", "1 process x 2 devices"), ("2proc", "2 processes x 1 device, sharded"),
+                            ("2proc_replicated", "2 processes x 1 device, replicated")):
+            received = (f", process 0 received {result[f'bytes_received_per_step_{name}'] / 1e3:.1f} kB/step"
+                        if name != "1proc_2dev" else "")
             print(f"whole RL step, {label}: {result[f'step_seconds_{name}']:.3f} s (rollout "
                   f"{result[f'step_rollout_seconds_{name}']:.3f} s), {result[f'step_samples_per_s_{name}']:.1f} "
-                  "samples/s")
+                  f"samples/s{received}")
+        print(f"whole step, sharded / replicated assembly (2 processes): samples/s x"
+              f"{result['step_sharded_vs_replicated_2proc']:.3f}, bytes received x"
+              f"{result['bytes_sharded_vs_replicated_2proc']:.3f}")
     if not args.no_save:
         with open(RESULTS, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)

@@ -404,9 +404,13 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
 
 @needs_mpi
 def test_rl_rollout_shares_across_processes(tmp_path):
-    """2 processes x 2 devices sample step 3's rollout in shares (tests/multiprocess/rl_sampling_case.py): every
-    process gets the whole rollout, equal (prompts, groups, tokens, behaviour top-k, rewards) to one process sampling
-    it over 1 and 4 devices here; each response is scored once, by the process that sampled it. A reward that raises
+    """2 processes x 2 devices sample step 3's rollout in shares (tests/multiprocess/rl_sampling_case.py): each
+    process keeps its share and gets every response's metadata; the whole rollout gathered from the shares equals
+    (prompts, groups, tokens, behaviour top-k, rewards) one process sampling it over 1 and 4 devices here; each
+    response is scored once, by the process that sampled it. The step's minibatches assembled without replication
+    equal the replicated assembly's on every process's own devices' rows, bit for bit, with the reference and
+    recompute passes run over the process's own share only (rows counted) and only the sequences the plans put on
+    its devices received. A reward that raises
     in process 1 fails both processes naming process 1 and its cause; the agreement check the trainer runs before
     each step's first update fails in both processes on a value process 1 computed otherwise; a process 1 that hangs
     is named by process 0 within the exchange timeout (3 s), which ends the job. (A reward that differs between
@@ -418,9 +422,20 @@ def test_rl_rollout_shares_across_processes(tmp_path):
     from rl_sampling_setup import GROUP, PROMPTS, CountingReward, make_params, make_sampler
 
     rc, out, _ = run_mpi(2, "rl_sampling_case.py", "2", str(tmp_path), timeout=240)
-    world = 4
+    world, placed = 4, []
     for rank in (0, 1):
-        assert f"PASS sampled process={rank} world={world} responses={PROMPTS * GROUP}" in out, out[-6000:]
+        assert f"PASS sampled process={rank} world={world} responses={PROMPTS * GROUP} own={PROMPTS * GROUP // 2}" \
+            in out, out[-6000:]
+        # the reference and recompute passes ran over the process's own 6 responses only; it received exactly the
+        # sequences the plans put on its devices that the other process sampled (`assemble` checks the sets)
+        assembled = [line for line in out.splitlines() if line.startswith(f"PASS assembled process={rank} ")]
+        assert assembled and assembled[0].endswith(f"forward_rows={PROMPTS * GROUP // 2}+{PROMPTS * GROUP // 2}"), \
+            out[-6000:]
+        placed.append(dict(f.split("=") for f in assembled[0].split()[2:]))
+    # every response is trained on exactly one process; a process receives at most what it trains
+    assert sum(int(f["placed"]) for f in placed) == PROMPTS * GROUP, placed
+    assert all(int(f["received"]) <= int(f["placed"]) for f in placed), placed
+    for rank in (0, 1):
         assert f"RAISED {rank}: step 5's rollout failed in process(es) [1]" in out, out[-6000:]
     assert "process 1: RewardError: the reward function raised KeyError on step 5" in out, out[-6000:]
     for rank in (0, 1):

@@ -3,6 +3,12 @@
 Arrays have shape [devices, max_microbatches, T]; device d uses its first `counts[d]` microbatches (the rest are
 padding that the ODC engine never touches and the collective engine runs as empty, loss-free work). `normalizer`
 is the global number of loss tokens of the minibatch, so per-microbatch losses add up to the minibatch mean.
+
+Across processes (jax.distributed) each process's engine reads only the rows of its own devices (the engines place
+a batch with `sharding.put_per_device`, which takes each addressable device's row and nothing else), so a process
+may leave the other processes' rows as zero placeholders (`minibatch_from_plan(..., devices=...)`); what every
+device must know about the others (the counts, the tokens of every microbatch for the length buckets of lock-step
+engines, the normaliser) is then in `counts`, `microbatch_tokens` and `normalizer`, computed from the plan.
 """
 from __future__ import annotations
 
@@ -25,6 +31,9 @@ class MinibatchArrays:
     counts: np.ndarray       # int32 [D] real microbatches per device
     normalizer: float        # global loss-token count
     num_sequences: int = 0
+    # int [D, M]: tokens of every device's microbatches, all devices' (from the plan), also where the rows are
+    # placeholders; None: read from `segment_ids`
+    microbatch_tokens: np.ndarray | None = None
     # more per-token fields for the loss ([D, M, T, ...] each), e.g. behaviour log-probs and advantages for RL
     extras: dict = dataclasses.field(default_factory=dict)
 
@@ -44,6 +53,10 @@ class MinibatchArrays:
         self.counts = np.asarray(self.counts, np.int32)
         if self.counts.shape != (shape[0],) or (self.counts < 0).any() or (self.counts > shape[1]).any():
             raise ValueError(f"counts {self.counts.tolist()} do not fit {shape[0]} devices x {shape[1]} microbatches")
+        if self.microbatch_tokens is not None:
+            self.microbatch_tokens = np.asarray(self.microbatch_tokens, np.int64)
+            if self.microbatch_tokens.shape != shape[:2]:
+                raise ValueError(f"microbatch_tokens has shape {self.microbatch_tokens.shape}, expected {shape[:2]}")
         if not self.normalizer > 0:
             raise ValueError(f"normalizer must be > 0 (the global loss-token count), got {self.normalizer}")
 
@@ -57,7 +70,14 @@ class MinibatchArrays:
 
     @property
     def num_tokens(self) -> int:
-        return int((self.segment_ids > 0).sum())
+        """Tokens of the whole minibatch (every device's, also those of placeholder rows)."""
+        return int(self.tokens_per_microbatch().sum())
+
+    def tokens_per_microbatch(self) -> np.ndarray:
+        """int [D, M]: the tokens each device's microbatches hold (`microbatch_tokens`, else counted)."""
+        if self.microbatch_tokens is not None:
+            return self.microbatch_tokens
+        return (np.asarray(self.segment_ids) > 0).sum(-1)
 
     def as_dict(self) -> dict[str, np.ndarray]:
         """Every per-token field (built-in and extras), as the engines hand them to the model's stages."""
@@ -65,7 +85,7 @@ class MinibatchArrays:
 
 
 def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None = None,
-                        normalizer: float | None = None) -> MinibatchArrays:
+                        normalizer: float | None = None, devices=None) -> MinibatchArrays:
     """Packs a minibatch by a `jodc.balance.Plan`.
 
     Args:
@@ -75,6 +95,10 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None =
       loss_masks: per sequence, 1 where the prediction of targets[t] is trained (e.g. completion tokens).
       extras: more per-token fields by name, each a list with one array per sequence ([s_i, ...]).
       normalizer: the global denominator the loss divides by (default: the total of `loss_masks`).
+      devices: pack only these devices' rows (a process's own, across processes); the others stay zero
+        placeholders, which the engines never read there (see the module docstring), and the arrays of the
+        sequences on them are not read (any array of the right length, shape and dtype will do, e.g. a
+        `np.broadcast_to` view). Default: every device.
 
     Device d gets all of its planned microbatches (empty ones from lock-step planners included); the microbatch
     axis is padded to the largest count with empty microbatches. The normaliser is the minibatch's total of
@@ -89,7 +113,8 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None =
     fields = {"tokens": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
               "loss_mask": np.zeros(shape, np.float32), "positions": np.zeros(shape, np.int32),
               "segment_ids": np.zeros(shape, np.int32)}
-    for d in range(num_devices):
+    packed = range(num_devices) if devices is None else sorted(set(devices))
+    for d in packed:
         n = len(plan.devices[d])
         if n == 0:
             continue
@@ -105,7 +130,7 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None =
         trailing = per_sequence[0].shape[1:] if per_sequence else ()
         dtype = np.result_type(*per_sequence) if per_sequence else np.float32
         out = np.zeros(shape + trailing, dtype)
-        for d in range(num_devices):
+        for d in packed:
             n = len(plan.devices[d])
             if n:
                 out[d, :n] = pack_arrays(plan, d, per_sequence)
@@ -113,5 +138,8 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None =
     if normalizer is None:
         normalizer = float(sum(float(np.sum(x)) for x in loss_masks))
     counts = np.array([len(mbs) for mbs in plan.devices], np.int32)
+    microbatch_tokens = np.zeros((num_devices, m), np.int64)
+    for d, mbs in enumerate(plan.devices):
+        microbatch_tokens[d, :len(mbs)] = [sum(mb.seq_lengths) for mb in mbs]
     return MinibatchArrays(counts=counts, normalizer=max(float(normalizer), 1.0), num_sequences=len(inputs),
-                           extras=packed_extras, **fields)
+                           microbatch_tokens=microbatch_tokens, extras=packed_extras, **fields)

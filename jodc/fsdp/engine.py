@@ -133,7 +133,7 @@ class Engine(abc.ABC):
     def bucket_indices(self, batch: MinibatchArrays) -> np.ndarray:
         """int32 [D, M]: for every microbatch, the smallest bucket that holds its tokens."""
         lengths = np.asarray(self.bucket_lengths(batch.token_cap))
-        used = (np.asarray(batch.segment_ids) > 0).sum(-1)
+        used = batch.tokens_per_microbatch()  # every device's, also across processes (placeholder rows)
         return np.searchsorted(lengths, used, side="left").astype(np.int32)
 
     @abc.abstractmethod

@@ -51,9 +51,20 @@ def stacked(tree):
 
 
 def put_per_device(mesh: Mesh, tree):
-    """Places host arrays [D, ...] so device d holds row d (device (r, d) row r * shards + d on an HSDP mesh)."""
+    """Places host arrays [D, ...] so device d holds row d (device (r, d) row r * shards + d on an HSDP mesh).
+    Across processes only this process's devices' rows are read (`put_sharded`): the others may be placeholders."""
     sharding = NamedSharding(mesh, P(device_axes(mesh)))
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
+    return jax.tree.map(lambda x: put_sharded(np.asarray(x), sharding), tree)
+
+
+def put_sharded(x: np.ndarray, sharding):
+    """A host array placed by `sharding`. On a sharding over several processes each process reads only the slices of
+    its own devices (`jax.make_array_from_callback`), so the parts of `x` other processes hold need not be equal
+    here, or filled; `jax.device_put` would instead all-gather `x` to check that every process passed the same
+    value (a collective over the whole array, every step)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def put_replicated(mesh: Mesh, x):

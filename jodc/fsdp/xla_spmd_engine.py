@@ -96,7 +96,7 @@ class XlaSpmdEngine(Engine):
         m = max(1, int(batch.counts.max()))
         arrays = {k: np.ascontiguousarray(np.swapaxes(np.asarray(v)[:, :m], 0, 1))  # [M, D, T]
                   for k, v in batch.as_dict().items()}
-        arrays = jax.device_put(arrays, self.batch_sharding)
+        arrays = {k: sharding.put_sharded(v, self.batch_sharding) for k, v in arrays.items()}
         lengths = self.bucket_lengths(batch.token_cap)
         round_bucket = self.bucket_indices(batch)[:, :m].max(axis=0)
         step = self._cached(lengths, lambda: self._jit_step(functools.partial(self._full_step, lengths=lengths),

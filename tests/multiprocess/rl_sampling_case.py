@@ -3,9 +3,11 @@
     mpirun -np 2 python -m mpi4py rl_sampling_case.py LOCAL_DEVICES OUT_DIR
 
 Four phases in one launch (tests/test_multiprocess.py::test_rl_rollout_shares_across_processes checks them):
-1. step 3 sampled over the 2 x LOCAL_DEVICES devices: each process samples and scores its devices' shares, the shares
-   are exchanged; process 0 writes the whole rollout to OUT_DIR/mp.json, every process its reward calls to
-   OUT_DIR/calls-<process>.json (the driver compares with one process sampling over 1 and 4 devices);
+1. step 3 sampled over the 2 x LOCAL_DEVICES devices: each process samples and scores its devices' shares, the shares'
+   metadata is exchanged; the whole rollout is gathered (as for a checkpoint) and process 0 writes it to
+   OUT_DIR/mp.json, every process its reward calls to OUT_DIR/calls-<process>.json (the driver compares with one
+   process sampling over 1 and 4 devices); then the step's minibatches are assembled without replication and
+   compared with the replicated assembly (`assemble`);
 2. step 4 with a reward that raises in process 1 only: every process raises RolloutShareError naming process 1 and
    its cause (printed as "RAISED <process>: ...");
 3. the agreement check (`distributed.check_agreement`) on a value that differs in process 1: every process raises
@@ -38,6 +40,101 @@ class PhasedReward:
         return self.counting(prompt, response)
 
 
+class CountingPolicy:
+    """A `ReferencePolicy` that records the rows of every forward pass it runs."""
+
+    def __init__(self, params):
+        from jodc.train.rl.reference import ReferencePolicy
+        from rl_sampling_setup import CONFIG
+
+        self.policy, self.rows = ReferencePolicy(CONFIG, params, temperature=1.0, bucket=8), []
+
+    def response_logprobs(self, rollout, width=0):
+        self.rows.append(len(rollout))
+        return self.policy.response_logprobs(rollout, width=width)
+
+    def per_device_share(self, rollout, width):
+        """Log-probs of `rollout` (whole device shares) one engine device's sampling share at a time (3 responses
+        here), rows `width` wide: as the trainer runs its passes (`RLRun.forward_passes`)."""
+        from rl_sampling_setup import GROUP
+
+        return [x for start in range(0, len(rollout), GROUP)
+                for x in self.response_logprobs(rollout.select(range(start, start + GROUP)), width=width)]
+
+
+def assemble(jax, rank, scored, whole, params):
+    """Step 3's minibatches assembled without replication (train/rl/assembly.py, as the trainer does under mpirun):
+    the reference and recompute passes over this process's share only (rows counted; one pass per device share, as
+    the trainer runs them), the KL-in-reward inputs
+    exchanged, the plans computed here, each sequence sent to the process of its device. Every packed row of this
+    process's devices equals the replicated assembly's (the whole rollout, every pass over all of it: the trainer
+    before) bit for bit, the other devices' rows are zero placeholders, and the process received exactly the
+    sequences the plans put on its devices that it did not sample. Prints "PASS assembled ..."."""
+    import numpy as np
+
+    from jodc.balance import LinearCost, get_planner
+    from jodc.losses import grpo_advantages
+    from jodc.train.rl.assembly import (StepInputs, exchange_step_inputs, extra_specs, local_sequences,
+                                        pack_local_minibatch, send_sequences, sequence_destinations)
+    from jodc.train.rl.batch import pack_minibatch, plan_minibatch, split_minibatches, training_sequences
+    from jodc.train.rl.loss import kl_shaped_rewards
+    from rl_sampling_setup import GROUP
+
+    planner, updates, token_cap, k = get_planner("lb_mini"), 2, 64, 4
+    device_processes = [d.process_index for d in jax.devices()]
+    local = [d for d, p in enumerate(device_processes) if p == rank]
+    reference, recompute = CountingPolicy(params), CountingPolicy(params)
+    width = scored.width(8)
+    own = scored.own.rollout
+    inputs = exchange_step_inputs(
+        3, lambda: StepInputs(ref_logprobs=reference.per_device_share(own, width),
+                              old_logprobs=recompute.per_device_share(own, width), values=None),
+        kl_in_reward=True, critic=False, behaviour_logprobs=own.logprobs, timeout_s=TIMEOUT_S)
+
+    def advantages_of(logprobs, ref_logprobs):
+        shaped, _ = kl_shaped_rewards(scored.rewards, logprobs, ref_logprobs, beta=0.1, estimator="k1")
+        return np.asarray(grpo_advantages(np.asarray(shaped, np.float32), GROUP))
+
+    advantages = advantages_of(inputs.kl_logprobs_all, inputs.ref_logprobs_all)
+    splits = split_minibatches(len(scored), updates, seed=7, step=3)
+    lengths = scored.sequence_lengths
+    plans = [plan_minibatch(lengths[i], planner=planner, num_devices=len(device_processes), token_cap=token_cap,
+                            cost_model=LinearCost()) for i in splits]
+    destinations = sequence_destinations(plans, splits, device_processes, len(scored))
+    flags = dict(with_topk=True, with_ref=True, with_old=True)
+    received = send_sequences(3, scored, destinations, inputs, timeout_s=TIMEOUT_S, **flags)
+    ids, sequences = local_sequences(received, advantages)
+    specs = extra_specs(top_k=k, critic=False, **flags)
+    mine = set(scored.shares[rank])
+    placed = {int(i) for i in np.flatnonzero(destinations == rank)}
+    foreign = sorted(set(received) - mine)
+    assert set(ids) == placed and set(foreign) == placed - mine, (ids, placed, foreign)
+    assert sum(reference.rows) == sum(recompute.rows) == len(mine), (reference.rows, recompute.rows)
+    # the replicated assembly of the same step, from the whole rollout (its passes over every device's share)
+    ref_all = CountingPolicy(params).per_device_share(whole.rollout, width)
+    replicated_advantages = advantages_of(ref_all, ref_all)
+    assert np.array_equal(replicated_advantages, advantages)
+    whole_sequences = training_sequences(whole.rollout, replicated_advantages, with_topk=True, ref_logprobs=ref_all,
+                                         trainer_logprobs=ref_all)
+    for indices, plan in zip(splits, plans):
+        sharded = pack_local_minibatch(plan, indices, ids, sequences, sequence_lengths=lengths,
+                                       response_lengths=scored.response_lengths, local_devices=local, specs=specs,
+                                       aggregation="token-mean")
+        _, replicated = pack_minibatch(whole_sequences, indices, planner=planner, num_devices=len(device_processes),
+                                       token_cap=token_cap, cost_model=LinearCost(), aggregation="token-mean")
+        assert sharded.normalizer == replicated.normalizer and sharded.num_tokens == replicated.num_tokens
+        assert np.array_equal(sharded.counts, replicated.counts)
+        assert np.array_equal(sharded.microbatch_tokens, replicated.tokens_per_microbatch())
+        for name, values in sharded.as_dict().items():
+            rows = replicated.as_dict()[name]
+            assert values.shape == rows.shape and values.dtype == rows.dtype, name
+            assert np.array_equal(values[local], rows[local]), name
+            others = [d for d in range(len(device_processes)) if d not in local]
+            assert not np.any(values[others]), name
+    print(f"PASS assembled process={rank} own={len(mine)} placed={len(placed)} received={len(foreign)} "
+          f"forward_rows={sum(reference.rows)}+{sum(recompute.rows)}", flush=True)
+
+
 def main():
     from _mp import init
 
@@ -51,16 +148,21 @@ def main():
     reward = PhasedReward(counting, rank)
     sampler = make_sampler(world, reward, exchange_timeout_s=TIMEOUT_S)
     params = make_params()
-    scored = sampler(3, params, 3)
+    scored = sampler(3, params, 3)  # this process's share and the whole rollout's metadata (assembly: sharded)
     with open(os.path.join(out_dir, f"calls-{rank}.json"), "w") as f:
         json.dump(counting.calls, f)
+    started = time.monotonic()
+    whole = scored.gather_whole(timeout_s=TIMEOUT_S)  # what a checkpoint holds (and the replicated baseline)
+    assemble(jax, rank, scored, whole, params)
+    print(f"assembly phase {rank}: {time.monotonic() - started:.1f} s", flush=True)
     if rank == 0:
-        r = scored.rollout
+        r = whole.rollout
         with open(os.path.join(out_dir, "mp.json"), "w") as f:
             json.dump({"prompts": r.prompts, "response_ids": [x.tolist() for x in r.response_ids],
                        "topk_ids": [x.tolist() for x in r.topk_ids], "rewards": scored.rewards.tolist(),
                        "logprobs": [x.tolist() for x in r.logprobs]}, f)
-    print(f"PASS sampled process={rank} world={world} responses={len(scored.rollout)}", flush=True)
+    print(f"PASS sampled process={rank} world={world} responses={len(scored)} own={len(scored.own.rollout)}",
+          flush=True)
     reward.mode = "fail"
     try:
         sampler(4, params, 4)

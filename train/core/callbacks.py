@@ -32,7 +32,8 @@ class Callback:
         """Before the trainer samples step `step`'s rollout itself (RL, synchronous rollouts)."""
 
     def on_rollout_end(self, trainer, step: int, rollout) -> None:
-        """After that rollout was sampled and scored."""
+        """After that rollout was sampled and scored (a `ScoredRollout`; across processes with `rollout.assembly:
+        sharded` a `ShardedRollout`: this process's share and the whole rollout's metadata)."""
 
     def on_update_start(self, trainer) -> None:
         """Before one optimizer update (the engine's step)."""

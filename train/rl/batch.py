@@ -6,10 +6,12 @@ the behaviour log-prob of the sampled token, the response's advantage, and when 
 reference log-prob (prompt positions hold zeros and are masked out).
 
 The rollout is shuffled (a pure function of the seed and the step) and cut into `updates_per_step` minibatches
-of near-equal size; each is balanced over the devices by the planner (LB-Mini for ODC: by compute cost, so
-devices may run different numbers of microbatches) and packed. Every update after the first sees a policy the
-rollout did not come from: the off-policy regime the trust region is for. The loss normaliser is the
-minibatch's total number of response tokens (token-mean) or of responses (sequence-level aggregations).
+of near-equal size (`split_minibatches`); each is balanced over the devices by the planner (LB-Mini for ODC: by
+compute cost, so devices may run different numbers of microbatches; `plan_minibatch`, a pure function of the
+lengths, so processes that hold only some of the sequences plan alike: `assembly.py`) and packed. Every update
+after the first sees a policy the rollout did not come from: the off-policy regime the trust region is for. The
+loss normaliser is the minibatch's total number of response tokens (token-mean) or of responses (sequence-level
+aggregations).
 """
 from __future__ import annotations
 
@@ -54,8 +56,23 @@ def training_sequences(rollout: Rollout, advantages, *, with_topk: bool = False,
     token arrays; `ref_logprobs` (reference policy), `trainer_logprobs` (the trainer's recomputed old / proximal
     log-probs), and for critic PPO `returns` and `old_values` (the value targets and the rollout's values) per
     response token."""
-    n = len(rollout)
-    responses = rollout.response_ids
+    if with_topk and rollout.topk_ids is None:
+        raise ValueError("the objective needs the behaviour top-k, but the rollout did not store it")
+    return sequences_from_arrays(rollout.prompt_ids, rollout.response_ids, rollout.logprobs, advantages,
+                                 topk_ids=rollout.topk_ids if with_topk else None,
+                                 topk_logprobs=rollout.topk_logprobs if with_topk else None,
+                                 ref_logprobs=ref_logprobs, trainer_logprobs=trainer_logprobs, returns=returns,
+                                 old_values=old_values)
+
+
+def sequences_from_arrays(prompt_ids: Sequence[np.ndarray], response_ids: Sequence[np.ndarray],
+                          logprobs: Sequence[np.ndarray], advantages, *, topk_ids=None, topk_logprobs=None,
+                          ref_logprobs=None, trainer_logprobs=None, returns=None, old_values=None
+                          ) -> TrainingSequences:
+    """`training_sequences` from per response arrays (any subset of a rollout: the sequences a process of a
+    multi-process run trains on, `assembly.py`); the per-token extras that are None are left out."""
+    n = len(response_ids)
+    responses = response_ids
     if isinstance(advantages, (list, tuple)):
         if [len(a) for a in advantages] != [len(r) for r in responses]:
             raise ValueError("per-token advantages must hold one value per response token")
@@ -65,21 +82,18 @@ def training_sequences(rollout: Rollout, advantages, *, with_topk: bool = False,
         if advantages.shape != (n,):
             raise ValueError(f"advantages must have shape ({n},), got {advantages.shape}")
         per_token_advantages = [np.full(len(r), a) for r, a in zip(responses, advantages)]
-    if with_topk and rollout.topk_ids is None:
-        raise ValueError("the objective needs the behaviour top-k, but the rollout did not store it")
-    per_token = {"behaviour_logprobs": rollout.logprobs,  # each extra's values at the response tokens
+    per_token = {"behaviour_logprobs": logprobs,  # each extra's values at the response tokens
                  "advantages": per_token_advantages, "returns": returns, "old_values": old_values,
-                 "topk_ids": rollout.topk_ids if with_topk else None,
-                 "topk_logprobs": rollout.topk_logprobs if with_topk else None,
+                 "topk_ids": topk_ids, "topk_logprobs": topk_logprobs,
                  "ref_logprobs": ref_logprobs, "trainer_logprobs": trainer_logprobs}
-    tokens = [np.concatenate([p, r]).astype(np.int32) for p, r in zip(rollout.prompt_ids, responses)]
+    tokens = [np.concatenate([p, r]).astype(np.int32) for p, r in zip(prompt_ids, responses)]
 
     def placed(values, dtype=np.float32) -> list[np.ndarray]:
         """Per sequence, the response tokens' `values` at their predicting positions (len(prompt) - 1 ...), zeros
         before."""
         arrays = [np.asarray(v, dtype) for v in values]
         return [np.concatenate([np.zeros((len(p) - 1,) + v.shape[1:], dtype), v])
-                for p, v in zip(rollout.prompt_ids, arrays)]
+                for p, v in zip(prompt_ids, arrays)]
 
     return TrainingSequences(
         inputs=[t[:-1] for t in tokens], targets=[t[1:] for t in tokens],
@@ -113,17 +127,24 @@ def minibatch_normalizer(masks: Sequence[np.ndarray], aggregation: str) -> float
     return float(sum(1 for m in masks if m.any()))
 
 
-def pack_minibatch(sequences: TrainingSequences, indices: np.ndarray, *, planner: Callable, num_devices: int,
-                   token_cap: int, cost_model, aggregation: str, skip_empty_microbatches: bool = True
-                   ) -> tuple[object, MinibatchArrays]:
-    """(plan, engine arrays) of the sequences at `indices`. ValueError when a sequence exceeds `token_cap`."""
-    lengths = [sequences.lengths[i] for i in indices]
+def plan_minibatch(lengths: Sequence[int], *, planner: Callable, num_devices: int, token_cap: int, cost_model,
+                   skip_empty_microbatches: bool = True):
+    """The plan of a minibatch of sequences of `lengths` (a pure function of them: every process of a run computes
+    the same). ValueError when a sequence exceeds `token_cap`."""
+    lengths = [int(n) for n in lengths]
     if max(lengths) > token_cap:
         raise ValueError(f"a prompt + response of {max(lengths)} tokens exceeds engine.token_cap={token_cap}; "
                          "raise engine.token_cap or lower rollout.max_new_tokens")
     plan = planner(lengths, num_devices, token_cap, cost_model=cost_model)
-    if skip_empty_microbatches:
-        plan = without_empty_microbatches(plan)
+    return without_empty_microbatches(plan) if skip_empty_microbatches else plan
+
+
+def pack_minibatch(sequences: TrainingSequences, indices: np.ndarray, *, planner: Callable, num_devices: int,
+                   token_cap: int, cost_model, aggregation: str, skip_empty_microbatches: bool = True
+                   ) -> tuple[object, MinibatchArrays]:
+    """(plan, engine arrays) of the sequences at `indices`. ValueError when a sequence exceeds `token_cap`."""
+    plan = plan_minibatch([sequences.lengths[i] for i in indices], planner=planner, num_devices=num_devices,
+                          token_cap=token_cap, cost_model=cost_model, skip_empty_microbatches=skip_empty_microbatches)
     masks = [sequences.loss_masks[i] for i in indices]
     arrays = minibatch_from_plan(plan, [sequences.inputs[i] for i in indices], [sequences.targets[i] for i in indices],
                                  masks, extras={k: [v[i] for i in indices] for k, v in sequences.extras.items()},

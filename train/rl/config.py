@@ -85,6 +85,10 @@ class RolloutConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"  # the sampler's parameters and compute (training: fp32)
     sampler: Literal["thread", "process"] = "thread"  # max_staleness > 0: where the sampler computes
     sampler_nice: int = 10  # sampler: process: the child's OS priority (higher: less taken from the trainer)
+    # across processes (mpirun): sharded = each process keeps its share, exchanges per-response metadata and sends
+    # each sequence only to the process that trains it (train/rl/assembly.py); replicated = every process gets the
+    # whole rollout (all-gathered) and computes every pass over it (the baseline bench/rl_sampling.py compares)
+    assembly: Literal["sharded", "replicated"] = "sharded"
 
     @property
     def rollout_size(self) -> int:
@@ -205,9 +209,9 @@ class RLConfig(TrainingConfig):
     warmstart: WarmstartConfig = defaults(WarmstartConfig)
     # What a checkpoint means: resuming with other values would silently continue a different run (another
     # model, task, reward, warm start, prompt stream or rollout shape). Where the sampler computes (thread or
-    # process, its priority) does not change a rollout, so it may change.
+    # process, its priority) and how processes assemble the minibatches do not change a step, so they may change.
     RESUME_KEYS = ("model", "task", "warmstart", *(f"rollout.{f.name}" for f in dataclasses.fields(RolloutConfig)
-                                                   if f.name not in ("sampler", "sampler_nice")),
+                                                   if f.name not in ("sampler", "sampler_nice", "assembly")),
                    "run.seed", "run.updates_per_step")
     # The shared sections with RL's defaults: a small constant learning rate (total_steps: null = the run's
     # optimizer updates, run.steps x run.updates_per_step), 2 devices and a 256-token buffer (>= the longest prompt +

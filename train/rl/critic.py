@@ -27,11 +27,12 @@ def _row_values(config: DecoderConfig, params, tokens_bt, segment_ids_bt):
     return values_forward(config, params, tokens_bt[:, :-1], segment_ids_bt[:, :-1])
 
 
-def response_values(config: DecoderConfig, params, rollout: Rollout, *, bucket: int) -> list[np.ndarray]:
+def response_values(config: DecoderConfig, params, rollout: Rollout, *, bucket: int,
+                    width: int = 0) -> list[np.ndarray]:
     """Per response, fp32 [n_i]: the value of the state before each response token (the position predicting it),
-    under `params` (group pytrees with the value head)."""
+    under `params` (group pytrees with the value head); rows padded to at least `width`."""
     rows = [np.concatenate([p, r]) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
-    width = -(-max(len(r) for r in rows) // bucket) * bucket
+    width = max(width, -(-max(len(r) for r in rows) // bucket) * bucket)
     tokens = np.zeros((len(rows), width), np.int32)
     segments = np.zeros((len(rows), width), np.int32)
     for i, row in enumerate(rows):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -40,17 +40,19 @@ from jodc.models.tokenizer import load_tokenizer
 
 from ..core import distributed
 from ..core.metrics import read_metrics
-from ..core.model import hf_tokenizer_path
+from ..core.model import hf_tokenizer_path, mesh_devices
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
-from .batch import pack_minibatch, sequences_digest, split_minibatches, training_sequences
+from .assembly import (ShardedRollout, StepInputs, assembly_digest, exchange_step_inputs, extra_specs,
+                       local_sequences, pack_local_minibatch, send_sequences, sequence_destinations)
+from .batch import pack_minibatch, plan_minibatch, sequences_digest, split_minibatches, training_sequences
 from .config import RLConfig
 from .critic import critic_advantages, response_values
 from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
 from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, step_record
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, resolve_reward_function, score
-from .rollout import encode_prompts, sample_rollout, sampling_params
-from .rollout_exchange import gather_shares
+from .rollout import device_shares, encode_prompts, sample_rollout, sampling_params
+from .rollout_exchange import EVALUATION_TAGS, bytes_received, gather_shares
 from .rollout_source import make_rollout_source
 from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
@@ -157,6 +159,12 @@ class RLRun(Trainer):
                                       # every engine device samples a share; processes exchange theirs
                                       platform=e.platform, devices=e.devices,
                                       exchange_timeout_s=e.barrier_timeout_s)
+        # the process of each engine device (mesh order = the minibatch arrays' rows): where sequences are trained
+        self.device_processes = [d.process_index for d in mesh_devices(e.platform, e.devices)]
+        # the responses each engine device samples: the row blocks of the per-sequence forward passes
+        self.device_rows = [range(s.start * r.group_size, s.stop * r.group_size)
+                            for s in device_shares(r.prompts_per_step, e.devices)]
+        self.assembled: dict[str, Any] = {}  # across processes: what the last sharded step received and trained on
         self.rollouts = make_rollout_source(r, self.sampler, processes=jax.process_count(), reward_spec=reward_spec,
                                             trainer=self, callbacks=self.callbacks,
                                             process_index=jax.process_index())
@@ -217,7 +225,7 @@ class RLRun(Trainer):
             return rewards
 
         parts = ([share()] if jax.process_count() == 1 else
-                 gather_shares(share, what=f"the evaluation at step {step}",
+                 gather_shares(share, what=f"the evaluation at step {step}", tags=EVALUATION_TAGS,
                                timeout_s=self.config.engine.barrier_timeout_s))
         rewards = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
         return {"eval_accuracy": float(np.mean(rewards["eval_accuracy"] >= self.config.task.success_reward)),
@@ -228,71 +236,163 @@ class RLRun(Trainer):
         (rollout_source.py: sampled now from `params`, or taken from the sampler thread)."""
         return self.rollouts.get(step, params)
 
+    def forward_passes(self, rollout, params, scored, step: int, *, first: int, width: int) -> StepInputs:
+        """The per-sequence forward passes of `rollout`, the step's responses `first` .. (the whole rollout, or
+        across processes this process's share): the reference's log-probs (KL penalty / KL in the reward), the
+        trainer's recomputed old / proximal log-probs (`objective.recompute`; reused from the sampler when it
+        measured them at these weights) and the critic's values.
+
+        Each pass runs once per engine device's sampling share (`device_shares`, the rows one device sampled) with
+        rows of the whole rollout's `width`: XLA's CPU kernels round a row differently with the batch's row count,
+        so passes over whole shares of fixed shapes give every layout (one process driving every device, or
+        processes each holding their devices' shares) the same bits."""
+        r, timers = self.config.rollout, self.timers
+        chunks = [range(max(c.start, first) - first, min(c.stop, first + len(rollout)) - first)
+                  for c in self.device_rows if c.start < first + len(rollout) and c.stop > first]
+
+        def per_share(fn) -> list[np.ndarray]:
+            return [x for c in chunks if len(c) for x in fn(rollout.select(c))]
+
+        with timers("reference"):
+            ref_logprobs = (per_share(lambda part: self.reference.response_logprobs(part, width=width))
+                            if self.reference else None)
+        old_logprobs = None
+        if self.objective.recompute:  # one extra forward pass: the trainer's log-probs before the updates
+            with timers("recompute"):
+                reuse = scored.trainer_logprobs is not None and (scored.versions == step).all()
+                old_logprobs = (scored.trainer_logprobs if reuse else per_share(
+                    lambda part: trainer_logprobs(self.model_config, params, part, temperature=r.temperature,
+                                                  bucket=r.prompt_bucket, width=width)))
+        values = None
+        if self.objective.critic:  # GAE over token rewards with the value head's values at these weights
+            with timers("values"):
+                values = per_share(lambda part: response_values(self.model_config, params, part,
+                                                                bucket=r.prompt_bucket, width=width))
+        return StepInputs(ref_logprobs=ref_logprobs, old_logprobs=old_logprobs, values=values)
+
+    def batch_advantages(self, rewards, response_lengths, *, kl_inputs, values):
+        """(advantages: [N] or per response token arrays, returns or None, the KL-in-reward record) of the whole
+        rollout: the estimator over the rewards (shaped by the KL in the reward when `kl_inputs` = (log-probs,
+        reference log-probs) per response), or GAE over the critic's `values`; the KL controller moves."""
+        r, loss_ = self.config.rollout, self.config.loss
+        extra_record, kl_args = {}, None
+        if self.kl_controller is not None:  # KL in the reward, at the policy before this step's updates
+            beta = self.kl_controller.value
+            kl_args = (*kl_inputs, beta, loss_.kl_in_reward_estimator)
+        returns = None
+        if self.objective.critic:
+            advantages, returns, current_kl = critic_advantages(
+                rewards, values, gamma=loss_.critic_gamma, lam=loss_.critic_lam, kl=kl_args)
+        else:
+            shaped, current_kl = (kl_shaped_rewards(rewards, *kl_args[:2], beta=kl_args[2], estimator=kl_args[3])
+                                  if kl_args else (rewards, None))
+            advantages = self.advantages(shaped, r.group_size, response_lengths)
+        if self.kl_controller is not None:
+            self.kl_controller = self.kl_controller.update(current_kl, len(rewards))
+            extra_record = {"kl_in_reward": current_kl, "kl_in_reward_beta": beta}
+        return advantages, returns, extra_record
+
+    def replicated_minibatches(self, step: int, scored: ScoredRollout, params) -> tuple[Iterator, dict]:
+        """(the step's minibatches, packed one by one as the loop asks, the KL-in-reward record) from the whole
+        rollout, which this process holds (one process, or `rollout.assembly: replicated`): every pass over all of
+        it, every device's rows packed."""
+        e, run_, r = self.config.engine, self.config.run, self.config.rollout
+        rollout = scored.rollout
+        passes = self.forward_passes(rollout, params, scored, step, first=0, width=rollout.width(r.prompt_bucket))
+        kl_logprobs = passes.old_logprobs if passes.old_logprobs is not None else rollout.logprobs
+        advantages, returns, extra_record = self.batch_advantages(
+            scored.rewards, rollout.response_lengths, kl_inputs=(kl_logprobs, passes.ref_logprobs),
+            values=passes.values)
+        sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
+                                       ref_logprobs=passes.ref_logprobs if self.objective.kl_coef else None,
+                                       trainer_logprobs=passes.old_logprobs, returns=returns, old_values=passes.values)
+        distributed.check_agreement(f"step {step + 1}'s rollout, rewards and advantages",
+                                    lambda: sequences_digest(sequences))  # mpirun: every process holds all of it
+
+        def packed():
+            for indices in split_minibatches(len(sequences), run_.updates_per_step, seed=run_.seed, step=step):
+                yield pack_minibatch(sequences, indices, planner=self.planner, num_devices=e.devices,
+                                     token_cap=e.token_cap, cost_model=self.cost_model,
+                                     aggregation=self.objective.aggregation,
+                                     skip_empty_microbatches=not self.engine.lockstep)[1]
+
+        return packed(), extra_record
+
+    def sharded_minibatches(self, step: int, scored: ShardedRollout, params) -> tuple[Iterator, dict]:
+        """(the step's minibatches with only this process's devices' rows packed, the KL-in-reward record) across
+        processes without replicating the rollout (assembly.py): the passes over this process's share only, what
+        the advantages need exchanged, the plans computed in every process from the global lengths, each sequence
+        sent to the process that trains it."""
+        e, run_, r, objective = self.config.engine, self.config.run, self.config.rollout, self.objective
+        timeout_s = e.barrier_timeout_s
+        own = scored.own
+        inputs = exchange_step_inputs(
+            step, lambda: self.forward_passes(own.rollout, params, scored, step,
+                                              first=scored.shares[scored.process].start,
+                                              width=scored.width(r.prompt_bucket)),
+            kl_in_reward=self.kl_controller is not None, critic=objective.critic,
+            behaviour_logprobs=own.rollout.logprobs, timeout_s=timeout_s)
+        advantages, returns, extra_record = self.batch_advantages(
+            scored.rewards, scored.response_lengths, kl_inputs=(inputs.kl_logprobs_all, inputs.ref_logprobs_all),
+            values=inputs.values_all)
+        lengths = scored.sequence_lengths
+        with self.timers("train"):  # planning, as in the replicated loop (plan_ms)
+            splits = split_minibatches(len(scored), run_.updates_per_step, seed=run_.seed, step=step)
+            plans = [plan_minibatch(lengths[indices], planner=self.planner, num_devices=e.devices,
+                                    token_cap=e.token_cap, cost_model=self.cost_model,
+                                    skip_empty_microbatches=not self.engine.lockstep) for indices in splits]
+        distributed.check_agreement(f"step {step + 1}'s rewards, lengths, advantages and plans",
+                                    lambda: assembly_digest(scored, advantages, splits, plans))
+        flags = dict(with_topk=objective.uses_topk, with_ref=bool(objective.kl_coef), with_old=objective.recompute)
+        destinations = sequence_destinations(plans, splits, self.device_processes, len(scored))
+        received = send_sequences(step, scored, destinations, inputs, timeout_s=timeout_s, **flags)
+        ids, sequences = local_sequences(received, advantages, returns=returns, old_values=inputs.values_all)
+        specs = extra_specs(top_k=self.sampling.top_k_logprobs, critic=objective.critic, **flags)
+        local_devices = [d for d, p in enumerate(self.device_processes) if p == jax.process_index()]
+        self.assembled = {"received": sorted(set(received) - set(scored.shares[scored.process])),
+                          "trained": ids, "forward_rows": len(own.rollout)}  # what tests and benchmarks read
+
+        def packed():
+            for indices, plan in zip(splits, plans):
+                yield pack_local_minibatch(plan, indices, ids, sequences, sequence_lengths=lengths,
+                                           response_lengths=scored.response_lengths, local_devices=local_devices,
+                                           specs=specs, aggregation=objective.aggregation)
+
+        return packed(), extra_record
+
     def train_step(self, step: int) -> dict[str, Any]:
         """Runs 0-based step `step`: rollout, rewards, advantages, then `updates_per_step` optimizer updates;
         returns its record (the timers add step/reward/reference/train seconds and plan_ms)."""
-        e, run_, r, timers = self.config.engine, self.config.run, self.config.rollout, self.timers
+        run_, r, timers = self.config.run, self.config.rollout, self.timers
         started = time.perf_counter()
+        received = bytes_received()
         with timers("step"):
             params = self.engine.params()
             scored, waited = self.next_rollout(step, params)
-            rollout, rewards = scored.rollout, scored.rewards
-            with timers("reference"):
-                ref_logprobs = self.reference.response_logprobs(rollout) if self.reference else None
-            old_logprobs = None
-            if self.objective.recompute:  # one extra forward pass: the trainer's log-probs before the updates
-                with timers("recompute"):
-                    reuse = scored.trainer_logprobs is not None and (scored.versions == step).all()
-                    old_logprobs = (scored.trainer_logprobs if reuse else
-                                    trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
-                                                     bucket=r.prompt_bucket))
-            kl_record, loss_ = {}, self.config.loss
-            kl_args = None
-            if self.kl_controller is not None:  # KL in the reward, at the policy before this step's updates
-                beta = self.kl_controller.value
-                kl_args = (old_logprobs if old_logprobs is not None else rollout.logprobs, ref_logprobs, beta,
-                           loss_.kl_in_reward_estimator)
-            returns = old_values = None
-            if self.objective.critic:  # GAE over token rewards with the value head's values at these weights
-                with timers("values"):
-                    old_values = response_values(self.model_config, params, rollout, bucket=r.prompt_bucket)
-                advantages, returns, current_kl = critic_advantages(
-                    rewards, old_values, gamma=loss_.critic_gamma, lam=loss_.critic_lam, kl=kl_args)
+            if isinstance(scored, ShardedRollout):  # mpirun, rollout.assembly: sharded (assembly.py)
+                minibatches, extra_record = self.sharded_minibatches(step, scored, params)
             else:
-                shaped, current_kl = (kl_shaped_rewards(rewards, *kl_args[:2], beta=kl_args[2],
-                                                        estimator=kl_args[3])
-                                      if kl_args else (rewards, None))
-                advantages = self.advantages(shaped, r.group_size, rollout.response_lengths)
-            if self.kl_controller is not None:
-                self.kl_controller = self.kl_controller.update(current_kl, len(rewards))
-                kl_record = {"kl_in_reward": current_kl, "kl_in_reward_beta": beta}
-            sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
-                                           ref_logprobs=ref_logprobs if self.objective.kl_coef else None,
-                                           trainer_logprobs=old_logprobs, returns=returns, old_values=old_values)
-            distributed.check_agreement(f"step {step + 1}'s rollout, rewards and advantages",
-                                        lambda: sequences_digest(sequences))  # mpirun: every process samples it
+                minibatches, extra_record = self.replicated_minibatches(step, scored, params)
             updates, tokens, microbatches = [], 0, []
             learning_rate = float(self.lr_schedule(self.engine.steps_done))
-            minibatches = split_minibatches(len(sequences), run_.updates_per_step, seed=run_.seed, step=step)
-            for i, indices in enumerate(minibatches):
-                with timers("train"):  # planning (plan_ms) is part of it
-                    _, arrays = pack_minibatch(sequences, indices, planner=self.planner, num_devices=e.devices,
-                                               token_cap=e.token_cap, cost_model=self.cost_model,
-                                               aggregation=self.objective.aggregation,
-                                               skip_empty_microbatches=not self.engine.lockstep)
+            for i in range(run_.updates_per_step):
+                with timers("train"):  # planning (plan_ms) and packing are part of it
+                    arrays = next(minibatches)
                     result = self.update(arrays, f"step {step + 1}, update {i + 1} of {run_.updates_per_step}")
                 if result.applied:
                     updates.append({"loss": result.loss, "grad_norm": result.grad_norm,
                                     **summarize_metrics(result.metrics, self.objective)})
                     tokens += arrays.num_tokens
                     microbatches.append(result.microbatches)
+        if jax.process_count() > 1:  # this process's traffic: the rollout's exchange and the step's assembly
+            extra_record["bytes_received"] = bytes_received() - received
         seconds = timers["step"]
         return step_record(scored, step, updates, group_size=r.group_size,
                            success_reward=self.config.task.success_reward, unstable_kl=run_.unstable_kl,
                            seconds=seconds, train_seconds=timers["train"], waited=waited, tokens=tokens,
                            sampler_busy=self.rollouts.sampler_busy(started, started + seconds, scored),
                            **{self.SKIPPED_KEY: self.skipped}, learning_rate=learning_rate,
-                           microbatches=microbatches, **kl_record)
+                           microbatches=microbatches, **extra_record)
 
     # -- the end of a run --------------------------------------------------------------------------------------
     def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:

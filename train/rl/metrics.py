@@ -47,20 +47,20 @@ def update_metrics(per_update: Sequence[dict[str, float]], *, unstable_kl: float
 def step_record(scored, step: int, updates: Sequence[dict[str, float]], *, group_size: int, success_reward: float,
                 unstable_kl: float, seconds: float, train_seconds: float, waited: float, sampler_busy: float,
                 tokens: int, **extra) -> dict[str, Any]:
-    """The record one RL step writes: what its rollout (`scored`, a `ScoredRollout` of step `step`) says, its
+    """The record one RL step writes: what its rollout (`scored`, a `ScoredRollout` of step `step`, or across
+    processes a `ShardedRollout`) says, its
     applied updates' summary (NaN loss and grad norm when every update was skipped), its throughput and time split
     (`seconds` for the step, `train_seconds` of it updating, `waited` for the rollout, `sampler_busy` of the
     sampler's), its staleness and rollout/trainer mismatch, and `extra` fields (learning rate, skipped updates,
     microbatches, the KL-in-reward controller) as given."""
-    rollout = scored.rollout
-    record = rollout_metrics(scored.rewards, group_size, rollout.response_lengths, rollout.finished,
+    record = rollout_metrics(scored.rewards, group_size, scored.response_lengths, scored.finished,
                              success_reward=success_reward)
     record.update(update_metrics(updates, unstable_kl=unstable_kl) if updates else
                   {"loss": float("nan"), "grad_norm": float("nan")})
     oldest = int(scored.versions.min())
     record.update({"tokens": tokens, "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
-                   "rollout_seconds": rollout.seconds, "reward_seconds": scored.reward_seconds,
-                   "mismatch_seconds": scored.mismatch_seconds, "rollout_fraction": rollout.seconds / seconds,
+                   "rollout_seconds": scored.rollout_seconds, "reward_seconds": scored.reward_seconds,
+                   "mismatch_seconds": scored.mismatch_seconds, "rollout_fraction": scored.rollout_seconds / seconds,
                    "train_fraction": train_seconds / seconds, "policy_version": oldest, "staleness": step - oldest,
                    "rollout_wait_seconds": waited, "trainer_idle_fraction": min(waited / seconds, 1.0),
                    "sampler_idle_fraction": max(0.0, 1.0 - sampler_busy / seconds), **scored.mismatch, **extra})

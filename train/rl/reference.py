@@ -34,10 +34,11 @@ class ReferencePolicy:
         self.config, self.temperature, self.bucket = config, float(temperature), bucket
         self.params = jax.tree.map(jnp.asarray, params)
 
-    def response_logprobs(self, rollout: Rollout) -> list[np.ndarray]:
-        """Per response, fp32 [n_i]: the reference's log-prob of each response token."""
+    def response_logprobs(self, rollout: Rollout, *, width: int = 0) -> list[np.ndarray]:
+        """Per response, fp32 [n_i]: the reference's log-prob of each response token; rows padded to at least
+        `width` (a whole rollout's width when this is a process's share of it)."""
         rows = [np.concatenate([p, r]) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
-        width = -(-max(len(r) for r in rows) // self.bucket) * self.bucket
+        width = max(width, -(-max(len(r) for r in rows) // self.bucket) * self.bucket)
         tokens = np.zeros((len(rows), width), np.int32)
         segments = np.zeros((len(rows), width), np.int32)
         for i, row in enumerate(rows):

@@ -43,6 +43,20 @@ class Rollout:
         """Tokens per response (stop token included)."""
         return np.array([len(r) for r in self.response_ids], np.int64)
 
+    def select(self, rows: range) -> "Rollout":
+        """The responses `rows` (consecutive) as a rollout of their own."""
+        def part(values):
+            return None if values is None else values[rows.start:rows.stop]
+
+        return dataclasses.replace(self, prompts=part(self.prompts), prompt_ids=part(self.prompt_ids),
+                                   response_ids=part(self.response_ids), logprobs=part(self.logprobs),
+                                   topk_ids=part(self.topk_ids), topk_logprobs=part(self.topk_logprobs),
+                                   responses=part(self.responses), finished=part(self.finished))
+
+    def width(self, bucket: int) -> int:
+        """The longest prompt + response, rounded up to `bucket`: the row width of a forward pass over it."""
+        return -(-max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)) // bucket) * bucket
+
     @classmethod
     def concat(cls, parts: Sequence["Rollout"]) -> "Rollout":
         """The parts' responses in order (shares of one step sampled apart); `seconds` is the slowest part's."""

@@ -7,7 +7,8 @@
   trains; the k rollouts sampled ahead go into every checkpoint, so a resumed run continues exactly. Across
   processes (mpirun) every process runs its own sampler thread, which samples its share of each rollout (itself, or
   through its child process) and exchanges it with the other processes' threads (`RolloutSampler.__call__`,
-  `ExchangedShares`).
+  `ExchangedShares`): with `rollout.assembly: sharded` only its metadata (`assembly.py`), so each process holds
+  its own share, and a checkpoint gathers the whole of each rollout sampled ahead (a resume in any layout reads it).
 
 Both have one interface for the RL loop: `get(step, params)` -> (scored rollout, seconds the trainer waited),
 `sampler_busy(start, end, scored)`, `checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
@@ -17,8 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from ..core.callbacks import emit
 from ..core.config import ConfigError
+from .assembly import ShardedRollout
 from .async_rollouts import AsyncRollouts, check_staleness
 from .sampler import ExchangedShares, RolloutSampler, ScoredRollout
 from .sampler_process import SamplerProcess
@@ -80,7 +84,10 @@ class AsyncRolloutSource:
             pending = self.thread.pending(done)
         else:  # nothing ran since the restore
             pending = [self.restored[s] for s in sorted(self.restored)]
-        return {"pending_rollouts": [p.to_json() for p in pending]}
+        def whole(p):  # across processes (rollout.assembly: sharded) each process holds its share: gather all
+            return p.gather_whole(timeout_s=self.sampler.exchange_timeout_s) if isinstance(p, ShardedRollout) else p
+
+        return {"pending_rollouts": [whole(p).to_json() for p in pending]}
 
     def restore(self, step: int, state: dict[str, Any], where: str) -> None:
         k = self.max_staleness
@@ -88,6 +95,9 @@ class AsyncRolloutSource:
         if [p.step for p in pending] != list(range(step, step + k)):
             raise RuntimeError(f"checkpoint {where} does not hold the rollouts of steps {step + 1}..{step + k} that "
                                f"rollout.max_staleness={k} sampled ahead")
+        if jax.process_count() > 1 and self.sampler.rollout.assembly == "sharded":  # keep this process's share
+            shares = self.sampler.process_shares()
+            pending = [ShardedRollout.from_whole(p, shares, jax.process_index()) for p in pending]
         self.restored = {p.step: p for p in pending}
 
     def close(self) -> None:
@@ -119,5 +129,6 @@ def make_rollout_source(rollout, sampler: RolloutSampler, *, processes: int, rew
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if processes > 1:
-            process = ExchangedShares(process, timeout_s=sampler.exchange_timeout_s)
+            process = ExchangedShares(process, timeout_s=sampler.exchange_timeout_s,
+                                      sharded=rollout.assembly == "sharded")
     return AsyncRolloutSource(sampler, max_staleness=rollout.max_staleness, process=process)

@@ -57,6 +57,18 @@ class ScoredRollout:
     exchange_seconds: float = 0.0  # across processes: waiting for and receiving the other processes' shares
 
     @property
+    def response_lengths(self) -> np.ndarray:
+        return self.rollout.response_lengths
+
+    @property
+    def finished(self) -> np.ndarray:
+        return self.rollout.finished
+
+    @property
+    def rollout_seconds(self) -> float:
+        return self.rollout.seconds
+
+    @property
     def seconds(self) -> float:
         """The sampler's wall time for this rollout: sampling, scoring, the mismatch forward and (across
         processes) the exchange of the shares."""
@@ -186,13 +198,24 @@ class RolloutSampler:
             raise RuntimeError(f"process {jax.process_index()} holds none of the {len(devices)} sampling devices")
         return range(mine[0][0].start, mine[-1][0].stop), [d for _, d in mine]
 
-    def __call__(self, step: int, params, version: int) -> ScoredRollout:
+    def process_shares(self) -> list[range]:
+        """The responses of a step each process samples, in process order (the shares of its devices, which are the
+        process's consecutive block of the process-major mesh)."""
+        shares = device_shares(self.rollout.prompts_per_step, self.devices)
+        count = jax.process_count() if self.process is None else self.process[1]
+        per_process, g = self.devices // count, self.rollout.group_size
+        return [range(shares[p * per_process].start * g, shares[(p + 1) * per_process - 1].stop * g)
+                for p in range(count)]
+
+    def __call__(self, step: int, params, version: int):
         """Step `step`'s scored rollout, sampled with `params` (host fp32 group pytrees) of policy `version`. Across
-        processes each process samples and scores its share (`share`) and the shares are exchanged once
-        (`rollout_exchange.gather_shares`): every process gets the whole rollout, every response scored once."""
+        processes each process samples and scores its share (`share`), every response once, and the processes
+        exchange (`exchange`): with `rollout.assembly: sharded` their shares' metadata (a `ShardedRollout`:
+        `assembly.py`), with `replicated` the whole shares (every process gets the whole rollout)."""
         if jax.process_count() == 1:
             return self.share(step, params, version)
-        return exchange_shares(step, lambda: self.share(step, params, version), timeout_s=self.exchange_timeout_s)
+        return exchange(step, lambda: self.share(step, params, version), sharded=self.rollout.assembly == "sharded",
+                        timeout_s=self.exchange_timeout_s)
 
     def share(self, step: int, params, version: int) -> ScoredRollout:
         """This process's share of step `step`'s scored rollout (all of it in one process), sampled over its
@@ -223,6 +246,16 @@ class RolloutSampler:
                              reward_seconds=reward_seconds, mismatch_seconds=mismatch_seconds)
 
 
+def exchange(step: int, share: Callable[[], ScoredRollout], *, sharded: bool, timeout_s: float | None):
+    """Step `step`'s rollout across processes from this process's `share()`: a `ShardedRollout` (`sharded`: the
+    metadata exchanged, `assembly.exchange_rollout`) or the whole `ScoredRollout` (`exchange_shares`)."""
+    if not sharded:
+        return exchange_shares(step, share, timeout_s=timeout_s)
+    from .assembly import exchange_rollout  # (assembly.py builds on this module)
+
+    return exchange_rollout(step, share, process=jax.process_index(), timeout_s=timeout_s)
+
+
 def exchange_shares(step: int, share: Callable[[], ScoredRollout], *, timeout_s: float | None) -> ScoredRollout:
     """Step `step`'s whole scored rollout across processes: this process's `share()`, exchanged with every other
     process's (`rollout_exchange.gather_shares`: a share that fails or does not come fails every process)."""
@@ -240,16 +273,20 @@ class ExchangedShares:
 
     share: Callable[[int, Any, int], ScoredRollout]  # a `SamplerProcess` of a sampler with `process` set
     timeout_s: float | None = None
+    sharded: bool = True  # rollout.assembly: sharded (see `exchange`)
 
-    def __call__(self, step: int, params, version: int) -> ScoredRollout:
-        return exchange_shares(step, lambda: self.share(step, params, version), timeout_s=self.timeout_s)
+    def __call__(self, step: int, params, version: int):
+        return exchange(step, lambda: self.share(step, params, version), sharded=self.sharded,
+                        timeout_s=self.timeout_s)
 
     def close(self) -> None:
         self.share.close()
 
 
 def trainer_logprobs(config: DecoderConfig, params, rollout: Rollout, *, temperature: float,
-                     bucket: int) -> list[np.ndarray]:
+                     bucket: int, width: int = 0) -> list[np.ndarray]:
     """Per response, fp32 [n_i]: the log-probs of its tokens under the trainer's fp32 forward pass with `params`
-    (one compiled forward over the rollout: the extra pass of recomputed old / proximal log-probs)."""
-    return ReferencePolicy(config, params, temperature=temperature, bucket=bucket).response_logprobs(rollout)
+    (one compiled forward over the rollout: the extra pass of recomputed old / proximal log-probs); rows padded to
+    at least `width`."""
+    return ReferencePolicy(config, params, temperature=temperature, bucket=bucket).response_logprobs(rollout,
+                                                                                                    width=width)
