@@ -244,7 +244,8 @@ def full_steps(args) -> dict:
               "--run.eval_every", "0", "--checkpoint.save_every", "0", "--no-export_hf", "--no-progress",
               "--run.steps", str(args.full_steps), "--model.preset", args.preset,
               "--rollout.prompts_per_step", str(args.prompts), "--rollout.group_size", str(args.group),
-              "--rollout.max_new_tokens", str(args.new_tokens), "--engine.devices", "2"]
+              "--rollout.max_new_tokens", str(args.new_tokens), "--engine.devices", "2",
+              "--run.updates_per_step", "4"]  # the demo's setting when the results were recorded (now 2)
     mpi = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train")
     runs = [("1proc_2dev", [sys.executable, "-m", "jodc.train", *common], dict(os.environ))]
     for _ in range(args.full_step_pairs):
