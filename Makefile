@@ -44,8 +44,15 @@ $(NATIVE): $(INSTALLED) $(NATIVE_SOURCES)
 
 native: $(NATIVE)
 
+# The suite runs on PYTEST_WORKERS pytest-xdist workers (0: one process, no xdist), each taking a whole test file at a
+# time (--dist loadfile: a module's fixtures, such as a trained run that several tests read, are built once). The
+# serial suite keeps about 1.3 of CI's 2 cores busy (much of it is single-threaded compilation and Python); two
+# workers fill both. Each worker has its own XLA compilation cache (tests/conftest.py).
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: $(NATIVE)
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q -x $(PYTEST_PARALLEL) --durations=15 tests
 
 # The main job: SFT of the default small model with ODC on 4 simulated CPU devices, on the embedded data (a fresh
 # run directory each time; rerun a finished one with --steps N to extend it). `make demo-rl`: the RL stage.
@@ -153,7 +160,8 @@ $(PY312_INSTALLED): pyproject.toml constraints-py312.txt
 test-py312: $(PY312_INSTALLED)
 	$(call py312_sync,build/py312)
 	$(call py312_native,$(PY312_VENV),build/py312)
-	cd build/py312/src && $(abspath $(PY312_VENV))/bin/python -m pytest -q -x -rs --durations=15 $(PY312_TESTS)
+	cd build/py312/src && $(abspath $(PY312_VENV))/bin/python -m pytest -q -x -rs $(PYTEST_PARALLEL) --durations=15 \
+		$(PY312_TESTS)
 
 # constraints-py312.txt with jax/jaxlib replaced by JAX_LATEST
 JAX_LATEST_CONSTRAINTS := $(JAX_LATEST_VENV)/constraints-jax$(JAX_LATEST).txt

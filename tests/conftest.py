@@ -21,14 +21,15 @@ settings.load_profile("jodc")
 
 jax.config.update("jax_enable_x64", False)
 
-# One persistent XLA compilation cache for this test process (a fresh directory, removed at exit): a program
+# One persistent XLA compilation cache for this test session (a fresh directory, removed at exit): a program
 # compiled once (an engine's step built again by the next test, a resumed or repeated run's step) is loaded, not
 # compiled again. It holds only what this session compiled, so a run never reuses programs of another checkout or
 # version. The environment hands it to every subprocess the tests start (trainer CLIs, mpirun workers, sampler
-# processes), so a resumed launch loads what the first one compiled. Two processes may write one entry at once (the
-# workers of one mpirun compile the same programs): a reader that meets a half-written entry gets a decompression
-# error, which JAX turns into a warning and a compilation. Compile-counting tests count its hits as compilations too.
-# JODC_TEST_COMPILATION_CACHE=0 turns it off.
+# processes), so a resumed launch loads what the first one compiled; under pytest-xdist (`make test`'s two workers)
+# the controller makes it and both workers inherit it the same way, sharing it. Two processes may write one entry at
+# once (the workers of one mpirun compile the same programs): a reader that meets a half-written entry gets a
+# decompression error, which JAX turns into a warning and a compilation. Compile-counting tests count its hits as
+# compilations too. JODC_TEST_COMPILATION_CACHE=0 turns it off.
 if os.environ.get("JODC_TEST_COMPILATION_CACHE", "1") != "0" and not jax.config.jax_compilation_cache_dir:
     import atexit
     import shutil

@@ -195,14 +195,26 @@ def test_an_async_bf16_run_records_versions_overlap_and_mismatch(straight):
     assert "rollouts: max_staleness 2, sampler bfloat16; trainer idle" in format_summary(summary)
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, reward_file):
+    """The run directory of the async config stopped after 3 steps from the command line, with the config's sampler
+    process (its checkpoint holds rollouts 4 and 5, sampled from versions 1 and 2, also in the child): each resume
+    below continues a copy of it."""
+    out = tmp_path_factory.mktemp("rl_async_stopped")
+    assert train_main(["rl", *async_overrides(out, reward_file, "--steps", "3")]) == 0
+    return out
+
+
 @pytest.mark.parametrize("second", ["process", "thread"])
-def test_the_async_config_resumes_from_the_command_line_exactly(straight, reward_file, tmp_path, second):
-    """Stopped after 3 steps with the config's sampler process (its checkpoint holds rollouts 4 and 5, sampled from
-    versions 1 and 2, also in the child) and run again to 6 with the process or the sampler thread: the same
-    rollouts and updates as the uninterrupted thread-only run, bit for bit (the child loads the `task.reward_fn`
-    file again and computes with the trainer's XLA flags)."""
+def test_the_async_config_resumes_from_the_command_line_exactly(straight, stopped, reward_file, tmp_path, second):
+    """Stopped after 3 steps with the config's sampler process (`stopped`) and run again to 6 with the process or
+    the sampler thread: the same rollouts and updates as the uninterrupted thread-only run, bit for bit (the child
+    loads the `task.reward_fn` file again and computes with the trainer's XLA flags)."""
+    import shutil
+
     out, _ = straight
-    assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", "3")]) == 0
+    tmp_path = tmp_path / "run"
+    shutil.copytree(stopped, tmp_path)
     assert train_main(["rl", *async_overrides(tmp_path, reward_file, "--steps", str(STEPS), "--rollout.sampler",
                                               second)]) == 0
     a, b = read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
