@@ -47,7 +47,7 @@ native: $(NATIVE)
 # The suite runs on PYTEST_WORKERS pytest-xdist workers (0: one process, no xdist), each taking a whole test file at a
 # time (--dist loadfile: a module's fixtures, such as a trained run that several tests read, are built once). The
 # serial suite keeps about 1.3 of CI's 2 cores busy (much of it is single-threaded compilation and Python); two
-# workers fill both. Each worker has its own XLA compilation cache (tests/conftest.py).
+# workers fill both. The workers share one XLA compilation cache (tests/conftest.py).
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 
