@@ -22,7 +22,7 @@ from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
 
 from test_rl import EXACT_KEYS, engine_state
 from test_rl_loss import microbatch
-from test_rl_sampler_process import running
+from step_runner import process_alive  # tools/step_runner.py (tests/conftest.py puts tools/ on the path)
 
 STEPS = 6
 
@@ -266,9 +266,9 @@ def test_ctrl_c_stops_the_trainer_and_its_sampler_process(reward_file, tmp_path)
     # process.py (the trainer's own may pass through multiprocessing/queues.py: tensorboardX writes through a queue)
     assert not any(f"multiprocessing/{m}.py" in output for m in ("spawn", "process")), output[-3000:]
     deadline = time.monotonic() + 30  # a child may still be tearing down (state R, empty cmdline) for a moment
-    while time.monotonic() < deadline and any(running(pid) for pid in children):
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in children):
         time.sleep(0.2)
-    assert not any(running(pid) for pid in children), f"processes {children} outlived the interrupted trainer"
+    assert not any(process_alive(pid) for pid in children), f"processes {children} outlived the interrupted trainer"
 
 
 def _children(pid: int) -> list[int]:
