@@ -178,7 +178,7 @@ def test_sigterm_mid_step_writes_the_summary_and_ends_every_process_the_step_sta
     assert summary["steps"]["long"]["status"] == "interrupted"
     assert summary["steps"]["next"]["status"] == "skipped"
     time.sleep(0.2)
-    assert not step_runner._alive(grandchild), "the step's child in its own session survived"
+    assert not step_runner.process_alive(grandchild), "the step's child in its own session survived"
 
 
 def test_descendants_lists_children_and_grandchildren():
