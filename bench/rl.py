@@ -210,7 +210,8 @@ def common_overrides(args, out_dir: str) -> list[str]:
             "--devices", str(DEVICES), "--token_cap", "128", "--prompt_bucket", "16", "--max_new_tokens", "4",
             "--prompts_per_step", str(args.prompts), "--group_size", "8", "--updates_per_step",
             str(args.updates_per_step),
-            "--learning_rate", str(args.learning_rate), "--warmup_steps", "0", "--steps", str(args.steps),
+            "--learning_rate", str(args.learning_rate), "--warmup_steps", str(args.warmup_steps),
+            "--kl_coef", str(args.kl_coef), "--steps", str(args.steps),
             "--eval_every", str(args.steps), "--eval_problems", "256", "--unstable_kl", str(args.unstable_kl),
             "--sft_examples", "8192", "--sft_steps", str(args.sft_steps), "--no-progress", "--no-export_hf",
             "--save_every", "0", "--out_dir", out_dir]
@@ -342,12 +343,17 @@ def warm_start(args, work: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="RL steps per run")
+    parser.add_argument("--steps", type=int, default=100, help="RL steps per run (the demo's)")
     parser.add_argument("--seeds", type=int, default=5,
                         help="runs per variant (seeds 0..n-1); the headline standard errors need >= 2, 5 by default")
-    parser.add_argument("--updates-per-step", type=int, default=4, help="minibatch updates per rollout")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x 8 responses)")
+    parser.add_argument("--updates-per-step", type=int, default=2,
+                        help="minibatch updates per rollout (the demo's 2: the second is off-policy)")
+    parser.add_argument("--learning-rate", type=float, default=3e-4, help="peak learning rate (the demo's)")
+    parser.add_argument("--warmup-steps", type=int, default=50,
+                        help="optimizer updates of linear warm-up (the demo's 50: Adam's first steps on noise)")
+    parser.add_argument("--kl-coef", type=float, default=0.5,
+                        help="k3 KL penalty to the warm start for every loss but GRPO (its own 0.04); the demo's")
+    parser.add_argument("--prompts", type=int, default=128, help="prompts per step (x 8 responses; the demo's)")
     parser.add_argument("--pool-size", type=int, default=0,
                         help="training problems drawn from a fixed pool of this many (0: fresh problems every step)")
     parser.add_argument("--sft-steps", type=int, default=300,
@@ -361,10 +367,12 @@ def main(argv=None) -> int:
                         help="where the asynchronous regimes' sampler computes (rollout.sampler)")
     parser.add_argument("--sampler-nice", type=int, default=10, help="rollout.sampler_nice of --sampler process")
     parser.add_argument("--quick", action="store_true", help="a short smoke run (10 steps, one seed)")
-    parser.add_argument("--no-save", action="store_true", help="do not write bench/results/rl.json")
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rl.json"),
+                        help="the results file (a run of other regimes or seeds can keep its own)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.seeds, args.sft_steps, args.tail = 10, 1, 300, 3
+        args.steps, args.seeds, args.sft_steps, args.tail, args.warmup_steps = 10, 1, 300, 3, 4
     names = [v for v in args.variants.split(",") if v]
     regimes = [v for v in args.regimes.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS] + [v for v in regimes if v not in REGIMES]
@@ -438,7 +446,8 @@ def main(argv=None) -> int:
     for c in headline:
         print("  " + comparison_line(c))
     line = {"bench": "rl", "steps": args.steps, "seeds": args.seeds, "updates_per_step": args.updates_per_step,
-            "learning_rate": args.learning_rate, "prompts_per_step": args.prompts, "group_size": 8,
+            "learning_rate": args.learning_rate, "warmup_steps": args.warmup_steps, "kl_coef": args.kl_coef,
+            "prompts_per_step": args.prompts, "group_size": 8,
             "unstable_kl": args.unstable_kl, "warm_start_seconds": round(warm_seconds, 1),
             "regimes": regimes, "losses": names}
     first = next(iter(next(iter(results.values())).values()))
@@ -478,7 +487,7 @@ def main(argv=None) -> int:
                 platform=platform.platform(), cpu_count=os.cpu_count())
     print(json.dumps(line))
     if not args.no_save:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rl.json")
+        path = args.out
         if os.path.exists(path):  # the runs of the previous default settings stay (docs/rl.md quotes them)
             with open(path) as f:
                 kept = {k: v for k, v in json.load(f).items() if k == "previous_setting_runs"}
