@@ -367,7 +367,8 @@ class RLRun(Trainer):
         started = time.perf_counter()
         received = bytes_received()
         with timers("step"):
-            params = self.engine.params()
+            with timers("params"):  # the policy gathered to the host once per version: `params_seconds`
+                params = self.engine.params()
             scored, waited = self.next_rollout(step, params)
             if isinstance(scored, ShardedRollout):  # mpirun, rollout.assembly: sharded (assembly.py)
                 minibatches, extra_record = self.sharded_minibatches(step, scored, params)
