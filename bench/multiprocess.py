@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-ops", action="store_true", help="only the end-to-end comparison")
     p.add_argument("--skip-e2e", action="store_true", help="only the op-level comparison")
     p.add_argument("--e2e-nprocs", type=int, default=2, help="processes (1 device each) for the end-to-end part")
+    p.add_argument("--e2e-rounds", type=int, default=None,
+                   help="paired rounds of the end-to-end and HSDP parts (bench/e2e.py --rounds; its default if unset)")
     p.add_argument("--hsdp", action="store_true", help="also the HSDP comparison (2 processes x --hsdp-local-devices)")
     p.add_argument("--hsdp-local-devices", type=int, default=2, help="CPU devices per process of the HSDP comparison")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -229,7 +231,8 @@ def e2e_worker(args, hsdp: bool = False) -> None:
             return comm.allgather(value)
 
     e2e_args = e2e.parse_args(["--devices", str(jax.device_count()), "--replicas", str(jax.process_count())]
-                              + (["--quick"] if args.quick else []))
+                              + (["--quick"] if args.quick else [])
+                              + (["--rounds", str(args.e2e_rounds)] if args.e2e_rounds else []))
     if hsdp:
         contenders = [c for c in e2e.CONTENDERS if c[0] in ("odc", "collective")] + list(e2e.HSDP_CONTENDERS)
     else:
@@ -250,6 +253,7 @@ def run_nprocs(nprocs: int, args, e2e: bool = False, hsdp: bool = False):
     if e2e or hsdp:
         cmd += ["--worker-hsdp" if hsdp else "--worker-e2e"] + (["--quick"] if args.quick else [])
         cmd += ["--hsdp-local-devices", str(args.hsdp_local_devices)]
+        cmd += ["--e2e-rounds", str(args.e2e_rounds)] if args.e2e_rounds else []
     else:
         cmd += ["--worker", "--ops", str(args.ops), "--rounds", str(args.rounds), "--mib", *[str(m) for m in args.mib]]
     # Output is read as it comes: progress lines are echoed at once; on timeout the whole process group (mpirun and
@@ -351,7 +355,8 @@ def hsdp_table(r: dict, args) -> dict:
     names = list(r["imbalanced"]["engines"])
     print(f"{'scenario':<12}" + "".join(f"{n:>20}" for n in names) + f"{'HSDP-ODC/HSDP-coll':>20}"
           f"{'HSDP-ODC/flat ODC':>19}")
-    out = {"hsdp_local_devices": args.hsdp_local_devices, "hsdp_quick": bool(args.quick)}
+    out = {"hsdp_local_devices": args.hsdp_local_devices, "hsdp_quick": bool(args.quick),
+           "hsdp_rounds": len(r["imbalanced"]["engines"]["odc"]["pass_walls_s"])}
     for scenario in ("imbalanced", "balanced"):
         rows, s = r[scenario]["engines"], r[scenario]
         print(f"{scenario:<12}" + "".join(f"{rows[n]['samples_per_s']:>13.2f} ({rows[n]['bubble_rate']:.2f})"
@@ -359,6 +364,9 @@ def hsdp_table(r: dict, args) -> dict:
               + f"{s['hsdp_odc_vs_hsdp_collective']:>20.2f}{s['hsdp_odc_vs_odc']:>19.2f}")
         out[f"mp_hsdp_odc_vs_hsdp_collective_{scenario}"] = round(s["hsdp_odc_vs_hsdp_collective"], 4)
         out[f"mp_hsdp_odc_vs_flat_odc_{scenario}"] = round(s["hsdp_odc_vs_odc"], 4)
+        walls = {n: rows[n]["pass_walls_s"] for n in ("odc", "hsdp_odc")}  # the spread behind the median
+        out[f"mp_hsdp_odc_vs_flat_odc_{scenario}_per_round"] = [round(a / b, 4) for a, b in
+                                                                 zip(walls["odc"], walls["hsdp_odc"])]
         for name, row in rows.items():
             out[f"mp_hsdp_{scenario}_{name}_samples_per_s"] = round(row["samples_per_s"], 3)
             out[f"mp_hsdp_{scenario}_{name}_bubble_rate"] = round(row["bubble_rate"], 4)

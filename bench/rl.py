@@ -1,17 +1,16 @@
 """DPPO against PPO clipping and GRPO under stale rollouts, on the shipped arithmetic task, on CPU.
 
 One warm start (SFT on the task's solutions, shared by every run), then for each loss and seed one RL run with
-the same prompts, sampling seeds, model, optimizer and budget, and several minibatch updates per rollout, so
-every update after the first is off-policy (`--updates-per-step`, default 4: the last update is 3 optimizer steps
-away from the policy that sampled the rollout). Training prompts are fresh problems every step (`--pool-size 0`),
-never the fixed evaluation set's, so the held-out numbers measure what RL generalises; the learning rate (1e-4) is
-one at which synchronous RL raises them on this task, and the warm start (300 SFT steps, the demo's) leaves room
-to improve: greedy accuracy about 0.5. From the 600-step warm start (greedy 0.86-0.89, but the correct answer's
-probability only about 0.5: a mode just ahead of its neighbours) every loss lost greedy accuracy, since noisy
-updates spread the correct answer's probability over the problems and greedy decoding is a threshold on it
-(docs/rl.md, "Why RL lowered held-out greedy accuracy"). The previous defaults before that (a pool of 256
-problems, 8 updates per rollout at 3e-4) made every loss lose held-out reward synchronously, by overfitting the
-pool. Per loss and regime the table gives means over seeds with their standard errors (`--seeds`, default 5), and
+the same prompts, sampling seeds, model, optimizer and budget: the demo's setting (`configs/rl_demo.yaml`): 100
+steps of 128 prompts x 8 responses, 2 minibatch updates per rollout (`--updates-per-step`: every update after the
+first is off-policy) at 3e-4 after a 50-update warm-up, a k3 KL penalty of 0.5 to the warm start (`--kl-coef`;
+GRPO keeps its published 0.04). Training prompts are fresh problems every step (`--pool-size 0`), never the fixed
+evaluation set's, so the held-out numbers measure what RL generalises, and the warm start (300 SFT steps) leaves
+room to improve: greedy accuracy about 0.5. At this setting every loss raises held-out greedy accuracy and sampled
+reward (docs/rl.md, "Benchmark"); the earlier defaults (4 updates of 64 responses at 1e-4 without a KL penalty,
+from a 300- or 600-step warm start) lost greedy accuracy for every loss: many small noisy updates spread the
+correct answer's probability, and greedy decoding is a threshold on it (docs/rl.md, "Why RL lowered held-out greedy
+accuracy"); before those, a pool of 256 problems at 8 updates x 3e-4 overfitted the pool. Per loss and regime the table gives means over seeds with their standard errors (`--seeds`, default 5), and
 the headline comparisons (each loss's held-out change from the warm start, each loss against DPPO seed by seed) say
 when a difference is inside the noise (less than 2 standard errors). Variants:
 

@@ -25,7 +25,9 @@ sizes), one process x 2 devices (`1proc_2dev`) and `mpirun -np 2` x 1 device wit
 replication (`2proc`: each sequence sent only to the process that trains it, the forward passes over each process's
 share) and all-gathered (`2proc_replicated`: the trainer before), launched alternately `--full-step-pairs` times:
 `step_seconds_<layout>`, `step_rollout_seconds_<layout>`, `step_samples_per_s_<layout>` (responses per second of
-the whole step), `bytes_received_per_step_<2proc layout>` (process 0's, the rollout's and the assembly's
+the whole step), `step_params_seconds_<layout>` (the policy's parameters gathered to the host for the sampler, once
+per step: once per policy version) and `params_vs_rollout_<layout>` (that over the rollout phase: what sampling
+from sharded parameters could at most save), `bytes_received_per_step_<2proc layout>` (process 0's, the rollout's and the assembly's
 exchanges), `step_sharded_vs_replicated_2proc` (samples/s ratio: above 1 is faster) and
 `bytes_sharded_vs_replicated_2proc`.
 """
@@ -260,6 +262,9 @@ def full_steps(args) -> dict:
         step = statistics.median(r["step_seconds"] for r in records)
         out[f"step_seconds_{name}"] = step
         out[f"step_rollout_seconds_{name}"] = statistics.median(r["rollout_seconds"] for r in records)
+        # the sampler's parameters: gathered to the host once per policy version (each step), against the rollout
+        out[f"step_params_seconds_{name}"] = statistics.median(r["params_seconds"] for r in records)
+        out[f"params_vs_rollout_{name}"] = out[f"step_params_seconds_{name}"] / out[f"step_rollout_seconds_{name}"]
         out[f"step_samples_per_s_{name}"] = args.prompts * args.group / step
         if name != "1proc_2dev":
             out[f"bytes_received_per_step_{name}"] = statistics.median(r["bytes_received"] for r in records)
@@ -332,8 +337,9 @@ def main() -> None:
             received = (f", process 0 received {result[f'bytes_received_per_step_{name}'] / 1e3:.1f} kB/step"
                         if name != "1proc_2dev" else "")
             print(f"whole RL step, {label}: {result[f'step_seconds_{name}']:.3f} s (rollout "
-                  f"{result[f'step_rollout_seconds_{name}']:.3f} s), {result[f'step_samples_per_s_{name}']:.1f} "
-                  f"samples/s{received}")
+                  f"{result[f'step_rollout_seconds_{name}']:.3f} s, parameters gathered "
+                  f"{result[f'step_params_seconds_{name}']:.4f} s = {result[f'params_vs_rollout_{name}']:.3f} of "
+                  f"the rollout), {result[f'step_samples_per_s_{name}']:.1f} samples/s{received}")
         print(f"whole step, sharded / replicated assembly (2 processes): samples/s x"
               f"{result['step_sharded_vs_replicated_2proc']:.3f}, bytes received x"
               f"{result['bytes_sharded_vs_replicated_2proc']:.3f}")

@@ -331,16 +331,17 @@ def test_rl_refuses_an_uneven_device_split(monkeypatch, capsys):
     assert "does not split over 3 processes" in capsys.readouterr().err
 
 
-def _rl_args(out_dir, steps, reward="varied", max_staleness=0):
+def _rl_args(out_dir, steps, reward="varied", max_staleness=0, eval_every=0):
     """A tiny RL run: random-init tiny model (no warm start), 4 prompts x 4 responses, 2 updates per step, a KL
-    penalty (reference policy), deterministic ODC on 2 devices, a checkpoint after every step; no evaluation (the
-    same sampler as the rollouts, and most of the run's compile time on this machine).
+    penalty (reference policy), deterministic ODC on 2 devices, a checkpoint after every step; no evaluation unless
+    `eval_every` (4 held-out problems: its samplers are much of a run's compile time on this machine).
     The reward (tests/multiprocess/rl_reward.py) varies within groups, so the advantages are not all zero."""
     return ["rl", "--preset", "tiny", "--attention_block_size", "16", "--token_cap", "64", "--prompt_bucket", "8",
             "--max_new_tokens", "4", "--max_digits", "1", "--max_terms", "2", "--pool_size", "8",
             "--prompts_per_step", "4", "--group_size", "4", "--updates_per_step", "2", "--learning_rate", "1e-2",
             "--kl_coef", "0.1", "--steps", str(steps), "--total_steps", "4", "--devices", "2", "--deterministic",
-            "--no-progress", "--save_every", "1", "--eval_every", "0", "--eval_problems", "4", "--export_hf", "true",
+            "--no-progress", "--save_every", "1", "--eval_every", str(eval_every), "--eval_problems", "4",
+            "--export_hf", "true",
             "--reward_fn", os.path.join(WORKERS, f"rl_reward.py:{reward}"), "--out_dir", str(out_dir),
             "--max_staleness", str(max_staleness)]
 
@@ -358,8 +359,9 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
     asynchronous rollouts (`rollout.max_staleness: 1`, each process's sampler thread sampling its share of the next
     step's rollout while the trainer trains; until step 1 through a sampler child process, after the resume
     itself): stopped after step 1 and resumed to step 2, its metrics (rewards,
-    losses, KL, staleness) and exported parameters equal bit for bit those of one process driving both devices
-    uninterrupted. Each process samples and scores its half of each rollout on its device (the single process
+    losses, KL, staleness, the held-out evaluation before each step) and exported parameters equal bit for bit those
+    of one process driving both devices uninterrupted. The evaluation is split as the rollouts are: each process
+    samples and scores its half of the problems and the rewards are exchanged. Each process samples and scores its half of each rollout on its device (the single process
     samples the same halves on its two devices: the same keys and batch shapes) and the halves are exchanged; the
     reward function is called once per response over both processes; the first launch's step-1 checkpoint holds the
     rollout it sampled ahead; deterministic ODC reduces gradients in source order, so no tolerance is needed.
@@ -368,30 +370,35 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
     import json
 
     from jodc.train.cli import main as train_main
+    from jodc.train.rl.loop import EVAL_SAMPLES
 
     max_staleness = 1
 
     mp_dir, calls = tmp_path / "mp", tmp_path / "calls"
     calls.mkdir()
     for steps, sampler in ((1, "process"), (2, "thread")):  # where the sampler computes may change on resume
-        rc, out = _mpirun_train([*_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness),
+        rc, out = _mpirun_train([*_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness,
+                                           eval_every=1),
                                  "--rollout.sampler", sampler], JODC_TEST_REWARD_CALLS=str(calls))
         assert rc == 0, out[-6000:]
         assert out.count("done: ") == 1, out[-3000:]  # one process prints
     assert "resumed from" in out and "(step 1)" in out, out[-3000:]
     # each process sampled and scored its half (8) of each rollout's 4 x 4 responses, each response once: steps 1
-    # and 2, and asynchronously the rollout sampled ahead for the final checkpoint (step 3's)
+    # and 2, and asynchronously the rollout sampled ahead for the final checkpoint (step 3's); and its half (2) of
+    # the 4 evaluation problems, greedy once and sampled EVAL_SAMPLES times, in each of the 4 evaluations (before
+    # step 1, at the first launch's end, before step 2, at the end)
     sampled = [len((calls / f"calls-{rank}.txt").read_text().splitlines()) for rank in (0, 1)]
-    assert sampled == [8 * (2 + max_staleness)] * 2, sampled
+    assert sampled == [8 * (2 + max_staleness) + 4 * 2 * (1 + EVAL_SAMPLES)] * 2, sampled
     single_dir = tmp_path / "single"
-    assert train_main(_rl_args(single_dir, 2, max_staleness=max_staleness)) == 0  # this process, 2 CPU devices
+    assert train_main(_rl_args(single_dir, 2, max_staleness=max_staleness, eval_every=1)) == 0  # 2 CPU devices
 
     def records(d):
         return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
     exact = ("reward_mean", "reward_std", "accuracy", "response_length", "loss", "grad_norm", "policy_kl", "tokens",
-             "microbatches", "staleness", "policy_version")
+             "microbatches", "staleness", "policy_version", "eval_accuracy", "eval_sampled_reward")
     mp, single = records(mp_dir), records(single_dir)
+    assert all("eval_sampled_reward" in r for r in mp), mp
     assert [r["step"] for r in mp] == [r["step"] for r in single] == [1, 2]
     assert len({r["reward_mean"] for r in single}) > 1 or single[0]["reward_std"] > 0  # the rewards vary
     for key in exact:

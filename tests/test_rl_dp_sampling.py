@@ -230,7 +230,7 @@ def test_evaluation_split_over_devices_gives_the_same_scores_each_response_score
 
     from jodc.train.rl.loop import EVAL_SAMPLES, RLRun
     from jodc.train.rl.rewards import score
-    from jodc.train.rl.rollout import sample_rollout
+    from jodc.train.rl.rollout import encode_prompts, sample_rollout
 
     problems = [types.SimpleNamespace(prompt=f"{a}+{a + 1}=") for a in range(3)]
     reference = CountingReward()
@@ -238,6 +238,7 @@ def test_evaluation_split_over_devices_gives_the_same_scores_each_response_score
     sampled = dataclasses.replace(greedy, temperature=1.0)
     config = types.SimpleNamespace(run=types.SimpleNamespace(seed=3), task=types.SimpleNamespace(success_reward=1.0),
                                    engine=types.SimpleNamespace(barrier_timeout_s=None))
+    width = max(len(ids) for ids in encode_prompts(TOKENIZER, [p.prompt for p in problems]))  # as RLRun.build
     expected = {}
     for key, group, sampling in (("eval_accuracy", 1, greedy), ("eval_sampled_reward", EVAL_SAMPLES, sampled)):
         whole = sample_rollout(CONFIG, params, TOKENIZER, [p.prompt for p in problems], group_size=group,
@@ -248,6 +249,7 @@ def test_evaluation_split_over_devices_gives_the_same_scores_each_response_score
         reward = CountingReward()
         run = types.SimpleNamespace(eval_set=problems, engine=types.SimpleNamespace(params=lambda: params),
                                     sampler=make_sampler(devices, reward), model_config=CONFIG, tokenizer=TOKENIZER,
-                                    greedy=greedy, eval_sampling=sampled, reward_fn=reward, config=config)
+                                    greedy=greedy, eval_sampling=sampled, reward_fn=reward, config=config,
+                                    eval_width=width)
         assert RLRun.evaluate(run, 1) == expected, devices
         assert sorted(reward.calls) == sorted(reference.calls), devices

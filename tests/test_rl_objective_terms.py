@@ -124,6 +124,44 @@ def test_the_staged_decoder_values_and_the_rollout_advantages():
     assert kl is None
 
 
+def test_critic_advantages_compile_once_per_shape():
+    """The RL loop calls GAE eagerly once per step: a second rollout of the same shapes (new scores, values and
+    log-probs) compiles nothing. (An eager `lax.scan` over a fresh closure compiled again at every call: critic
+    PPO paid a backend compilation every RL step.)"""
+    from jodc.train.rl.critic import critic_advantages
+
+    compiles = []
+
+    def count(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    def count_cache_hit(event, **_):  # a program loaded from the suite's persistent compilation cache (conftest)
+        if event == "/jax/compilation_cache/cache_hits":
+            compiles.append(event)
+
+    rng = np.random.default_rng(0)
+
+    def rollout():
+        values = [rng.normal(size=n).astype(np.float32) for n in (3, 1, 4)]
+        logprobs = [-rng.random(len(v)).astype(np.float32) for v in values]
+        ref = [-rng.random(len(v)).astype(np.float32) for v in values]
+        return rng.random(3), values, (logprobs, ref, 0.1, "k3")
+
+    for kl in (False, True):
+        scores, values, kl_args = rollout()
+        critic_advantages(scores, values, gamma=0.99, lam=0.95, kl=kl_args if kl else None)  # compiles
+        jax.monitoring.register_event_duration_secs_listener(count)
+        jax.monitoring.register_event_listener(count_cache_hit)
+        try:
+            scores, values, kl_args = rollout()
+            critic_advantages(scores, values, gamma=0.99, lam=0.95, kl=kl_args if kl else None)
+        finally:  # the listeners would otherwise run on every later compilation of the suite
+            jax.monitoring.unregister_event_duration_listener(count)
+            jax.monitoring.unregister_event_listener(count_cache_hit)
+        assert compiles == [], (kl, compiles)
+
+
 STEPS = 3
 EXACT = ("reward_mean", "loss", "grad_norm", "policy_kl", "entropy", "entropy_bonus", "kl_in_reward",
          "kl_in_reward_beta", "vf_loss", "vf_clipfrac", "vpred_mean")

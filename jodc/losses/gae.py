@@ -20,6 +20,8 @@ losses, computed on the host's whole batch (the whitening statistics are global)
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -66,6 +68,9 @@ def _reverse_scan(step, init_n, xs_tn):
     return out_tn.T
 
 
+# The scans below are jitted with their discounts static: called eagerly (as the RL loop does, once per step), a
+# `lax.scan` over a fresh closure is traced and compiled again at every call (a backend compile per RL step).
+@functools.partial(jax.jit, static_argnames=("gamma",))
 def discounted_returns(token_rewards, mask, *, gamma: float = 1.0) -> jax.Array:
     """G_t = r_t + gamma G_{t'} over the valid tokens of each row (t' the next valid one); [N, T], 0 at invalid
     positions."""
@@ -82,6 +87,7 @@ def discounted_returns(token_rewards, mask, *, gamma: float = 1.0) -> jax.Array:
                          (a["token_rewards"].T, valid_nt.T))
 
 
+@functools.partial(jax.jit, static_argnames=("gamma", "lam", "whiten"))
 def gae_advantages(token_rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.0,
                    whiten: bool = True) -> tuple[jax.Array, jax.Array]:
     """(advantages [N, T], returns [N, T]) by GAE over the valid tokens (see the module docstring).

@@ -140,6 +140,9 @@ class RLRun(Trainer):
         if config.warmstart.sft_steps:
             model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))
         self.tokenizer = load_tokenizer(hf_tokenizer_path(model_section))
+        # the evaluation set's prompt width, to which every device's share of it pads (the same shapes in any layout)
+        self.eval_width = max((len(ids) for ids in encode_prompts(self.tokenizer, [p.prompt for p in self.eval_set])),
+                              default=0)
         groups = self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
                                    metric_names=self.objective.metric_names, value_head=self.objective.critic)
         self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
@@ -210,7 +213,7 @@ class RLRun(Trainer):
         prompts = [p.prompt for p in self.eval_set]
         params = self.engine.params()
         mine, devices = self.sampler.local_devices(len(prompts))
-        width = max(len(ids) for ids in encode_prompts(self.tokenizer, prompts))
+        width = self.eval_width
 
         def share() -> dict[str, np.ndarray]:  # this process's rewards per measure
             rewards = {}
@@ -367,7 +370,8 @@ class RLRun(Trainer):
         started = time.perf_counter()
         received = bytes_received()
         with timers("step"):
-            params = self.engine.params()
+            with timers("params"):  # the policy gathered to the host once per version: `params_seconds`
+                params = self.engine.params()
             scored, waited = self.next_rollout(step, params)
             if isinstance(scored, ShardedRollout):  # mpirun, rollout.assembly: sharded (assembly.py)
                 minibatches, extra_record = self.sharded_minibatches(step, scored, params)
