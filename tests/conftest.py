@@ -1,5 +1,6 @@
 """Test setup: eight simulated host devices, forced before JAX is imported anywhere; tools/ (the repository's tooling
 that is not part of the library: mpirun jobs, HLO checks, the GPU report) importable by the tests."""
+import contextlib
 import os
 import signal
 import sys
@@ -77,6 +78,29 @@ def cpu_devices():
     devices = jax.devices("cpu")
     assert len(devices) == 8, f"expected 8 simulated CPU devices, got {len(devices)}"
     return devices
+
+
+@contextlib.contextmanager
+def compilations():
+    """Yields a list that collects, while the block runs, every XLA backend compilation and every program loaded
+    from the suite's persistent compilation cache (either is a compilation a warm call should not need)."""
+    seen: list[str] = []
+
+    def compiled(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    def cache_hit(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    jax.monitoring.register_event_listener(cache_hit)
+    try:
+        yield seen
+    finally:  # the listeners would otherwise run on every later compilation of the suite
+        jax.monitoring.unregister_event_duration_listener(compiled)
+        jax.monitoring.unregister_event_listener(cache_hit)
 
 
 def cpu_mesh(n: int, axis: str = "d"):

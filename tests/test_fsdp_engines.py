@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fsdp_toy
-from conftest import cpu_mesh
+from conftest import compilations, cpu_mesh
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
 
 OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
@@ -146,25 +146,8 @@ def test_no_engine_compiles_its_step_twice():
     """The second minibatch of the same shapes reuses the first's program: every engine's initial state is placed
     as its step's outputs are (an uncommitted optimizer count used to cost the reference and SPMD engines a second
     compilation of the whole step)."""
-    import jax
-
-    compiles = []
-
-    def count(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    def count_cache_hit(event, **_):  # a program loaded from the suite's persistent compilation cache (conftest)
-        if event == "/jax/compilation_cache/cache_hits":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    jax.monitoring.register_event_listener(count_cache_hit)
-    try:
+    with compilations() as compiles:
         _check_second_steps_compile_nothing(compiles)
-    finally:  # the listeners would otherwise run on every later compilation of the suite
-        jax.monitoring.unregister_event_duration_listener(count)
-        jax.monitoring.unregister_event_listener(count_cache_hit)
 
 
 def _check_second_steps_compile_nothing(compiles):

@@ -13,6 +13,7 @@ import pytest
 from test_rl_loss import direct_kwargs, microbatch, objective
 
 import jax.numpy as jnp
+from conftest import compilations
 
 from jodc.losses import (AdaptiveKLController, FixedKLController, clipped_value_loss, entropy_bonus, gae_advantages,
                          kl_estimate)
@@ -130,16 +131,6 @@ def test_critic_advantages_compile_once_per_shape():
     PPO paid a backend compilation every RL step.)"""
     from jodc.train.rl.critic import critic_advantages
 
-    compiles = []
-
-    def count(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    def count_cache_hit(event, **_):  # a program loaded from the suite's persistent compilation cache (conftest)
-        if event == "/jax/compilation_cache/cache_hits":
-            compiles.append(event)
-
     rng = np.random.default_rng(0)
 
     def rollout():
@@ -151,14 +142,9 @@ def test_critic_advantages_compile_once_per_shape():
     for kl in (False, True):
         scores, values, kl_args = rollout()
         critic_advantages(scores, values, gamma=0.99, lam=0.95, kl=kl_args if kl else None)  # compiles
-        jax.monitoring.register_event_duration_secs_listener(count)
-        jax.monitoring.register_event_listener(count_cache_hit)
-        try:
-            scores, values, kl_args = rollout()
+        scores, values, kl_args = rollout()
+        with compilations() as compiles:
             critic_advantages(scores, values, gamma=0.99, lam=0.95, kl=kl_args if kl else None)
-        finally:  # the listeners would otherwise run on every later compilation of the suite
-            jax.monitoring.unregister_event_duration_listener(count)
-            jax.monitoring.unregister_event_listener(count_cache_hit)
         assert compiles == [], (kl, compiles)
 
 
