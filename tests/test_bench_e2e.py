@@ -107,11 +107,14 @@ def test_hsdp_rows_are_reported_as_ratios_and_json_keys(capsys):
         rows = {"odc": row(odc, 0.2), "collective": row(1.0, 0.5), "hsdp_odc": row(hsdp_odc, 0.1),
                 "hsdp_collective": row(hsdp_col, 0.4)}
         passes = {name: [1 / r["samples_per_s"]] * 3 for name, r in rows.items()}  # pass walls of equal rounds
+        for name, r in rows.items():
+            r["pass_walls_s"] = passes[name]  # as bench/e2e.py's rows carry them
         result[scenario] = {"engines": rows, **e2e.hsdp_ratios(passes)}
     summary = multiprocess.hsdp_table(result, types.SimpleNamespace(hsdp_local_devices=2, quick=True))
     assert summary["mp_hsdp_odc_vs_hsdp_collective_imbalanced"] == 1.5
     assert summary["mp_hsdp_odc_vs_flat_odc_imbalanced"] == 0.75
     assert summary["mp_hsdp_odc_vs_hsdp_collective_balanced"] == 1.0
     assert summary["mp_hsdp_odc_vs_flat_odc_balanced"] == 2.0
+    assert summary["hsdp_rounds"] == 3 and summary["mp_hsdp_odc_vs_flat_odc_imbalanced_per_round"] == [0.75] * 3
     assert summary["mp_hsdp_balanced_hsdp_collective_bubble_rate"] == 0.4
     assert "HSDP across 2 processes x 2 CPU devices" in capsys.readouterr().out
