@@ -81,7 +81,9 @@ class Engine(abc.ABC):
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):
-        missing = [g for g in model.group_names if g not in groups]
+        from jodc.fsdp.state import GroupSource
+
+        missing = [] if isinstance(groups, GroupSource) else [g for g in model.group_names if g not in groups]
         if missing:
             raise ValueError(f"initial parameters lack groups {missing}")
         self.model = model
