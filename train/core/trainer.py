@@ -23,7 +23,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from jodc.train.core.staged_decoder import decoder_staged_model
 from jodc.fsdp.engine import nonfinite_cause

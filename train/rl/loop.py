@@ -37,8 +37,10 @@ import numpy as np
 
 from jodc.losses import kl_controller_from_state
 from jodc.models.tokenizer import load_tokenizer
+from jodc.models.layerwise import param_groups
 
 from ..core import distributed
+from ..core.init_source import host_groups
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path, mesh_devices
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
@@ -145,7 +147,9 @@ class RLRun(Trainer):
                               default=0)
         groups = self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
                                    metric_names=self.objective.metric_names, value_head=self.objective.critic)
-        self.reference = (ReferencePolicy(self.model_config, groups, temperature=r.temperature,
+        decoder_layouts = {g: self.model.layouts[g] for g in param_groups(self.model_config)}
+        self.reference = (ReferencePolicy(self.model_config, host_groups(groups, decoder_layouts),
+                                          temperature=r.temperature,
                                           bucket=r.prompt_bucket)
                           if config.loss.kl_coef or config.loss.kl_in_reward_coef else None)
         self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,
