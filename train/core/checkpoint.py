@@ -54,7 +54,12 @@ class CheckpointStore:
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False,
                                                cleanup_tmp_directories=True, **_preservation_options(keep))
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(ENGINE_ITEM, TRAINER_ITEM))
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()  # so metadata can be read before any save
+        registry.add(ENGINE_ITEM, ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+        registry.add(ENGINE_ITEM, ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
+        registry.add(TRAINER_ITEM, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+        registry.add(TRAINER_ITEM, ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
+        self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self._await_tmp_cleanup()
 
     def steps(self) -> list[int]:
@@ -128,6 +133,10 @@ class CheckpointStore:
         _check_shapes(engine_state, template, self.step_dir(step))
         engine_state["step"] = int(trainer_state["step"])
         return engine_state, trainer_state
+
+    def check_restorable(self, step: int, targets: dict[str, Any], numels: dict[str, int]) -> None:
+        """Raises the ValueError `restore` would raise for another model's checkpoint, reading only metadata."""
+        self._check_sizes(step, _without_step(targets), numels, self.read_trainer_state(step))
 
     def saved_shapes(self, step: int) -> dict[tuple[str, ...], tuple[int, ...]]:
         """The shapes of checkpoint `step`'s engine arrays as written, by key path (nothing but the metadata is

@@ -124,7 +124,10 @@ class Trainer:
 
     def _restore(self, step: int) -> int:
         """Loads checkpoint `step` into the engine; returns the number of steps already done."""
-        engine_state, state = self.store.restore(step, self.engine.state_targets(), self.engine.numels)
+        targets = self.engine.state_targets()
+        self.store.check_restorable(step, targets, self.engine.numels)  # before the initial state is dropped
+        self.engine.drop_state()  # the restored state never lies beside the one it replaces
+        engine_state, state = self.store.restore(step, targets, self.engine.numels)
         self.skipped = self.skipped_in(state)
         engine_state.pop("step")
         self.engine.load_sharded_state(engine_state, self.restored(step, state))  # the engine counts applied updates
