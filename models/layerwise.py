@@ -5,7 +5,8 @@ Parameter groups, in order: "embed" (token embedding), "layer_0" ... "layer_{L-1
 "head" (final norm, plus the lm_head matrix when embeddings are untied; with tied embeddings the head
 computation takes the embedding group as an extra argument). Each group is a flat dict name -> array; the names,
 shapes and their order are given by `group_param_shapes` (an engine that moves a group as one flat vector uses
-`jodc.fsdp.GroupLayout`, whose order is jax's tree order: dict keys sorted; `group_flat_layout` gives it). Matrices are stored [in, out] so a projection is `x @ w`.
+`jodc.fsdp.GroupLayout`, whose order is jax's tree order, dict keys sorted: `group_flat_layout` gives it).
+Matrices are stored [in, out] so a projection is `x @ w`.
 
 Every function here is pure jnp (no Python-side state) and can be traced under jit, vjp and shard_map.
 Parameters may be stored in any float dtype (fp32 masters, bf16 copies); they are cast to
@@ -60,7 +61,8 @@ def _group_kind(config: DecoderConfig, name: str) -> str:
 
 
 def group_param_shapes(config: DecoderConfig, name: str) -> dict[str, tuple[int, ...]]:
-    """The parameters of group `name` and their shapes, in the group's fixed (flat-layout) order.
+    """The parameters of group `name` and their shapes, in the group's fixed order (HF's; a flat vector of the
+    group sorts them: `group_flat_layout`).
 
     embed: embedding [V, D].
     layer: input_norm [D]; q_proj [D, H*hd], q_bias?; k_proj [D, KV*hd], k_bias?; v_proj, v_bias?;
