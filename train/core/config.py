@@ -27,6 +27,7 @@ from draccus.utils import DecodingError, ParsingError, deflatten
 from jodc.engine_facts import hsdp_shards
 from jodc.fsdp import ENGINES, OptimizerConfig, engine_class
 
+from .export import EXPORT_DTYPES
 from .presets import MODEL_PRESETS
 
 EMBEDDED = "embedded"
@@ -167,9 +168,16 @@ class CheckpointConfig(Section):
     save_every: int = 50  # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 3  # most recent checkpoints kept
     export_hf: bool = True  # write a HF checkpoint to out_dir/hf at the end
+    # dtype of the export's tensors: bfloat16 (half the size, what inference loads) or float32 (the masters exactly)
+    export_dtype: Literal[tuple(EXPORT_DTYPES)] = "bfloat16"
     # resume even though the data differ from those the checkpoint was trained on (their fingerprint is saved
     # with every checkpoint)
     accept_changed_data: bool = False
+
+    def check(self) -> None:
+        if self.export_dtype not in EXPORT_DTYPES:  # draccus checks a YAML value; this, one set in code
+            raise ConfigError(f"checkpoint.export_dtype must be one of {', '.join(EXPORT_DTYPES)}, got "
+                              f"{self.export_dtype!r}")
 
 
 @dataclasses.dataclass
