@@ -1,4 +1,4 @@
-"""Checkpoints of a training run (orbax) and the final Hugging Face export.
+"""Checkpoints of a training run (orbax). (The final Hugging Face export streams group by group: export.py.)
 
 A checkpoint is one orbax step directory `out_dir/checkpoints/<step>/` with two items:
 
@@ -16,22 +16,16 @@ A checkpoint is one orbax step directory `out_dir/checkpoints/<step>/` with two 
 Orbax writes each step into a temporary directory and renames it into place only when complete, so a crash
 while saving leaves the previous checkpoints intact and the half-written one is never taken for a checkpoint
 (it is removed the next time a manager opens the directory). Only the `keep` most recent steps are kept.
-
-The HF export writes `config.json` + safetensors (`jodc.models.save_pretrained`) and the tokenizer into a
-temporary directory next to the target and swaps it in, so an earlier export is replaced only by a complete one.
 """
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jodc.models import DecoderConfig, merge_params, param_groups, save_pretrained
-from jodc.models.tokenizer import Tokenizer, save_tokenizer
 
 ENGINE_ITEM, TRAINER_ITEM = "engine", "trainer"
 NUMELS_KEY = "group_numels"  # the trainer item's record of each parameter group's size
@@ -220,24 +214,3 @@ def _check_shapes(restored, template, where: str) -> None:
         if np.shape(a) != np.shape(b):
             raise ValueError(f"checkpoint {where} holds an array of shape {np.shape(a)} where this model has "
                              f"{np.shape(b)}")
-
-
-def export_hf(config: DecoderConfig, params: dict[str, Any], tokenizer: Tokenizer | None, path: str) -> str:
-    """Writes the parameters (group pytrees, as `Engine.params()` returns them) as a HF checkpoint directory at
-    `path`, with the tokenizer; an existing export at `path` is replaced only once the new one is complete. Groups
-    that are not the decoder's (the critic's value head) are not part of a HF causal-LM checkpoint: left out."""
-    path = os.path.abspath(path)
-    params = {g: params[g] for g in param_groups(config)}
-    staging, previous = path + ".tmp", path + ".old"
-    shutil.rmtree(staging, ignore_errors=True)  # a leftover of an interrupted export, never a finished one
-    save_pretrained(merge_params(config, params), staging)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, staging)
-    if os.path.exists(path):
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(path, previous)
-        os.rename(staging, path)
-        shutil.rmtree(previous)
-    else:
-        os.rename(staging, path)
-    return path

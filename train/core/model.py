@@ -10,9 +10,8 @@ import jax.numpy as jnp
 
 from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
 from jodc import fsdp
-from jodc.fsdp.stages import GroupLayout
-from jodc.fsdp.state import GroupSource, PytreeSource
-from jodc.models import DecoderConfig, load_pretrained, split_params
+from jodc.fsdp.state import GroupSource
+from jodc.models import DecoderConfig, HFGroupSource
 from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
 from .config import ModelConfig, parse_length_buckets
@@ -47,11 +46,9 @@ def build_decoder(model: ModelConfig, tokenizer: Tokenizer, *, max_length: int, 
     if model.hf_path:
         if not os.path.isdir(model.hf_path):
             raise FileNotFoundError(f"model.hf_path {model.hf_path} is not a directory")
-        decoder = load_pretrained(model.hf_path, dtype="float32", compute_dtype=compute_dtype,
-                                  attention_impl=model.attention_impl,
-                                  attention_block_size=model.attention_block_size)
-        config = decoder.config
-        groups = PytreeSource({g: GroupLayout.of(v) for g, v in split_params(decoder).items()}, split_params(decoder))
+        groups = HFGroupSource(model.hf_path, dtype="float32", compute_dtype=compute_dtype,
+                               attention_impl=model.attention_impl, attention_block_size=model.attention_block_size)
+        config = groups.config  # tensors are read later, by byte range, for each device's own part
     else:
         config = preset_config(model.preset, tokenizer, max_length=max_length, compute_dtype=compute_dtype,
                                attention_impl=model.attention_impl,

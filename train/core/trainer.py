@@ -30,7 +30,8 @@ from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
 from .callbacks import Callback, EngineFactory, emit
-from .checkpoint import NUMELS_KEY, CheckpointStore, export_hf
+from .checkpoint import NUMELS_KEY, CheckpointStore
+from .export import export_hf_streaming
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
 from .model import build_decoder, cost_model, make_engine, make_planner
@@ -267,9 +268,11 @@ class Trainer:
         final_eval = self.evaluate(done) if self._eval_every() and done > self.start_step else None
         hf_path = None
         if self.config.checkpoint.export_hf and done == self.config.run.steps:
-            params = self.engine.params()  # every process: it gathers from all of them
-            if self.primary:
-                hf_path = export_hf(self.model_config, params, self.tokenizer, os.path.join(self.out_dir, HF_DIR))
+            # one group at a time, gathered by every process (a collective), written by process 0
+            groups = ((g, self.engine.group_to_host(g)) for g in self.model.group_names)
+            hf_path = export_hf_streaming(self.model_config, groups, self.tokenizer, os.path.join(self.out_dir, HF_DIR),
+                                          dtype=self.config.checkpoint.export_dtype, write=self.primary)
+            hf_path = hf_path if self.primary else None
         timeline = self.timeline or {}
         summary = {
             "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done, "seconds": seconds,
