@@ -1,8 +1,8 @@
 """Host memory per process of each phase of a training run, as bytes per parameter (issue 40, DESIGN.md section 10).
 
-    python bench/memory.py                       # both layouts, SFT and RL phases: bench/results/memory.json
-    python bench/memory.py --quick               # 1 process x 2 devices, 1 and 2 layers, a smaller vocabulary
-    python bench/memory.py --layouts 2x1 --layers 1 3 --vocab 4096 --out bench/results/memory_before.json
+    python bench/memory.py                       # both layouts, 1 / 3 layers (2 checks the line): memory.json
+    python bench/memory.py --quick               # 1 process x 2 devices, 1 and 2 layers, vocabulary 512, no check
+    python bench/memory.py --layouts 2x1 --layers 2 4 --check-layers 0 --vocab 32768 --out /tmp/memory.json
 
 FSDP's promise is that no process ever holds the whole training state; this measures whether that holds *around*
 the step too. Each (layout, size) runs in fresh process(es): one process driving 2 simulated CPU devices (`1x2`), or
@@ -28,15 +28,18 @@ Bytes per parameter are slopes between two model sizes (`--layers A B` of a Qwen
 14 heads, 2 KV heads, MLP 4864, tied embeddings, `--vocab` rows, ~14.9M parameters per layer), so what does not
 grow with the model (the interpreter, libraries, compiled programs) drops out as the intercept:
 slope = (peak(B) - peak(A)) / (params(B) - params(A)). Activations grow with the layer count too, per token: the
-minibatches are kept small (`--max-length`, `--sequences`) so they stay a small part of a layer's bytes.
+minibatches are kept small (`--max-length`, `--sequences`) so they stay a small part of a layer's bytes. A third
+size (`--check-layers C`, default 2) checks the lines: each phase's `fit err` is how far its peak there is off the
+two-size line, relative to the peak.
 
 Reported per layout: each phase's peak slope, its ratio to the steady slope, the GB per process it predicts for a
 Qwen2.5-7B-sized model (slope x 7.6e9 / 1e9), the intercept; the steady slope against the process's own share of
 the state, share = (12 + 8) / P bytes per parameter for P processes: fp32 parameters and Adam's two moments (12 B)
 plus ODC's symmetric heap (8 B: the published parameter shard and the gradient accumulator), each split over the
 processes; the slope of what each phase leaves resident (`after`: a phase that leaves more behind than the steady
-state, such as jax's host copy cached on an array read with np.asarray, shows there); and the seconds of the save and the restore (build + restore; init's seconds beside them) at the larger
-size. The RL steady slope (RSS between RL steps) is reported on its own line; every ratio is over the SFT steady
+state, such as jax's host copy cached on an array read with np.asarray, shows there); and the seconds of the save
+and the restore (build + restore; init's seconds beside them) at the larger size. The RL runs are DPPO with
+`rollout.assembly: sharded` across processes and no KL term (no reference policy). The RL steady slope (RSS between RL steps) is reported on its own line; every ratio is over the SFT steady
 slope (the state's cost). Targets, printed as pass/FAIL (never asserted): every phase's peak <= 1.2 x the steady
 slope, and with 2 processes the steady slope <= 1.2 x the process's own share.
 
@@ -386,13 +389,23 @@ def worst(processes: list[dict], phase: str, key: str) -> float:
     return max(p["phases"][phase][key] for p in processes)
 
 
-def analyse(layout: str, small: list[dict], large: list[dict]) -> dict:
-    """Slopes, ratios, predictions and the targets' verdicts of one layout from its two sizes' processes."""
+def fit_error(line: tuple[float, float], params: float, measured: float) -> float:
+    """(measured - the line's prediction at `params`) / measured: how far a third size is off the two-size line."""
+    k, b = line
+    return (measured - (k * params + b)) / measured
+
+
+def analyse(layout: str, small: list[dict], large: list[dict], check: list[dict] | None = None) -> dict:
+    """Slopes, ratios, predictions and the targets' verdicts of one layout from its two sizes' processes; with the
+    processes of a third size (`check`), each line's relative error there (`fit_error`)."""
     n1, n2 = small[0]["params"], large[0]["params"]
     processes = small[0]["processes"]
 
     def fit(phase: str, key: str = "peak") -> tuple[float, float]:
         return slope((n1, worst(small, phase, key)), (n2, worst(large, phase, key)))
+
+    def error(phase: str, key: str = "peak") -> float | None:
+        return None if check is None else fit_error(fit(phase, key), check[0]["params"], worst(check, phase, key))
 
     steady, steady_intercept = fit("step", "rss_after")
     rl_steady, _ = fit("rl_step", "rss_after")
@@ -403,11 +416,14 @@ def analyse(layout: str, small: list[dict], large: list[dict]) -> dict:
         phases[name] = {"peak_bytes_per_param": k, "intercept_bytes": b, "peak_over_steady": k / steady,
                         "after_bytes_per_param": fit(name, "rss_after")[0],
                         "predicted_gb_per_process_7b": k * PARAMS_7B / 1e9,
-                        "seconds": worst(large, name, "seconds"),
+                        "seconds": worst(large, name, "seconds"), "fit_error": error(name),
                         "passes": k / steady <= TARGET_PEAK_OVER_STEADY}
     return {"layout": layout, "processes": processes, "params": [n1, n2],
             "layers": [small[0]["layers"], large[0]["layers"]], "vocab": small[0]["vocab"],
+            "check_layers": None if check is None else check[0]["layers"],
+            "check_params": None if check is None else check[0]["params"],
             "steady_bytes_per_param": steady, "steady_intercept_bytes": steady_intercept,
+            "steady_fit_error": error("step", "rss_after"),
             "rl_steady_bytes_per_param": rl_steady, "state_share_bytes_per_param": share,
             "steady_over_share": steady / share,
             "steady_passes": steady / share <= TARGET_STEADY_OVER_SHARE if processes > 1 else None,
@@ -433,6 +449,11 @@ def summary_keys(a: dict) -> dict:
                 f"memory_params_{lay}": a["params"]})
     if a["steady_passes"] is not None:
         out[f"memory_steady_within_share_target_{lay}"] = a["steady_passes"]
+    if a["check_layers"] is not None:
+        errors = {name: p["fit_error"] for name, p in a["phases"].items()}
+        errors["steady"] = a["steady_fit_error"]
+        out.update({f"memory_fit_error_{name}_{lay}": round(e, 4) for name, e in errors.items()})
+        out[f"memory_fit_max_abs_error_{lay}"] = round(max(abs(e) for e in errors.values()), 4)
     return out
 
 
@@ -442,14 +463,15 @@ def print_table(a: dict) -> None:
     print(f"\n{name} ({a['layout']}): {PRESET}-shaped decoder, {a['layers'][0]} / {a['layers'][1]} layers, vocabulary "
           f"{a['vocab']} ({n1 / 1e6:.1f}M / {n2 / 1e6:.1f}M parameters); per process"
           + (", the larger of the processes" if procs > 1 else ""))
+    check = a["check_layers"] is not None
     print(f"{'phase':<10} {'what':<44} {'B/param':>8} {'/steady':>8} {'7B GB':>7} {'fixed MiB':>9} {'after':>6} "
-          f"{'s':>7}  target <= {TARGET_PEAK_OVER_STEADY}x")
+          f"{'s':>7}" + (f" {'fit err':>7}" if check else "") + f"  target <= {TARGET_PEAK_OVER_STEADY}x")
     what = {p.name: p.what for p in PHASES}
     for phase, p in a["phases"].items():
         print(f"{phase:<10} {what[phase]:<44} {p['peak_bytes_per_param']:>8.1f} {p['peak_over_steady']:>8.2f} "
               f"{p['predicted_gb_per_process_7b']:>7.0f} {p['intercept_bytes'] / 2**20:>9.0f} "
-              f"{p['after_bytes_per_param']:>6.1f} {p['seconds']:>7.1f}  "
-              f"{'pass' if p['passes'] else 'FAIL'}")
+              f"{p['after_bytes_per_param']:>6.1f} {p['seconds']:>7.1f}"
+              + (f" {p['fit_error']:>7.1%}" if check else "") + f"  {'pass' if p['passes'] else 'FAIL'}")
     verdict = ("" if a["steady_passes"] is None else
                f"  target <= {TARGET_STEADY_OVER_SHARE}x: {'pass' if a['steady_passes'] else 'FAIL'}")
     print(f"steady (between SFT steps): {a['steady_bytes_per_param']:.1f} B/param (fixed "
@@ -457,6 +479,9 @@ def print_table(a: dict) -> None:
           f"({STATE_BYTES} + {HEAP_BYTES}) / {procs} = {a['state_share_bytes_per_param']:.1f} B/param: "
           f"{a['steady_over_share']:.2f}x{verdict}")
     print(f"steady between RL steps: {a['rl_steady_bytes_per_param']:.1f} B/param")
+    if check:
+        print(f"fit err: (measured - the line's prediction) / measured at {a['check_layers']} layers "
+              f"({a['check_params'] / 1e6:.1f}M parameters); steady: {a['steady_fit_error']:.1%}")
 
 
 def parse_args(argv=None):
@@ -465,6 +490,8 @@ def parse_args(argv=None):
                    help="default: 1x2 2x1 (--quick: 1x2)")
     p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"),
                    help="the two model sizes, in layers (default 1 3; --quick: 1 2)")
+    p.add_argument("--check-layers", type=int, default=None, metavar="C",
+                   help="a third size that checks the lines (default 2; --quick: none; 0: none)")
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default 4096; --quick: 512; the real "
                                                            "Qwen2.5 vocabulary is 151936)")
     p.add_argument("--steps", type=int, default=None, help="SFT steps of the step phase (default 3; --quick: 2)")
@@ -482,13 +509,15 @@ def parse_args(argv=None):
     p.add_argument("--layers-now", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    defaults = dict(layouts=["1x2"], layers=[1, 2], vocab=512, steps=2) if args.quick else \
-        dict(layouts=["1x2", "2x1"], layers=[1, 3], vocab=4096, steps=3)
+    defaults = dict(layouts=["1x2"], layers=[1, 2], vocab=512, steps=2, check_layers=0) if args.quick else \
+        dict(layouts=["1x2", "2x1"], layers=[1, 3], vocab=4096, steps=3, check_layers=2)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.layers[0] >= args.layers[1]:
         p.error(f"--layers needs two sizes, smaller first, got {args.layers}")
+    if args.check_layers in args.layers:
+        p.error(f"--check-layers {args.check_layers} is one of the fitted sizes {args.layers}")
     return args
 
 
@@ -499,13 +528,15 @@ def main(argv=None) -> dict:
         return {}
     started, runs, analyses = time.monotonic(), {}, []
     for layout in args.layouts:
-        sizes = [launch(args, layout, layers) for layers in args.layers]
+        sizes = [launch(args, layout, layers) for layers in args.layers + ([args.check_layers] if args.check_layers
+                                                                           else [])]
         runs[layout] = sizes
         analyses.append(analyse(layout, *sizes))
         print(f"# {layout}: {time.monotonic() - started:.0f} s so far", file=sys.stderr, flush=True)
     for a in analyses:
         print_table(a)
     summary = {"bench": "memory", "quick": bool(args.quick), "preset": PRESET, "layers": args.layers,
+               "check_layers": args.check_layers or None,
                "vocab": args.vocab, "sft_steps": args.steps, "seconds": round(time.monotonic() - started, 1)}
     for a in analyses:
         summary.update(summary_keys(a))

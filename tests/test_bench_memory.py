@@ -55,6 +55,21 @@ def test_analyse_takes_the_larger_process_and_judges_the_targets():
     assert keys["memory_phases_within_target_2x1"] is False and keys["memory_steady_within_share_target_2x1"] is False
 
 
+def test_a_third_size_measures_how_far_each_phase_is_off_its_line():
+    per_param = {name: 30.0 for name in memory.PHASE_NAMES}
+    small, large = [fake_process(10e6, 1, 0, per_param)], [fake_process(30e6, 3, 0, per_param)]
+    on_line = fake_process(20e6, 2, 0, per_param)
+    on_line["phases"]["save"]["peak"] *= 1.1  # 10% above the line at the third size
+    a = memory.analyse("1x2", small, large, [on_line])
+    assert a["check_layers"] == 2 and a["steady_fit_error"] == pytest.approx(0.0, abs=1e-12)
+    assert a["phases"]["init"]["fit_error"] == pytest.approx(0.0, abs=1e-12)
+    assert a["phases"]["save"]["fit_error"] == pytest.approx(1 - 1 / 1.1)
+    keys = memory.summary_keys(a)
+    assert keys["memory_fit_max_abs_error_1x2"] == pytest.approx(1 - 1 / 1.1, abs=1e-4)
+    assert keys["memory_fit_error_steady_1x2"] == 0.0
+    assert memory.analyse("1x2", small, large)["phases"]["save"]["fit_error"] is None
+
+
 def test_one_process_has_the_whole_share_and_no_share_verdict():
     per_param = {name: 20.0 for name in memory.PHASE_NAMES}
     a = memory.analyse("1x2", [fake_process(10e6, 1, 0, per_param)], [fake_process(30e6, 3, 0, per_param)])
@@ -100,5 +115,5 @@ def test_the_quick_run_reports_every_phase_from_two_sizes(tmp_path):
         assert 0.5 < ratio < 20, (phase, ratio)
         assert summary[f"memory_predicted_gb_per_process_7b_{phase}_1x2"] > 0
     assert summary["save_seconds_1x2"] > 0 and summary["restore_seconds_1x2"] > 0
-    assert "2x1" not in saved["runs"]
+    assert "2x1" not in saved["runs"] and len(saved["runs"]["1x2"]) == 2  # no third size in --quick
     assert "steady (between SFT steps)" in proc.stdout and "rl_step" in proc.stdout
