@@ -31,6 +31,26 @@ def test_build_decoder_from_a_preset_is_seeded():
     assert not np.array_equal(a["embed"]["embedding"], c["embed"]["embedding"])
 
 
+def test_model_num_layers_and_vocab_size_resize_a_preset():
+    """model.num_layers / model.vocab_size (bench/memory.py's two sizes of the Qwen2.5-0.5B shape); null keeps the
+    preset's layers and the tokenizer's vocabulary, and a vocabulary below the tokenizer's is refused."""
+    from jodc.train import load_config
+
+    config = preset_config("qwen2.5-0.5b", TOK, max_length=64, num_layers=2, vocab_size=1024)
+    assert (config.num_layers, config.vocab_size, config.hidden_size, config.num_kv_heads) == (2, 1024, 896, 2)
+    assert config.tie_word_embeddings and config.qkv_bias and config.family == "qwen2"
+    assert preset_config("qwen2.5-0.5b", TOK, max_length=64).num_layers == 24
+    model = load_config(None, ["--preset", "tiny", "--num_layers", "3", "--vocab_size", "512"]).model
+    config, source = build_decoder(model, TOK, max_length=64, compute_dtype="float32", seed=0)
+    groups = decoder_host_params(config, source)
+    assert set(groups) == {"embed", "layer_0", "layer_1", "layer_2", "head"}
+    assert groups["embed"]["embedding"].shape == (512, 32) and config.hidden_size == 32
+    with pytest.raises(ValueError, match="tokenizer has 263 ids but the model's vocabulary has 100 rows"):
+        build_decoder(ModelConfig(preset="tiny", vocab_size=100), TOK, max_length=64, compute_dtype="float32", seed=0)
+    with pytest.raises(ValueError, match="model.num_layers must be >= 1"):
+        load_config(None, ["--num_layers", "0"])
+
+
 def test_build_decoder_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         preset_config("huge", TOK, max_length=64)

@@ -65,8 +65,11 @@ class Section:
 class ModelConfig(Section):
     """Which decoder to train: a built-in preset trained from scratch, or a local HF checkpoint directory."""
 
-    name_in_config, minimum = "model", {"attention_block_size": 8}
+    name_in_config, minimum = "model", {"attention_block_size": 8, "num_layers": 1, "vocab_size": 1}
     preset: Literal[tuple(MODEL_PRESETS)] = "small"  # built-in shape (ignored with hf_path)
+    num_layers: int | None = None  # layers instead of the preset's (null: the preset's; ignored with hf_path)
+    # embedding rows instead of the tokenizer's (null: the tokenizer's, rounded up; ignored with hf_path)
+    vocab_size: int | None = None
     hf_path: str | None = None  # local HF directory (config.json + safetensors); replaces preset
     # flash (fused kernel) on a GPU, else blockwise; or dense (reference)
     attention_impl: Literal["auto", "blockwise", "flash", "dense"] = "auto"
