@@ -32,6 +32,7 @@ from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_ev
 from .callbacks import Callback, EngineFactory, emit
 from .checkpoint import NUMELS_KEY, CheckpointStore
 from .export import export_hf_streaming
+from .host_memory import return_freed_memory_promptly
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
 from .model import build_decoder, cost_model, make_engine, make_planner
@@ -55,6 +56,7 @@ class Trainer:
                  callbacks: Sequence[Callback] = ()):
         """`engine_factory` builds the engine (default `make_engine`); `callbacks` observe the steps, rollouts and
         updates (train/core/callbacks.py)."""
+        return_freed_memory_promptly()  # a resume or a step must not leave the state resident twice (host_memory.py)
         self.engine_factory = engine_factory or make_engine
         self.callbacks = tuple(callbacks)
         self.config = config
