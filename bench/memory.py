@@ -116,7 +116,9 @@ def measure(fn: Callable[[], Any]) -> dict[str, float]:
     seconds = time.perf_counter() - t0
     peak = proc_status("VmHWM")["VmHWM"]
     collect()
-    return {"rss_start": rss_start, "peak": peak, "rss_after": proc_status("VmRSS")["VmRSS"], "seconds": seconds}
+    after = proc_status("VmRSS", "RssShmem")
+    return {"rss_start": rss_start, "peak": peak, "rss_after": after["VmRSS"], "shmem_after": after.get("RssShmem", 0),
+            "seconds": seconds}
 
 
 # ------------------------------------------- the trainer API the phases call: the one place to adapt when it changes
@@ -408,6 +410,9 @@ def analyse(layout: str, small: list[dict], large: list[dict], check: list[dict]
         return None if check is None else fit_error(fit(phase, key), check[0]["params"], worst(check, phase, key))
 
     steady, steady_intercept = fit("step", "rss_after")
+    # shared memory in it: pages of shared-memory windows (the MPI transport on one node maps every process's heap
+    # into every other that reads or writes it) count in the RSS of each process that touched them, but exist once
+    steady_shared = fit("step", "shmem_after")[0] if all("shmem_after" in r["phases"]["step"] for r in small + large) else 0.0
     rl_steady, _ = fit("rl_step", "rss_after")
     share = (STATE_BYTES + HEAP_BYTES) / processes
     phases = {}
@@ -423,6 +428,7 @@ def analyse(layout: str, small: list[dict], large: list[dict], check: list[dict]
             "check_layers": None if check is None else check[0]["layers"],
             "check_params": None if check is None else check[0]["params"],
             "steady_bytes_per_param": steady, "steady_intercept_bytes": steady_intercept,
+            "steady_shared_bytes_per_param": steady_shared,
             "steady_fit_error": error("step", "rss_after"),
             "rl_steady_bytes_per_param": rl_steady, "state_share_bytes_per_param": share,
             "steady_over_share": steady / share,
@@ -439,6 +445,7 @@ def summary_keys(a: dict) -> dict:
         out[f"memory_predicted_gb_per_process_7b_{name}_{lay}"] = round(p["predicted_gb_per_process_7b"], 1)
         out[f"memory_after_bytes_per_param_{name}_{lay}"] = round(p["after_bytes_per_param"], 2)
     out.update({f"memory_steady_bytes_per_param_{lay}": round(a["steady_bytes_per_param"], 2),
+                f"memory_steady_shared_bytes_per_param_{lay}": round(a.get("steady_shared_bytes_per_param", 0.0), 2),
                 f"memory_rl_steady_bytes_per_param_{lay}": round(a["rl_steady_bytes_per_param"], 2),
                 f"memory_state_share_bytes_per_param_{lay}": round(a["state_share_bytes_per_param"], 2),
                 f"memory_steady_over_share_{lay}": round(a["steady_over_share"], 3),
@@ -478,6 +485,8 @@ def print_table(a: dict) -> None:
           f"{a['steady_intercept_bytes'] / 2**20:.0f} MiB); the process's own share of the state "
           f"({STATE_BYTES} + {HEAP_BYTES}) / {procs} = {a['state_share_bytes_per_param']:.1f} B/param: "
           f"{a['steady_over_share']:.2f}x{verdict}")
+    print(f"  of which shared memory (RssShmem: windows other processes map too): "
+          f"{a.get('steady_shared_bytes_per_param', 0.0):.1f} B/param")
     print(f"steady between RL steps: {a['rl_steady_bytes_per_param']:.1f} B/param")
     if check:
         print(f"fit err: (measured - the line's prediction) / measured at {a['check_layers']} layers "
