@@ -30,13 +30,20 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 from mpirun import mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
 
-PARAMS = 494_032_768  # Qwen2.5-0.5B's parameter count (tied embeddings): checked against the run's own count
+HIDDEN, LAYER_PARAMS = 896, 14_912_384  # Qwen2.5-0.5B: hidden size, parameters of one decoder layer
+
+
+def param_count(layers: int, vocab: int) -> int:
+    """Parameters of the Qwen2.5-0.5B shape with `layers` layers and `vocab` tokens (tied embeddings, final norm):
+    494,032,768 at its real 24 layers and 151936 tokens."""
+    return vocab * HIDDEN + layers * LAYER_PARAMS + HIDDEN
 TIME = "/usr/bin/time"
 MAXRSS = re.compile(r"^JODC_MAXRSS_KB (\d+)$", re.M)
 
 
 def train_args(args, out_dir: str, steps: int, devices: int) -> list[str]:
-    return ["sft", "--preset", "qwen2.5-0.5b", "--vocab_size", "151936", "--max_length", str(args.max_length),
+    return ["sft", "--preset", "qwen2.5-0.5b", "--vocab_size", str(args.vocab), "--num_layers", str(args.layers),
+            "--max_length", str(args.max_length),
             "--attention_block_size", "64", "--embedded_examples", str(args.sequences * 16),
             "--sequences_per_minibatch", str(args.sequences), "--devices", str(devices), "--steps", str(steps),
             "--total_steps", str(args.steps + args.more_steps), "--learning_rate", "1e-4", "--save_every",
@@ -63,11 +70,14 @@ def main() -> None:
     parser.add_argument("--more-steps", type=int, default=2, help="steps after the resume, then the HF export")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--sequences", type=int, default=8, help="sequences per minibatch")
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (the real model's: 24)")
+    parser.add_argument("--vocab", type=int, default=151936, help="vocabulary (the real model's: 151936)")
     parser.add_argument("--run-dir", default="/tmp/jodc_real_size_run")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "real_size_run.json"))
     args = parser.parse_args()
+    params = param_count(args.layers, args.vocab)
     shutil.rmtree(args.run_dir, ignore_errors=True)
     out_dir = os.path.join(args.run_dir, "run")
     timed = [TIME, "-f", "JODC_MAXRSS_KB %M"]
@@ -91,14 +101,14 @@ def main() -> None:
         os.path.join(hf, "model.safetensors.index.json")) else None
     export_bytes = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf) if f.endswith(".safetensors"))
     losses = [json.loads(line)["loss"] for line in open(os.path.join(out_dir, "metrics.jsonl")) if line.strip()]
-    print(f"Qwen2.5-0.5B-shaped decoder, vocabulary 151936, {PARAMS / 1e6:.0f}M parameters; state 12 B/param = "
-          f"{12 * PARAMS / 1e9:.1f} GB, ODC heap 8 B/param = {8 * PARAMS / 1e9:.1f} GB")
+    print(f"Qwen2.5-0.5B-shaped decoder, {args.layers} layers, vocabulary {args.vocab}, {params / 1e6:.0f}M "
+          f"parameters; state 12 B/param = {12 * params / 1e9:.1f} GB, ODC heap 8 B/param = {8 * params / 1e9:.1f} GB")
     print(f"{'phase':<62} {'peak GB per process':>22} {'s':>7}")
     for p in phases:
         print(f"{p['phase']:<62} {', '.join(f'{g:.2f}' for g in p['peak_gb_per_process']):>22} {p['seconds']:>7.0f}")
     print(f"losses {[round(x, 4) for x in losses]}; HF export {export_bytes / 1e9:.2f} GB (bf16), "
           f"{len(index['weight_map']) if index else 'one file'}")
-    result = {"bench": "real_size_run", "params": PARAMS, "phases": phases, "losses": losses,
+    result = {"bench": "real_size_run", "params": params, "layers": args.layers, "vocab": args.vocab, "phases": phases, "losses": losses,
               "export_bytes": export_bytes, "steps": args.steps, "more_steps": args.more_steps,
               "max_length": args.max_length, "sequences": args.sequences,
               "real_size_peak_gb_per_process_mpirun": max(phases[0]["peak_gb_per_process"]),
