@@ -104,14 +104,20 @@ def guarded_update(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads
     Clips `grads` by the global norm sqrt(`global_sq_norm`), runs AdamW, and checks the minibatch `loss` (global),
     the global grad norm and the updated parameters (`all_reduce` sums a local scalar over the devices inside
     shard_map; the identity for global arrays). A step with any non-finite value is not applied: the previous
-    `params` and `opt_state` (optax's step count included) are selected on device, so no array leaves the device
+    `params` and `opt_state` (optax's step count included) are kept on device, so no array leaves the device
     and a NaN on one device cannot reach any parameter. Returns (params, opt_state, grad_norm, applied)."""
     grads, norm = clip_by_global_norm(grads, global_sq_norm, cfg.max_grad_norm)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    applied = jnp.isfinite(norm) & jnp.isfinite(loss) & (all_reduce(nonfinite_leaves(new_params)) == 0)
 
-    def keep(new, old):
-        return jnp.where(applied, new, old)
+    def update(grads, params, opt_state):
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
 
-    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state), norm, applied)
+    # Whether to apply depends on every updated parameter. Selecting between the updated state and the previous one
+    # afterwards keeps both alive, the updated parameters and moments held beside the state (XLA: the ODC step's
+    # temporaries 6.5 -> 3.4 bytes per device-owned parameter without it). Instead the update is computed twice:
+    # first only to count its non-finite values (a reduction XLA fuses with the update's arithmetic: nothing is
+    # kept), then, when applied, for real under `lax.cond`, elementwise into the donated state.
+    probe, _ = update(grads, params, opt_state)
+    applied = jnp.isfinite(norm) & jnp.isfinite(loss) & (all_reduce(nonfinite_leaves(probe)) == 0)
+    new_params, new_opt_state = jax.lax.cond(applied, update, lambda g, p, o: (p, o), grads, params, opt_state)
+    return new_params, new_opt_state, norm, applied
