@@ -10,14 +10,15 @@ engine, steps the same minibatch twice (compile, then warm), then measures a thi
   program): arguments + outputs - aliased (donated) + temporaries. Deterministic, but blind to memory outside XLA
   (ODC's heap: its parameter shards, accumulators and published copies).
 
-Two model sizes that differ only in their number of layers give the slope, bytes per parameter, in which the
+Two model sizes (by default differing only in their number of layers) give the slope, bytes per parameter, in which the
 interpreter, the compiled programs and the one gathered layer of an FSDP engine drop out; what is left is what
 grows with the model: the state (parameters, Adam moments, accumulators) and whatever the step keeps per layer.
 An FSDP engine keeps one layer gathered at a time; an engine that gathers the whole model has a slope larger by the
 gathered copies (per device).
 
 Prints a table and one JSON line; `--save LABEL` also writes the run under LABEL in bench/results/step_memory.json
-(other labels kept), e.g. `--save before` / `--save after` around an engine change.
+(other labels kept), e.g. `--save before` / `--save after` around an engine change. `--sizes 4x384,4x768` varies the width instead: then
+the one gathered layer grows with the model too and counts in the slope.
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ ENGINES = ("odc", "collective", "xla_spmd")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default=",".join(ENGINES))
-    p.add_argument("--layers", default="2,6", help="two (or more) layer counts: the sizes of the slope")
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--sizes", default="2x512,6x512",
+                   help="two model sizes, LAYERSxHIDDEN: the slope between them (the default varies the layers only)")
+    p.add_argument("--hidden", type=int, default=512, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--token-cap", type=int, default=256)
@@ -117,8 +119,8 @@ def child(args) -> dict:
         engine.close()
     xla = {k: int(getattr(stats, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
     xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
-    return {"engine": name, "layers": layers, "params": params, "steady_rss": steady, "step_hwm": peak,
-            "xla": xla}
+    return {"engine": name, "layers": layers, "hidden": args.hidden, "params": params, "steady_rss": steady,
+            "step_hwm": peak, "xla": xla}
 
 
 def slope(rows, key):
@@ -128,18 +130,18 @@ def slope(rows, key):
 
 def main(args) -> dict:
     engines = args.engines.split(",")
-    layer_counts = [int(x) for x in args.layers.split(",")]
+    sizes = [tuple(int(v) for v in x.split("x")) for x in args.sizes.split(",")]
     runs = {}
     for name in engines:
         runs[name] = []
-        for layers in layer_counts:
+        for layers, hidden in sizes:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, str(layers),
-                   "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--devices", str(args.devices),
+                   "--hidden", str(hidden), "--vocab", str(args.vocab), "--devices", str(args.devices),
                    "--token-cap", str(args.token_cap), "--seqs-per-device", str(args.seqs_per_device)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             row = json.loads(out.strip().splitlines()[-1])
             runs[name].append(row)
-            print(f"  {name} layers={layers}: {row['params'] / 1e6:.2f}M params, steady {row['steady_rss'] / 2**20:.0f}"
+            print(f"  {name} {layers}x{hidden}: {row['params'] / 1e6:.2f}M params, steady {row['steady_rss'] / 2**20:.0f}"
                   f" MiB, step peak {row['step_hwm'] / 2**20:.0f} MiB, XLA program peak "
                   f"{row['xla']['peak'] / 2**20:.0f} MiB (temp {row['xla']['temp'] / 2**20:.0f})", file=sys.stderr)
     summary = {}
@@ -153,8 +155,8 @@ def main(args) -> dict:
             if name != "odc":
                 summary[f"{name}_step_peak_over_odc"] = round(
                     summary[f"{name}_step_peak_bytes_per_param"] / summary["odc_step_peak_bytes_per_param"], 3)
-    print(f"Step memory per process ({args.devices} CPU devices), bytes per parameter (slope over layers "
-          f"{args.layers}, hidden {args.hidden}):")
+    print(f"Step memory per process ({args.devices} CPU devices), bytes per parameter (slope between the sizes "
+          f"{args.sizes}, layers x hidden):")
     print(f"{'engine':<12}{'step peak':>11}{'steady':>9}{'XLA peak':>10}{'XLA temp':>10}{'peak/ODC':>10}")
     for name in runs:
         ratio = summary.get(f"{name}_step_peak_over_odc", 1.0 if name == "odc" else float("nan"))
@@ -168,7 +170,7 @@ def main(args) -> dict:
         if os.path.exists(out):
             with open(out) as f:
                 saved = json.load(f)
-        config = {k: getattr(args, k) for k in ("layers", "hidden", "vocab", "devices", "token_cap",
+        config = {k: getattr(args, k) for k in ("sizes", "vocab", "devices", "token_cap",
                                                  "seqs_per_device")}
         saved[args.save] = {"summary": summary, "config": config, "runs": runs}
         with open(out, "w") as f:

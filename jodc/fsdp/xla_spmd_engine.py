@@ -98,6 +98,10 @@ class XlaSpmdEngine(Engine):
         leaf with a leading device axis, sharded over the devices)."""
 
         def per_device(full, h, microbatch):
+            # varying from here on: the gradient of each whole flat vector is reduced over the devices at once,
+            # after its tensors' gradients are put together, rather than tensor by tensor, each padded to the
+            # vector's size first (XLA kept those padded copies alive together: a dozen layers' worth of memory)
+            full = lax.pcast(full, self.axes, to="varying")
             params = tuple(self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
                            for g, v in zip(st.groups, full))
             out = st.fn(params, jax.tree.map(lambda x: x[0], h), microbatch)
