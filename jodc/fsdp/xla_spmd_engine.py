@@ -82,8 +82,8 @@ class XlaSpmdEngine(Engine):
             if self.remat:
                 h = self._fsdp_remat(stage, index == last)(tuple(flats[g] for g in st.groups), h, microbatch)
             else:  # the gathered parameters are kept for the backward: every stage's, the whole model
-                h = stage(self._gather(tuple(flats[g] for g in st.groups), h if index else microbatch["tokens"],
-                                       P(self.axes)), h, microbatch)
+                h = stage(self._gather(tuple(flats[g] for g in st.groups),
+                                       h if h is not None else microbatch["tokens"], P(self.axes)), h, microbatch)
         return h
 
     def _gather(self, flats, after, after_spec):
@@ -211,19 +211,19 @@ class XlaSpmdEngine(Engine):
         self.steps_done = int(state["step"])
 
 
-
 def _tie(mesh, tree, spec, after, after_spec):
     """`tree` (sharded by `spec`), made to depend on `after` (sharded by `after_spec`) on every device, so that XLA
-    computes nothing from it before `after` exists. The dependency is a select that never fires (a leaf of `tree` is
-    replaced by zeros only where the first local element of `after` is NaN, when the step is not finite anyway):
-    XLA cannot drop it, and each device reads only its own data (no collective)."""
+    computes nothing from it before `after` exists. The dependency is a select on a condition no value meets (the
+    first local element of `after` above +inf; false for NaN too), so `tree` passes unchanged, but XLA cannot see
+    that and cannot drop it; each device reads only its own data (no collective)."""
 
     def local(tree, after):
         probe = next(x for x in jax.tree.leaves(after) if x.size).ravel()[0].astype(jnp.float32)
-        nan = probe != probe
-        return jax.tree.map(lambda v: jnp.where(nan, jnp.zeros_like(v), v), tree)
+        never = probe > jnp.inf
+        return jax.tree.map(lambda v: jnp.where(never, jnp.zeros_like(v), v), tree)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, after_spec), out_specs=spec, check_vma=False)(tree, after)
+
 
 def _zero_cotangent(x):
     """The (unused) cotangent of a microbatch field: zeros, float0 for integer fields."""
