@@ -16,7 +16,7 @@ from jodc.fsdp import sharding, state
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, update_step
 from jodc.fsdp.optim import OptimizerConfig
-from jodc.fsdp.stages import StagedModel
+from jodc.fsdp.stages import StagedModel, split_loss
 
 
 class XlaSpmdEngine(Engine):
@@ -59,32 +59,104 @@ class XlaSpmdEngine(Engine):
         return int(self.mesh.devices.size)  # replicas x shards
 
     def _loss(self, flats, microbatch):
-        # FSDP's partitioning, stated: each group is gathered whole (one all-gather of its flat vector per
-        # microbatch, whose gradient flows back as a reduction into the shards) and every device runs its own
-        # rows. Left to itself the partitioner sliced the sharded flat vectors in place (a collective-permute
-        # wherever a tensor straddles two shards), and blockwise attention's loop over (row, block) pairs, which
-        # indexes rows dynamically, made it all-gather the rows' activations at every block: 400 collectives per
-        # step of bench/e2e.py --quick and every row's attention computed on every device. Within a process those
-        # are copies; across processes each is a gloo round trip (35 s per step). Hence the parameters are
-        # constrained to be replicated and the model runs per device under shard_map (its loss and metrics are
-        # sums over rows, so the psum is the whole microbatch's).
-        replicated = NamedSharding(self.mesh, P())
-        flats = {g: lax.with_sharding_constraint(v, replicated) for g, v in flats.items()}
+        # FSDP's partitioning, stated: stage by stage, the stage's groups are gathered whole right before it runs
+        # (each flat vector constrained to be replicated: XLA's partitioner places the all-gather), every device runs
+        # its own rows of the stage, and the gathered parameters are dropped after it; the backward gathers them
+        # again (remat), and their gradient flows back as a reduction into the shards. One stage's parameters are
+        # whole at a time, as in FSDP. Constraining every group to be replicated at once, as this engine first did,
+        # kept the whole model gathered for the whole step (bench/step_memory.py).
+        #
+        # Why per device at all: left to itself the partitioner sliced the sharded flat vectors in place (a
+        # collective-permute wherever a tensor straddles two shards), and blockwise attention's loop over (row,
+        # block) pairs, which indexes rows dynamically, made it all-gather the rows' activations at every block:
+        # 400 collectives per step of bench/e2e.py --quick and every row's attention computed on every device.
+        # Within a process those are copies; across processes each is a gloo round trip (35 s per step). Hence each
+        # stage runs per device under shard_map on the replicated parameters; the activations between stages stay
+        # sharded by rows (a leading device axis on every leaf), and the last stage's loss and metrics, sums over
+        # rows, are psummed into the whole microbatch's.
         specs = {k: P(self.axes) if jnp.ndim(v) else P() for k, v in microbatch.items()}
+        h = None
+        last = len(self.model.stages) - 1
+        for index, st in enumerate(self.model.stages):
+            stage = functools.partial(self._stage, st, specs, index == last)
+            if self.remat:
+                h = self._fsdp_remat(stage, index == last)(tuple(flats[g] for g in st.groups), h, microbatch)
+            else:  # the gathered parameters are kept for the backward: every stage's, the whole model
+                h = stage(self._gather(tuple(flats[g] for g in st.groups),
+                                       h if h is not None else microbatch["tokens"], P(self.axes)), h, microbatch)
+        return h
 
-        def per_device(flats, microbatch):
-            groups = {g: self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
-                      for g, v in flats.items()}
-            loss, metrics = self.model.loss_and_metrics(groups, microbatch, remat=self.remat)
-            return lax.psum((loss.astype(jnp.float32), metrics), self.axes)
+    def _gather(self, flats, after, after_spec):
+        """The whole (replicated) flat vectors of `flats`, gathered once `after` (a pytree with `after_spec`) is
+        computed: a constraint to be replicated, from which XLA's partitioner makes the all-gather."""
+        replicated = NamedSharding(self.mesh, P())
+        flats = _tie(self.mesh, flats, P("d"), after, after_spec)
+        return tuple(lax.with_sharding_constraint(v, replicated) for v in flats)
 
-        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), specs), out_specs=P())(flats, microbatch)
+    def _stage(self, st, specs, last, full, h, microbatch):
+        """One stage on its gathered groups (`full`: whole flat vectors), per device on the device's rows (`h`: every
+        leaf with a leading device axis, sharded over the devices)."""
+
+        def per_device(full, h, microbatch):
+            # varying from here on: the gradient of each whole flat vector is reduced over the devices at once,
+            # after its tensors' gradients are put together, rather than tensor by tensor, each padded to the
+            # vector's size first (XLA kept those padded copies alive together: a dozen layers' worth of memory)
+            full = lax.pcast(full, self.axes, to="varying")
+            params = tuple(self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
+                           for g, v in zip(st.groups, full))
+            out = st.fn(params, jax.tree.map(lambda x: x[0], h), microbatch)
+            if last:
+                loss, metrics = split_loss(out, self.model.metric_names)
+                return lax.psum((loss.astype(jnp.float32), metrics), self.axes)
+            return jax.tree.map(lambda x: x[None], out)
+
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), P(self.axes), specs),
+                             out_specs=P() if last else P(self.axes))(full, h, microbatch)
+
+    def _fsdp_remat(self, stage, last):
+        """`stage(full, h, microbatch)` on the gathered parameters, rematerialised as FSDP does it: a function of the
+        shards, `(flats, h, microbatch) -> output`, whose forward gathers the stage's groups once `h` is there and
+        keeps only its inputs (the shards, `h`, the microbatch); whose backward gathers them again once the
+        cotangent is there, recomputes the stage and reduces the parameter gradient into the shards; and whose
+        cotangent for `h` (the previous stage's backward) waits for that reduction.
+
+        Those waits are data dependencies (`_tie`), not `jax.checkpoint`: the gathers do not depend on the
+        microbatch, and XLA placed them all at the start of the step (hoisted out of the microbatch loop, or
+        scheduled first; optimization barriers are gone by then on CPU), every stage's parameters whole twice over
+        for the whole step, and it delayed every stage's gradient all-reduce to the end of the backward (combined
+        into one), every stage's whole gradient at once. That is what the collective engine's all_gathers get."""
+        rows = P(self.axes)
+
+        @jax.custom_vjp
+        def run(flats, h, microbatch):
+            return stage(self._gather(flats, h if h is not None else microbatch["tokens"], rows), h, microbatch)
+
+        def forward(flats, h, microbatch):
+            return run(flats, h, microbatch), (flats, h, microbatch)
+
+        def backward(saved, cotangent):
+            flats, h, microbatch = saved
+            full = self._gather(flats, cotangent, P() if last else rows)
+            _, vjp = jax.vjp(lambda full, h: stage(full, h, microbatch), full, h)
+            d_full, d_h = vjp(cotangent)
+            d_flats = tuple(lax.with_sharding_constraint(g, self.param_sharding) for g in d_full)
+            if d_h is not None:
+                d_h = _tie(self.mesh, d_h, rows, d_flats, P("d"))
+            return d_flats, d_h, jax.tree.map(_zero_cotangent, microbatch)
+
+        run.defvjp(forward, backward)
+        return run
 
     def _full_step(self, flats, opt_state, arrays, round_bucket, normalizer, lengths=()):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def microbatch_grads(mb, i):  # every microbatch's gradient reduced into the shards, summed there
+            aux, grads = grad_fn(flats, mb)
+            return aux, jax.tree.map(lambda g: lax.with_sharding_constraint(g, self.param_sharding), grads)
+
         # one program for all devices: round i runs every device's row at the longest bucket any of them needs
         loss, metric_sums, grads = microbatch_loop(
-            accumulate(lambda mb, i: grad_fn(flats, mb)), arrays, next(iter(arrays.values())).shape[0],
+            accumulate(microbatch_grads), arrays, next(iter(arrays.values())).shape[0],
             jax.tree.map(jnp.zeros_like, flats), normalizer=normalizer, lengths=lengths, bucket=round_bucket,
             metric_names=self.model.metric_names)
         flats, opt_state, loss, norm, metrics, applied = update_step(self.tx, self.optimizer, grads, flats,
@@ -114,3 +186,24 @@ class XlaSpmdEngine(Engine):
 
     def _load_canonical(self, loaded: dict[str, Any]) -> None:
         self.flats, self.opt_state = loaded["params"], loaded["opt_state"]
+
+
+def _tie(mesh, tree, spec, after, after_spec):
+    """`tree` (sharded by `spec`), made to depend on `after` (sharded by `after_spec`) on every device, so that XLA
+    computes nothing from it before `after` exists. The dependency is a select on a condition no value meets (the
+    first local element of `after` above +inf; false for NaN too), so `tree` passes unchanged, but XLA cannot see
+    that and cannot drop it; each device reads only its own data (no collective)."""
+
+    def local(tree, after):
+        probe = next(x for x in jax.tree.leaves(after) if x.size).ravel()[0].astype(jnp.float32)
+        never = probe > jnp.inf
+        return jax.tree.map(lambda v: jnp.where(never, jnp.zeros_like(v), v), tree)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, after_spec), out_specs=spec, check_vma=False)(tree, after)
+
+
+def _zero_cotangent(x):
+    """The (unused) cotangent of a microbatch field: zeros, float0 for integer fields."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
