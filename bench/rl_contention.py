@@ -47,6 +47,7 @@ def background(config_path: str, overrides: list[str]) -> None:
     its rollouts, wall and CPU seconds."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     from jodc.models.tokenizer import byte_level_tokenizer
+    from jodc.train.core.init_source import decoder_host_params
     from jodc.train.core.model import build_decoder
     from jodc.train.rl.config import load_rl_config
     from jodc.train.rl.rollout import sampling_params
@@ -57,8 +58,9 @@ def background(config_path: str, overrides: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     config = load_rl_config(config_path, overrides)
     r, tokenizer = config.rollout, byte_level_tokenizer()
-    model_config, params = build_decoder(config.model, tokenizer, max_length=config.engine.token_cap,
+    model_config, source = build_decoder(config.model, tokenizer, max_length=config.engine.token_cap,
                                          compute_dtype="float32", seed=0)
+    params = decoder_host_params(model_config, source)  # the sampler's host weights
     task = make_task(config.task.name, **config.task.task_options())
     sampler = RolloutSampler(task=task, seed=0, pool=None, rollout=r, model_config=model_config, tokenizer=tokenizer,
                              sampling=sampling_params(tokenizer, model_config, max_new_tokens=r.max_new_tokens,

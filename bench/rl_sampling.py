@@ -66,6 +66,7 @@ def build(args, devices: int):
     """(sampler over the first `devices` CPU devices, host params, counting reward) of the benchmark's rollouts."""
     from jodc.models.tokenizer import byte_level_tokenizer
     from jodc.train.core.config import ModelConfig
+    from jodc.train.core.init_source import decoder_host_params
     from jodc.train.core.model import build_decoder
     from jodc.train.rl.config import RolloutConfig
     from jodc.train.rl.rollout import sampling_params
@@ -73,8 +74,9 @@ def build(args, devices: int):
     from jodc.train.rl.tasks import make_task
 
     tokenizer = byte_level_tokenizer()
-    model_config, params = build_decoder(ModelConfig(preset=args.preset), tokenizer, max_length=128,
+    model_config, source = build_decoder(ModelConfig(preset=args.preset), tokenizer, max_length=128,
                                          compute_dtype="float32", seed=0)
+    params = decoder_host_params(model_config, source)  # the sampler's host weights
     task = make_task("arithmetic", max_digits=1, min_terms=2, max_terms=3)
     rollout = RolloutConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
     reward = CountingReward(task.reward)

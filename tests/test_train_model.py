@@ -4,6 +4,7 @@ import pytest
 
 from jodc.balance import FlopsCost, LinearCost
 from jodc.train.core.config import ModelConfig
+from jodc.train.core.init_source import RandomInitSource, abstract_groups, decoder_host_params
 from jodc.train.core.model import build_decoder, cost_model, model_shape, preset_config
 from jodc.train.core.presets import MODEL_PRESETS
 from jodc.models.tokenizer import byte_level_tokenizer
@@ -23,6 +24,7 @@ def test_build_decoder_from_a_preset_is_seeded():
     a_config, a = build_decoder(ModelConfig(preset="tiny"), TOK, max_length=64, compute_dtype="float32", seed=0)
     _, b = build_decoder(ModelConfig(preset="tiny"), TOK, max_length=64, compute_dtype="float32", seed=0)
     _, c = build_decoder(ModelConfig(preset="tiny"), TOK, max_length=64, compute_dtype="float32", seed=1)
+    a, b, c = (decoder_host_params(a_config, s) for s in (a, b, c))
     assert set(a) == {"embed", "layer_0", "layer_1", "head"} and a_config.hidden_size == 32
     assert isinstance(a["embed"]["embedding"], np.ndarray)
     np.testing.assert_array_equal(a["embed"]["embedding"], b["embed"]["embedding"])
@@ -51,6 +53,7 @@ def test_hf_checkpoint_must_cover_the_tokenizer_and_the_length(tmp_path):
     save_pretrained(Decoder(fits, rngs=nnx.Rngs(0)), str(tmp_path / "m2"))
     config, groups = build_decoder(ModelConfig(hf_path=str(tmp_path / "m2")), TOK, max_length=256,
                                    compute_dtype="float32", seed=0)
+    groups = decoder_host_params(config, groups)
     assert config.vocab_size == 300 and groups["embed"]["embedding"].shape == (300, 16)
     with pytest.raises(ValueError, match="max_length=512 exceeds the model's max_position_embeddings=256"):
         build_decoder(ModelConfig(hf_path=str(tmp_path / "m2")), TOK, max_length=512, compute_dtype="float32",
@@ -68,3 +71,27 @@ def test_cost_models():
     assert isinstance(cost_model("linear", config), LinearCost)
     with pytest.raises(ValueError, match="unknown cost model 'cubic'"):
         cost_model("cubic", config)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_random_init_per_group_equals_the_whole_models_init(dtype):
+    """RandomInitSource builds one group at a time, yet every group equals `init_params` of the whole model for the
+    same seed bit for bit (the same key split), and its slices pad with zeros past the group's end."""
+    import jax
+
+    from jodc.fsdp import GroupLayout
+    from jodc.models import init_params
+
+    config = preset_config("tiny", TOK, max_length=64).replace(param_dtype=dtype)
+    whole = init_params(config, jax.random.PRNGKey(3))
+    source = RandomInitSource(config, 3)
+    shapes = abstract_groups(config)
+    assert list(shapes) == list(whole)
+    for g, params in whole.items():
+        layout = GroupLayout.of(shapes[g])
+        want = np.asarray(layout.flatten(params))
+        n = layout.numel
+        assert source.flat_slice(g, 0, n).tobytes() == want.tobytes()
+        assert np.array_equal(source.flat_slice(g, n // 3, n + 7), np.concatenate([want[n // 3:], np.zeros(7)]))
+    with pytest.raises(ValueError, match="no parameter group 'nope'"):
+        source.flat_slice("nope", 0, 1)

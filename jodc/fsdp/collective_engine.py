@@ -36,7 +36,7 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         self.axes = sharding.device_axes(mesh)
         self.numels = {g: model.layouts[g].numel for g in model.group_names}
         self.shard_numels = sharding.shard_numels(self.numels, sharding.shards(mesh))
-        self._init_sharded_state(model.flatten_groups(groups))
+        self._init_sharded_state(groups)
 
     @property
     def num_devices(self) -> int:
@@ -61,7 +61,9 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         return loss.astype(jnp.float32), metrics
 
     def _device_step(self, shards, opt_state, arrays, round_bucket, normalizer, recorder=None, lengths=()):
-        shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
+        groups = self.model.group_names
+        shards, opt_state = sharding.local_state(shards, groups), sharding.local_state(opt_state, groups)
+        arrays = sharding.local(arrays)
         grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder), has_aux=True)
 
         def microbatch_grads(mb, i):
@@ -78,7 +80,7 @@ class CollectiveEngine(ShardedStateMixin, Engine):
             metric_names=self.model.metric_names, axis=self.axes, recorder=recorder)
         shards, opt_state, loss, norm, metrics, applied = update_step(
             self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis=self.axes)
-        return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None],
+        return (shards, sharding.stacked_state(opt_state, groups), loss[None], norm[None],
                 sharding.stacked(metrics), applied[None])
 
     def _build(self, arrays, recorder, lengths):

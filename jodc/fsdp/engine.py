@@ -81,7 +81,9 @@ class Engine(abc.ABC):
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):
-        missing = [g for g in model.group_names if g not in groups]
+        from jodc.fsdp.state import GroupSource
+
+        missing = [] if isinstance(groups, GroupSource) else [g for g in model.group_names if g not in groups]
         if missing:
             raise ValueError(f"initial parameters lack groups {missing}")
         self.model = model
@@ -98,6 +100,7 @@ class Engine(abc.ABC):
         self.length_buckets = length_buckets
         self.tx = make_optimizer(optimizer)
         self._compiled: dict[Any, Any] = {}
+        self.numels = {g: model.layouts[g].numel for g in model.group_names}  # each group's unpadded size
 
     def _place_state(self, flats: dict[str, Any], param_sharding, opt_sharding) -> None:
         """Places the parameters (`param_sharding`) and a fresh optimizer state (`opt_sharding`, made on device)
@@ -186,24 +189,101 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def num_devices(self) -> int: ...
 
+    # -- state -------------------------------------------------------------------------------------------------
+    # The canonical form (jodc.fsdp.state): {"params": {group: 1-D fp32, the group's flat vector then zeros},
+    # "opt_state": the optax tree, group leaves likewise, the step count a scalar}, as jax.Arrays split over the mesh
+    # ('d'; replicated over HSDP replica groups). An engine maps its own layout to it without moving data.
+
     @abc.abstractmethod
+    def _canonical(self) -> dict[str, Any]:
+        """The engine's state in canonical form (the engine's own device buffers, no copy)."""
+
+    @abc.abstractmethod
+    def _targets(self) -> dict[str, Any]:
+        """`jax.ShapeDtypeStruct`s (shape, dtype, sharding) of `_canonical()`: what a checkpoint restores into."""
+
+    @abc.abstractmethod
+    def _load_canonical(self, state: dict[str, Any]) -> None:
+        """Takes `state` (arrays shaped and placed as `_targets()`) as the engine's state."""
+
+    def sharded_params(self) -> dict[str, jax.Array]:
+        """The fp32 master parameters, per group a 1-D vector (its flat parameters in layout order, then zeros:
+        cut at `numels[group]`) split over the engine's devices. The engine's own buffers: nothing is copied or
+        gathered. `model.layouts[g].unflatten(v[:numels[g]])` gives a group's pytree."""
+        return self._canonical()["params"]
+
+    def sharded_state(self) -> dict[str, Any]:
+        """Everything a checkpoint needs but the step count, in canonical form (see above), without a copy: orbax
+        saves it as it is, each process writing the shards of its own devices once."""
+        return self._canonical()
+
+    def state_targets(self) -> dict[str, Any]:
+        """Shapes, dtypes and shardings of `sharded_state()` in this engine's layout: a restore reads into them (any
+        checkpoint whose group vectors hold the same numels, whatever layout wrote it: the zero tails differ)."""
+        return self._targets()
+
+    def load_sharded_state(self, state: dict[str, Any], steps_done: int) -> None:
+        """Takes a canonical `state` shaped and placed as `state_targets()` (e.g. restored by orbax) as the engine's
+        parameters and optimizer state; `steps_done` applied updates so far. ValueError when a leaf's shape or
+        placement differs."""
+        targets = self._targets()
+        if jax.tree.structure(state) != jax.tree.structure(targets):
+            raise ValueError(f"the {self.name} engine's state has the structure {jax.tree.structure(targets)}, got "
+                             f"{jax.tree.structure(state)}")
+        for (path, x), t in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(targets)):
+            if x.shape != t.shape or x.dtype != t.dtype or not x.sharding.is_equivalent_to(t.sharding, x.ndim):
+                raise ValueError(f"state leaf {jax.tree_util.keystr(path)}: {x.dtype}{list(x.shape)} on {x.sharding}, "
+                                 f"the {self.name} engine needs {t.dtype}{list(t.shape)} on {t.sharding}")
+        self._load_canonical(state)
+        self.steps_done = int(steps_done)
+
+    def nonfinite_groups(self) -> list[str]:
+        """The parameter groups holding a NaN or an infinity, checked on the devices (one boolean per group comes
+        back). Across processes every process must call it (a collective)."""
+        flags = _all_finite(self.sharded_params())
+        return sorted(g for g, ok in flags.items() if not sharding.first_value(ok))
+
+    def group_to_host(self, group: str) -> np.ndarray:
+        """One group's fp32 master parameters, flat (its numel), gathered to this host: a collective across
+        processes (every process calls it for the same groups in the same order). One group at a time is what an
+        export holds."""
+        from jodc.fsdp.state import host_copy
+
+        return host_copy(self.sharded_params()[group])[: self.numels[group]]
+
     def flat_params(self) -> dict[str, np.ndarray]:
-        """Current fp32 master parameters, one flat (unpadded) vector per group, on the host."""
+        """Every group's fp32 master parameters on the host (`group_to_host`): the whole model in this process. For
+        tests and small models; training, checkpoints and exports never call it."""
+        return {g: self.group_to_host(g) for g in self.model.group_names}
 
     def params(self) -> dict[str, Any]:
-        """Current parameters as the model's group pytrees (fp32, host)."""
+        """Current parameters as the model's group pytrees (fp32, host; the whole model: see `flat_params`)."""
         return {g: jax.tree.map(np.asarray, self.model.layouts[g].unflatten(jnp.asarray(v)))
                 for g, v in self.flat_params().items()}
 
-    @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint needs to resume exactly: flat params, optimizer state, step count (host)."""
+        """The canonical state on the host, group vectors cut to their numels, with the step count: the whole model
+        and optimizer state in this process (tests, small models; checkpoints save `sharded_state()` instead)."""
+        from jodc.fsdp.state import to_host_canonical
 
-    @abc.abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+        return {**to_host_canonical(self.sharded_state(), self.numels), "step": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict` (any engine's, any layout's: group vectors of their numel or zero-padded)."""
+        from jodc.fsdp.state import from_host_canonical
+
+        targets = self._targets()
+        loaded = jax.tree.unflatten(jax.tree.structure(targets),
+                                    jax.tree.leaves({k: v for k, v in state.items() if k != "step"}))
+        self.load_sharded_state(from_host_canonical(loaded, targets, self.numels), int(state["step"]))
 
     def close(self) -> None:
         """Releases native resources (ODC heap); the engine is unusable afterwards."""
+
+
+@jax.jit
+def _all_finite(params):
+    return {g: jnp.all(jnp.isfinite(v)) for g, v in params.items()}
 
 
 # -- the pieces of a compiled step -------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class ODCEngine(ShardedStateMixin, Engine):
         native = {g: b.shard_numel for g, b in self.buckets.items()}
         if native != self.shard_numels:  # one layout for every engine and checkpoint; never expected to differ
             raise RuntimeError(f"the heap's shard sizes {native} differ from jodc.ops.layout's {self.shard_numels}")
-        self._init_sharded_state(model.flatten_groups(groups))
+        self._init_sharded_state(groups)
 
     @property
     def num_devices(self) -> int:
@@ -85,7 +85,9 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     def _device_step(self, shards, opt_state, arrays, counts, bucket_index, normalizer, recorder=None,
                      lengths=()):
-        shards, opt_state, arrays = sharding.local(shards), sharding.local(opt_state), sharding.local(arrays)
+        groups = self.model.group_names
+        shards, opt_state = sharding.local_state(shards, groups), sharding.local_state(opt_state, groups)
+        arrays = sharding.local(arrays)
         layers = self._layers()
 
         def microbatch_loss(anchor, token, microbatch, i):
@@ -134,7 +136,7 @@ class ODCEngine(ShardedStateMixin, Engine):
             token = ops.publish(self.buckets[g], shards[g], token)
         token = self._barrier(token, recorder)  # nobody gathers the next minibatch before everyone published
         shards = jax.tree.map(lambda s: ops.depend_on(s, token), shards)  # results wait for the last barrier
-        return (sharding.stacked(shards), sharding.stacked(opt_state), loss[None], norm[None],
+        return (shards, sharding.stacked_state(opt_state, groups), loss[None], norm[None],
                 sharding.stacked(metrics), applied[None])
 
     def _barrier(self, token, recorder, every_group: bool = False):
@@ -182,9 +184,21 @@ class ODCEngine(ShardedStateMixin, Engine):
         return self.heap.block_until_ready(outputs)
 
     # -- state ---------------------------------------------------------------------------------------------------
-    def _params_loaded(self, params: dict[str, np.ndarray]) -> None:
-        for g, b in self.buckets.items():
-            b.set_full(params[g])
+    def _params_loaded(self) -> None:
+        """Publishes the engine's shards into the heap, each device its own (on device: no host copy, no process
+        writes another's shard), then meets the others, so no gather reads a shard before it is published."""
+        self.heap.check_alive()
+        axes, groups = self.axes, self.model.group_names
+
+        def publish_all(shards):
+            token = ops.new_token(axes)
+            for g in groups:
+                token = ops.publish(self.buckets[g], shards[g], token)
+            return self._barrier(token, None)[None]
+
+        fn = self._cached("publish", lambda: jax.jit(jax.shard_map(
+            publish_all, mesh=self.mesh, in_specs=(sharding.device_spec(self.shards, axes),), out_specs=P(axes))))
+        self._wait(fn(self.shards))
 
     def close(self) -> None:
         self.heap.free()

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jodc.fsdp import state
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, update_step
 from jodc.fsdp.optim import OptimizerConfig
@@ -31,7 +32,8 @@ class ReferenceEngine(Engine):
         self._num_devices = 1 if mesh is None else int(mesh.devices.size)
         self.device = jax.devices("cpu")[0] if mesh is None else mesh.devices.flat[0]
         on_device = jax.sharding.SingleDeviceSharding(self.device)
-        self._place_state({g: jnp.asarray(v) for g, v in model.flatten_groups(groups).items()}, on_device, on_device)
+        flats = state.place_groups(state.as_source(groups, model.layouts), self.numels, on_device)
+        self._place_state(flats, on_device, on_device)
         self._step = self._jit_step(self._full_step, on_device)
 
     @property
@@ -64,16 +66,11 @@ class ReferenceEngine(Engine):
     def _check_batch(self, batch: MinibatchArrays) -> None:
         pass  # any device count: the reference flattens the plan
 
-    def flat_params(self) -> dict[str, np.ndarray]:
-        return {g: np.asarray(v).copy() for g, v in self.flats.items()}
+    def _canonical(self) -> dict[str, Any]:
+        return {"params": self.flats, "opt_state": self.opt_state}  # unpadded: canonical as it is
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"params": self.flat_params(), "opt_state": jax.tree.map(np.asarray, self.opt_state),
-                "step": self.steps_done}
+    def _targets(self) -> dict[str, Any]:
+        return state.targets_of(self._canonical())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.flats = jax.device_put({g: jnp.asarray(state["params"][g], jnp.float32)
-                                     for g in self.model.group_names}, self.device)
-        loaded = jax.tree.unflatten(jax.tree.structure(self.opt_state), jax.tree.leaves(state["opt_state"]))
-        self.opt_state = jax.device_put(jax.tree.map(jnp.asarray, loaded), self.device)
-        self.steps_done = int(state["step"])
+    def _load_canonical(self, loaded: dict[str, Any]) -> None:
+        self.flats, self.opt_state = loaded["params"], loaded["opt_state"]

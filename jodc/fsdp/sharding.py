@@ -50,6 +50,28 @@ def stacked(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
 
+def group_of(path, groups) -> str | None:
+    """The parameter group a pytree leaf belongs to (the first key on its `path` that names one of `groups`), or
+    None (optax's step count, a schedule's state)."""
+    for key in path:
+        name = getattr(key, "key", None)
+        if name in groups:
+            return name
+    return None
+
+
+def local_state(tree, groups):
+    """Inside shard_map: a sharded engine's state as one device sees it. Group leaves are 1-D vectors split over the
+    devices ([devices x shard] globally, this device's [shard] here: no device axis to drop); the other leaves
+    (optax's step count) carry a leading device axis of size 1, dropped."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: x if group_of(p, groups) else x[0], tree)
+
+
+def stacked_state(tree, groups):
+    """Inverse of `local_state`: the device axis put back on the leaves that are not a group's."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: x if group_of(p, groups) else x[None], tree)
+
+
 def put_per_device(mesh: Mesh, tree):
     """Places host arrays [D, ...] so device d holds row d (device (r, d) row r * shards + d on an HSDP mesh).
     Across processes only this process's devices' rows are read (`put_sharded`): the others may be placeholders."""
@@ -123,15 +145,17 @@ def shard_numels(numels: dict[str, int], devices: int) -> dict[str, int]:
 
 
 def opt_state_specs(tx, shards, axes="d"):
-    """PartitionSpecs of the optimizer state of per-device `shards` ([D, shard] leaves): every leaf split over
-    `axes` (each device keeps its own moments and step count)."""
-    shapes = jax.eval_shape(lambda s: tx.init(local(s)), shards)
+    """PartitionSpecs of the optimizer state of sharded `shards` (1-D [devices x shard] leaves, `local_state`): every
+    leaf split over `axes` (each device keeps its own moments and step count)."""
+    shapes = jax.eval_shape(tx.init, shards)
     return jax.tree.map(lambda _: P(axes), shapes)
 
 
-def init_opt_state(tx, mesh: Mesh, shards):
-    """`tx.init` run on every device's own shard under shard_map: optimizer state with a leading device axis."""
+def init_opt_state(tx, mesh: Mesh, shards, out_shardings=None):
+    """`tx.init` run on every device's own shard under shard_map: moments split like `shards`, the step count with a
+    leading device axis (`local_state`)."""
     axes = device_axes(mesh)
-    init = jax.shard_map(lambda s: stacked(tx.init(local(s))), mesh=mesh, in_specs=(device_spec(shards, axes),),
-                         out_specs=opt_state_specs(tx, shards, axes))
+    groups = tuple(shards)
+    init = jax.shard_map(lambda s: stacked_state(tx.init(s), groups), mesh=mesh,
+                         in_specs=(device_spec(shards, axes),), out_specs=opt_state_specs(tx, shards, axes))
     return jax.jit(init)(shards)

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jodc.fsdp import sharding
+from jodc.fsdp import sharding, state
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, update_step
 from jodc.fsdp.optim import OptimizerConfig
@@ -40,8 +40,8 @@ class XlaSpmdEngine(Engine):
         shards = sharding.shards(mesh)
         self.padded = {g: n * shards for g, n in sharding.shard_numels(self.numels, shards).items()}
         self.param_sharding = NamedSharding(mesh, P("d"))
-        flats = model.flatten_groups(groups)
-        flats = {g: np.pad(flats[g], (0, self.padded[g] - self.numels[g])) for g in model.group_names}
+        # split over 'd' (replicated over HSDP replica groups): the canonical layout itself (jodc.fsdp.state)
+        flats = state.place_groups(state.as_source(groups, model.layouts), self.padded, self.param_sharding)
         self._place_state(flats, self.param_sharding, self._opt_shardings(jax.eval_shape(self.tx.init, flats)))
         self.batch_sharding = NamedSharding(mesh, P(None, self.axes, None))  # [M, D, T]: one row per device
 
@@ -106,34 +106,11 @@ class XlaSpmdEngine(Engine):
             sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))
         return loss, norm, metrics, applied
 
-    def flat_params(self) -> dict[str, np.ndarray]:
-        return {g: sharding.to_host(v)[: self.numels[g]].copy() for g, v in self.flats.items()}
+    def _canonical(self) -> dict[str, Any]:
+        return {"params": self.flats, "opt_state": self.opt_state}  # canonical as it is: split over 'd'
 
-    def state_dict(self) -> dict[str, Any]:
-        def trim(path, leaf):
-            leaf = sharding.to_host(leaf)
-            for key in path:
-                name = getattr(key, "key", None)
-                if name in self.numels:
-                    return leaf[: self.numels[name]]
-            return leaf
+    def _targets(self) -> dict[str, Any]:
+        return state.targets_of(self._canonical())
 
-        return {"params": self.flat_params(),
-                "opt_state": jax.tree_util.tree_map_with_path(trim, self.opt_state), "step": self.steps_done}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        def pad(path, leaf):
-            leaf = np.asarray(leaf)
-            for key in path:
-                name = getattr(key, "key", None)
-                if name in self.numels:
-                    return jax.device_put(np.pad(leaf, (0, self.padded[name] - self.numels[name])),
-                                          self.param_sharding)
-            return sharding.put_replicated(self.mesh, leaf)
-
-        self.flats = {g: jax.device_put(np.pad(np.asarray(state["params"][g], np.float32),
-                                               (0, self.padded[g] - self.numels[g])), self.param_sharding)
-                      for g in self.model.group_names}
-        loaded = jax.tree.unflatten(jax.tree.structure(self.opt_state), jax.tree.leaves(state["opt_state"]))
-        self.opt_state = jax.tree_util.tree_map_with_path(pad, loaded)
-        self.steps_done = int(state["step"])
+    def _load_canonical(self, loaded: dict[str, Any]) -> None:
+        self.flats, self.opt_state = loaded["params"], loaded["opt_state"]

@@ -2,9 +2,16 @@
 
 A checkpoint is one orbax step directory `out_dir/checkpoints/<step>/` with two items:
 
-* `engine`: the engine's canonical state (`Engine.state_dict()` less its step count: flat fp32 parameters per
-  group and the optimizer state), independent of the engine kind and the device count;
-* `trainer`: JSON with the step, the data sampler's position, the config and a few numbers for humans.
+* `engine`: the engine's canonical state (`Engine.sharded_state()`: per parameter group a flat fp32 vector of the
+  parameters and of each Adam moment, followed by the writing layout's zero padding, and optax's step count),
+  saved as the sharded `jax.Array`s it is: every process writes its own devices' shards, once per HSDP replica group,
+  into one OCDBT store. A restore reads into the current engine's layout (`Engine.state_targets()`): each process
+  reads only the byte ranges its devices own, and the zero tail is padded or cut to this layout's padding, so any
+  device count, process count, flat or HSDP mesh, or engine kind restores any checkpoint bit for bit. Checkpoints
+  written before sharded saves (one unpadded host vector per group, written by process 0) are the same tree with
+  no padding: they load the same way.
+* `trainer`: JSON with the step, the data sampler's position, the config, the groups' sizes (`group_numels`: what a
+  restore checks the vectors against) and a few numbers for humans.
 
 Orbax writes each step into a temporary directory and renames it into place only when complete, so a crash
 while saving leaves the previous checkpoints intact and the half-written one is never taken for a checkpoint
@@ -27,6 +34,7 @@ from jodc.models import DecoderConfig, merge_params, param_groups, save_pretrain
 from jodc.models.tokenizer import Tokenizer, save_tokenizer
 
 ENGINE_ITEM, TRAINER_ITEM = "engine", "trainer"
+NUMELS_KEY = "group_numels"  # the trainer item's record of each parameter group's size
 
 
 def _preservation_options(keep: int) -> dict:
@@ -58,10 +66,11 @@ class CheckpointStore:
 
     def save(self, step: int, engine_state: dict[str, Any], trainer_state: dict[str, Any]) -> str:
         """Writes checkpoint `step` (replacing nothing: a step that already exists is an error) and returns its
-        directory. `engine_state` is `Engine.state_dict()`; `trainer_state` must be JSON-serialisable."""
+        directory. `engine_state` is `Engine.sharded_state()` (sharded `jax.Array`s, saved without a host copy of the
+        whole; host arrays are accepted too); `trainer_state` must be JSON-serialisable. Every process calls it."""
         if step in self.manager.all_steps():
             raise ValueError(f"checkpoint step {step} already exists in {self.directory}")
-        state = _arrays_only(engine_state)
+        state = _without_step(engine_state)
         saved = self.manager.save(step, args=ocp.args.Composite(**{
             ENGINE_ITEM: ocp.args.StandardSave(state),
             TRAINER_ITEM: ocp.args.JsonSave({**trainer_state, "step": int(step)}),
@@ -95,23 +104,64 @@ class CheckpointStore:
                                f"({'; '.join(reasons)}); use another run.out_dir for a new run")
         return latest
 
-    def restore(self, step: int, engine_template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(engine state, trainer state) of checkpoint `step`. `engine_template` is the current engine's
-        `state_dict()`: it gives the tree structure and shapes, and a checkpoint of another model is refused."""
-        template = _arrays_only(engine_template)
+    def restore(self, step: int, targets: dict[str, Any], numels: dict[str, int] | None = None
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(engine state, trainer state) of checkpoint `step`, the engine state's "step" set to the trainer's.
+
+        `targets`: the tree to restore into, `Engine.state_targets()` (`jax.ShapeDtypeStruct`s with shardings: each
+        process reads only its devices' byte ranges, any layout's padding is padded or cut to this one's) or host
+        arrays (restored as numpy, shapes exact). `numels`: each parameter group's size; with it, every vector under
+        a group must hold that many elements (a checkpoint of another model is refused before anything is read)."""
+        template = _without_step(targets)
+        trainer_state = self.read_trainer_state(step)
+        sharded = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template))
+        if numels is not None:
+            self._check_sizes(step, template, numels, trainer_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**{
-                ENGINE_ITEM: ocp.args.StandardRestore(template),
-                TRAINER_ITEM: ocp.args.JsonRestore(),
+                ENGINE_ITEM: ocp.args.StandardRestore(template, strict=not sharded),
             }))
         except (ValueError, KeyError) as e:
             raise ValueError(f"checkpoint {self.step_dir(step)} does not match this model and optimizer: {e}"
                              ) from None
         engine_state = dict(restored[ENGINE_ITEM])
         _check_shapes(engine_state, template, self.step_dir(step))
-        trainer_state = dict(restored[TRAINER_ITEM])
         engine_state["step"] = int(trainer_state["step"])
         return engine_state, trainer_state
+
+    def saved_shapes(self, step: int) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """The shapes of checkpoint `step`'s engine arrays as written, by key path (nothing but the metadata is
+        read)."""
+        metadata = self.manager.item_metadata(step)[ENGINE_ITEM]
+        return _shapes_by_path(metadata, is_leaf=lambda m: hasattr(m, "shape"))
+
+    def _check_sizes(self, step: int, template, numels: dict[str, int], trainer_state: dict[str, Any]) -> None:
+        """Refuses checkpoint `step` when its tree or its groups' sizes are not this model's: the sizes it records
+        (`group_numels`), or, for a checkpoint written before they were recorded, the vectors' own lengths (then
+        unpadded)."""
+        where = self.step_dir(step)
+        recorded = trainer_state.get(NUMELS_KEY)
+        if recorded is not None and dict(recorded) != dict(numels):
+            differ = sorted(g for g in set(recorded) | set(numels) if recorded.get(g) != numels.get(g))
+            raise ValueError(f"checkpoint {where} holds parameter groups of other sizes than this model's (groups "
+                             f"{differ}: {[recorded.get(g) for g in differ]} saved, {[numels.get(g) for g in differ]} "
+                             "here): it was written for another model")
+        saved, wanted = self.saved_shapes(step), _shapes_by_path(template)
+        if set(saved) != set(wanted):
+            odd = sorted("/".join(p) for p in set(saved) ^ set(wanted))[:4]
+            raise ValueError(f"checkpoint {where} does not match this model and optimizer: it holds {len(saved)} "
+                             f"arrays, this engine {len(wanted)} (differing: {odd})")
+        for path, shape in saved.items():
+            g = next((k for k in path if k in numels), None)
+            if g is None:
+                if shape != wanted[path]:
+                    raise ValueError(f"checkpoint {where} holds {'/'.join(path)} of shape {shape}, this engine "
+                                     f"{wanted[path]}: it was written for another model")
+                continue
+            short = len(shape) != 1 or shape[0] < numels[g]
+            if short or (recorded is None and shape[0] != numels[g]):
+                raise ValueError(f"checkpoint {where} holds an array of shape {shape} for group {g!r}, whose "
+                                 f"{numels[g]} parameters this model has: it was written for another model")
 
     def _await_tmp_cleanup(self) -> None:
         """Waits for the removal of half-written checkpoints that the manager starts in a background thread when it
@@ -133,10 +183,23 @@ class CheckpointStore:
             self.manager = None
 
 
-def _arrays_only(engine_state: dict[str, Any]) -> dict[str, Any]:
-    """The engine state without its step count (kept in the JSON item), every leaf a numpy array (orbax restores
-    numpy scalars such as optax's step counter only as 0-d arrays)."""
-    return jax.tree.map(np.asarray, {k: v for k, v in engine_state.items() if k != "step"})
+def _without_step(engine_state: dict[str, Any]) -> dict[str, Any]:
+    """The engine state without its step count (kept in the JSON item); host scalars (numpy scalars such as optax's
+    step counter, which orbax restores only as 0-d arrays) as numpy arrays, jax arrays and shape structs as they
+    are."""
+    def leaf(x):
+        return x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else np.asarray(x)
+
+    return jax.tree.map(leaf, {k: v for k, v in engine_state.items() if k != "step"})
+
+
+def _shapes_by_path(tree, is_leaf=None) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{key path as names: shape} of a tree's leaves; a path's keys as names (dict keys, sequence indices, attribute
+    names), so an optax state and orbax's metadata of it (dicts for named tuples) name a leaf alike."""
+    def names(path):
+        return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+    return {names(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
 
 
 def _check_shapes(restored, template, where: str) -> None:

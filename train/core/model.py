@@ -7,14 +7,16 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
 from jodc import fsdp
-from jodc.models import DecoderConfig, init_params, load_pretrained, split_params
+from jodc.fsdp.stages import GroupLayout
+from jodc.fsdp.state import GroupSource, PytreeSource
+from jodc.models import DecoderConfig, load_pretrained, split_params
 from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
 from .config import ModelConfig, parse_length_buckets
+from .init_source import RandomInitSource
 from .presets import MODEL_PRESETS
 
 
@@ -39,8 +41,9 @@ def hf_tokenizer_path(model: ModelConfig) -> str | None:
 
 
 def build_decoder(model: ModelConfig, tokenizer: Tokenizer, *, max_length: int, compute_dtype: str, seed: int
-                  ) -> tuple[DecoderConfig, dict]:
-    """(config, group params as host fp32 arrays) of the model to train."""
+                  ) -> tuple[DecoderConfig, GroupSource]:
+    """(config, where its initial parameters come from) of the model to train: a `GroupSource` the engine asks for
+    its own devices' ranges, one group at a time (random initialisation from `seed`, or the HF checkpoint)."""
     if model.hf_path:
         if not os.path.isdir(model.hf_path):
             raise FileNotFoundError(f"model.hf_path {model.hf_path} is not a directory")
@@ -48,12 +51,12 @@ def build_decoder(model: ModelConfig, tokenizer: Tokenizer, *, max_length: int, 
                                   attention_impl=model.attention_impl,
                                   attention_block_size=model.attention_block_size)
         config = decoder.config
-        groups = jax.tree.map(np.asarray, split_params(decoder))
+        groups = PytreeSource({g: GroupLayout.of(v) for g, v in split_params(decoder).items()}, split_params(decoder))
     else:
         config = preset_config(model.preset, tokenizer, max_length=max_length, compute_dtype=compute_dtype,
                                attention_impl=model.attention_impl,
                                attention_block_size=model.attention_block_size)
-        groups = jax.tree.map(np.asarray, init_params(config, jax.random.PRNGKey(seed)))
+        groups = RandomInitSource(config, seed)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has "
                          f"{config.vocab_size} rows")

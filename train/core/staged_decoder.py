@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import jax
 
-from jodc.fsdp.stages import Stage, StagedModel
+from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
+from jodc.fsdp.state import GroupSource
 from jodc.losses import sft_loss_from_logits
 from jodc.models import layerwise
 from jodc.models.config import DecoderConfig
 from jodc.models.value_head import VALUE_HEAD, init_value_head, value_apply
+
+from .init_source import WithGroups, abstract_groups
 
 
 def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, seed: int = 0,
                          logprob_chunk_size: int | None = None, head_loss=None,
                          metric_names: tuple[str, ...] = (), value_head: bool = False
                          ) -> tuple[StagedModel, dict]:
-    """Returns (staged model, initial group params). `groups` defaults to a random initialisation from `seed`.
+    """Returns (staged model, initial group params). `groups` defaults to a random initialisation from `seed`; it may
+    be a `jodc.fsdp.state.GroupSource` (e.g. `train.core.init_source.RandomInitSource`: each engine then builds only
+    its devices' ranges, group by group), which is returned in its place.
 
     `head_loss(logits_btv, microbatch)` turns the logits of a microbatch (fields: tokens, targets, loss_mask,
     positions, segment_ids, normalizer, plus the minibatch's extras) into its loss, or into (loss, {metric: value})
@@ -30,14 +35,21 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
     """
     if groups is None:
         groups = layerwise.init_params(config, jax.random.PRNGKey(seed))
+    source = groups if isinstance(groups, GroupSource) else None
+    shapes = abstract_groups(config) if source is not None else groups
     names = layerwise.param_groups(config)
     layer_names = names[1:-1]
     if value_head:
         if head_loss is None:
             raise ValueError("decoder_staged_model: value_head=True needs a head_loss taking the values")
-        groups = {**groups, VALUE_HEAD: groups.get(VALUE_HEAD, init_value_head(config))}
+        value = init_value_head(config) if source is not None else groups.get(VALUE_HEAD, init_value_head(config))
+        shapes = {**shapes, VALUE_HEAD: value}
         names = names + [VALUE_HEAD]
-    missing = [n for n in names if n not in groups]
+        if source is not None:
+            source = WithGroups(source, {VALUE_HEAD: GroupLayout.of(value)}, {VALUE_HEAD: value})
+        else:
+            groups = shapes
+    missing = [n for n in names if n not in shapes]
     if missing:
         raise ValueError(f"decoder parameter groups {missing} are missing")
 
@@ -61,5 +73,6 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
     head_groups = (layerwise.HEAD, layerwise.EMBED) if config.tie_word_embeddings else (layerwise.HEAD,)
     head_groups += (VALUE_HEAD,) if value_head else ()
     stages.append(Stage(layerwise.HEAD, head_groups, head))
-    ordered = {n: groups[n] for n in names}
-    return StagedModel.build(ordered, stages, metric_names), ordered
+    ordered = {n: shapes[n] for n in names}
+    model = StagedModel.build(ordered, stages, metric_names)
+    return model, (source if source is not None else ordered)

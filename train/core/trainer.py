@@ -23,7 +23,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from jodc.train.core.staged_decoder import decoder_staged_model
 from jodc.fsdp.engine import nonfinite_cause
@@ -31,7 +30,7 @@ from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
 from .callbacks import Callback, EngineFactory, emit
-from .checkpoint import CheckpointStore, export_hf
+from .checkpoint import NUMELS_KEY, CheckpointStore, export_hf
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
 from .model import build_decoder, cost_model, make_engine, make_planner
@@ -125,10 +124,10 @@ class Trainer:
 
     def _restore(self, step: int) -> int:
         """Loads checkpoint `step` into the engine; returns the number of steps already done."""
-        engine_state, state = self.store.restore(step, self.engine.state_dict())
+        engine_state, state = self.store.restore(step, self.engine.state_targets(), self.engine.numels)
         self.skipped = self.skipped_in(state)
-        engine_state["step"] = self.restored(step, state)  # the engine counts applied updates
-        self.engine.load_state_dict(engine_state)
+        engine_state.pop("step")
+        self.engine.load_sharded_state(engine_state, self.restored(step, state))  # the engine counts applied updates
         self.log(f"resumed from {self.store.step_dir(step)} (step {step})")
         return step
 
@@ -140,13 +139,12 @@ class Trainer:
         e = self.config.engine
         state = {**self.checkpoint_state(done), "config": to_dict(self.config), self.SKIPPED_KEY: self.skipped,
                  "data_fingerprint": self.data_fingerprint, "engine": e.name, "devices": e.devices,
-                 "schedule_steps": self.config.total_steps}
-        engine_state = self.engine.state_dict()
-        bad = sorted(g for g, v in engine_state["params"].items() if not np.isfinite(v).all())
+                 "schedule_steps": self.config.total_steps, NUMELS_KEY: self.engine.numels}
+        bad = self.engine.nonfinite_groups()  # checked on the devices
         if bad:  # the engines never apply a non-finite step; this is the last line of defence for checkpoints
             raise FloatingPointError(f"step {done}: parameter groups {bad} hold NaN or inf values; refusing to save "
                                      f"them (latest checkpoint: step {self.store.latest_step()})")
-        self.store.save(done, engine_state, state)
+        self.store.save(done, self.engine.sharded_state(), state)  # each process writes its own shards
         self.last_saved_step = done
 
     def close(self) -> None:

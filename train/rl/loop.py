@@ -37,6 +37,7 @@ import numpy as np
 
 from jodc.losses import kl_controller_from_state
 from jodc.models.tokenizer import load_tokenizer
+from jodc.models.layerwise import param_groups
 
 from ..core import distributed
 from ..core.metrics import read_metrics
@@ -146,9 +147,9 @@ class RLRun(Trainer):
                               default=0)
         self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
                           metric_names=self.objective.metric_names, value_head=self.objective.critic)
-        # the KL reference (the initial policy): a sharded copy of the engine's state now, before any resume
-        self.reference = (ShardedReference(self.model_config, held_copy(self.engine), self.model.layouts,
-                                           temperature=r.temperature, bucket=r.prompt_bucket)
+        # the KL reference (the initial policy): a sharded copy of the engine's decoder groups now, before any resume
+        self.reference = (ShardedReference(self.model_config, held_copy(self.engine, param_groups(self.model_config)),
+                                           self.model.layouts, temperature=r.temperature, bucket=r.prompt_bucket)
                           if config.loss.kl_coef or config.loss.kl_in_reward_coef else None)
         self.step_reference = None  # the reference gathered for the current step's passes
         self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,

@@ -30,17 +30,8 @@ FLOAT32 = "float32"
 
 
 def sharded_params(engine) -> dict[str, jax.Array]:
-    """The engine's current fp32 parameters per group as it holds them, without a copy.
-
-    TEMPORARY SHIM until `Engine.sharded_params()` lands on main: the engines' live state arrays (ODC / collective
-    `shards[g]` [devices, shard] rows; XLA-SPMD `flats[g]` padded 1-D over 'd'; the reference engine's `flats[g]`
-    on its one device). The gather below flattens what it gets, so either form works; remove this after the merge."""
-    if hasattr(engine, "sharded_params"):
-        return engine.sharded_params()
-    state = getattr(engine, "shards", None)
-    if state is None:
-        state = engine.flats
-    return dict(state)
+    """The engine's current fp32 parameters per group (`Engine.sharded_params`: 1-D over its devices, no copy)."""
+    return engine.sharded_params()
 
 
 def _source(engine_or_params, layouts=None):
@@ -221,7 +212,9 @@ def trainer_params(params):
     return params.trainer if isinstance(params, PolicyWeights) else params
 
 
-def held_copy(engine) -> dict[str, jax.Array]:
-    """A copy of the engine's sharded fp32 state as it is now (the KL reference: the run's initial policy), held
-    sharded as the engine holds it (1 / devices of the model per device), unaffected by later steps."""
-    return {g: jnp.copy(flat) for g, flat in sharded_params(engine).items()}
+def held_copy(engine, groups: Sequence[str] | None = None) -> dict[str, jax.Array]:
+    """A copy of the engine's sharded fp32 state (of `groups`, default all) as it is now (the KL reference: the run's
+    initial policy), held sharded as the engine holds it (1 / devices of the model per device), unaffected by later
+    steps (the engine's step donates its own buffers)."""
+    flats = sharded_params(engine)
+    return {g: jnp.copy(flats[g]) for g in (groups if groups is not None else flats)}
