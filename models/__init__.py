@@ -3,9 +3,11 @@
 - `DecoderConfig` / `RopeScaling`: the model description (config.py).
 - `Decoder`: the NNX model; `split_params` / `merge_params` convert to and from per-group arrays (decoder.py).
 - The layer-wise functional view used by the FSDP engines (layerwise.py): `param_groups`, `group_param_shapes`,
-  `embed_apply`, `layer_apply`, `head_apply`, `forward` (flat buckets of a group: `jodc.fsdp.GroupLayout`).
+  `embed_apply`, `layer_apply`, `head_apply`, `forward` (flat buckets of a group: `jodc.fsdp.GroupLayout`, whose
+  order `group_flat_layout` gives).
 - Segment-aware attention (attention.py): `attention`, `blockwise_attention`, `dense_attention`.
-- HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`; tokenizers (tokenizer.py): `load_tokenizer`,
+- HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`, `HFGroupSource` (a checkpoint read by group
+  slices, for sharded init); tokenizers (tokenizer.py): `load_tokenizer`,
   `save_tokenizer`, the built-in `byte_level_tokenizer`.
 - The critic's value head on the decoder (value_head.py): `VALUE_HEAD`, `init_value_head`, `value_apply`,
   `values_forward`.
@@ -15,13 +17,15 @@ from .attention import attention, blockwise_attention, dense_attention
 from .config import DecoderConfig, RopeScaling
 from .decoder import Decoder, ParamGroup, merge_params, split_params
 from .generate import Generation, SamplingParams, generate, sampling_logprobs
-from .hf import config_from_hf, config_to_hf, load_pretrained, save_pretrained
+from .hf import HFGroupSource, config_from_hf, config_to_hf, load_pretrained, save_pretrained
 from .layerwise import (
     EMBED,
     HEAD,
     check_group_params,
     embed_apply,
     forward,
+    group_flat_layout,
+    group_numel,
     group_param_shapes,
     head_apply,
     init_params,
@@ -34,10 +38,10 @@ from .value_head import VALUE_HEAD, init_value_head, value_apply, values_forward
 from .tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
-    "EMBED", "HEAD", "Decoder", "DecoderConfig", "Generation", "ParamGroup", "RopeScaling",
+    "EMBED", "HEAD", "Decoder", "DecoderConfig", "Generation", "HFGroupSource", "ParamGroup", "RopeScaling",
     "SamplingParams", "Tokenizer", "attention", "blockwise_attention", "byte_level_tokenizer",
     "check_group_params", "config_from_hf", "config_to_hf", "dense_attention", "embed_apply", "forward",
-    "generate", "group_param_shapes", "head_apply", "init_params", "layer_apply",
+    "generate", "group_flat_layout", "group_numel", "group_param_shapes", "head_apply", "init_params", "layer_apply",
     "layer_group_name", "load_pretrained", "load_tokenizer", "merge_params", "param_groups",
     "positions_from_segment_ids", "sampling_logprobs", "save_pretrained", "save_tokenizer", "split_params",
     "VALUE_HEAD", "init_value_head", "value_apply", "values_forward",

@@ -24,7 +24,7 @@ from jodc.dtypes import dtype_name
 
 from .config import DTYPES, DecoderConfig, RopeScaling
 from .decoder import Decoder, split_params
-from .layerwise import EMBED, HEAD, group_param_shapes, param_groups
+from .layerwise import EMBED, HEAD, group_flat_layout, group_numel, group_param_shapes, param_groups
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -74,8 +74,9 @@ def hf_tensor_names(config: DecoderConfig) -> dict[tuple[str, str], str]:
     return names
 
 
-def _is_matrix(param: str) -> bool:
-    """Projection matrices are stored transposed relative to HF; embeddings, norms and biases are not."""
+def hf_transposed(param: str) -> bool:
+    """Whether HF stores parameter `param` transposed relative to jodc: projection matrices (HF [out, in], jodc
+    [in, out]) are; embeddings, norms and biases are not."""
     return param.endswith("_proj") or param == "lm_head"
 
 
@@ -301,8 +302,166 @@ def _weight_files(path: str) -> dict[str, str]:
     )
 
 
+# Bytes of a safetensors file one read maps at a time when it gathers a column range of a matrix: the file is
+# memory-mapped, and the pages a strided read touches stay resident (counted in the process's RSS) until the file is
+# closed, so such a read goes through blocks of whole rows, each in its own open.
+_READ_BLOCK_BYTES = 32 << 20
+
+
+class HFGroupSource:
+    """A local HF checkpoint directory, read by slices of the parameter groups' canonical flat vectors: what a
+    process needs to place its own shards of a pretrained model without ever holding the whole model.
+
+    Opening validates everything `load_pretrained` does (config.json, the architecture, every tensor's name and shape,
+    that each file is readable) from the files' headers, without reading tensor data, and raises the same errors.
+
+    Contract of `flat_slice(group, begin, end)`: the float32 elements [begin, end) of group `group`'s canonical flat
+    vector, the one `jodc.fsdp.GroupLayout.of(groups[group]).flatten(groups[group])` builds from the group dict of
+    `load_pretrained(path)` (parameters in `jodc.models.group_flat_layout` order, each row-major in jodc's [in, out]
+    orientation). Elements at or past `numel(group)` are zeros (an engine's padding), so `begin` and `end` may lie
+    past the end; 0 <= begin <= end. Only the bytes of the tensors that overlap the range are read (a matrix's
+    rows in jodc's view are columns of HF's [out, in] tensor: those are read in blocks of at most 32 MiB of the
+    file, each mapped and released in turn); each call opens the files it needs and closes them before returning,
+    so a source holds no file handles or mappings between calls and may be used from any thread of a process.
+    Groups are those of `param_groups(config)`; the critic's value head is not part of a HF checkpoint.
+
+    dtype / compute_dtype / config_overrides: as `load_pretrained` (they shape `.config`; `dtype` is the config's
+    parameter dtype, slices are float32 whatever it is).
+    """
+
+    def __init__(self, path: str, *, dtype="float32", compute_dtype=None, **config_overrides):
+        dtype = dtype_name(dtype, DTYPES, "HFGroupSource: dtype")
+        if compute_dtype is not None:
+            compute_dtype = dtype_name(compute_dtype, DTYPES, "HFGroupSource: compute_dtype")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: no such HF checkpoint directory")
+        config_path = os.path.join(path, CONFIG_FILE)
+        if not os.path.exists(config_path):
+            raise FileNotFoundError(f"{path}: no {CONFIG_FILE}")
+        hf_config = _read_json_object(config_path)
+        try:
+            config = config_from_hf(hf_config, dtype=dtype, compute_dtype=compute_dtype, **config_overrides)
+        except (ValueError, TypeError) as e:  # unsupported features, missing or malformed fields
+            message = str(e).removeprefix(f"{CONFIG_FILE}: ")
+            raise ValueError(f"{config_path}: {message}") from None
+        self.path, self.config = path, config
+        files = _weight_files(path)
+        wanted = hf_tensor_names(config)
+        missing = sorted(name for name in wanted.values() if name not in files)
+        if missing:
+            raise ValueError(f"{path}: missing tensors {missing}")
+        known = set(wanted.values())
+        if config.tie_word_embeddings:
+            known.add(_OTHER_TENSORS[(HEAD, "lm_head")])  # some tied checkpoints store a copy; it is ignored
+        unexpected = sorted(n for n in files if n not in known and not n.endswith(_IGNORED_TENSOR_SUFFIXES))
+        if unexpected:
+            raise ValueError(f"{path}: unexpected tensors {unexpected} (not part of a {config.family} model "
+                             "with this config)")
+        # (group, param) -> (file, HF tensor name); shapes checked from the headers, one open per file
+        self._tensors = {key: (files[name], name) for key, name in wanted.items()}
+        self._itemsizes: dict[tuple[str, str], int] = {}  # bytes per stored element
+        by_file: dict[str, list[tuple[str, str, str]]] = {}
+        for (group, param), name in wanted.items():
+            by_file.setdefault(files[name], []).append((group, param, name))
+        for file, entries in by_file.items():
+            with _open_safetensors(file) as f:
+                present = set(f.keys())
+                for group, param, name in entries:
+                    if name not in present:
+                        raise ValueError(f"{file}: tensor {name} is listed in {WEIGHTS_INDEX_FILE} but is not in "
+                                         "this file; the checkpoint is corrupt")
+                    view = f.get_slice(name)
+                    stored = tuple(view.get_shape())
+                    self._itemsizes[(group, param)] = _itemsize(view.get_dtype())
+                    shape = group_param_shapes(config, group)[param]
+                    as_jodc = stored[::-1] if hf_transposed(param) else stored
+                    if as_jodc != shape:
+                        raise ValueError(f"{path}: tensor {name} has shape {as_jodc} "
+                                         f"(as [in, out] for matrices), expected {shape}")
+
+    def numel(self, group: str) -> int:
+        """Elements of `group`'s flat vector."""
+        return group_numel(self.config, self._group(group))
+
+    def read_param(self, group: str, param: str) -> np.ndarray:
+        """One whole parameter in jodc's orientation ([in, out] for matrices), in its stored dtype."""
+        file, name = self._tensor(group, param)
+        with _open_safetensors(file) as f:
+            tensor = _get_tensor(f, file, name)
+        return np.ascontiguousarray(tensor.T) if hf_transposed(param) else tensor
+
+    def flat_slice(self, group: str, begin: int, end: int) -> np.ndarray:
+        """float32 elements [begin, end) of `group`'s canonical flat vector; zeros past its end (see the class)."""
+        group = self._group(group)
+        if isinstance(begin, bool) or isinstance(end, bool) or not (
+                isinstance(begin, (int, np.integer)) and isinstance(end, (int, np.integer))):
+            raise TypeError(f"flat_slice: begin and end must be integers, got {begin!r}, {end!r}")
+        if not 0 <= begin <= end:
+            raise ValueError(f"flat_slice: need 0 <= begin <= end, got begin={begin}, end={end}")
+        begin, end = int(begin), int(end)
+        out = np.zeros(end - begin, np.float32)
+        for param, shape, offset in group_flat_layout(self.config, group):
+            lo, hi = max(begin, offset), min(end, offset + math.prod(shape))
+            if lo < hi:
+                out[lo - begin:hi - begin] = self._leaf_range(group, param, shape, lo - offset, hi - offset)
+        return out
+
+    def _group(self, group: str) -> str:
+        if group not in param_groups(self.config):
+            raise ValueError(f"{self.path}: no parameter group {group!r}; a HF checkpoint holds groups "
+                             f"{param_groups(self.config)[0]}, layer_0..layer_{self.config.num_layers - 1}, {HEAD}")
+        return group
+
+    def _tensor(self, group: str, param: str) -> tuple[str, str]:
+        key = (self._group(group), param)
+        if key not in self._tensors:
+            raise ValueError(f"group {group!r} has no parameter {param!r}; it has "
+                             f"{list(group_param_shapes(self.config, group))}")
+        return self._tensors[key]
+
+    def _leaf_range(self, group: str, param: str, shape: tuple[int, ...], a: int, b: int) -> np.ndarray:
+        """Elements [a, b) of one parameter's row-major jodc view, as float32, reading only the rows (of jodc's
+        view) that hold them."""
+        file, name = self._tensor(group, param)
+        if len(shape) == 1:
+            return _read_slice(file, name, (slice(a, b),)).astype(np.float32)
+        cols = shape[1]
+        r0, r1 = a // cols, -(-b // cols)  # jodc rows holding [a, b)
+        if not hf_transposed(param):  # stored as jodc sees it: the rows are contiguous in the file
+            rows = _read_slice(file, name, (slice(r0, r1),))
+        else:  # jodc rows r0:r1 are the columns r0:r1 of the [out, in] tensor: gather them by row blocks
+            rows = np.empty((r1 - r0, cols), np.float32)
+            out_rows, in_cols = cols, shape[0]
+            step = max(1, _READ_BLOCK_BYTES // (in_cols * self._itemsizes[(group, param)]))
+            for o0 in range(0, out_rows, step):
+                o1 = min(out_rows, o0 + step)
+                rows[:, o0:o1] = _read_slice(file, name, (slice(o0, o1), slice(r0, r1))).T
+        return rows.reshape(-1)[a - r0 * cols:b - r0 * cols].astype(np.float32)
+
+
+_ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+              "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name (unknown names count as 8: blocks only get smaller)."""
+    return _ITEMSIZES.get(dtype, 8)
+
+
+def _read_slice(file: str, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """tensor[index] of one safetensors file, opening and closing the file around the read (its mapping, and the
+    pages the read touched, are released on return)."""
+    with _open_safetensors(file) as f:
+        try:
+            return f.get_slice(name)[index]
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: tensor {name} cannot be read ({e}); the file is corrupt or truncated"
+                             ) from None
+
+
 def load_pretrained(path: str, *, dtype="float32", compute_dtype=None, **config_overrides) -> Decoder:
-    """Load a local HF checkpoint directory into a `Decoder`.
+    """Load a local HF checkpoint directory into a `Decoder` (the whole model in memory: to place an engine's
+    shards, read slices with `HFGroupSource` instead).
 
     dtype: parameter dtype, a name ("float32", "bfloat16", "float16") or a dtype object (jnp.bfloat16);
       compute_dtype (the same spellings) defaults to dtype.
@@ -313,47 +472,12 @@ def load_pretrained(path: str, *, dtype="float32", compute_dtype=None, **config_
     dtype = dtype_name(dtype, DTYPES, "load_pretrained: dtype")
     if compute_dtype is not None:
         compute_dtype = dtype_name(compute_dtype, DTYPES, "load_pretrained: compute_dtype")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: no such HF checkpoint directory")
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{path}: no {CONFIG_FILE}")
-    hf_config = _read_json_object(config_path)
-    try:
-        config = config_from_hf(hf_config, dtype=dtype, compute_dtype=compute_dtype, **config_overrides)
-    except (ValueError, TypeError) as e:  # unsupported features, missing or malformed fields
-        message = str(e).removeprefix(f"{CONFIG_FILE}: ")
-        raise ValueError(f"{config_path}: {message}") from None
-    files = _weight_files(path)
-    wanted = hf_tensor_names(config)
-    missing = sorted(name for name in wanted.values() if name not in files)
-    if missing:
-        raise ValueError(f"{path}: missing tensors {missing}")
-    known = set(wanted.values())
-    if config.tie_word_embeddings:
-        known.add(_OTHER_TENSORS[(HEAD, "lm_head")])  # some tied checkpoints store a copy; it is ignored
-    unexpected = sorted(n for n in files if n not in known and not n.endswith(_IGNORED_TENSOR_SUFFIXES))
-    if unexpected:
-        raise ValueError(f"{path}: unexpected tensors {unexpected} (not part of a {config.family} model "
-                         "with this config)")
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    groups: dict[str, dict[str, np.ndarray]] = {g: {} for g in param_groups(config)}
-    by_file: dict[str, list[tuple[str, str, str]]] = {}
-    for (group, param), name in wanted.items():
-        by_file.setdefault(files[name], []).append((group, param, name))
-    for file, entries in by_file.items():
-        with _open_safetensors(file) as f:
-            for group, param, name in entries:
-                tensor = _get_tensor(f, file, name)
-                if _is_matrix(param):
-                    tensor = tensor.T
-                shape = group_param_shapes(config, group)[param]
-                if tuple(tensor.shape) != shape:
-                    raise ValueError(f"{path}: tensor {name} has shape {tuple(tensor.shape)} "
-                                     f"(as [in, out] for matrices), expected {shape}")
-                groups[group][param] = np.ascontiguousarray(tensor.astype(np_dtype))
-    ordered = {g: {p: groups[g][p] for p in group_param_shapes(config, g)} for g in groups}
-    return Decoder(config, params=ordered)
+    source = HFGroupSource(path, dtype=dtype, compute_dtype=compute_dtype, **config_overrides)
+    config = source.config
+    np_dtype = np.dtype(jnp.dtype(config.param_dtype))
+    groups = {g: {p: source.read_param(g, p).astype(np_dtype, copy=False) for p in group_param_shapes(config, g)}
+              for g in param_groups(config)}
+    return Decoder(config, params=groups)
 
 
 def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: int | None = None) -> None:
@@ -369,7 +493,7 @@ def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: int | None = 
     tensors: dict[str, np.ndarray] = {}
     for (group, param), name in hf_tensor_names(config).items():
         array = np.asarray(jax.device_get(groups[group][param]))
-        tensors[name] = np.ascontiguousarray(array.T if _is_matrix(param) else array)
+        tensors[name] = np.ascontiguousarray(array.T if hf_transposed(param) else array)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
     for stale in os.listdir(path):  # weights of an earlier save would shadow or mix with the new ones

@@ -5,7 +5,8 @@ Parameter groups, in order: "embed" (token embedding), "layer_0" ... "layer_{L-1
 "head" (final norm, plus the lm_head matrix when embeddings are untied; with tied embeddings the head
 computation takes the embedding group as an extra argument). Each group is a flat dict name -> array; the names,
 shapes and their order are given by `group_param_shapes` (an engine that moves a group as one flat vector uses
-`jodc.fsdp.GroupLayout`). Matrices are stored [in, out] so a projection is `x @ w`.
+`jodc.fsdp.GroupLayout`, whose order is jax's tree order, dict keys sorted: `group_flat_layout` gives it).
+Matrices are stored [in, out] so a projection is `x @ w`.
 
 Every function here is pure jnp (no Python-side state) and can be traced under jit, vjp and shard_map.
 Parameters may be stored in any float dtype (fp32 masters, bf16 copies); they are cast to
@@ -13,6 +14,7 @@ Parameters may be stored in any float dtype (fp32 masters, bf16 copies); they ar
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import jax
@@ -59,7 +61,8 @@ def _group_kind(config: DecoderConfig, name: str) -> str:
 
 
 def group_param_shapes(config: DecoderConfig, name: str) -> dict[str, tuple[int, ...]]:
-    """The parameters of group `name` and their shapes, in the group's fixed (flat-layout) order.
+    """The parameters of group `name` and their shapes, in the group's fixed order (HF's; a flat vector of the
+    group sorts them: `group_flat_layout`).
 
     embed: embedding [V, D].
     layer: input_norm [D]; q_proj [D, H*hd], q_bias?; k_proj [D, KV*hd], k_bias?; v_proj, v_bias?;
@@ -94,6 +97,27 @@ def group_param_shapes(config: DecoderConfig, name: str) -> dict[str, tuple[int,
         if config.mlp_bias:
             shapes[f"{proj}_bias"] = (shape[1],)
     return shapes
+
+
+def group_flat_layout(config: DecoderConfig, name: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """(param, shape, offset) of every parameter of group `name` in the group's canonical flat vector: the order
+    `jodc.fsdp.GroupLayout.of` gives a group dict (jax's tree order, which sorts dict keys: not the order of
+    `group_param_shapes`), each parameter row-major ([in, out] for matrices) at `offset` elements from the start.
+    Lets a reader fill any element range of a group's flat vector without building the group (HF loading by slice,
+    streaming export)."""
+    shapes = group_param_shapes(config, name)
+    paths, _ = jax.tree_util.tree_flatten_with_path({param: 0 for param in shapes})
+    layout, offset = [], 0
+    for path, _ in paths:
+        param = path[0].key
+        layout.append((param, shapes[param], offset))
+        offset += math.prod(shapes[param])
+    return layout
+
+
+def group_numel(config: DecoderConfig, name: str) -> int:
+    """Elements of group `name`'s flat vector (the sum of its parameters' sizes)."""
+    return sum(math.prod(shape) for shape in group_param_shapes(config, name).values())
 
 
 def check_group_params(config: DecoderConfig, name: str, params: Params) -> None:

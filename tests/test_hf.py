@@ -3,6 +3,7 @@ and tokenizers. The tests that compare against transformers take the `hf_referen
 skip where torch / transformers are not installed); the checkpoint error tests run everywhere."""
 import json
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -13,13 +14,20 @@ import jax.numpy as jnp
 from safetensors.numpy import load_file, save_file
 
 from jodc.models import (
+    Decoder,
+    DecoderConfig,
+    HFGroupSource,
     config_from_hf,
     config_to_hf,
+    group_flat_layout,
+    group_param_shapes,
     load_pretrained,
     load_tokenizer,
+    param_groups,
     save_pretrained,
     split_params,
 )
+from jodc.models import hf as hf_module
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -257,3 +265,159 @@ def test_damaged_checkpoint_files_are_named_with_what_is_wrong(tmp_path, damage,
 def test_a_missing_checkpoint_directory_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"absent: no such HF checkpoint directory"):
         load_pretrained(str(tmp_path / "absent"))
+
+
+# ---------------------------------------------------------------------------------------------- reading by slices
+
+SOURCE_CONFIGS = {  # (DecoderConfig fields, stored dtype)
+    "qwen2_tied": (dict(family="qwen2", qkv_bias=True, tie_word_embeddings=True), "float32"),
+    "qwen3_untied": (dict(family="qwen3", qk_norm=True, head_dim=24), "float32"),
+    "llama_untied_bf16": (dict(family="llama"), "bfloat16"),
+}
+
+
+def random_checkpoint(path, name: str, *, max_shard_bytes=None, num_layers=2, seed=0):
+    """A checkpoint of config SOURCE_CONFIGS[name] with every parameter random (no zero biases or unit norms that
+    would hide a misplaced leaf), written by save_pretrained; returns its config."""
+    fields, dtype = SOURCE_CONFIGS[name]
+    config = DecoderConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_layers=num_layers, num_heads=4,
+                           num_kv_heads=2, param_dtype=dtype, **fields)
+    rng = np.random.default_rng(seed)
+    groups = {g: {p: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+                  for p, shape in group_param_shapes(config, g).items()} for g in param_groups(config)}
+    save_pretrained(Decoder(config, params=groups), str(path), max_shard_bytes=max_shard_bytes)
+    return config
+
+
+@pytest.mark.parametrize("name", sorted(SOURCE_CONFIGS))
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("block_bytes", [None, 200])
+def test_group_source_slices_are_the_engines_flat_groups(name, sharded, block_bytes, tmp_path, monkeypatch):
+    """HFGroupSource.flat_slice over ranges crossing parameter boundaries and the group's end equals the slice of
+    the flat vector the engines build (StagedModel.layouts[g].flatten) from load_pretrained's groups, zeros past
+    the end; with 200-byte read blocks a matrix's columns are gathered over many blocks."""
+    from jodc.train.core.staged_decoder import decoder_staged_model
+
+    if block_bytes is not None:
+        monkeypatch.setattr(hf_module, "_READ_BLOCK_BYTES", block_bytes)
+    random_checkpoint(tmp_path / "hf", name, max_shard_bytes=30_000 if sharded else None)
+    assert ("model.safetensors.index.json" in os.listdir(tmp_path / "hf")) == sharded
+    loaded = load_pretrained(str(tmp_path / "hf"))
+    staged, groups = decoder_staged_model(loaded.config, jax.tree.map(np.asarray, split_params(loaded)))
+    source = HFGroupSource(str(tmp_path / "hf"))
+    assert source.config == loaded.config
+    assert list(staged.group_names) == param_groups(source.config)
+    rng = np.random.default_rng(1)
+    for group in staged.group_names:
+        flat = np.asarray(staged.layouts[group].flatten(groups[group]))
+        numel = source.numel(group)
+        assert flat.dtype == np.float32 and flat.size == numel
+        padded = np.concatenate([flat, np.zeros(100, np.float32)])
+        np.testing.assert_array_equal(source.flat_slice(group, 0, numel), flat)
+        boundaries = [offset for _, _, offset in group_flat_layout(source.config, group)] + [numel]
+        ranges = [(b - 37, b + 41) for b in boundaries[1:]]  # across every parameter boundary and the end
+        ranges += [tuple(sorted(rng.integers(0, numel + 100, 2))) for _ in range(6)]
+        ranges += [(numel + 3, numel + 9), (5, 5), (0, numel + 100)]
+        for begin, end in ranges:
+            begin = max(0, int(begin))
+            got = source.flat_slice(group, begin, int(end))
+            assert got.dtype == np.float32 and got.shape == (end - begin,)
+            np.testing.assert_array_equal(got, padded[begin:end], err_msg=f"{group}[{begin}:{end}]")
+
+
+def test_group_source_validates_without_reading_and_names_bad_requests(tmp_path):
+    """Opening checks names and shapes from the headers (load_pretrained's errors); a wrong group or range is
+    named; a shard that lacks a tensor its index lists is named."""
+    random_checkpoint(tmp_path / "hf", "qwen2_tied", max_shard_bytes=30_000)
+    source = HFGroupSource(str(tmp_path / "hf"), compute_dtype="bfloat16")
+    assert source.config.compute_dtype == "bfloat16" and source.config.param_dtype == "float32"
+    with pytest.raises(ValueError, match="no parameter group 'value_head'"):
+        source.flat_slice("value_head", 0, 4)
+    with pytest.raises(ValueError, match="need 0 <= begin <= end, got begin=5, end=4"):
+        source.flat_slice("embed", 5, 4)
+    with pytest.raises(ValueError, match="begin=-1"):
+        source.flat_slice("embed", -1, 4)
+    with pytest.raises(TypeError, match="begin and end must be integers"):
+        source.flat_slice("embed", 0, 4.0)
+    with pytest.raises(ValueError, match="group 'head' has no parameter 'lm_head'"):
+        source.read_param("head", "lm_head")  # tied: the head holds only the final norm
+    np.testing.assert_array_equal(source.read_param("layer_1", "q_proj"),
+                                  split_params(load_pretrained(str(tmp_path / "hf")))["layer_1"]["q_proj"])
+
+    index_file = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    moved = "model.layers.1.self_attn.q_proj.bias"
+    others = sorted(set(index["weight_map"].values()) - {index["weight_map"][moved]})
+    index["weight_map"][moved] = others[0]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"tensor {moved} is listed in model.safetensors.index.json but is not in"):
+        HFGroupSource(str(tmp_path / "hf"))
+
+    random_checkpoint(tmp_path / "one", "qwen2_tied")
+    weights = load_file(str(tmp_path / "one" / "model.safetensors"))
+    weights["model.layers.0.mlp.up_proj.weight"] = np.zeros((80, 63), np.float32)  # [out, in] with in wrong
+    save_file(weights, str(tmp_path / "one" / "model.safetensors"), metadata={"format": "pt"})
+    for load in (HFGroupSource, load_pretrained):
+        with pytest.raises(ValueError, match=r"up_proj.weight has shape \(63, 80\) \(as \[in, out\] for matrices\), "
+                                             r"expected \(64, 80\)"):
+            load(str(tmp_path / "one"))
+    with pytest.raises(FileNotFoundError, match="no such HF checkpoint directory"):
+        HFGroupSource(str(tmp_path / "absent"))
+
+
+def _untied_big_head_checkpoint(path, vocab_size: int, hidden_size: int = 64):
+    """A one-layer float32 checkpoint whose lm_head ([vocab, hidden] in the file) dwarfs everything but the
+    embedding; returns the lm_head's bytes."""
+    config = DecoderConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_layers=1,
+                           num_heads=4, num_kv_heads=2)
+    groups = {g: {p: np.full(shape, 0.5, np.float32) for p, shape in group_param_shapes(config, g).items()}
+              for g in param_groups(config)}
+    groups["head"]["lm_head"] = np.arange(hidden_size * vocab_size, dtype=np.float32).reshape(hidden_size, vocab_size)
+    save_pretrained(Decoder(config, params=groups), str(path))
+    return groups["head"]["lm_head"].nbytes
+
+
+def test_a_slice_of_a_big_matrix_does_not_read_the_whole_tensor(tmp_path):
+    """Python-side allocations while reading two rows of jodc's [in, out] lm_head (two columns of the file's
+    [out, in] tensor) stay far below the tensor's size."""
+    tensor_bytes = _untied_big_head_checkpoint(tmp_path / "hf", vocab_size=1 << 15)  # 8 MiB
+    source = HFGroupSource(str(tmp_path / "hf"))
+    _, shape, offset = next(e for e in group_flat_layout(source.config, "head") if e[0] == "lm_head")
+    begin, end = offset + 3 * shape[1] + 5, offset + 5 * shape[1] - 7  # rows 3 and 4, partly
+    tracemalloc.start()
+    try:
+        got = source.flat_slice("head", begin, end)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    expected = np.arange(3 * shape[1] + 5, 5 * shape[1] - 7, dtype=np.float32)
+    np.testing.assert_array_equal(got, expected)
+    assert peak < tensor_bytes / 8, (peak, tensor_bytes)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def test_a_column_slice_maps_at_most_one_read_block_of_the_file(tmp_path, monkeypatch):
+    """safetensors memory-maps the file and a column read touches every page of the tensor: those pages count in
+    the process's resident memory while the file is open. Reading by blocks of rows, each in its own open, keeps
+    the resident peak (the kernel's high-water mark, reset first) near one block, not the tensor."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+    except OSError as e:
+        pytest.skip(f"the kernel's peak-RSS reset is not available here: {e}")
+    monkeypatch.setattr(hf_module, "_READ_BLOCK_BYTES", 1 << 20)
+    tensor_bytes = _untied_big_head_checkpoint(tmp_path / "hf", vocab_size=1 << 17)  # 32 MiB
+    source = HFGroupSource(str(tmp_path / "hf"))
+    _, shape, offset = next(e for e in group_flat_layout(source.config, "head") if e[0] == "lm_head")
+    source.flat_slice("head", offset, offset + 10)  # warm the code path
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    got = source.flat_slice("head", offset + 2 * shape[1], offset + 3 * shape[1])  # one row: one column of the file
+    grown = (_status_kb("VmHWM") - before) * 1024
+    np.testing.assert_array_equal(got, np.arange(2 * shape[1], 3 * shape[1], dtype=np.float32))
+    assert grown < tensor_bytes / 4, (grown, tensor_bytes)

@@ -9,8 +9,8 @@ from flax import nnx
 from conftest import cpu_mesh
 from jodc.fsdp import GroupLayout
 from jodc.models import (
-    Decoder, DecoderConfig, RopeScaling, check_group_params, embed_apply, forward, group_param_shapes,
-    head_apply, init_params, layer_apply, layer_group_name, merge_params, param_groups,
+    Decoder, DecoderConfig, RopeScaling, check_group_params, embed_apply, forward, group_flat_layout, group_numel,
+    group_param_shapes, head_apply, init_params, layer_apply, layer_group_name, merge_params, param_groups,
     positions_from_segment_ids, split_params,
 )
 from jodc.models.norm import rms_norm
@@ -169,6 +169,29 @@ def test_engine_group_layout_round_trips_a_decoder_layer():
     assert layout.unflatten(flat.astype(jnp.bfloat16))["q_proj"].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="expected .* leaves"):
         layout.flatten({k: v for k, v in params.items() if k != "q_norm"})
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(qkv_bias=True, qk_norm=True, head_dim=24),
+                                     dict(tie_word_embeddings=True, mlp_bias=True, o_bias=True)])
+def test_group_flat_layout_is_the_engine_layout(changes):
+    """group_flat_layout describes GroupLayout's flat vector (jax's sorted key order, not group_param_shapes')
+    without building the group: each parameter's slice of the flattened group is that parameter."""
+    config = tiny_config(**changes)
+    params = perturbed_params(config)
+    for group in param_groups(config):
+        layout = group_flat_layout(config, group)
+        flat = np.asarray(GroupLayout.of(params[group]).flatten(params[group]))
+        assert group_numel(config, group) == flat.size == GroupLayout.of(params[group]).numel
+        assert [p for p, _, _ in layout] == sorted(group_param_shapes(config, group))
+        offsets = [o for _, _, o in layout]
+        assert offsets == [0] + list(np.cumsum([np.prod(s) for _, s, _ in layout]))[:-1]
+        for param, shape, offset in layout:
+            assert shape == group_param_shapes(config, group)[param]
+            np.testing.assert_array_equal(flat[offset:offset + int(np.prod(shape))].reshape(shape),
+                                          params[group][param])
+    assert list(group_param_shapes(config, "layer_0"))[:2] == ["input_norm", "q_proj"]  # not sorted: they differ
+    with pytest.raises(ValueError, match="unknown parameter group 'value_head'"):
+        group_flat_layout(config, "value_head")
 
 
 def test_check_group_params_names_the_problem():

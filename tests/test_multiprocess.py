@@ -304,6 +304,41 @@ def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
     assert losses(mp_dir) == losses(single_dir) and len(losses(mp_dir)) == 4
 
 
+@needs_mpi
+@pytest.mark.slow
+def test_mpirun_resumes_a_checkpoint_of_another_layout(tmp_path):
+    """A checkpoint written by one process on 4 devices as HSDP (2 replica groups x 2 shards) resumes under `mpirun
+    -np 2` on 2 devices (flat, one per process; each process reads only its own byte ranges) exactly as it resumes in
+    one process on 2 devices: the same losses and the same exported bytes. The run under mpirun saves its own
+    checkpoint too (each process writing its shards), which one process then resumes on 4 devices."""
+    import shutil
+
+    from jodc.train.cli import main as train_main
+
+    env = mpi_env()
+    single, mp = tmp_path / "single", tmp_path / "mp"
+    assert train_main([*_sft_args(single, 2)[:-2], "--devices", "4", "--replicas", "2", "--out_dir",
+                       str(single)]) == 0
+    shutil.copytree(single, mp)
+    assert train_main(_sft_args(single, 4)) == 0
+    cmd = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train", *_sft_args(mp, 4))
+    rc, out = run_session(cmd, 420, env)
+    assert rc == 0 and "resumed from" in out and "(step 2)" in out, out[-6000:]
+    files = sorted(p.name for p in (single / "hf").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (mp / "hf").glob("*.safetensors"))
+    for name in files:
+        assert (mp / "hf" / name).read_bytes() == (single / "hf" / name).read_bytes(), name
+    import json
+
+    def losses(d):
+        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+    assert losses(mp) == losses(single) and len(losses(mp)) == 4
+    # the checkpoint the two processes wrote at step 4 resumes in one process on 4 devices
+    assert train_main([*_sft_args(mp, 5)[:-2], "--devices", "4", "--total_steps", "5", "--out_dir", str(mp)]) == 0
+    assert len(losses(mp)) == 5
+
+
 def test_launch_detection_and_device_split():
     from jodc.train.core import distributed
 

@@ -60,6 +60,8 @@ def test_round_trip_through_dict_and_yaml(tmp_path):
     (["--overlong", "wrap"], "data.overlong: Cannot convert 'wrap' into one of: truncate, drop"),
     (["--preset", "huge"], "model.preset: Cannot convert 'huge' into one of: tiny, small, base"),
     (["--trainer.steps", "5"], "the 'trainer' section was split: trainer.engine is now engine.name"),
+    (["--export_dtype", "float16"],
+     "checkpoint.export_dtype: Cannot convert 'float16' into one of: (bfloat16, float32|float32, bfloat16)"),
 ])
 def test_bad_overrides_name_the_field(overrides, message):
     with pytest.raises(C.ConfigError, match=message):
@@ -195,3 +197,10 @@ def test_sections_check_themselves_when_built_in_code():
         C.EngineConfig(barrier_timeout_s=float("nan"))
     with pytest.raises(C.ConfigError, match="engine.token_cap=64 is below data.max_length=1024"):
         C.SFTConfig(engine=C.EngineConfig(token_cap=64))
+    with pytest.raises(C.ConfigError, match="checkpoint.export_dtype must be one of bfloat16, float32, got 'float16'"):
+        C.CheckpointConfig(export_dtype="float16")
+
+
+def test_the_hf_export_dtype_defaults_to_bf16_and_takes_float32():
+    assert C.load_config(None, []).checkpoint.export_dtype == "bfloat16"
+    assert C.load_config(None, ["--export_dtype", "float32"]).checkpoint.export_dtype == "float32"

@@ -31,6 +31,26 @@ def test_build_decoder_from_a_preset_is_seeded():
     assert not np.array_equal(a["embed"]["embedding"], c["embed"]["embedding"])
 
 
+def test_model_num_layers_and_vocab_size_resize_a_preset():
+    """model.num_layers / model.vocab_size (bench/memory.py's two sizes of the Qwen2.5-0.5B shape); null keeps the
+    preset's layers and the tokenizer's vocabulary, and a vocabulary below the tokenizer's is refused."""
+    from jodc.train import load_config
+
+    config = preset_config("qwen2.5-0.5b", TOK, max_length=64, num_layers=2, vocab_size=1024)
+    assert (config.num_layers, config.vocab_size, config.hidden_size, config.num_kv_heads) == (2, 1024, 896, 2)
+    assert config.tie_word_embeddings and config.qkv_bias and config.family == "qwen2"
+    assert preset_config("qwen2.5-0.5b", TOK, max_length=64).num_layers == 24
+    model = load_config(None, ["--preset", "tiny", "--num_layers", "3", "--vocab_size", "512"]).model
+    config, source = build_decoder(model, TOK, max_length=64, compute_dtype="float32", seed=0)
+    groups = decoder_host_params(config, source)
+    assert set(groups) == {"embed", "layer_0", "layer_1", "layer_2", "head"}
+    assert groups["embed"]["embedding"].shape == (512, 32) and config.hidden_size == 32
+    with pytest.raises(ValueError, match="tokenizer has 263 ids but the model's vocabulary has 100 rows"):
+        build_decoder(ModelConfig(preset="tiny", vocab_size=100), TOK, max_length=64, compute_dtype="float32", seed=0)
+    with pytest.raises(ValueError, match="model.num_layers must be >= 1"):
+        load_config(None, ["--num_layers", "0"])
+
+
 def test_build_decoder_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         preset_config("huge", TOK, max_length=64)
@@ -95,3 +115,28 @@ def test_random_init_per_group_equals_the_whole_models_init(dtype):
         assert np.array_equal(source.flat_slice(g, n // 3, n + 7), np.concatenate([want[n // 3:], np.zeros(7)]))
     with pytest.raises(ValueError, match="no parameter group 'nope'"):
         source.flat_slice("nope", 0, 1)
+
+
+def test_freed_host_memory_returns_to_the_system():
+    """After return_freed_memory_promptly, a freed 8 MiB buffer leaves the process (glibc would otherwise keep
+    buffers below its raised mmap threshold, up to 32 MiB, in its heap: resident)."""
+    import ctypes
+
+    from jodc.train.core.host_memory import return_freed_memory_promptly
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    if not return_freed_memory_promptly():
+        pytest.skip("not glibc")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    size = 8 << 20
+    for _ in range(3):  # (glibc raises its threshold after freeing a mapped buffer: this must not)
+        pointer = libc.malloc(size)
+        ctypes.memset(pointer, 1, size)
+        before = rss()
+        libc.free(pointer)
+        assert before - rss() >= size * 0.9

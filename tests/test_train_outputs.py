@@ -12,7 +12,7 @@ import pytest
 from jodc.balance import get_planner
 from jodc.train.core import metrics as M
 from jodc.fsdp import timeline_analysis as TL
-from jodc.train.core.checkpoint import CheckpointStore, export_hf
+from jodc.train.core.checkpoint import CheckpointStore
 from jodc.train.core.timers import Timers
 
 # -- timeline ------------------------------------------------------------------------------------------------------
@@ -212,22 +212,3 @@ def test_restoring_into_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="does not match this model|shape"):
         store.restore(1, {"params": other["params"], "opt_state": other["opt_state"], "step": 0})
     store.close()
-
-
-def test_hf_export_replaces_an_earlier_export_only_when_complete(tmp_path):
-    from jodc.models import DecoderConfig, init_params, load_pretrained, load_tokenizer
-    from jodc.models.tokenizer import byte_level_tokenizer
-
-    config = DecoderConfig(vocab_size=264, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                           num_kv_heads=1)
-    params = jax.tree.map(np.asarray, init_params(config, jax.random.PRNGKey(0)))
-    target = str(tmp_path / "hf")
-    os.makedirs(target)
-    open(os.path.join(target, "stale.txt"), "w").write("an earlier export")
-    export_hf(config, params, byte_level_tokenizer(), target)
-    assert not os.path.exists(os.path.join(target, "stale.txt"))
-    assert not os.path.exists(target + ".tmp") and not os.path.exists(target + ".old")
-    loaded = load_pretrained(target)
-    assert loaded.config.hidden_size == 16
-    np.testing.assert_array_equal(np.asarray(loaded.embed.embedding[...]), params["embed"]["embedding"])
-    assert load_tokenizer(target).eos_token_id == byte_level_tokenizer().eos_token_id

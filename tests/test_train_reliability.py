@@ -167,22 +167,18 @@ def test_rl_skips_and_counts_a_non_finite_update_and_resumes_after_it(tmp_path, 
 
 def test_non_finite_parameters_are_never_written_to_a_checkpoint(tmp_path):
     """The last line of defence: whatever reaches a save with a NaN parameter is refused, nothing is written."""
+    import fsdp_toy
+    from jodc.fsdp import OptimizerConfig, ReferenceEngine
     from jodc.train.core.trainer import Trainer
-
-    class Engine:
-        def state_dict(self):
-            return {"params": {"embed": np.array([1.0, np.nan], np.float32), "head": np.ones(2, np.float32)},
-                    "opt_state": {"count": np.int32(1)}, "step": 1}
-
-        def close(self):
-            pass
 
     class Run(Trainer):
         def load_data(self):
             return None
 
         def build(self):
-            self.engine = Engine()
+            model, groups = fsdp_toy.make_model(num_layers=1)
+            groups["embed"]["table"][3, 1] = np.nan  # checked on the device, where the parameters are
+            self.engine = ReferenceEngine(model, groups, optimizer=OptimizerConfig())
 
     run = Run(load_config(None, sft_overrides(tmp_path)), log=quiet)
     try:

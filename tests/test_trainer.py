@@ -43,12 +43,25 @@ class Engine:
         self.w, self.steps_done = new, self.steps_done + 1
         return result
 
-    def state_dict(self):
-        return {"params": {"w": self.w.copy()}, "opt_state": {"count": np.int32(self.steps_done)},
-                "step": self.steps_done}
+    numels = {"w": 2}
 
-    def load_state_dict(self, state):
-        self.w, self.steps_done = np.asarray(state["params"]["w"]), state["step"]
+    def sharded_state(self):  # host arrays stand in for the engines' sharded ones (the store saves both alike)
+        return {"params": {"w": self.w.copy()}, "opt_state": {"count": np.int32(self.steps_done)}}
+
+    def state_dict(self):
+        return {**self.sharded_state(), "step": self.steps_done}
+
+    def state_targets(self):
+        return self.sharded_state()
+
+    def drop_state(self):
+        self.w = None
+
+    def load_sharded_state(self, state, steps_done):
+        self.w, self.steps_done = np.asarray(state["params"]["w"]), steps_done
+
+    def nonfinite_groups(self):
+        return [] if np.isfinite(self.w).all() else ["w"]
 
     def params(self):
         return {"w": self.w}

@@ -237,6 +237,13 @@ class Engine(abc.ABC):
         self._load_canonical(state)
         self.steps_done = int(steps_done)
 
+    def drop_state(self) -> None:
+        """Frees the device buffers of the parameters and optimizer state before a restore replaces them, so the
+        restored state never lies beside the state it replaces (a resume peaks at the steady state, not twice it).
+        Take `state_targets()` first; until `load_sharded_state` the engine cannot step."""
+        for x in jax.tree.leaves(self._canonical()):
+            x.delete()
+
     def nonfinite_groups(self) -> list[str]:
         """The parameter groups holding a NaN or an infinity, checked on the devices (one boolean per group comes
         back). Across processes every process must call it (a collective)."""

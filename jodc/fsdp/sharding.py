@@ -95,16 +95,6 @@ def put_replicated(mesh: Mesh, x):
     return jax.device_put(np.asarray(x), NamedSharding(mesh, P()))
 
 
-def to_host(x) -> np.ndarray:
-    """np.asarray(x), also for an array spread over several processes (jax.distributed): then every process's part
-    is gathered (a collective: every process must call it at the same point)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
 def first_value(x) -> float:
     """Element 0 of a result every device holds the same value of (a psum'd loss), read from this process's own
     devices: no collective, also when the array spans processes."""

@@ -27,6 +27,7 @@ from draccus.utils import DecodingError, ParsingError, deflatten
 from jodc.engine_facts import hsdp_shards
 from jodc.fsdp import ENGINES, OptimizerConfig, engine_class
 
+from .export import EXPORT_DTYPES
 from .presets import MODEL_PRESETS
 
 EMBEDDED = "embedded"
@@ -64,8 +65,11 @@ class Section:
 class ModelConfig(Section):
     """Which decoder to train: a built-in preset trained from scratch, or a local HF checkpoint directory."""
 
-    name_in_config, minimum = "model", {"attention_block_size": 8}
+    name_in_config, minimum = "model", {"attention_block_size": 8, "num_layers": 1, "vocab_size": 1}
     preset: Literal[tuple(MODEL_PRESETS)] = "small"  # built-in shape (ignored with hf_path)
+    num_layers: int | None = None  # layers instead of the preset's (null: the preset's; ignored with hf_path)
+    # embedding rows instead of the tokenizer's (null: the tokenizer's, rounded up; ignored with hf_path)
+    vocab_size: int | None = None
     hf_path: str | None = None  # local HF directory (config.json + safetensors); replaces preset
     # flash (fused kernel) on a GPU, else blockwise; or dense (reference)
     attention_impl: Literal["auto", "blockwise", "flash", "dense"] = "auto"
@@ -167,9 +171,16 @@ class CheckpointConfig(Section):
     save_every: int = 50  # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 3  # most recent checkpoints kept
     export_hf: bool = True  # write a HF checkpoint to out_dir/hf at the end
+    # dtype of the export's tensors: bfloat16 (half the size, what inference loads) or float32 (the masters exactly)
+    export_dtype: Literal[tuple(EXPORT_DTYPES)] = "bfloat16"
     # resume even though the data differ from those the checkpoint was trained on (their fingerprint is saved
     # with every checkpoint)
     accept_changed_data: bool = False
+
+    def check(self) -> None:
+        if self.export_dtype not in EXPORT_DTYPES:  # draccus checks a YAML value; this, one set in code
+            raise ConfigError(f"checkpoint.export_dtype must be one of {', '.join(EXPORT_DTYPES)}, got "
+                              f"{self.export_dtype!r}")
 
 
 @dataclasses.dataclass

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 
 from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
 from jodc import fsdp
-from jodc.fsdp.stages import GroupLayout
-from jodc.fsdp.state import GroupSource, PytreeSource
-from jodc.models import DecoderConfig, load_pretrained, split_params
+from jodc.fsdp.state import GroupSource
+from jodc.models import DecoderConfig, HFGroupSource
 from jodc.models.tokenizer import TOKENIZER_FILE, Tokenizer, model_vocab_size
 
 from .config import ModelConfig, parse_length_buckets
@@ -21,12 +20,16 @@ from .presets import MODEL_PRESETS
 
 
 def preset_config(name: str, tokenizer: Tokenizer, *, max_length: int, compute_dtype: str = "float32",
-                  attention_impl: str = "auto", attention_block_size: int = 128) -> DecoderConfig:
-    """The DecoderConfig of preset `name` with the tokenizer's vocabulary and special tokens."""
+                  attention_impl: str = "auto", attention_block_size: int = 128, num_layers: int | None = None,
+                  vocab_size: int | None = None) -> DecoderConfig:
+    """The DecoderConfig of preset `name` with the tokenizer's vocabulary and special tokens; `num_layers` and
+    `vocab_size` (model.num_layers / model.vocab_size) resize it (a vocabulary smaller than the tokenizer's is
+    refused by `build_decoder`)."""
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; presets are {', '.join(MODEL_PRESETS)}")
     eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    return DecoderConfig(vocab_size=model_vocab_size(tokenizer), **MODEL_PRESETS[name],
+    shape = {**MODEL_PRESETS[name], **({"num_layers": num_layers} if num_layers is not None else {})}
+    return DecoderConfig(vocab_size=vocab_size or model_vocab_size(tokenizer), **shape,
                          max_position_embeddings=max(4096, max_length), compute_dtype=compute_dtype,
                          attention_impl=attention_impl, attention_block_size=attention_block_size,
                          bos_token_id=tokenizer.bos_token_id, eos_token_ids=eos,
@@ -47,15 +50,14 @@ def build_decoder(model: ModelConfig, tokenizer: Tokenizer, *, max_length: int, 
     if model.hf_path:
         if not os.path.isdir(model.hf_path):
             raise FileNotFoundError(f"model.hf_path {model.hf_path} is not a directory")
-        decoder = load_pretrained(model.hf_path, dtype="float32", compute_dtype=compute_dtype,
-                                  attention_impl=model.attention_impl,
-                                  attention_block_size=model.attention_block_size)
-        config = decoder.config
-        groups = PytreeSource({g: GroupLayout.of(v) for g, v in split_params(decoder).items()}, split_params(decoder))
+        groups = HFGroupSource(model.hf_path, dtype="float32", compute_dtype=compute_dtype,
+                               attention_impl=model.attention_impl, attention_block_size=model.attention_block_size)
+        config = groups.config  # tensors are read later, by byte range, for each device's own part
     else:
         config = preset_config(model.preset, tokenizer, max_length=max_length, compute_dtype=compute_dtype,
                                attention_impl=model.attention_impl,
-                               attention_block_size=model.attention_block_size)
+                               attention_block_size=model.attention_block_size, num_layers=model.num_layers,
+                               vocab_size=model.vocab_size)
         groups = RandomInitSource(config, seed)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has "

@@ -30,7 +30,9 @@ from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
 from .callbacks import Callback, EngineFactory, emit
-from .checkpoint import NUMELS_KEY, CheckpointStore, export_hf
+from .checkpoint import NUMELS_KEY, CheckpointStore
+from .export import export_hf_streaming
+from .host_memory import return_freed_memory_promptly
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
 from .model import build_decoder, cost_model, make_engine, make_planner
@@ -54,6 +56,7 @@ class Trainer:
                  callbacks: Sequence[Callback] = ()):
         """`engine_factory` builds the engine (default `make_engine`); `callbacks` observe the steps, rollouts and
         updates (train/core/callbacks.py)."""
+        return_freed_memory_promptly()  # a resume or a step must not leave the state resident twice (host_memory.py)
         self.engine_factory = engine_factory or make_engine
         self.callbacks = tuple(callbacks)
         self.config = config
@@ -124,7 +127,10 @@ class Trainer:
 
     def _restore(self, step: int) -> int:
         """Loads checkpoint `step` into the engine; returns the number of steps already done."""
-        engine_state, state = self.store.restore(step, self.engine.state_targets(), self.engine.numels)
+        targets = self.engine.state_targets()
+        self.store.check_restorable(step, targets, self.engine.numels)  # before the initial state is dropped
+        self.engine.drop_state()  # the restored state never lies beside the one it replaces
+        engine_state, state = self.store.restore(step, targets, self.engine.numels)
         self.skipped = self.skipped_in(state)
         engine_state.pop("step")
         self.engine.load_sharded_state(engine_state, self.restored(step, state))  # the engine counts applied updates
@@ -264,9 +270,11 @@ class Trainer:
         final_eval = self.evaluate(done) if self._eval_every() and done > self.start_step else None
         hf_path = None
         if self.config.checkpoint.export_hf and done == self.config.run.steps:
-            params = self.engine.params()  # every process: it gathers from all of them
-            if self.primary:
-                hf_path = export_hf(self.model_config, params, self.tokenizer, os.path.join(self.out_dir, HF_DIR))
+            # one group at a time, gathered by every process (a collective), written by process 0
+            groups = ((g, self.engine.group_to_host(g)) for g in self.model.group_names)
+            hf_path = export_hf_streaming(self.model_config, groups, self.tokenizer, os.path.join(self.out_dir, HF_DIR),
+                                          dtype=self.config.checkpoint.export_dtype, write=self.primary)
+            hf_path = hf_path if self.primary else None
         timeline = self.timeline or {}
         summary = {
             "out_dir": self.out_dir, "start_step": self.start_step, "steps_done": done, "seconds": seconds,

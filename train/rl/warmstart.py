@@ -43,7 +43,8 @@ def warmstart_sft_config(config: RLConfig, directory: str) -> SFTConfig:
                                   warmup_steps=min(10, w.sft_steps // 10)),
         engine=dataclasses.replace(e, planner=None, token_cap=None, length_buckets=None),  # SFT's defaults for these
         run=RunConfig(steps=w.sft_steps, seed=config.run.seed, out_dir=directory),
-        checkpoint=CheckpointConfig(save_every=0, keep_checkpoints=1, export_hf=True),
+        checkpoint=CheckpointConfig(save_every=0, keep_checkpoints=1, export_hf=True,
+                                    export_dtype="float32"),  # RL starts from the fp32 weights themselves
         logging=LoggingConfig(timeline_every=0, progress=config.logging.progress))
 
 
