@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jodc.fsdp import Engine
-from jodc.fsdp import sharding as fsdp_sharding
+from jodc.fsdp import state as fsdp_state
 from jodc.models import SamplingParams, generate
 from jodc.train.core.model import make_engine
 from jodc.train.rl import loop as rl_loop
@@ -204,29 +204,27 @@ def test_asynchronous_rl_samples_its_stale_versions_as_from_host_weights(monkeyp
 
 
 def test_no_host_copy_of_the_policy_during_a_step_or_an_evaluation(monkeypatch, tmp_path):
-    """Every way to the engine's parameters on the host (`params`, `flat_params`, `state_dict`) raises inside a
-    step and an evaluation of a bf16-sampler run with a KL reference; outside them (the final checkpoint) they
-    work as before."""
+    """Every way to the engine's parameters on the host (`params`, `flat_params`, `group_to_host`, `state_dict`,
+    `jodc.fsdp.state.host_copy` / `to_host_canonical`) raises inside a step and an evaluation of a bf16-sampler run
+    with a KL reference; outside them (the checkpoints) they work as before."""
     inside = []
 
     def guarded(name, original):
-        def method(self, *args, **kwargs):
+        def call(*args, **kwargs):
             if inside:
-                raise AssertionError(f"{type(self).__name__}.{name} gathered the policy to the host in an RL step")
-            return original(self, *args, **kwargs)
-        return method
+                raise AssertionError(f"{name} gathered the policy to the host in an RL step")
+            return original(*args, **kwargs)
+        return call
 
     import jodc.fsdp as fsdp
 
     classes = {Engine, *[c for c in vars(fsdp).values() if isinstance(c, type) and issubclass(c, Engine)]}
     for cls in classes:
-        for name in ("params", "flat_params", "state_dict"):
+        for name in ("params", "flat_params", "group_to_host", "state_dict"):
             if name in vars(cls):
                 monkeypatch.setattr(cls, name, guarded(name, vars(cls)[name]))
-    to_host = fsdp_sharding.to_host
-    monkeypatch.setattr(fsdp_sharding, "to_host",
-                        lambda x: (_ for _ in ()).throw(AssertionError("to_host in an RL step")) if inside
-                        else to_host(x))
+    for name in ("host_copy", "to_host_canonical"):  # the engines' ways to the host (group_to_host, state_dict)
+        monkeypatch.setattr(fsdp_state, name, guarded(name, getattr(fsdp_state, name)))
     for hook in ("train_step", "evaluate"):
         original = getattr(RLRun, hook)
 
