@@ -25,8 +25,8 @@ sizes), one process x 2 devices (`1proc_2dev`) and `mpirun -np 2` x 1 device wit
 replication (`2proc`: each sequence sent only to the process that trains it, the forward passes over each process's
 share) and all-gathered (`2proc_replicated`: the trainer before), launched alternately `--full-step-pairs` times:
 `step_seconds_<layout>`, `step_rollout_seconds_<layout>`, `step_samples_per_s_<layout>` (responses per second of
-the whole step), `step_params_seconds_<layout>` (the policy's parameters gathered to the host for the sampler, once
-per step: once per policy version) and `params_vs_rollout_<layout>` (that over the rollout phase: what sampling
+the whole step), `step_params_seconds_<layout>` (the policy resharded onto the devices for the sampler, once
+per step: once per policy version; the host before) and `params_vs_rollout_<layout>` (that over the rollout phase: what sampling
 from sharded parameters could at most save), `bytes_received_per_step_<2proc layout>` (process 0's, the rollout's and the assembly's
 exchanges), `step_sharded_vs_replicated_2proc` (samples/s ratio: above 1 is faster) and
 `bytes_sharded_vs_replicated_2proc`.

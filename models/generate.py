@@ -232,8 +232,8 @@ def generate(
       row b's tokens depend only on its prompt, its key and the parameters, not on the other rows). Unused for
       greedy sampling.
     prompt_width: pad the prompts to at least this width (so batches sampled apart share one compiled shape).
-    device: where to run (default: JAX's default device); the call returns without waiting (async dispatch), so
-      calls on several devices run concurrently.
+    device: where to run (default: JAX's default device); `params` already on it are used there without a copy.
+      The call returns without waiting (async dispatch), so calls on several devices run concurrently.
     """
     if isinstance(model, Decoder):
         if params is not None:
@@ -268,8 +268,21 @@ def generate(
     keys = per_row_keys(key, len(tokens))
     if device is None:
         return _generate_jit(config, sampling, params, jnp.asarray(tokens), jnp.asarray(lengths), keys)
-    placed = jax.device_put((params, tokens, lengths, keys), device)
-    return _generate_jit(config, sampling, *placed)
+    placed = jax.device_put((tokens, lengths, keys), device)
+    return _generate_jit(config, sampling, on_device(params, device), *placed)
+
+
+def on_device(params, device: jax.Device):
+    """`params` on `device`: leaves already committed there as they are (a sampler's copy resharded onto its
+    device is used where it lies, never transferred again), the others put there."""
+    leaves, treedef = jax.tree.flatten(params)
+    missing = [i for i, x in enumerate(leaves)
+               if not (isinstance(x, jax.Array) and x.committed and x.sharding.device_set == {device})]
+    if missing:
+        moved = jax.device_put([leaves[i] for i in missing], device)
+        for i, x in zip(missing, moved):
+            leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _is_key_batch(key) -> bool:

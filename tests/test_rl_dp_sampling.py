@@ -228,6 +228,7 @@ def test_evaluation_split_over_devices_gives_the_same_scores_each_response_score
     device, and one reward call per response."""
     import types
 
+    from jodc.fsdp.stages import GroupLayout
     from jodc.train.rl.loop import EVAL_SAMPLES, RLRun
     from jodc.train.rl.rewards import score
     from jodc.train.rl.rollout import encode_prompts, sample_rollout
@@ -245,9 +246,13 @@ def test_evaluation_split_over_devices_gives_the_same_scores_each_response_score
                                sampling=sampling, key=jax.random.PRNGKey(3))
         rewards = score(reference, whole.prompts, whole.responses, step=1)
         expected[key] = float(np.mean(rewards >= 1.0) if group == 1 else np.mean(rewards))
+    # an engine as the evaluation reads it: the flat fp32 groups (here on one device, as the reference engine's)
+    layouts = {g: GroupLayout.of(tree) for g, tree in params.items()}
+    engine = types.SimpleNamespace(model=types.SimpleNamespace(layouts=layouts),
+                                   sharded_params=lambda: {g: layouts[g].flatten(params[g]) for g in params})
     for devices in (2,):  # uneven shares (2 + 1 problems); 1 device is the reference above
         reward = CountingReward()
-        run = types.SimpleNamespace(eval_set=problems, engine=types.SimpleNamespace(params=lambda: params),
+        run = types.SimpleNamespace(eval_set=problems, engine=engine,
                                     sampler=make_sampler(devices, reward), model_config=CONFIG, tokenizer=TOKENIZER,
                                     greedy=greedy, eval_sampling=sampled, reward_fn=reward, config=config,
                                     eval_width=width)

@@ -40,7 +40,6 @@ from jodc.models.tokenizer import load_tokenizer
 from jodc.models.layerwise import param_groups
 
 from ..core import distributed
-from ..core.init_source import host_groups
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path, mesh_devices
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
@@ -51,7 +50,8 @@ from .config import RLConfig
 from .critic import critic_advantages, response_values
 from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
 from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, step_record
-from .reference import ReferencePolicy
+from .policy_weights import held_copy, policy_weights, sampler_weights_on_devices, trainer_params
+from .reference import ShardedReference
 from .rewards import RewardFunction, resolve_reward_function, score
 from .rollout import device_shares, encode_prompts, sample_rollout, sampling_params
 from .rollout_exchange import EVALUATION_TAGS, bytes_received, gather_shares
@@ -145,13 +145,13 @@ class RLRun(Trainer):
         # the evaluation set's prompt width, to which every device's share of it pads (the same shapes in any layout)
         self.eval_width = max((len(ids) for ids in encode_prompts(self.tokenizer, [p.prompt for p in self.eval_set])),
                               default=0)
-        groups = self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
-                                   metric_names=self.objective.metric_names, value_head=self.objective.critic)
-        decoder_layouts = {g: self.model.layouts[g] for g in param_groups(self.model_config)}
-        self.reference = (ReferencePolicy(self.model_config, host_groups(groups, decoder_layouts),
-                                          temperature=r.temperature,
-                                          bucket=r.prompt_bucket)
+        self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
+                          metric_names=self.objective.metric_names, value_head=self.objective.critic)
+        # the KL reference (the initial policy): a sharded copy of the engine's decoder groups now, before any resume
+        self.reference = (ShardedReference(self.model_config, held_copy(self.engine, param_groups(self.model_config)),
+                                           self.model.layouts, temperature=r.temperature, bucket=r.prompt_bucket)
                           if config.loss.kl_coef or config.loss.kl_in_reward_coef else None)
+        self.step_reference = None  # the reference gathered for the current step's passes
         self.sampling = sampling_params(self.tokenizer, self.model_config, max_new_tokens=r.max_new_tokens,
                                         temperature=r.temperature, top_k=r.top_k if self.objective.uses_topk else 0,
                                         prompt_bucket=r.prompt_bucket)
@@ -175,6 +175,8 @@ class RLRun(Trainer):
         self.rollouts = make_rollout_source(r, self.sampler, processes=jax.process_count(), reward_spec=reward_spec,
                                             trainer=self, callbacks=self.callbacks,
                                             process_index=jax.process_index())
+        # the sampler process gets host weights (pickled to it); the trainer's own sampler copies made on device
+        self.host_weights = bool(r.max_staleness) and r.sampler == "process"
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         self.rollouts.restore(step, state, self.store.step_dir(step))
@@ -215,8 +217,8 @@ class RLRun(Trainer):
         each process samples and scores its devices' share, and across processes the shares' rewards (not their
         tokens) are exchanged. Response j of problem i samples with the same key wherever it runs (`response_keys`)."""
         prompts = [p.prompt for p in self.eval_set]
-        params = self.engine.params()
         mine, devices = self.sampler.local_devices(len(prompts))
+        params = sampler_weights_on_devices(self.engine, devices=devices, dtype="float32")  # fp32, on device
         width = self.eval_width
 
         def share() -> dict[str, np.ndarray]:  # this process's rewards per measure
@@ -237,6 +239,19 @@ class RLRun(Trainer):
         rewards = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
         return {"eval_accuracy": float(np.mean(rewards["eval_accuracy"] >= self.config.task.success_reward)),
                 "eval_sampled_reward": float(np.mean(rewards["eval_sampled_reward"]))}
+
+    def policy_version(self):
+        """The current policy as this step uses it, made now (across processes every process makes it at this point
+        of every step: the reshards are collectives): a `PolicyWeights` (the sampler's copies in `rollout.dtype` on
+        this process's sampling devices, the fp32 copy on the device of the trainer's passes), or with a sampler
+        process host fp32 group pytrees (pickled to the child: `sampler_process.py`); the KL reference gathered
+        in fp32 on that device for this step's passes."""
+        devices = self.sampler.local_devices()[1]
+        if self.reference is not None:
+            self.step_reference = self.reference.policy(devices[0])
+        if self.host_weights:
+            return self.engine.params()
+        return policy_weights(self.engine, devices, self.config.rollout.dtype, devices[0])
 
     def next_rollout(self, step: int, params) -> tuple[ScoredRollout, float]:
         """(step `step`'s scored rollout, seconds the trainer waited for it), from the run's rollout source
@@ -261,8 +276,9 @@ class RLRun(Trainer):
             return [x for c in chunks if len(c) for x in fn(rollout.select(c))]
 
         with timers("reference"):
-            ref_logprobs = (per_share(lambda part: self.reference.response_logprobs(part, width=width))
+            ref_logprobs = (per_share(lambda part: self.step_reference.response_logprobs(part, width=width))
                             if self.reference else None)
+        params = trainer_params(params)  # fp32 on the trainer's device (host pytrees with a sampler process)
         old_logprobs = None
         if self.objective.recompute:  # one extra forward pass: the trainer's log-probs before the updates
             with timers("recompute"):
@@ -374,8 +390,8 @@ class RLRun(Trainer):
         started = time.perf_counter()
         received = bytes_received()
         with timers("step"):
-            with timers("params"):  # the policy gathered to the host once per version: `params_seconds`
-                params = self.engine.params()
+            with timers("params"):  # the policy resharded onto the devices once per version: `params_seconds`
+                params = self.policy_version()
             scored, waited = self.next_rollout(step, params)
             if isinstance(scored, ShardedRollout):  # mpirun, rollout.assembly: sharded (assembly.py)
                 minibatches, extra_record = self.sharded_minibatches(step, scored, params)
@@ -392,6 +408,7 @@ class RLRun(Trainer):
                                     **summarize_metrics(result.metrics, self.objective)})
                     tokens += arrays.num_tokens
                     microbatches.append(result.microbatches)
+        self.step_reference = params = None  # this step's copies go (an asynchronous sampler keeps its versions)
         if jax.process_count() > 1:  # this process's traffic: the rollout's exchange and the step's assembly
             extra_record["bytes_received"] = bytes_received() - received
         seconds = timers["step"]

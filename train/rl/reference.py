@@ -1,6 +1,10 @@
 """The frozen reference policy of the KL penalty: the run's initial weights (after the warm start), scoring each
 response token with one compiled forward pass over the rollout.
 
+The trainer holds it sharded (`ShardedReference`: a copy of the engine's fp32 state at the start of the run, 1 /
+devices of the model per device) and gathers it in fp32 onto the device of its forward passes for each step's
+pass (`policy`), dropped after the step: the same fp32 forward as with host weights, so the same log-probs.
+
 Rows are right-padded to a width rounded up to `bucket` (padding is segment 0, attended by nothing), so a run
 compiles one shape per prompt bucket. Log-probs are of softmax(logits / temperature), like the behaviour's.
 """
@@ -15,6 +19,7 @@ import numpy as np
 from jodc.losses import token_logprobs
 from jodc.models import DecoderConfig, forward
 
+from .policy_weights import policy_on_device
 from .rollout import Rollout
 
 
@@ -51,3 +56,17 @@ class ReferencePolicy:
             start = len(prompt) - 1  # position predicting the first response token
             out.append(logprobs[i, start:start + len(response)].astype(np.float32))
         return out
+
+
+class ShardedReference:
+    """The reference's fp32 flat group vectors held sharded as the engine holds its state (`policy_weights.held_copy`);
+    `policy(device)` is a `ReferencePolicy` with them gathered onto `device` (across processes a collective: every
+    process asks at the same point of every step)."""
+
+    def __init__(self, config: DecoderConfig, flats: dict, layouts: dict, *, temperature: float, bucket: int = 16):
+        self.config, self.flats, self.layouts = config, flats, layouts
+        self.temperature, self.bucket = temperature, bucket
+
+    def policy(self, device) -> ReferencePolicy:
+        return ReferencePolicy(self.config, policy_on_device(self.flats, device, self.layouts),
+                               temperature=self.temperature, bucket=self.bucket)

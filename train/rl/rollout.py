@@ -19,6 +19,8 @@ import numpy as np
 from jodc.models import DecoderConfig, SamplingParams, generate
 from jodc.models.tokenizer import Tokenizer
 
+from .policy_weights import DeviceWeights
+
 
 @dataclasses.dataclass
 class Rollout:
@@ -135,7 +137,8 @@ def _response_keys(key, indices, members):
 def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: int,
                    sampling: SamplingParams, key: jax.Array, prompt_indices: Sequence[int] | None = None,
                    prompt_width: int = 0, devices: Sequence[jax.Device] | None = None) -> Rollout:
-    """Samples `group_size` responses to each prompt with `params` (group pytrees, e.g. `Engine.params()`).
+    """Samples `group_size` responses to each prompt with `params`: group pytrees (host or on a device), or a
+    `policy_weights.DeviceWeights` holding a copy on each of `devices` (each device samples with its own copy).
 
     key: the rollout's key; response j of prompt `prompt_indices[i]` (default i) samples with
       `response_keys(key, ...)`, so a subset of a step's prompts sampled elsewhere gets the same keys.
@@ -159,7 +162,8 @@ def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts:
     keys = response_keys(key, prompt_indices, group_size)
     devices = [None] if not devices else list(devices)
     calls = [(share, device) for share, device in zip(device_shares(len(prompts), len(devices)), devices) if share]
-    outs = [generate(config, prompt_ids[s.start * group_size:s.stop * group_size], sampling=sampling, params=params,
+    outs = [generate(config, prompt_ids[s.start * group_size:s.stop * group_size], sampling=sampling,
+                     params=params.on(device) if isinstance(params, DeviceWeights) else params,
                      key=keys[s.start * group_size:s.stop * group_size], prompt_width=prompt_width, device=device)
             for s, device in calls]  # dispatched without waiting: the devices sample concurrently
     outs = jax.device_get(outs)

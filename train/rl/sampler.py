@@ -28,6 +28,7 @@ from jodc.models.tokenizer import Tokenizer
 
 from ..core.model import mesh_devices
 from .config import RolloutConfig
+from .policy_weights import PolicyWeights
 from .reference import ReferencePolicy
 from .rewards import RewardFunction, score
 from .rollout import Rollout, device_shares, encode_prompts, sample_rollout
@@ -145,13 +146,18 @@ def measures_mismatch(rollout) -> bool:
     return rollout.dtype != "float32"
 
 
+def sampler_config(config: DecoderConfig, dtype: str) -> DecoderConfig:
+    """The sampler's model config (`rollout.dtype`): the trainer's for float32, else parameters and compute in it."""
+    return config if dtype == "float32" else config.replace(param_dtype=dtype, compute_dtype=dtype)
+
+
 def sampler_weights(config: DecoderConfig, params, dtype: str) -> tuple[DecoderConfig, Any]:
-    """The sampler's model config and parameters (`rollout.dtype`): the trainer's for float32, else cast (parameters
-    and compute)."""
+    """The sampler's model config and parameters (`rollout.dtype`) from host fp32 group pytrees (the sampler
+    process's path; the trainer's own sampler gets `policy_weights.PolicyWeights`, resharded on device): the
+    trainer's for float32, else cast (parameters and compute)."""
     if dtype == "float32":  # the trainer's own numerics (today's synchronous sampler)
         return config, params
-    return (config.replace(param_dtype=dtype, compute_dtype=dtype),
-            jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params))
+    return sampler_config(config, dtype), jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(dtype)), params)
 
 
 @dataclasses.dataclass
@@ -208,7 +214,8 @@ class RolloutSampler:
                 for p in range(count)]
 
     def __call__(self, step: int, params, version: int):
-        """Step `step`'s scored rollout, sampled with `params` (host fp32 group pytrees) of policy `version`. Across
+        """Step `step`'s scored rollout, sampled with `params` of policy `version` (a `PolicyWeights`: the copies
+        resharded on the devices, or host fp32 group pytrees: the sampler process's). Across
         processes each process samples and scores its share (`share`), every response once, and the processes
         exchange (`exchange`): with `rollout.assembly: sharded` their shares' metadata (a `ShardedRollout`:
         `assembly.py`), with `replicated` the whole shares (every process gets the whole rollout)."""
@@ -225,7 +232,12 @@ class RolloutSampler:
                                  held_out=self.held_out)
         prompts = [p.prompt for p in problems]
         mine, devices = self.local_devices()
-        config, weights = sampler_weights(self.model_config, params, r.dtype)
+        if isinstance(params, PolicyWeights):  # already on the sampling devices, in the sampler's dtype
+            if params.sampler.dtype != jnp.dtype(r.dtype).name:
+                raise ValueError(f"weights in {params.sampler.dtype} for a {r.dtype} sampler")
+            config, weights, fp32 = sampler_config(self.model_config, r.dtype), params.sampler, params.trainer
+        else:
+            (config, weights), fp32 = sampler_weights(self.model_config, params, r.dtype), params
         rollout = sample_rollout(config, weights, self.tokenizer, prompts[mine.start:mine.stop],
                                  group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step),
                                  prompt_indices=mine, devices=devices,
@@ -237,7 +249,7 @@ class RolloutSampler:
         started = time.perf_counter()
         trainer = None
         if measures_mismatch(r):
-            trainer = (trainer_logprobs(self.model_config, params, rollout, temperature=r.temperature,
+            trainer = (trainer_logprobs(self.model_config, fp32, rollout, temperature=r.temperature,
                                         bucket=r.prompt_bucket) if len(rollout) else [])
         mismatch_seconds = time.perf_counter() - started
         return ScoredRollout(step=step, rollout=rollout, rewards=rewards,
