@@ -14,7 +14,7 @@ through the trainers' API (train/core/trainer.py; the calls that may change are 
 * `save`: checkpointing the last step (`Trainer.save`);
 * `export`: the HF export at the end of the run (`Trainer._finish`);
 * `restore`: a fresh trainer resuming from that checkpoint (build + restore), after the first one was closed;
-* `rl_gather`: an RL trainer's policy gathered for the sampler (`engine.params()`), after one warm-up RL step;
+* `rl_gather`: an RL trainer's policy made for the sampler and the trainer's passes (`RLRun.policy_version`: resharded on device), after one warm-up RL step;
 * `rl_step`: the next whole RL step (the gather again, the rollout, `--rl-updates` updates).
 
 Measured exactly, per process, with the kernel's counters: before a phase, `gc.collect()` and glibc's
@@ -167,8 +167,8 @@ def api_restored_step(trainer) -> int:
 
 
 def api_gather_policy(trainer):
-    """The policy as an RL step gathers it for the sampler."""
-    return trainer.engine.params()
+    """The policy as an RL step makes it for the sampler and the trainer's passes (resharded on device)."""
+    return trainer.policy_version()
 
 
 def api_close(trainer) -> None:
@@ -257,7 +257,7 @@ PHASES = (
     Phase("save", "checkpoint save", Session.save),
     Phase("export", "HF export at the end of the run", Session.export_hf),
     Phase("restore", "fresh trainer resuming: build + restore", Session.resume_sft, prepare=Session.close),
-    Phase("rl_gather", "RL: policy gathered for the sampler", Session.gather, prepare=Session.start_rl),
+    Phase("rl_gather", "RL: policy resharded for the sampler", Session.gather, prepare=Session.start_rl),
     Phase("rl_step", "RL: a whole step (gather, rollout, update)", Session.rl_step,
           prepare=lambda s: setattr(s, "gathered", None)),
 )
