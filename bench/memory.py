@@ -60,17 +60,15 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tools"))
-from mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
+from mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402 (tools/mpirun.py)
 
 RESULT_PREFIX = "MEMBENCH "
 LAYOUTS = {"1x2": (1, 2), "2x1": (2, 1)}  # name: (processes, devices per process)
@@ -345,29 +343,18 @@ def launch(args, layout: str, layers: int) -> list[dict]:
         cmd, env = mpirun_command(processes, sys.executable, "-m", "mpi4py", script, *worker_args), mpi_env()
     else:
         cmd, env = [sys.executable, script, *worker_args], {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    expired = threading.Event()
-    timer = threading.Timer(args.timeout, lambda: (expired.set(), kill_session(proc.pid)))
-    timer.start()
-    lines = []
+    def echo(line: str) -> None:
+        if line.startswith("# "):
+            print(line, file=sys.stderr, flush=True)
+
     try:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("# "):
-                print(line, end="", file=sys.stderr, flush=True)
-        proc.wait()
-    except BaseException:  # Ctrl-C included: leave no workers behind
-        kill_session(proc.pid)
-        raise
+        returncode, lines, timed_out = stream_session(cmd, env, args.timeout, echo, cwd=REPO)
     finally:
-        timer.cancel()
         shutil.rmtree(run_dir, ignore_errors=True)
     results = sorted((json.loads(x[len(RESULT_PREFIX):]) for x in lines if x.startswith(RESULT_PREFIX)),
                      key=lambda r: r["process"])
-    if proc.returncode != 0 or len(results) != processes:
-        why = (f"did not finish within --timeout {args.timeout:g} s" if expired.is_set()
-               else f"failed (exit {proc.returncode})")
+    if returncode != 0 or len(results) != processes:
+        why = f"did not finish within --timeout {args.timeout:g} s" if timed_out else f"failed (exit {returncode})"
         raise RuntimeError(f"{layout} with {layers} layer(s) {why}:\n" + "\n".join(lines)[-4000:])
     return results
 

@@ -43,14 +43,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
+from mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402 (tools/mpirun.py)
 RESULT_PREFIX = "MPBENCH "
 PROGRESS_PREFIX = "# progress: "
 E2E_TABLE_HEADING = "# end to end across "
@@ -258,32 +256,12 @@ def run_nprocs(nprocs: int, args, e2e: bool = False, hsdp: bool = False):
         cmd += ["--worker", "--ops", str(args.ops), "--rounds", str(args.rounds), "--mib", *[str(m) for m in args.mib]]
     # Output is read as it comes: progress lines are echoed at once; on timeout the whole process group (mpirun and
     # its workers, started in a session of their own) is killed and the error shows the output so far.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    expired = threading.Event()
+    def echo(line: str) -> None:
+        if line.startswith(PROGRESS_PREFIX):
+            what = " (HSDP)" if hsdp else " (end to end)" if e2e else ""
+            print(f"# mpirun -np {nprocs}{what}: {line[len(PROGRESS_PREFIX):]}", file=sys.stderr, flush=True)
 
-    def expire():
-        expired.set()
-        kill_session(proc.pid)
-
-    timer = threading.Timer(args.timeout, expire)
-    timer.start()
-    lines = []
-    try:
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            lines.append(line)
-            if line.startswith(PROGRESS_PREFIX):
-                what = " (HSDP)" if hsdp else " (end to end)" if e2e else ""
-                print(f"# mpirun -np {nprocs}{what}: {line[len(PROGRESS_PREFIX):]}",
-                      file=sys.stderr, flush=True)
-        proc.wait()
-    except BaseException:  # Ctrl-C included: leave no workers behind
-        kill_session(proc.pid)
-        raise
-    finally:
-        timer.cancel()
-    timed_out = expired.is_set()
+    returncode, lines, timed_out = stream_session(cmd, env, args.timeout, echo)
     for line in lines:
         if line.startswith(RESULT_PREFIX):
             if e2e or hsdp:  # the worker's own table (from its heading on: MPI's and gloo's chatter before it is dropped)
@@ -291,7 +269,7 @@ def run_nprocs(nprocs: int, args, e2e: bool = False, hsdp: bool = False):
                 sys.stderr.write("".join(x + "\n" for x in lines[table[0] if table else 0:]
                                          if not x.startswith((RESULT_PREFIX, PROGRESS_PREFIX))))
             return json.loads(line[len(RESULT_PREFIX):])
-    why = f"did not finish within --timeout {args.timeout:g} s" if timed_out else f"failed (exit {proc.returncode})"
+    why = f"did not finish within --timeout {args.timeout:g} s" if timed_out else f"failed (exit {returncode})"
     tail = "\n".join(lines)[-4000:]
     raise RuntimeError(f"mpirun -np {nprocs} {why}:\n{tail}")
 

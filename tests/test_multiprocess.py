@@ -292,16 +292,23 @@ def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
 
     single_dir = tmp_path / "single"
     assert train_main(_sft_args(single_dir, 4)) == 0  # this process, 2 of its CPU devices
-    mp_files = sorted(p.name for p in (mp_dir / "hf").glob("*.safetensors"))
-    assert mp_files and mp_files == sorted(p.name for p in (single_dir / "hf").glob("*.safetensors"))
-    for name in mp_files:
-        assert (mp_dir / "hf" / name).read_bytes() == (single_dir / "hf" / name).read_bytes(), name
+    assert_same_export(mp_dir, single_dir)
+    assert run_losses(mp_dir) == run_losses(single_dir) and len(run_losses(mp_dir)) == 4
+
+
+def assert_same_export(a, b):
+    """The HF exports of run directories `a` and `b` hold the same safetensors files, byte for byte."""
+    files = sorted(p.name for p in (a / "hf").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (b / "hf").glob("*.safetensors"))
+    for name in files:
+        assert (a / "hf" / name).read_bytes() == (b / "hf" / name).read_bytes(), name
+
+
+def run_losses(run_dir) -> list[float]:
+    """The logged losses of run directory `run_dir`, in step order."""
     import json
 
-    def losses(d):
-        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-
-    assert losses(mp_dir) == losses(single_dir) and len(losses(mp_dir)) == 4
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
 @needs_mpi
@@ -324,19 +331,11 @@ def test_mpirun_resumes_a_checkpoint_of_another_layout(tmp_path):
     cmd = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train", *_sft_args(mp, 4))
     rc, out = run_session(cmd, 420, env)
     assert rc == 0 and "resumed from" in out and "(step 2)" in out, out[-6000:]
-    files = sorted(p.name for p in (single / "hf").glob("*.safetensors"))
-    assert files and files == sorted(p.name for p in (mp / "hf").glob("*.safetensors"))
-    for name in files:
-        assert (mp / "hf" / name).read_bytes() == (single / "hf" / name).read_bytes(), name
-    import json
-
-    def losses(d):
-        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-
-    assert losses(mp) == losses(single) and len(losses(mp)) == 4
+    assert_same_export(mp, single)
+    assert run_losses(mp) == run_losses(single) and len(run_losses(mp)) == 4
     # the checkpoint the two processes wrote at step 4 resumes in one process on 4 devices
     assert train_main([*_sft_args(mp, 5)[:-2], "--devices", "4", "--total_steps", "5", "--out_dir", str(mp)]) == 0
-    assert len(losses(mp)) == 5
+    assert len(run_losses(mp)) == 5
 
 
 def test_launch_detection_and_device_split():

@@ -41,3 +41,38 @@ def kill_session(sid: int) -> None:
                 os.kill(int(entry), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def stream_session(cmd: list[str], env: dict, timeout: float, on_line=None, cwd: str | None = None
+                   ) -> tuple[int, list[str], bool]:
+    """Runs `cmd` (an mpirun job, or one process) in a session of its own and reads its output (stderr merged) as it
+    comes, calling `on_line(line)` for each line; after `timeout` seconds, or on any exception (Ctrl-C included),
+    the whole session is killed, so no worker is left behind. Returns (exit status, the lines, whether it timed
+    out)."""
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
+        kill_session(proc.pid)
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+        proc.wait()
+    except BaseException:
+        kill_session(proc.pid)
+        raise
+    finally:
+        timer.cancel()
+    return proc.returncode, lines, expired.is_set()
