@@ -366,11 +366,16 @@ def _ctrl_c_while_waiting():
 
 
 class FailingODCEngine(ODCEngine):
-    """The ODC engine with a host callback that raises on device 0 before the minibatch's first barrier."""
+    """The ODC engine with a host callback that raises on device 0 before the first step's first barrier (armed once
+    built: the barrier after publishing the initial shards is not the step's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._armed = True
 
     def _barrier(self, token, recorder, **kinds):
-        if not getattr(self, "_failed_once", False):
-            self._failed_once = True
+        if getattr(self, "_armed", False):
+            self._armed = False
             token = raise_on_device_0("pure_callback")(lax.axis_index("d"), token)
         return super()._barrier(token, recorder, **kinds)
 
