@@ -275,8 +275,11 @@ def _children(pid: int) -> list[int]:
     """The child processes of `pid` (the sampler process and the multiprocessing resource tracker)."""
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:  # a thread that ended since the listing (a worker pool's, say): no children
+            continue
     return out
 
 
