@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -209,19 +208,6 @@ def from_host_canonical(state, targets, numels: dict[str, int]) -> Any:
                           lambda b, e: pad_slice(flat[: numels[g]], b, e).astype(target.dtype))
 
     return jax.tree_util.tree_map_with_path(place, state, targets)
-
-
-def zero_padding(tree, numels: dict[str, int]):
-    """Inside jit: every group leaf with its elements past the group's numel set to 0 (a restored checkpoint's tail
-    is zero already; this makes the padding invariant hold whatever the file held)."""
-
-    def fix(path, x):
-        g = sharding.group_of(path, numels)
-        if g is None or x.shape[0] == numels[g]:
-            return x
-        return jnp.where(jnp.arange(x.shape[0]) < numels[g], x, jnp.zeros((), x.dtype))
-
-    return jax.tree_util.tree_map_with_path(fix, tree)
 
 
 class ShardedStateMixin:

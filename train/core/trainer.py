@@ -130,7 +130,7 @@ class Trainer:
         targets = self.engine.state_targets()
         self.store.check_restorable(step, targets, self.engine.numels)  # before the initial state is dropped
         self.engine.drop_state()  # the restored state never lies beside the one it replaces
-        engine_state, state = self.store.restore(step, targets, self.engine.numels)
+        engine_state, state = self.store.restore(step, targets)  # (sizes checked above, from the metadata)
         self.skipped = self.skipped_in(state)
         engine_state.pop("step")
         self.engine.load_sharded_state(engine_state, self.restored(step, state))  # the engine counts applied updates
