@@ -18,7 +18,7 @@ sampler thread exchanges it (`sampler.ExchangedShares`).
 
 Failures: an exception in the child comes back as `SamplerProcessError` with the child's traceback for the step
 that raised it; a child that dies (killed, out of memory) is reported with its exit code instead of hanging
-the trainer; `close()` stops the child (terminates it if it does not exit within the timeout).
+the trainer; `close()` stops the child (kills it if it does not exit within the timeout).
 """
 from __future__ import annotations
 
@@ -45,8 +45,11 @@ def _serve(conn, payload: bytes, reward_spec: str | None, nice: int, env: dict[s
     """The child's loop: ("params", version, weights) keeps the weights of `version`; ("sample", step, version)
     answers ("rollout", ScoredRollout) or ("error", traceback); ("stop",) ends it."""
     os.environ.update(env)  # before JAX initialises a backend (unpickling the sampler only imports modules)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it finishes the step, checkpoints
-    if nice:  # (which waits for the rollouts sampled ahead) and then stops this process
+    # Ctrl-C and a scheduler's SIGTERM (sent to the whole job) are the trainer's: it finishes the step,
+    # checkpoints (which waits for the rollouts sampled ahead) and then stops this process
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, signal.SIG_IGN)
+    if nice:
         os.nice(nice)
     sampler: RolloutSampler = pickle.loads(payload)
     if reward_spec:
@@ -140,16 +143,13 @@ class SamplerProcess:
         return value
 
     def close(self, timeout: float = 30.0) -> None:
-        """Asks the child to stop; terminates it (then kills it) if it has not exited after `timeout` seconds."""
+        """Asks the child to stop; kills it if it has not exited after `timeout` seconds."""
         try:
             self._conn.send(("stop",))
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
         self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5.0)
-        if self._process.is_alive():
+        if self._process.is_alive():  # (it ignores SIGTERM: see _serve)
             self._process.kill()
             self._process.join(5.0)
         self._conn.close()
