@@ -194,3 +194,12 @@ def test_prompts_from_a_file_need_a_reward_function(tmp_path):
                                             "--sft_steps", "0", "--pool_size", "0"))
     with pytest.raises(ConfigError, match="jsonl has no built-in reward: set task.reward_fn"):
         run_rl(config, log=quiet)
+
+
+def test_a_config_asking_for_more_devices_than_exist_fails_before_the_warm_start(tmp_path):
+    """engine.devices beyond the devices that exist is an error before anything runs, not after the SFT warm start
+    (the shipped async config's is 600 steps)."""
+    config = load_rl_config(None, overrides(tmp_path, "--devices", str(len(jax.devices()) * 2)))
+    with pytest.raises(RuntimeError, match=f"engine.devices={len(jax.devices()) * 2} but only"):
+        run_rl(config, log=quiet)
+    assert not os.path.exists(os.path.join(tmp_path, WARMSTART_DIR))

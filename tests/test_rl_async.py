@@ -251,6 +251,21 @@ def test_sigterm_mid_step_checkpoints_the_rollouts_sampled_ahead_and_resumes_exa
         assert np.array_equal(x, y)
 
 
+def test_the_sampler_process_gets_the_trainers_cpu_device_count(reward_file, tmp_path):
+    """As a new user runs it: no XLA_FLAGS, the CLI sets the CPU device count through `jax_num_cpu_devices` (which a
+    child process does not inherit). The sampler process computes on as many devices as the trainer, so the async
+    config runs (it failed with "engine.devices=2 but only 1 cpu device(s) exist")."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    command = [sys.executable, "-m", "jodc.train", "rl",
+               *async_overrides(tmp_path, reward_file, "--steps", "2", "--rollout.sampler", "process")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert [r["step"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))] == [1, 2]
+
+
 @pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_or_sigterm_stops_the_trainer_and_its_sampler_process(reward_file, tmp_path, stop_signal):
     """Ctrl-C (SIGINT) or a scheduler's SIGTERM reaches the trainer and the sampler process (one process group, as
