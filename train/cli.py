@@ -82,7 +82,8 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
             use_cpu_devices(local)
         if processes > 1:
             distributed.initialize()
-        trainer(config)
+        with preemption.PreemptionWatch():  # a SIGTERM while the run is built stops it after its first step
+            trainer(config)
     except ConfigError as e:
         print(f"{label}: config error: {e}", file=sys.stderr)
         return 2

@@ -86,3 +86,11 @@ def check_agreement(what: str, value) -> None:
         raise RuntimeError(f"the processes disagree on {what}: process(es) {differ} computed something else than "
                            "process 0 (every process must compute it identically: is a reward function or the data "
                            "non-deterministic?)")
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true in any process of the run (a collective across processes: every process must call it
+    at the same point; in a single-process run `flag` itself)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32))).any())

@@ -5,21 +5,26 @@ it is checkpointed, and the run stops with `Preempted` (the `jodc-train` CLI the
 status of a process ended by SIGTERM, so the scheduler sees a terminated job, not a finished one; rerunning the
 same command resumes from that checkpoint).
 
-* One process: `PreemptionWatch` installs a SIGTERM handler for the training loop (in the main thread; it only
-  records the signal) and restores the previous one afterwards.
-* Several processes (`jax.distributed`): JAX's preemption notifier catches SIGTERM in whichever process gets it
-  and the coordination service tells the others; every process asks
-  `multihost_utils.reached_preemption_sync_point(step)` after every step, which becomes true in all of them at the
-  same step (one past the furthest step any process had reached when the notice arrived). Every process therefore
-  saves the same step, a collective, and stops. No Python handler is installed there: it would replace JAX's.
+`PreemptionWatch` installs a SIGTERM handler (in the main thread; it only records the signal) for as long as the
+outermost watch lasts: the CLI holds one around the whole command, so a SIGTERM while the model is built, restored
+or warm-started stops the run at the end of its first step instead of killing it; `Trainer.train` holds one too
+(for runs started from Python). After every step every process asks `reached(step)`; across processes the answer
+is agreed by a small all-gather of every process's flag (`distributed.any_process`), so a SIGTERM that reaches one
+process only (a scheduler's notice may reach one host first) stops every process at the same step, which all of
+them checkpoint (a collective save).
+
+Why not JAX's preemption sync point (`multihost_utils.reached_preemption_sync_point`, whose notifier catches
+SIGTERM once `jax.distributed` is initialised): it agrees on one past the furthest step counter any process had
+reported when the notice came, so a notice that arrives before the first step of a resumed run, or after an RL
+warm start's own steps (its counter then runs ahead of the RL steps), names a step the loop never asks about, and
+the signal is lost, as it was before (tried under mpirun). The handler installed here replaces JAX's notifier.
 """
 from __future__ import annotations
 
 import signal
 import threading
 
-import jax
-from jax.experimental import multihost_utils
+from . import distributed
 
 #: The CLI's exit status after a SIGTERM stop (128 + SIGTERM, as for a process the signal ended).
 EXIT_STATUS = 128 + signal.SIGTERM
@@ -34,38 +39,37 @@ class Preempted(Exception):
         super().__init__(f"stopped by SIGTERM after step {step} ({where}); run the same command again to resume")
 
 
+class _Requests:
+    """The process's one SIGTERM handler and what it recorded, shared by nested watches."""
+    requested = False
+    depth = 0            # watches entered and not yet left
+    previous = None      # the handler the outermost watch replaced (None: it installed none)
+
+
+def _on_sigterm(signum, frame) -> None:
+    _Requests.requested = True
+
+
 class PreemptionWatch:
     """Whether a stop was requested by SIGTERM, agreed by every process at the same step (module docstring).
 
-    Use it as a context manager around the step loop and call `reached(step)` after every step, in every process,
-    with the same increasing step numbers."""
-
-    def __init__(self):
-        self._received = False
-        self._previous = None  # the SIGTERM handler replaced in a single-process run
-        self._synced = False   # across processes: JAX's preemption sync point is available
+    Use it as a context manager (nesting is allowed: the outermost one installs and removes the handler, and forgets
+    a request when it ends) and call `reached(step)` after every step, in every process, at the same steps."""
 
     def __enter__(self) -> PreemptionWatch:
-        if jax.process_count() > 1:
-            self._synced = True
-        elif threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if _Requests.depth == 0 and threading.current_thread() is threading.main_thread():  # handlers live there
+            _Requests.previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        _Requests.depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._received = True
+        _Requests.depth -= 1
+        if _Requests.depth == 0:
+            if _Requests.previous is not None:
+                signal.signal(signal.SIGTERM, _Requests.previous)
+            _Requests.previous, _Requests.requested = None, False
 
     def reached(self, step: int) -> bool:
-        """True when the run must checkpoint step `step` (just finished) and stop."""
-        if self._synced:
-            try:
-                return multihost_utils.reached_preemption_sync_point(step)
-            except RuntimeError as e:  # jax_enable_preemption_service is off: no agreement is possible
-                self._synced = False
-                print(f"warning: a SIGTERM cannot stop this run cleanly across processes: {e}", flush=True)
-        return self._received
+        """True when the run must checkpoint step `step` (just finished) and stop: a SIGTERM reached this process
+        or, across processes, any of them (a collective: every process must ask after the same steps)."""
+        return distributed.any_process(_Requests.requested)
