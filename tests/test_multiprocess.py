@@ -78,6 +78,42 @@ def _session_processes(sid: int) -> list[int]:
     return out
 
 
+def test_the_ucx_one_sided_probe_is_left_out_only_without_rdma_devices(tmp_path):
+    env = {}
+    assert _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "^ucx"}
+    env = {}
+    assert _mpi.quiet_one_sided_components(env, str(tmp_path)) and env["OMPI_MCA_osc"] == "^ucx"  # empty folder
+    (tmp_path / "mlx5_0").mkdir()
+    env = {}
+    assert not _mpi.quiet_one_sided_components(env, str(tmp_path)) and env == {}  # an RDMA device: UCX's place
+    env = {"OMPI_MCA_osc": "ucx"}
+    assert not _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "ucx"}
+
+
+QUIET_WINDOW = """
+import os
+from jodc.ops import _mpi
+comm = _mpi.mpi4py_comm_world()  # as jodc starts MPI (jodc-train under mpirun: train/core/distributed.py)
+from mpi4py import MPI
+window = MPI.Win.Allocate(64, comm=comm)  # what the MPI transport's heap creates
+window.Free()
+print("WINDOW", comm.rank, os.environ.get("OMPI_MCA_osc"), flush=True)
+"""
+
+
+@needs_mpi
+def test_a_healthy_mpirun_prints_no_error_lines_from_open_mpi(tmp_path):
+    """`mpirun -np 2 jodc-train ...` on a host without RDMA devices: Open MPI's UCX one-sided component used to fail
+    its query in every process and print an "Error" line before the shared-memory component was chosen anyway."""
+    import os as _os
+
+    env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_osc"}  # as a user's shell has it
+    rc, out = run_session(mpirun_command(2, sys.executable, "-c", QUIET_WINDOW), 120, env)
+    assert rc == 0 and out.count("WINDOW") == 2, out[-3000:]
+    if not (_os.path.isdir(_mpi.RDMA_DEVICES) and _os.listdir(_mpi.RDMA_DEVICES)):
+        assert "Error" not in out and "osc_ucx" not in out, out[-3000:]
+
+
 def test_kill_session_without_mpi_and_the_job_command_line():
     """kill_session ends a session's leader and a child in a process group of its own (as mpirun's workers are);
     mpirun_command / mpi_env give the CPU job's command line and environment."""

@@ -39,6 +39,9 @@ def initialize() -> None:
     """jax.distributed over the processes of MPI_COMM_WORLD (idempotent); needs the jodc[mpi] extra."""
     if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
         return
+    from jodc.ops._mpi import quiet_one_sided_components
+
+    quiet_one_sided_components()  # before MPI starts: no error-looking lines from Open MPI's UCX probe
     try:
         from mpi4py import MPI  # noqa: F401  (initialises MPI with MPI_THREAD_MULTIPLE)
     except ImportError as e:
