@@ -70,6 +70,7 @@ def build(args, devices: int):
     from jodc.train.core.model import build_decoder
     from jodc.train.rl.config import RolloutConfig
     from jodc.train.rl.rollout import sampling_params
+    from jodc.train.rl.layout import RolloutLayout
     from jodc.train.rl.sampler import RolloutSampler
     from jodc.train.rl.tasks import make_task
 
@@ -81,7 +82,8 @@ def build(args, devices: int):
     rollout = RolloutConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
     reward = CountingReward(task.reward)
     sampler = RolloutSampler(task=task, seed=0, pool=None, rollout=rollout, model_config=model_config,
-                             tokenizer=tokenizer, reward_fn=reward, devices=devices, exchange_timeout_s=600.0,
+                             tokenizer=tokenizer, reward_fn=reward, devices=devices,
+                             layout=RolloutLayout.of_run(timeout_s=600.0),
                              sampling=sampling_params(tokenizer, model_config, max_new_tokens=args.new_tokens,
                                                       temperature=1.0, prompt_bucket=rollout.prompt_bucket))
     return sampler, params, reward
@@ -168,10 +170,10 @@ def single_worker(args) -> dict:
             started = time.perf_counter()
             scored = sampler(step, params, step)
             walls.append(time.perf_counter() - started)
-            tokens += int(scored.rollout.response_lengths.sum())
+            tokens += int(scored.response_lengths.sum())
         out[f"rollout_seconds_{devices}dev"] = statistics.median(walls)
         out[f"tokens_per_s_{devices}dev"] = tokens / sum(walls)
-        out[f"reward_calls_per_response_{devices}dev"] = reward.calls / ((args.repeats + 1) * len(scored.rollout))
+        out[f"reward_calls_per_response_{devices}dev"] = reward.calls / ((args.repeats + 1) * len(scored))
         if devices > 1:
             dispatch, spmd = shard_map_seconds(sampler, params, devices, args.repeats)
             out[f"dispatch_seconds_{devices}dev"], out[f"shard_map_seconds_{devices}dev"] = dispatch, spmd
@@ -198,7 +200,7 @@ def mp_worker(args) -> dict | None:
             comm.Barrier()
             before = reward.calls
             started = time.perf_counter()
-            # sharded: this process's share and every response's metadata (a ShardedRollout); replicated: a Rollout
+            # sharded: this process's share and every response's metadata (a StepRollout); replicated: a Rollout
             rollout = sampler(step, params, step) if mode == "sharded" else replicated_rollout(sampler, step, params)
             wall = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)  # the slower process's
             walls[mode].append(wall)

@@ -7,6 +7,7 @@ import numpy as np
 from jodc.models import DecoderConfig, init_params
 from jodc.models.tokenizer import byte_level_tokenizer
 from jodc.train.rl.config import RolloutConfig
+from jodc.train.rl.layout import RolloutLayout
 from jodc.train.rl.rollout import sampling_params
 from jodc.train.rl.sampler import RolloutSampler
 from jodc.train.rl.tasks import ArithmeticTask
@@ -33,10 +34,11 @@ class CountingReward:
         return float(sum(map(ord, prompt + response)) % 3 == 0)
 
 
-def make_sampler(devices: int, reward, top_k: int = 4, exchange_timeout_s: float | None = None) -> RolloutSampler:
-    """The sampler of `PROMPTS` arithmetic prompts x `GROUP` responses over the first `devices` CPU devices."""
+def make_sampler(devices: int, reward, top_k: int = 4, layout: RolloutLayout | None = None) -> RolloutSampler:
+    """The sampler of `PROMPTS` arithmetic prompts x `GROUP` responses over the first `devices` CPU devices (of
+    this process's share of them under `layout`: default one process)."""
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=NEW, prompt_bucket=8)
     sampling = sampling_params(TOKENIZER, CONFIG, max_new_tokens=NEW, temperature=1.0, top_k=top_k, prompt_bucket=8)
     return RolloutSampler(task=ArithmeticTask(max_terms=4, max_digits=3), seed=7, pool=None, rollout=rollout,
                           model_config=CONFIG, tokenizer=TOKENIZER, sampling=sampling, reward_fn=reward,
-                          devices=devices, exchange_timeout_s=exchange_timeout_s)
+                          devices=devices, layout=layout or RolloutLayout())

@@ -12,7 +12,7 @@ import rl_sampling  # noqa: E402
 def test_the_baseline_and_the_contenders_sample_the_same_rollout():
     args = argparse.Namespace(**rl_sampling.QUICK)
     sampler, params, reward = rl_sampling.build(args, 2)
-    scored = sampler(1, params, 1)
+    scored = sampler.share(1, params, 1)  # one process: the whole rollout
     assert reward.calls == len(scored.rollout) == args.prompts * args.group
     baseline = rl_sampling.replicated_rollout(sampler, 1, params)
     assert reward.calls == 2 * len(scored.rollout)  # the baseline scores every response again

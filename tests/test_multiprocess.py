@@ -596,7 +596,7 @@ def test_rl_rollout_shares_across_processes(tmp_path):
     params = make_params()
     for devices in (1, 4):
         reward = CountingReward()
-        here = make_sampler(devices, reward)(3, params, 3)
+        here = make_sampler(devices, reward).share(3, params, 3)  # one process: the whole rollout
         r = here.rollout
         assert mp["prompts"] == r.prompts and mp["response_ids"] == [x.tolist() for x in r.response_ids], devices
         assert mp["topk_ids"] == [x.tolist() for x in r.topk_ids] and mp["rewards"] == here.rewards.tolist()

@@ -8,12 +8,12 @@ import pytest
 
 from jodc.balance import LinearCost, get_planner
 from jodc.fsdp.batch import minibatch_from_plan
-from jodc.train.rl.assembly import (ShardedRollout, ShareMeta, StepInputs, assembly_digest, extra_specs,
-                                    local_sequences, pack_local_minibatch, sequence_destinations)
+from jodc.train.rl.assembly import (StepInputs, assembly_digest, extra_specs, local_sequences, pack_local_minibatch,
+                                    sequence_destinations)
 from jodc.train.rl.batch import pack_minibatch, plan_minibatch, split_minibatches, training_sequences
 from jodc.train.rl.rollout import Rollout
 from jodc.train.rl.rollout_exchange import RolloutShareError, bytes_received, exchange
-from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
+from jodc.train.rl.scored import ScoredRollout, ShareMeta, StepRollout
 from test_rl_dp_sampling import FakeComm
 
 N, G, K, T = 12, 3, 2, 32
@@ -31,8 +31,7 @@ def whole_rollout(with_trainer: bool = True) -> ScoredRollout:
                       responses=[f"r{i}" for i in range(N)], finished=rng.random(N) > 0.5, group_size=G, seconds=0.5)
     trainer = [lp - 0.01 for lp in logprobs] if with_trainer else None
     return ScoredRollout(step=2, rollout=rollout, rewards=rng.random(N), versions=np.full(N, 2, np.int64),
-                         trainer_logprobs=trainer, mismatch=logprob_mismatch(logprobs, trainer) if trainer else {},
-                         reward_seconds=0.25, mismatch_seconds=0.125)
+                         trainer_logprobs=trainer, reward_seconds=0.25, mismatch_seconds=0.125)
 
 
 SHARES = [range(0, 6), range(6, 12)]
@@ -42,12 +41,12 @@ def test_sharded_views_of_one_rollout_agree_with_it():
     """`from_metas` (what the processes exchange) and `from_whole` (a checkpoint's rollout) give every process the
     whole rollout's metadata, its own share, and the mismatch of the whole (to float rounding)."""
     whole = whole_rollout()
-    views = [ShardedRollout.from_whole(whole, SHARES, p) for p in (0, 1)]
+    views = [StepRollout.from_whole(whole, SHARES[p]) for p in (0, 1)]
     metas = [ShareMeta.of(v.own) for v in views]
     for p, view in enumerate(views):
-        exchanged = ShardedRollout.from_metas(view.own, metas, p)
+        exchanged = StepRollout.from_metas(view.own, metas, p)
         for got in (view, exchanged):
-            assert len(got) == N and got.shares == SHARES and got.step == 2
+            assert len(got) == N and got.held == SHARES[p] and got.step == 2 and not got.holds_all
             assert got.own.rollout.response_ids == whole.rollout.response_ids[SHARES[p].start:SHARES[p].stop]
             np.testing.assert_array_equal(got.rewards, whole.rewards)
             np.testing.assert_array_equal(got.response_lengths, whole.response_lengths)
@@ -61,7 +60,9 @@ def test_sharded_views_of_one_rollout_agree_with_it():
     assert views[0].width(8) == -(-max(len(a) + len(b) for a, b in zip(whole.rollout.prompt_ids,
                                                                      whole.rollout.response_ids)) // 8) * 8
     with pytest.raises(ValueError, match="shares of steps"):
-        ShardedRollout.from_metas(views[0].own, [metas[0], ShareMeta.of(whole_rollout_at(3))], 0)
+        StepRollout.from_metas(views[0].own, [metas[0], ShareMeta.of(whole_rollout_at(3))], 0)
+    one = StepRollout.from_metas(whole, [ShareMeta.of(whole)], 0)  # one process: the whole rollout, one share
+    assert one.holds_all and one.held == range(N) and one.mismatch == whole.mismatch  # bit for bit
 
 
 def whole_rollout_at(step):
@@ -98,7 +99,7 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
     sequences = training_sequences(whole.rollout, advantages, with_topk=True, ref_logprobs=ref,
                                    trainer_logprobs=whole.trainer_logprobs)
     splits = split_minibatches(N, 2, seed=1, step=2)
-    view = ShardedRollout.from_whole(whole, SHARES, 0)
+    view = StepRollout.from_whole(whole, SHARES[0])
     plans = [plan_minibatch(view.sequence_lengths[i], planner=planner, num_devices=devices, token_cap=T,
                             cost_model=LinearCost(), skip_empty_microbatches=planner_name == "lb_mini") for i in splits]
     destinations = sequence_destinations(plans, splits, device_processes, N)

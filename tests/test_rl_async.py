@@ -20,7 +20,7 @@ from jodc.train.rl.config import load_rl_config
 from jodc.train.rl.loop import format_summary, run_rl
 from jodc.train.rl.loss import build_objective
 from jodc.train.rl.rollout import Rollout
-from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
+from jodc.train.rl.scored import ScoredRollout, logprob_mismatch
 
 from test_rl import EXACT_KEYS, engine_state
 from test_rl_loss import microbatch
@@ -52,7 +52,7 @@ def fake_scored(step, version, n=2):
                       topk_ids=None, topk_logprobs=None, responses=["x"] * n, finished=np.ones(n, bool),
                       group_size=n, seconds=0.0)
     return ScoredRollout(step=step, rollout=rollout, rewards=np.zeros(n), versions=np.full(n, version),
-                         trainer_logprobs=[np.array([-0.5], np.float32)] * n, mismatch={})
+                         trainer_logprobs=[np.array([-0.5], np.float32)] * n)
 
 
 def test_the_sampler_thread_follows_the_schedule_and_refuses_stale_rollouts(monkeypatch):
@@ -347,7 +347,7 @@ def test_only_a_sampler_with_other_numerics_runs_the_mismatch_pass():
 
 def test_the_summary_line_of_stale_fp32_rollouts_has_no_mismatch():
     """Stale fp32 rollouts measure no mismatch (None): the summary says so instead of failing to format it."""
-    from jodc.train.rl.loop import overlap_lines
+    from jodc.train.rl.metrics import overlap_lines
 
     base = {"max_staleness": 2, "rollout_dtype": "float32", "trainer_idle_fraction": 0.0,
             "sampler_idle_fraction": 0.25, "logprob_mismatch": None}
@@ -359,22 +359,18 @@ def test_the_summary_line_of_stale_fp32_rollouts_has_no_mismatch():
 
 
 def test_the_rollout_source_is_chosen_once_from_the_config():
-    """rollout.max_staleness 0: the trainer samples itself; k > 0: a sampler thread (also across processes: the
-    sampler process across processes is tests/test_multiprocess.py's); the synchronous source holds nothing for
-    checkpoints."""
+    """rollout.max_staleness 0: the trainer samples itself; k > 0: a sampler thread (in one process or several: the
+    layout decides what it exchanges; the sampler process across processes is tests/test_multiprocess.py's); the
+    synchronous source holds nothing for checkpoints."""
     import types
 
     from jodc.train.rl.rollout_source import AsyncRolloutSource, SyncRollouts, make_rollout_source
 
-    sync = make_rollout_source(types.SimpleNamespace(max_staleness=0), sampler=None, processes=2, reward_spec=None,
-                               trainer=None)
+    sync = make_rollout_source(types.SimpleNamespace(max_staleness=0), sampler=None, reward_spec=None, trainer=None)
     assert isinstance(sync, SyncRollouts) and sync.checkpoint_state(3) == {}
     thread = make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="thread"), sampler=None,
-                                 processes=1, reward_spec=None, trainer=None)
+                                 reward_spec=None, trainer=None)
     assert isinstance(thread, AsyncRolloutSource) and thread.process is None
     assert thread.checkpoint_state(0) == {"pending_rollouts": []}
     with pytest.raises(RuntimeError, match="does not hold the rollouts of steps 5..6"):
         thread.restore(4, {"pending_rollouts": []}, "ckpt/4")
-    across = make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="thread"), sampler=None,
-                                 processes=2, reward_spec=None, trainer=None)
-    assert isinstance(across, AsyncRolloutSource) and across.process is None

@@ -13,7 +13,8 @@ from jodc.models import SamplingParams, generate
 from jodc.models.generate import row_keys
 from jodc.train.rl.rollout import Rollout, device_shares, response_keys
 from jodc.train.rl.rollout_exchange import RolloutShareError, allgather_bytes, gather_shares
-from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
+from jodc.train.rl.layout import RolloutLayout
+from jodc.train.rl.scored import ScoredRollout, StepRollout, logprob_mismatch
 from rl_sampling_setup import CONFIG, GROUP, NEW, PROMPTS, TOKENIZER, CountingReward, make_params, make_sampler
 
 
@@ -72,7 +73,9 @@ def sampled(params):
         sampler = make_sampler(devices, reward, top_k=4)
         mine, used = sampler.local_devices()
         assert mine == range(PROMPTS) and used == jax.devices()[:devices]
-        out[devices] = sampler(3, params, 3), reward.calls
+        step = sampler(3, params, 3)  # one process: the whole rollout, held here
+        assert isinstance(step, StepRollout) and step.holds_all and len(step) == PROMPTS * GROUP
+        out[devices] = step.own, reward.calls
     return out
 
 
@@ -103,8 +106,8 @@ def test_joining_shares_gives_the_whole_rollout(sampled):
     base = sampled[1][0]
     trainer = [lp - 0.01 * (i % 3) for i, lp in enumerate(base.rollout.logprobs)]
     whole = ScoredRollout(step=3, rollout=base.rollout, rewards=base.rewards, versions=base.versions,
-                          trainer_logprobs=trainer, mismatch=logprob_mismatch(base.rollout.logprobs, trainer),
-                          reward_seconds=0.25, mismatch_seconds=0.125)
+                          trainer_logprobs=trainer, reward_seconds=0.25, mismatch_seconds=0.125)
+    assert whole.mismatch == logprob_mismatch(base.rollout.logprobs, trainer)
 
     def cut(a, b):
         r = whole.rollout
@@ -113,8 +116,7 @@ def test_joining_shares_gives_the_whole_rollout(sampled):
                                                                  "finished")},
                           "group_size": r.group_size, "seconds": r.seconds})
         return ScoredRollout(step=3, rollout=part, rewards=whole.rewards[a:b], versions=whole.versions[a:b],
-                             trainer_logprobs=trainer[a:b], mismatch={}, reward_seconds=0.25,
-                             mismatch_seconds=0.125)
+                             trainer_logprobs=trainer[a:b], reward_seconds=0.25, mismatch_seconds=0.125)
 
     joined = ScoredRollout.concat([cut(0, 6), cut(6, 6), cut(6, 12)], exchange_seconds=0.5)
     assert joined.mismatch == whole.mismatch and joined.mismatch["logprob_mismatch"] > 0
@@ -214,12 +216,16 @@ def test_empty_shares_and_mismatched_parts_are_handled():
 
 
 def test_a_child_sampler_samples_the_shares_of_the_process_it_works_for():
-    """A sampler process of MPI process 1 of 2 (outside the MPI job: its JAX sees one process) samples the shares of
-    the second half of the engine's devices, on its own first devices."""
-    sampler = dataclasses.replace(make_sampler(4, CountingReward()), process=(1, 2))
+    """A sampler process of MPI process 1 of 2 (outside the MPI job: its JAX sees one process; the layout is its
+    trainer's) samples the shares of the second half of the engine's devices, on its own first devices, and says so
+    when it has fewer devices than its process drives."""
+    sampler = make_sampler(4, CountingReward(), layout=RolloutLayout(process=1, processes=2))
     assert sampler.local_devices() == (range(2, 4), jax.local_devices()[:2])
-    assert dataclasses.replace(sampler, process=(0, 2)).local_devices()[0] == range(0, 2)
+    assert dataclasses.replace(sampler, layout=RolloutLayout(0, 2)).local_devices()[0] == range(0, 2)
     assert make_sampler(4, CountingReward()).local_devices()[0] == range(0, 4)  # one process: all of them
+    with pytest.raises(RuntimeError, match=r"sampler of process 1 of 2 has 8 cpu device.*samples on 16 "
+                                           r"\(engine.devices=32 over 2 process"):
+        make_sampler(32, CountingReward(), layout=RolloutLayout(1, 2)).local_devices()
 
 
 def test_evaluation_split_over_devices_gives_the_same_scores_each_response_scored_once(params):
@@ -255,6 +261,6 @@ def test_evaluation_split_over_devices_gives_the_same_scores_each_response_score
         run = types.SimpleNamespace(eval_set=problems, engine=engine,
                                     sampler=make_sampler(devices, reward), model_config=CONFIG, tokenizer=TOKENIZER,
                                     greedy=greedy, eval_sampling=sampled, reward_fn=reward, config=config,
-                                    eval_width=width)
+                                    eval_width=width, layout=RolloutLayout())
         assert RLRun.evaluate(run, 1) == expected, devices
         assert sorted(reward.calls) == sorted(reference.calls), devices

@@ -34,7 +34,7 @@ def test_update_metrics_flag_a_blow_up_by_the_largest_kl():
 
 
 def test_step_record_assembles_rollout_updates_time_split_and_extras():
-    # what step_record reads of a ScoredRollout (or, across processes, a ShardedRollout)
+    # what step_record reads of a StepRollout
     scored = SimpleNamespace(response_lengths=np.array([2, 4, 6, 8]), finished=np.array([1, 1, 1, 0], bool),
                              rollout_seconds=2.0, rewards=np.array([1.0, 0.0, 1.0, 1.0]), versions=np.array([3, 3, 4, 4]),
                              reward_seconds=0.5, mismatch_seconds=0.25, mismatch={"logprob_mismatch": 0.01})

@@ -92,7 +92,9 @@ def test_minibatches_partition_the_rollout_and_pack_with_global_normalizers(roll
     assert arrays.num_tokens == sum(seqs.lengths) and arrays.num_sequences == len(rollout)
     packed = arrays.extras["behaviour_logprobs"][arrays.loss_mask > 0]
     assert sorted(packed.tolist()) == sorted(np.concatenate(rollout.logprobs).tolist())
-    assert minibatch_normalizer(seqs.loss_masks, "seq-mean-token-mean") == len(rollout)
+    assert minibatch_normalizer(rollout.response_lengths, "seq-mean-token-mean") == len(rollout)
+    assert minibatch_normalizer([3, 0, 2], "seq-mean-token-mean") == 2.0
+    assert minibatch_normalizer([3, 0, 2], "token-mean") == 5.0
     with pytest.raises(ValueError, match="exceeds engine.token_cap=8"):
         pack_minibatch(seqs, indices, planner=get_planner("lb_mini"), num_devices=2, token_cap=8,
                        cost_model=LinearCost(), aggregation="token-mean")

@@ -133,18 +133,18 @@ def test_sft_skips_and_counts_a_non_finite_step_and_resumes_exactly_after_it(tmp
 def poison_rl_update(monkeypatch, bad_call):
     """The `bad_call`-th (0-based) RL optimizer update gets a NaN gradient on one device only."""
     poison_model(monkeypatch)
-    pack = rl_module.pack_minibatch
+    pack = rl_module.pack_local_minibatch
     calls = []
 
     def poisoned(*args, **kwargs):
-        plan, arrays = pack(*args, **kwargs)
+        arrays = pack(*args, **kwargs)
         if len(calls) == bad_call:
             device = int(np.flatnonzero(np.asarray(arrays.counts))[-1])
             fsdp_toy.poison(arrays, device=device, microbatch=0)
         calls.append(1)
-        return plan, arrays
+        return arrays
 
-    monkeypatch.setattr(rl_module, "pack_minibatch", poisoned)
+    monkeypatch.setattr(rl_module, "pack_local_minibatch", poisoned)
 
 
 def test_rl_a_nan_gradient_on_one_device_stops_the_run_and_no_checkpoint_is_poisoned(tmp_path, monkeypatch):

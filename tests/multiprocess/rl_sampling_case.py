@@ -15,6 +15,7 @@ Four phases in one launch (tests/test_multiprocess.py::test_rl_rollout_shares_ac
 4. step 5 with process 1's reward hanging: process 0 raises, naming process 1, within the exchange timeout, and
    aborts the job (non-zero exit).
 """
+import dataclasses
 import json
 import os
 import sys
@@ -23,7 +24,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TIMEOUT_S = 3.0
+TIMEOUT_S = 3.0  # the hanging reward's phase: process 0 names process 1 within it
+STARTUP_TIMEOUT_S = 120.0  # the other phases (the first compiles its programs)
 
 
 class PhasedReward:
@@ -89,7 +91,7 @@ def assemble(jax, rank, scored, whole, params):
     inputs = exchange_step_inputs(
         3, lambda: StepInputs(ref_logprobs=reference.per_device_share(own, width),
                               old_logprobs=recompute.per_device_share(own, width), values=None),
-        kl_in_reward=True, critic=False, behaviour_logprobs=own.logprobs, timeout_s=TIMEOUT_S)
+        kl_in_reward=True, critic=False, behaviour_logprobs=own.logprobs, timeout_s=STARTUP_TIMEOUT_S)
 
     def advantages_of(logprobs, ref_logprobs):
         shaped, _ = kl_shaped_rewards(scored.rewards, logprobs, ref_logprobs, beta=0.1, estimator="k1")
@@ -102,10 +104,11 @@ def assemble(jax, rank, scored, whole, params):
                             cost_model=LinearCost()) for i in splits]
     destinations = sequence_destinations(plans, splits, device_processes, len(scored))
     flags = dict(with_topk=True, with_ref=True, with_old=True)
-    received = send_sequences(3, scored, destinations, inputs, timeout_s=TIMEOUT_S, **flags)
+    received = send_sequences(3, scored, destinations, inputs, process=rank, processes=len(set(device_processes)),
+                              timeout_s=STARTUP_TIMEOUT_S, **flags)
     ids, sequences = local_sequences(received, advantages)
     specs = extra_specs(top_k=k, critic=False, **flags)
-    mine = set(scored.shares[rank])
+    mine = set(scored.held)
     placed = {int(i) for i in np.flatnonzero(destinations == rank)}
     foreign = sorted(set(received) - mine)
     assert set(ids) == placed and set(foreign) == placed - mine, (ids, placed, foreign)
@@ -142,17 +145,20 @@ def main():
     jax, comm = init(local)
     rank, world = comm.Get_rank(), jax.device_count()
     from rl_sampling_setup import CountingReward, make_params, make_sampler
+    from jodc.train.rl.layout import RolloutLayout
     from jodc.train.rl.rollout_exchange import RolloutShareError
 
     counting = CountingReward()
     reward = PhasedReward(counting, rank)
-    sampler = make_sampler(world, reward, exchange_timeout_s=TIMEOUT_S)
+    # the phases that compile (and the failing reward's) wait long enough for a loaded machine; the hanging one 3 s
+    layout = RolloutLayout.of_run(timeout_s=STARTUP_TIMEOUT_S)
+    sampler = make_sampler(world, reward, layout=layout)
     params = make_params()
     scored = sampler(3, params, 3)  # this process's share and the whole rollout's metadata (assembly: sharded)
     with open(os.path.join(out_dir, f"calls-{rank}.json"), "w") as f:
         json.dump(counting.calls, f)
     started = time.monotonic()
-    whole = scored.gather_whole(timeout_s=TIMEOUT_S)  # what a checkpoint holds (and the replicated baseline)
+    whole = layout.whole(scored)  # what a checkpoint holds (and the replicated baseline)
     assemble(jax, rank, scored, whole, params)
     print(f"assembly phase {rank}: {time.monotonic() - started:.1f} s", flush=True)
     if rank == 0:
@@ -179,7 +185,7 @@ def main():
     reward.mode = "hang"
     started = time.monotonic()
     try:
-        sampler(5, params, 5)
+        dataclasses.replace(sampler, layout=dataclasses.replace(layout, timeout_s=TIMEOUT_S))(5, params, 5)
     except RolloutShareError as e:
         print(f"TIMED OUT {rank} after {time.monotonic() - started:.1f} s: {e}", flush=True)
         comm.Abort(3)

@@ -1,5 +1,6 @@
 """An RL step's minibatches across processes without replicating the rollout (`rollout.assembly: sharded`, the
-default under `mpirun`).
+default under `mpirun`); `layout.py` calls these pieces, and in one process (or replicated) the trainer's path is
+the same with nothing exchanged.
 
 Each process samples and scores only its share of a step's prompts (`RolloutSampler`). Instead of all-gathering
 the scored shares (`rollout.assembly: replicated`: every process then holds, scores the passes of, and packs the
@@ -8,7 +9,7 @@ whole rollout), the processes exchange three things:
 1. `exchange_rollout`, where the shares were exchanged (the sampler's thread, so the asynchronous sampler works
    across processes as before): per response only what is needed globally, `ShareMeta` (prompt and response
    lengths, finished flags, rewards, policy versions, the partial sums of the mismatch metrics). Every process gets
-   a `ShardedRollout`: its own share's arrays and the whole rollout's metadata.
+   a `StepRollout` (scored.py): its own share's arrays and the whole rollout's metadata.
 2. `exchange_step_inputs`, in the trainer after the per-sequence forward passes (reference log-probs, recomputed
    trainer log-probs, critic values), which each process runs on its own share only: what the batch-level
    quantities read, per response token, only when the objective has them: the log-probs and reference log-probs of
@@ -39,148 +40,13 @@ from jodc.fsdp import MinibatchArrays
 from jodc.fsdp.batch import minibatch_from_plan
 
 from ..core.distributed import digest
-from .batch import TrainingSequences, sequences_from_arrays
-from .rollout_exchange import ASSEMBLY_TAGS, CHECKPOINT_TAGS, exchange, gather_shares
-from .sampler import ScoredRollout
-
-
-@dataclasses.dataclass
-class ShareMeta:
-    """What a process tells the others about its share of a rollout: per response [n] arrays, and the partial sums
-    of the mismatch metrics (None when the mismatch is not measured)."""
-
-    step: int
-    prompt_lengths: np.ndarray
-    response_lengths: np.ndarray
-    finished: np.ndarray
-    rewards: np.ndarray
-    versions: np.ndarray
-    mismatch_sums: tuple[float, float, float, int] | None  # (sum |t - b|, max |t - b|, sum k3, tokens)
-    rollout_seconds: float
-    reward_seconds: float
-    mismatch_seconds: float
-
-    @classmethod
-    def of(cls, share: ScoredRollout) -> "ShareMeta":
-        r = share.rollout
-        sums = None
-        if share.trainer_logprobs is not None:
-            b = np.concatenate([np.asarray(x, np.float64) for x in r.logprobs] + [np.zeros(0)])
-            t = np.concatenate([np.asarray(x, np.float64) for x in share.trainer_logprobs] + [np.zeros(0)])
-            log_ratio = np.clip(t - b, -20.0, 20.0)
-            sums = (float(np.abs(t - b).sum()), float(np.abs(t - b).max(initial=0.0)),
-                    float((np.exp(log_ratio) - 1.0 - log_ratio).sum()), int(b.size))
-        return cls(step=share.step, prompt_lengths=np.array([len(p) for p in r.prompt_ids], np.int64),
-                   response_lengths=r.response_lengths, finished=np.asarray(r.finished, bool),
-                   rewards=np.asarray(share.rewards), versions=np.asarray(share.versions, np.int64),
-                   mismatch_sums=sums, rollout_seconds=r.seconds, reward_seconds=share.reward_seconds,
-                   mismatch_seconds=share.mismatch_seconds)
-
-
-@dataclasses.dataclass
-class ShardedRollout:
-    """A step's scored rollout across processes: this process's share (`own`, responses `shares[process]` of the
-    step, in order) and every response's metadata (arrays [N] over the whole rollout, process order = response
-    order). Reads like a `ScoredRollout` where the step record and the staleness check look."""
-
-    own: ScoredRollout
-    process: int
-    shares: list[range]
-    prompt_lengths: np.ndarray
-    response_lengths: np.ndarray
-    finished: np.ndarray
-    rewards: np.ndarray
-    versions: np.ndarray
-    mismatch: dict[str, float]
-    rollout_seconds: float
-    reward_seconds: float
-    mismatch_seconds: float
-    exchange_seconds: float = 0.0
-
-    @property
-    def step(self) -> int:
-        return self.own.step
-
-    @property
-    def trainer_logprobs(self):
-        """This process's share's (see `ScoredRollout.trainer_logprobs`)."""
-        return self.own.trainer_logprobs
-
-    @property
-    def seconds(self) -> float:
-        return self.rollout_seconds + self.reward_seconds + self.mismatch_seconds + self.exchange_seconds
-
-    def __len__(self) -> int:
-        return len(self.rewards)
-
-    @property
-    def sequence_lengths(self) -> np.ndarray:
-        """Tokens each response's training sequence has (prompt + response - 1): what the planner balances."""
-        return self.prompt_lengths + self.response_lengths - 1
-
-    def width(self, bucket: int) -> int:
-        """The row width one process's forward pass over the whole rollout would use (the longest prompt +
-        response, rounded up to `bucket`): each process's passes over its share use it too, so their shapes
-        differ from that one only in rows."""
-        return -(-int((self.prompt_lengths + self.response_lengths).max()) // bucket) * bucket
-
-    @classmethod
-    def from_metas(cls, own: ScoredRollout, metas: Sequence[ShareMeta], process: int,
-                   exchange_seconds: float = 0.0) -> "ShardedRollout":
-        steps = {m.step for m in metas}
-        if len(steps) != 1:
-            raise ValueError(f"ShardedRollout: shares of steps {sorted(steps)}")
-        bounds = np.cumsum([0] + [len(m.rewards) for m in metas])
-        measured = {m.mismatch_sums is not None for m in metas}
-        if len(measured) != 1:
-            raise ValueError("ShardedRollout: some shares measured the mismatch and some did not")
-        mismatch = {}
-        if True in measured:
-            tokens = sum(m.mismatch_sums[3] for m in metas)
-            mismatch = ({"logprob_mismatch": sum(m.mismatch_sums[0] for m in metas) / tokens,
-                         "logprob_mismatch_max": max(m.mismatch_sums[1] for m in metas),
-                         "mismatch_kl": sum(m.mismatch_sums[2] for m in metas) / tokens} if tokens else
-                        {"logprob_mismatch": 0.0, "logprob_mismatch_max": 0.0, "mismatch_kl": 0.0})
-
-        def joined(field):
-            return np.concatenate([getattr(m, field) for m in metas])
-
-        return cls(own=own, process=process, shares=[range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])],
-                   prompt_lengths=joined("prompt_lengths"), response_lengths=joined("response_lengths"),
-                   finished=joined("finished").astype(bool), rewards=joined("rewards"), versions=joined("versions"),
-                   mismatch=mismatch, rollout_seconds=max(m.rollout_seconds for m in metas),
-                   reward_seconds=max(m.reward_seconds for m in metas),
-                   mismatch_seconds=max(m.mismatch_seconds for m in metas), exchange_seconds=exchange_seconds)
-
-    @classmethod
-    def from_whole(cls, whole: ScoredRollout, shares: Sequence[range], process: int) -> "ShardedRollout":
-        """This process's view of a whole rollout (a checkpoint's): its share `shares[process]`, with no exchange."""
-        mine = shares[process]
-
-        def part(values):
-            return None if values is None else values[mine.start:mine.stop]
-
-        r = whole.rollout
-        own = dataclasses.replace(whole, rollout=r.select(mine), rewards=part(whole.rewards),
-                                  versions=part(whole.versions),
-                                  trainer_logprobs=part(whole.trainer_logprobs))
-        return cls(own=own, process=process, shares=list(shares),
-                   prompt_lengths=np.array([len(p) for p in r.prompt_ids], np.int64),
-                   response_lengths=r.response_lengths, finished=np.asarray(r.finished, bool), rewards=whole.rewards,
-                   versions=whole.versions, mismatch=dict(whole.mismatch), rollout_seconds=r.seconds,
-                   reward_seconds=whole.reward_seconds, mismatch_seconds=whole.mismatch_seconds,
-                   exchange_seconds=whole.exchange_seconds)
-
-    def gather_whole(self, *, timeout_s: float | None) -> ScoredRollout:
-        """The whole `ScoredRollout` (every process's share all-gathered: a collective): what a checkpoint holds of
-        a rollout sampled ahead, so that a resume in any layout reads it."""
-        parts = gather_shares(lambda: self.own, what=f"step {self.step + 1}'s rollout for the checkpoint",
-                              timeout_s=timeout_s, tags=CHECKPOINT_TAGS)
-        return ScoredRollout.concat(parts, exchange_seconds=self.exchange_seconds)
+from .batch import TrainingSequences, minibatch_normalizer, sequences_from_arrays
+from .rollout_exchange import ASSEMBLY_TAGS, exchange, gather_shares
+from .scored import ScoredRollout, ShareMeta, StepRollout
 
 
 def exchange_rollout(step: int, share: Callable[[], ScoredRollout], *, process: int,
-                     timeout_s: float | None) -> ShardedRollout:
+                     timeout_s: float | None) -> StepRollout:
     """Step `step`'s rollout across processes: this process's `share()` (kept here) and every process's
     `ShareMeta` (exchanged; a share that fails or does not come fails every process, `gather_shares`)."""
     started = time.perf_counter()
@@ -193,7 +59,7 @@ def exchange_rollout(step: int, share: Callable[[], ScoredRollout], *, process: 
     metas = gather_shares(produce, what=f"step {step + 1}'s rollout", timeout_s=timeout_s)
     own = kept[0]
     waited = max(0.0, time.perf_counter() - started - own.seconds)
-    return ShardedRollout.from_metas(own, metas, process, exchange_seconds=waited)
+    return StepRollout.from_metas(own, metas, process, exchange_seconds=waited)
 
 
 @dataclasses.dataclass
@@ -255,15 +121,16 @@ def _travelling_fields(with_topk: bool, with_ref: bool, with_old: bool) -> tuple
             + (("ref_logprobs",) if with_ref else ()) + (("trainer_logprobs",) if with_old else ()))
 
 
-def send_sequences(step: int, scored: ShardedRollout, destinations: np.ndarray, inputs: StepInputs, *,
-                   with_topk: bool, with_ref: bool, with_old: bool, timeout_s: float | None
+def send_sequences(step: int, scored: StepRollout, destinations: np.ndarray, inputs: StepInputs, *, process: int,
+                   processes: int, with_topk: bool, with_ref: bool, with_old: bool, timeout_s: float | None
                    ) -> dict[int, dict[str, np.ndarray]]:
-    """Sends each of this process's responses to the process `destinations` names (point-to-point, nothing to a
-    process that trains none of them) and returns {response index: its arrays} of every response the plans put on
-    this process's devices (its own without a copy). `with_*`: the behaviour top-k, the reference's and the
-    recomputed log-probs travel too."""
+    """{response index: its arrays} of every response the plans put on process `process`'s devices (`destinations`:
+    each response's process): those it holds without a copy; unless it holds them all (one process, or
+    replicated), it sends each of its responses to the process `destinations` names (point-to-point, nothing to a
+    process that trains none of them) and receives the others'. `with_*`: the behaviour top-k, the reference's and
+    the recomputed log-probs travel too."""
     fields = _travelling_fields(with_topk, with_ref, with_old)
-    mine = scored.shares[scored.process]
+    held = scored.held
     r = scored.own.rollout
     per_field = {"prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "logprobs": r.logprobs,
                  "topk_ids": r.topk_ids, "topk_logprobs": r.topk_logprobs, "ref_logprobs": inputs.ref_logprobs,
@@ -272,15 +139,19 @@ def send_sequences(step: int, scored: ShardedRollout, destinations: np.ndarray, 
     def arrays(k: int) -> dict[str, np.ndarray]:
         return {f: per_field[f][k] for f in fields}
 
+    local = {i: arrays(k) for k, i in enumerate(held) if destinations[i] == process}
+    if scored.holds_all:
+        return local
+
     def produce():
-        out: list[Any] = [None] * len(scored.shares)  # nothing to a process that trains none of them
-        for p in set(int(destinations[i]) for i in mine) - {scored.process}:  # this process's own stay here
-            out[p] = _packed([(i, arrays(k)) for k, i in enumerate(mine) if destinations[i] == p], fields)
+        out: list[Any] = [None] * processes  # nothing to a process that trains none of them
+        for p in set(int(destinations[i]) for i in held) - {process}:  # this process's own stay here
+            out[p] = _packed([(i, arrays(k)) for k, i in enumerate(held) if destinations[i] == p], fields)
         return out
 
     parts = exchange(produce, what=f"step {step + 1}'s training sequences", timeout_s=timeout_s, tags=ASSEMBLY_TAGS)
     received = {i: a for part in parts if part is not None for i, a in _unpacked(part).items()}
-    received.update((i, arrays(k)) for k, i in enumerate(mine) if destinations[i] == scored.process)
+    received.update(local)
     return received
 
 
@@ -343,8 +214,7 @@ def pack_local_minibatch(plan, indices: np.ndarray, ids: list[int], sequences: T
                          sequence_lengths: np.ndarray, response_lengths: np.ndarray, local_devices: Sequence[int],
                          specs: dict[str, tuple[Any, tuple[int, ...]]], aggregation: str) -> MinibatchArrays:
     """The minibatch of responses `indices` (global) packed by `plan`, only the rows of `local_devices` filled from
-    `sequences` (responses `ids`); the normaliser from the global response lengths (what `minibatch_normalizer`
-    gives over every mask: response tokens, or responses with at least one)."""
+    `sequences` (responses `ids`); the normaliser from the global response lengths (`minibatch_normalizer`)."""
     where = {i: k for k, i in enumerate(ids)}
     lengths = [int(sequence_lengths[i]) for i in indices]
 
@@ -352,8 +222,7 @@ def pack_local_minibatch(plan, indices: np.ndarray, ids: list[int], sequences: T
         return [values[where[i]] if i in where else np.broadcast_to(np.zeros((), dtype), (n,) + trailing)
                 for i, n in zip(indices, lengths)]
 
-    masks_total = (float(sum(int(response_lengths[i]) for i in indices)) if aggregation == "token-mean"
-                   else float(sum(1 for i in indices if response_lengths[i] > 0)))
+    masks_total = minibatch_normalizer([response_lengths[i] for i in indices], aggregation)
     extras = {name: per_position(sequences.extras.get(name, {}), dtype, trailing)
               for name, (dtype, trailing) in specs.items()}
     return minibatch_from_plan(plan, per_position(sequences.inputs, np.int32),
@@ -362,7 +231,7 @@ def pack_local_minibatch(plan, indices: np.ndarray, ids: list[int], sequences: T
                                extras=extras, normalizer=masks_total, devices=local_devices)
 
 
-def assembly_digest(scored: ShardedRollout, advantages, minibatches: Sequence[np.ndarray], plans: Sequence
+def assembly_digest(scored: StepRollout, advantages, minibatches: Sequence[np.ndarray], plans: Sequence
                     ) -> np.ndarray:
     """A digest of what every process computes from the exchanged metadata (rewards, lengths, versions, advantages,
     the minibatch split and the plans' placement): the agreement check of a sharded step."""

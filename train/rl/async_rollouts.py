@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .sampler import ScoredRollout
+from .scored import StepRollout
 
 
 class StaleRolloutError(RuntimeError):
@@ -67,13 +67,13 @@ def check_staleness(versions: np.ndarray, step: int, max_staleness: int) -> int:
 class AsyncRollouts:
     """The sampler thread and the rollouts it has produced (see the module docstring).
 
-    produce: `produce(step, params, version) -> ScoredRollout` (a `RolloutSampler`).
+    produce: `produce(step, params, version) -> StepRollout` (a `RolloutSampler`).
     start_step: the first step the trainer will ask for; `pending` holds the rollouts of start_step .. from a
       checkpoint (consecutive steps); the thread continues after them.
     """
 
-    def __init__(self, produce: Callable[[int, Any, int], ScoredRollout], *, max_staleness: int, start_step: int,
-                 pending: Mapping[int, ScoredRollout] | None = None, name: str = "rl-sampler"):
+    def __init__(self, produce: Callable[[int, Any, int], StepRollout], *, max_staleness: int, start_step: int,
+                 pending: Mapping[int, StepRollout] | None = None, name: str = "rl-sampler"):
         if max_staleness < 1:
             raise ValueError(f"AsyncRollouts needs max_staleness >= 1, got {max_staleness}")
         pending = dict(pending or {})
@@ -82,7 +82,7 @@ class AsyncRollouts:
         self.produce, self.max_staleness = produce, max_staleness
         self._cond = threading.Condition()
         self._params: dict[int, Any] = {}
-        self._ready: dict[int, ScoredRollout] = pending
+        self._ready: dict[int, StepRollout] = pending
         self._next = start_step + len(pending)  # the next step the thread samples
         self._errors: dict[int, BaseException] = {}
         self._stop = False
@@ -137,7 +137,7 @@ class AsyncRollouts:
                 raise RuntimeError("the rollout sampler thread stopped unexpectedly")
             self._cond.wait(timeout=1.0)
 
-    def get(self, step: int) -> tuple[ScoredRollout, float]:
+    def get(self, step: int) -> tuple[StepRollout, float]:
         """(rollout of step `step`, seconds the trainer waited for it); the staleness bound is checked."""
         started = time.perf_counter()
         with self._cond:
@@ -148,7 +148,7 @@ class AsyncRollouts:
         check_staleness(out.versions, step, self.max_staleness)
         return out, time.perf_counter() - started
 
-    def pending(self, done: int) -> list[ScoredRollout]:
+    def pending(self, done: int) -> list[StepRollout]:
         """The rollouts of steps done .. done + k - 1 (waits for them): what a checkpoint of step `done` holds."""
         with self._cond:
             for step in range(done, done + self.max_staleness):

@@ -120,11 +120,12 @@ def split_minibatches(num_sequences: int, updates: int, *, seed: int, step: int)
     return [np.sort(part) for part in np.array_split(order, updates)]
 
 
-def minibatch_normalizer(masks: Sequence[np.ndarray], aggregation: str) -> float:
-    """The minibatch's global denominator: response tokens (token-mean) or responses (seq-* aggregations)."""
+def minibatch_normalizer(response_lengths: Sequence[int], aggregation: str) -> float:
+    """The minibatch's global denominator from its responses' token counts: response tokens (token-mean) or
+    responses with at least one token (seq-* aggregations)."""
     if aggregation == "token-mean":
-        return float(sum(float(m.sum()) for m in masks))
-    return float(sum(1 for m in masks if m.any()))
+        return float(sum(int(n) for n in response_lengths))
+    return float(sum(1 for n in response_lengths if n > 0))
 
 
 def plan_minibatch(lengths: Sequence[int], *, planner: Callable, num_devices: int, token_cap: int, cost_model,
@@ -148,5 +149,5 @@ def pack_minibatch(sequences: TrainingSequences, indices: np.ndarray, *, planner
     masks = [sequences.loss_masks[i] for i in indices]
     arrays = minibatch_from_plan(plan, [sequences.inputs[i] for i in indices], [sequences.targets[i] for i in indices],
                                  masks, extras={k: [v[i] for i in indices] for k, v in sequences.extras.items()},
-                                 normalizer=minibatch_normalizer(masks, aggregation))
+                                 normalizer=minibatch_normalizer([int(m.sum()) for m in masks], aggregation))
     return plan, arrays

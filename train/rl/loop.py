@@ -42,71 +42,28 @@ from jodc.models.layerwise import param_groups
 from ..core import distributed
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path, mesh_devices
-from ..core.trainer import CHECKPOINT_DIR, Trainer, run, summary_text
-from .assembly import (ShardedRollout, StepInputs, assembly_digest, exchange_step_inputs, extra_specs,
-                       local_sequences, pack_local_minibatch, send_sequences, sequence_destinations)
-from .batch import pack_minibatch, plan_minibatch, sequences_digest, split_minibatches, training_sequences
+from ..core.trainer import CHECKPOINT_DIR, Trainer, run
+from .assembly import (StepInputs, assembly_digest, extra_specs, local_sequences, pack_local_minibatch,
+                       sequence_destinations)
+from .batch import plan_minibatch, split_minibatches
 from .config import RLConfig
 from .critic import critic_advantages, response_values
+from .layout import RolloutLayout
 from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
-from .metrics import BAR_FIELDS, CURVES_FILE, plot_curves, step_record
+from .metrics import BAR_FIELDS, CURVES_FILE, format_summary, overlap_summary, plot_curves, step_record
 from .policy_weights import held_copy, policy_weights, sampler_weights_on_devices, trainer_params
 from .reference import ShardedReference
 from .rewards import RewardFunction, resolve_reward_function, score
 from .rollout import device_shares, encode_prompts, sample_rollout, sampling_params
-from .rollout_exchange import EVALUATION_TAGS, bytes_received, gather_shares
+from .rollout_exchange import EVALUATION_TAGS, bytes_received
 from .rollout_source import make_rollout_source
-from .sampler import RolloutSampler, ScoredRollout, trainer_logprobs
+from .sampler import RolloutSampler, trainer_logprobs
+from .scored import StepRollout
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
 
 __all__ = ["CHECKPOINT_DIR", "RLRun", "format_summary", "run_rl"]
 EVAL_SAMPLES = 4  # sampled responses per evaluation problem
-
-
-def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
-    """Means over this invocation's steps after the first (which compiles) of the rollout/trainer overlap and
-    mismatch: `max_staleness`, `rollout_dtype`, `trainer_idle_fraction`, `sampler_idle_fraction`,
-    `logprob_mismatch` (None without such steps)."""
-    steady = records[1:] or records
-    out: dict[str, Any] = {"max_staleness": rollout.max_staleness, "rollout_dtype": rollout.dtype}
-    for key in ("trainer_idle_fraction", "sampler_idle_fraction", "logprob_mismatch"):
-        values = [r[key] for r in steady if key in r]
-        out[key] = float(np.mean(values)) if values else None
-    return out
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The lines printed at the end of a run: what was done and where everything is. The held-out change (greedy
-    accuracy and sampled reward on the evaluation set, from the evaluation before this invocation's first step to
-    the one after its last) comes first, the training reward second: a training reward that rises while the
-    held-out numbers fall is overfitting, not RL working (docs/rl.md)."""
-    training = (f"training reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, "
-                f"{summary['unstable_steps']} unstable step(s)" if summary["first_reward"] is not None else None)
-    start, end = summary.get("first_eval_accuracy"), summary["final_eval_accuracy"]
-    if start is not None and end is not None:
-        achieved = (f"held-out greedy accuracy {start:.3f} -> {end:.3f}, sampled reward "
-                    f"{summary['first_eval_sampled_reward']:.3f} -> {summary['final_eval_sampled_reward']:.3f}"
-                    + (f"; {training}" if training else ""))
-        evaluation = []
-    else:  # no evaluation before the first step (eval_every 0, or a resume between evaluations)
-        achieved = training
-        evaluation = ([f"held-out evaluation at the end: greedy accuracy {end:.3f}, "
-                       f"sampled reward {summary['final_eval_sampled_reward']:.3f}"] if end is not None else [])
-    curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
-    return summary_text(summary, achieved, evaluation + overlap_lines(summary), curves, unit="RL steps")
-
-
-def overlap_lines(summary: dict[str, Any]) -> list[str]:
-    """The summary's line on asynchronous / mismatched rollouts (none for synchronous fp32 ones); the log-prob
-    mismatch only where it was measured (a sampler with other numerics than the trainer's)."""
-    if summary.get("trainer_idle_fraction") is None or not (summary.get("max_staleness")
-                                                            or summary.get("rollout_dtype") != "float32"):
-        return []
-    mismatch = summary.get("logprob_mismatch")
-    return [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
-            f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} of the "
-            "step" + (f"; log-prob mismatch {mismatch:.2e} per token" if mismatch is not None else "")]
 
 
 class RLRun(Trainer):
@@ -138,6 +95,8 @@ class RLRun(Trainer):
             self.log(f"evaluating on the {len(self.eval_set)} distinct problems outside the training pool "
                      f"(task.eval_problems={config.task.eval_problems})")
         self.reward_fn, reward_spec = resolve_reward_function(self.reward_fn, config.task, self.task)
+        # where a step's rollout lives (layout.py): decided here, once
+        self.layout = RolloutLayout.of_run(replicated=r.assembly == "replicated", timeout_s=e.barrier_timeout_s)
         # the process of each engine device (mesh order = the minibatch arrays' rows): where sequences are trained;
         # a config asking for more devices than exist fails here, before a warm start has run
         self.device_processes = [d.process_index for d in mesh_devices(e.platform, e.devices)]
@@ -167,15 +126,12 @@ class RLRun(Trainer):
                                       held_out=frozenset(p.prompt for p in self.eval_set) if self.pool is None
                                       else frozenset(),
                                       # every engine device samples a share; processes exchange theirs
-                                      platform=e.platform, devices=e.devices,
-                                      exchange_timeout_s=e.barrier_timeout_s)
+                                      platform=e.platform, devices=e.devices, layout=self.layout)
         # the responses each engine device samples: the row blocks of the per-sequence forward passes
         self.device_rows = [range(s.start * r.group_size, s.stop * r.group_size)
                             for s in device_shares(r.prompts_per_step, e.devices)]
-        self.assembled: dict[str, Any] = {}  # across processes: what the last sharded step received and trained on
-        self.rollouts = make_rollout_source(r, self.sampler, processes=jax.process_count(), reward_spec=reward_spec,
-                                            trainer=self, callbacks=self.callbacks,
-                                            process_index=jax.process_index())
+        self.rollouts = make_rollout_source(r, self.sampler, reward_spec=reward_spec, trainer=self,
+                                            callbacks=self.callbacks)
         # the sampler process gets host weights (pickled to it); the trainer's own sampler copies made on device
         self.host_weights = bool(r.max_staleness) and r.sampler == "process"
 
@@ -234,9 +190,7 @@ class RLRun(Trainer):
                                      first_sample=mine.start * group_size)
             return rewards
 
-        parts = ([share()] if jax.process_count() == 1 else
-                 gather_shares(share, what=f"the evaluation at step {step}", tags=EVALUATION_TAGS,
-                               timeout_s=self.config.engine.barrier_timeout_s))
+        parts = self.layout.gather(share, what=f"the evaluation at step {step}", tags=EVALUATION_TAGS)
         rewards = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
         return {"eval_accuracy": float(np.mean(rewards["eval_accuracy"] >= self.config.task.success_reward)),
                 "eval_sampled_reward": float(np.mean(rewards["eval_sampled_reward"]))}
@@ -254,7 +208,7 @@ class RLRun(Trainer):
             return self.engine.params()
         return policy_weights(self.engine, devices, self.config.rollout.dtype, devices[0])
 
-    def next_rollout(self, step: int, params) -> tuple[ScoredRollout, float]:
+    def next_rollout(self, step: int, params) -> tuple[StepRollout, float]:
         """(step `step`'s scored rollout, seconds the trainer waited for it), from the run's rollout source
         (rollout_source.py: sampled now from `params`, or taken from the sampler thread)."""
         return self.rollouts.get(step, params)
@@ -316,51 +270,23 @@ class RLRun(Trainer):
             extra_record = {"kl_in_reward": current_kl, "kl_in_reward_beta": beta}
         return advantages, returns, extra_record
 
-    def replicated_minibatches(self, step: int, scored: ScoredRollout, params) -> tuple[Iterator, dict]:
-        """(the step's minibatches, packed one by one as the loop asks, the KL-in-reward record) from the whole
-        rollout, which this process holds (one process, or `rollout.assembly: replicated`): every pass over all of
-        it, every device's rows packed."""
-        e, run_, r = self.config.engine, self.config.run, self.config.rollout
-        rollout = scored.rollout
-        passes = self.forward_passes(rollout, params, scored, step, first=0, width=rollout.width(r.prompt_bucket))
-        kl_logprobs = passes.old_logprobs if passes.old_logprobs is not None else rollout.logprobs
-        advantages, returns, extra_record = self.batch_advantages(
-            scored.rewards, rollout.response_lengths, kl_inputs=(kl_logprobs, passes.ref_logprobs),
-            values=passes.values)
-        sequences = training_sequences(rollout, advantages, with_topk=self.objective.uses_topk,
-                                       ref_logprobs=passes.ref_logprobs if self.objective.kl_coef else None,
-                                       trainer_logprobs=passes.old_logprobs, returns=returns, old_values=passes.values)
-        distributed.check_agreement(f"step {step + 1}'s rollout, rewards and advantages",
-                                    lambda: sequences_digest(sequences))  # mpirun: every process holds all of it
-
-        def packed():
-            for indices in split_minibatches(len(sequences), run_.updates_per_step, seed=run_.seed, step=step):
-                yield pack_minibatch(sequences, indices, planner=self.planner, num_devices=e.devices,
-                                     token_cap=e.token_cap, cost_model=self.cost_model,
-                                     aggregation=self.objective.aggregation,
-                                     skip_empty_microbatches=not self.engine.lockstep)[1]
-
-        return packed(), extra_record
-
-    def sharded_minibatches(self, step: int, scored: ShardedRollout, params) -> tuple[Iterator, dict]:
-        """(the step's minibatches with only this process's devices' rows packed, the KL-in-reward record) across
-        processes without replicating the rollout (assembly.py): the passes over this process's share only, what
-        the advantages need exchanged, the plans computed in every process from the global lengths, each sequence
-        sent to the process that trains it."""
+    def minibatches(self, step: int, scored: StepRollout, params) -> tuple[Iterator, dict]:
+        """(the step's minibatches with this process's devices' rows packed, one by one as the loop asks; the
+        KL-in-reward record): the passes over the responses this process holds, what the advantages need of the
+        others' (exchanged only where the layout shards the rollout), the plans computed in every process from the
+        global lengths, each sequence placed with the process that trains it (assembly.py)."""
         e, run_, r, objective = self.config.engine, self.config.run, self.config.rollout, self.objective
-        timeout_s = e.barrier_timeout_s
         own = scored.own
-        inputs = exchange_step_inputs(
-            step, lambda: self.forward_passes(own.rollout, params, scored, step,
-                                              first=scored.shares[scored.process].start,
+        inputs = self.layout.step_inputs(
+            step, lambda: self.forward_passes(own.rollout, params, scored, step, first=scored.held.start,
                                               width=scored.width(r.prompt_bucket)),
             kl_in_reward=self.kl_controller is not None, critic=objective.critic,
-            behaviour_logprobs=own.rollout.logprobs, timeout_s=timeout_s)
+            behaviour_logprobs=own.rollout.logprobs)
         advantages, returns, extra_record = self.batch_advantages(
             scored.rewards, scored.response_lengths, kl_inputs=(inputs.kl_logprobs_all, inputs.ref_logprobs_all),
             values=inputs.values_all)
         lengths = scored.sequence_lengths
-        with self.timers("train"):  # planning, as in the replicated loop (plan_ms)
+        with self.timers("train"):  # planning (plan_ms), as every update's packing
             splits = split_minibatches(len(scored), run_.updates_per_step, seed=run_.seed, step=step)
             plans = [plan_minibatch(lengths[indices], planner=self.planner, num_devices=e.devices,
                                     token_cap=e.token_cap, cost_model=self.cost_model,
@@ -369,12 +295,10 @@ class RLRun(Trainer):
                                     lambda: assembly_digest(scored, advantages, splits, plans))
         flags = dict(with_topk=objective.uses_topk, with_ref=bool(objective.kl_coef), with_old=objective.recompute)
         destinations = sequence_destinations(plans, splits, self.device_processes, len(scored))
-        received = send_sequences(step, scored, destinations, inputs, timeout_s=timeout_s, **flags)
+        received = self.layout.training_arrays(step, scored, destinations, inputs, **flags)
         ids, sequences = local_sequences(received, advantages, returns=returns, old_values=inputs.values_all)
         specs = extra_specs(top_k=self.sampling.top_k_logprobs, critic=objective.critic, **flags)
         local_devices = [d for d, p in enumerate(self.device_processes) if p == jax.process_index()]
-        self.assembled = {"received": sorted(set(received) - set(scored.shares[scored.process])),
-                          "trained": ids, "forward_rows": len(own.rollout)}  # what tests and benchmarks read
 
         def packed():
             for indices, plan in zip(splits, plans):
@@ -394,10 +318,7 @@ class RLRun(Trainer):
             with timers("params"):  # the policy resharded onto the devices once per version: `params_seconds`
                 params = self.policy_version()
             scored, waited = self.next_rollout(step, params)
-            if isinstance(scored, ShardedRollout):  # mpirun, rollout.assembly: sharded (assembly.py)
-                minibatches, extra_record = self.sharded_minibatches(step, scored, params)
-            else:
-                minibatches, extra_record = self.replicated_minibatches(step, scored, params)
+            minibatches, extra_record = self.minibatches(step, scored, params)
             updates, tokens, microbatches = [], 0, []
             learning_rate = float(self.lr_schedule(self.engine.steps_done))
             for i in range(run_.updates_per_step):
@@ -410,8 +331,8 @@ class RLRun(Trainer):
                     tokens += arrays.num_tokens
                     microbatches.append(result.microbatches)
         self.step_reference = params = None  # this step's copies go (an asynchronous sampler keeps its versions)
-        if jax.process_count() > 1:  # this process's traffic: the rollout's exchange and the step's assembly
-            extra_record["bytes_received"] = bytes_received() - received
+        # this process's traffic: the rollout's exchange and the step's assembly (0 when the layout exchanges nothing)
+        extra_record["bytes_received"] = bytes_received() - received
         seconds = timers["step"]
         return step_record(scored, step, updates, group_size=r.group_size,
                            success_reward=self.config.task.success_reward, unstable_kl=run_.unstable_kl,

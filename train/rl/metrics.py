@@ -1,5 +1,6 @@
 """Per-step RL metrics: the record of one step (rollout, rewards, the updates' diagnostics, time split), what the
-progress bar shows (reward instead of loss), and the PNG of reward and trust-region masked fraction vs step.
+progress bar shows (reward instead of loss), the PNG of reward and trust-region masked fraction vs step, and the
+lines printed at the end of a run (`format_summary`).
 
 Records go to `metrics.jsonl` and TensorBoard through the trainers' `MetricsLogger` (same files, same resume
 behaviour: records after the restored checkpoint are dropped).
@@ -10,6 +11,8 @@ import os
 from typing import Any, Sequence
 
 import numpy as np
+
+from ..core.trainer import summary_text
 
 CURVES_FILE = "rl_curves.png"
 #: The progress bar's fields: mean reward, accuracy and the trust-region masked fraction (`MetricsLogger`).
@@ -115,3 +118,48 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str, *, title: str = "R
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def overlap_summary(records: list[dict[str, Any]], rollout) -> dict[str, Any]:
+    """Means over this invocation's steps after the first (which compiles) of the rollout/trainer overlap and
+    mismatch: `max_staleness`, `rollout_dtype`, `trainer_idle_fraction`, `sampler_idle_fraction`,
+    `logprob_mismatch` (None without such steps)."""
+    steady = records[1:] or records
+    out: dict[str, Any] = {"max_staleness": rollout.max_staleness, "rollout_dtype": rollout.dtype}
+    for key in ("trainer_idle_fraction", "sampler_idle_fraction", "logprob_mismatch"):
+        values = [r[key] for r in steady if key in r]
+        out[key] = float(np.mean(values)) if values else None
+    return out
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The lines printed at the end of a run: what was done and where everything is. The held-out change (greedy
+    accuracy and sampled reward on the evaluation set, from the evaluation before this invocation's first step to
+    the one after its last) comes first, the training reward second: a training reward that rises while the
+    held-out numbers fall is overfitting, not RL working (docs/rl.md)."""
+    training = (f"training reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}, "
+                f"{summary['unstable_steps']} unstable step(s)" if summary["first_reward"] is not None else None)
+    start, end = summary.get("first_eval_accuracy"), summary["final_eval_accuracy"]
+    if start is not None and end is not None:
+        achieved = (f"held-out greedy accuracy {start:.3f} -> {end:.3f}, sampled reward "
+                    f"{summary['first_eval_sampled_reward']:.3f} -> {summary['final_eval_sampled_reward']:.3f}"
+                    + (f"; {training}" if training else ""))
+        evaluation = []
+    else:  # no evaluation before the first step (eval_every 0, or a resume between evaluations)
+        achieved = training
+        evaluation = ([f"held-out evaluation at the end: greedy accuracy {end:.3f}, "
+                       f"sampled reward {summary['final_eval_sampled_reward']:.3f}"] if end is not None else [])
+    curves = [f"curves:     {summary['curves']}"] if summary["curves"] else []
+    return summary_text(summary, achieved, evaluation + overlap_lines(summary), curves, unit="RL steps")
+
+
+def overlap_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's line on asynchronous / mismatched rollouts (none for synchronous fp32 ones); the log-prob
+    mismatch only where it was measured (a sampler with other numerics than the trainer's)."""
+    if summary.get("trainer_idle_fraction") is None or not (summary.get("max_staleness")
+                                                            or summary.get("rollout_dtype") != "float32"):
+        return []
+    mismatch = summary.get("logprob_mismatch")
+    return [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
+            f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} of the "
+            "step" + (f"; log-prob mismatch {mismatch:.2e} per token" if mismatch is not None else "")]

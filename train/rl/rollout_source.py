@@ -6,26 +6,24 @@
   priority with `rollout.sampler: process`) samples step s from the weights of step max(0, s - k) while the trainer
   trains; the k rollouts sampled ahead go into every checkpoint, so a resumed run continues exactly. Across
   processes (mpirun) every process runs its own sampler thread, which samples its share of each rollout (itself, or
-  through its child process) and exchanges it with the other processes' threads (`RolloutSampler.__call__`,
-  `ExchangedShares`): with `rollout.assembly: sharded` only its metadata (`assembly.py`), so each process holds
-  its own share, and a checkpoint gathers the whole of each rollout sampled ahead (a resume in any layout reads it).
+  through its child process); the run's layout (layout.py) makes the step's rollout of it, and a checkpoint holds
+  the whole of each rollout sampled ahead (a resume in any layout reads it).
 
-Both have one interface for the RL loop: `get(step, params)` -> (scored rollout, seconds the trainer waited),
-`sampler_busy(start, end, scored)`, `checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
+Both have one interface for the RL loop: `get(step, params)` -> (the step's `StepRollout`, seconds the trainer
+waited), `sampler_busy(start, end, scored)`, `checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import jax
-
 from ..core.callbacks import emit
 from ..core.config import ConfigError
-from .assembly import ShardedRollout
 from .async_rollouts import AsyncRollouts, check_staleness
-from .sampler import ExchangedShares, RolloutSampler, ScoredRollout
+from .layout import RolloutLayout
+from .sampler import RolloutSampler
 from .sampler_process import SamplerProcess
+from .scored import ScoredRollout, StepRollout
 
 
 class SyncRollouts:
@@ -34,7 +32,7 @@ class SyncRollouts:
     def __init__(self, sampler: RolloutSampler, *, trainer, callbacks=()):
         self.sampler, self.trainer, self.callbacks = sampler, trainer, tuple(callbacks)
 
-    def get(self, step: int, params) -> tuple[ScoredRollout, float]:
+    def get(self, step: int, params) -> tuple[StepRollout, float]:
         """Step `step`'s rollout from `params` (version `step`); the trainer waited for all of it."""
         emit(self.callbacks, "on_rollout_start", self.trainer, step)
         scored = self.sampler(step, params, step)
@@ -42,7 +40,7 @@ class SyncRollouts:
         check_staleness(scored.versions, step, 0)
         return scored, scored.seconds
 
-    def sampler_busy(self, start: float, end: float, scored: ScoredRollout) -> float:
+    def sampler_busy(self, start: float, end: float, scored: StepRollout) -> float:
         """Seconds the sampler worked between `start` and `end` (the step): the rollout's own."""
         return scored.seconds
 
@@ -56,15 +54,30 @@ class SyncRollouts:
         pass
 
 
+@dataclasses.dataclass
+class ProcessShares:
+    """`produce(step, params, version)` for the sampler thread when a sampler process computes this process's share
+    (`sampler_process.py`): the layout makes the step's rollout of it, as `RolloutSampler.__call__` does."""
+
+    share: SamplerProcess
+    layout: RolloutLayout
+
+    def __call__(self, step: int, params, version: int) -> StepRollout:
+        return self.layout.step_rollout(step, lambda: self.share(step, params, version))
+
+    def close(self) -> None:
+        self.share.close()
+
+
 class AsyncRolloutSource:
     """Rollouts sampled ahead by a sampler thread from weights at most `max_staleness` versions old."""
 
-    def __init__(self, sampler: RolloutSampler, *, max_staleness: int, process: SamplerProcess | None = None):
+    def __init__(self, sampler: RolloutSampler, *, max_staleness: int, process: ProcessShares | None = None):
         self.sampler, self.max_staleness, self.process = sampler, max_staleness, process
         self.thread: AsyncRollouts | None = None  # started by the first `get`, at the run's first step
-        self.restored: dict[int, ScoredRollout] = {}  # rollouts sampled ahead, from the checkpoint
+        self.restored: dict[int, StepRollout] = {}  # rollouts sampled ahead, from the checkpoint
 
-    def get(self, step: int, params) -> tuple[ScoredRollout, float]:
+    def get(self, step: int, params) -> tuple[StepRollout, float]:
         """Publishes `params` as version `step` and takes the rollout sampled from version max(0, step - k)
         (refused if staler than k)."""
         if self.thread is None:
@@ -74,31 +87,26 @@ class AsyncRolloutSource:
         self.thread.publish(step, params)
         return self.thread.get(step)
 
-    def sampler_busy(self, start: float, end: float, scored: ScoredRollout) -> float:
+    def sampler_busy(self, start: float, end: float, scored: StepRollout) -> float:
         """Seconds the sampler thread worked between `start` and `end`."""
         return self.thread.busy_seconds(start, end)
 
     def checkpoint_state(self, done: int) -> dict[str, Any]:
-        """The rollouts sampled ahead (from weights no longer in the engine)."""
+        """The rollouts sampled ahead (from weights no longer in the engine), whole."""
         if self.thread is not None:
             pending = self.thread.pending(done)
         else:  # nothing ran since the restore
             pending = [self.restored[s] for s in sorted(self.restored)]
-        def whole(p):  # across processes (rollout.assembly: sharded) each process holds its share: gather all
-            return p.gather_whole(timeout_s=self.sampler.exchange_timeout_s) if isinstance(p, ShardedRollout) else p
-
-        return {"pending_rollouts": [whole(p).to_json() for p in pending]}
+        return {"pending_rollouts": [self.sampler.layout.whole(p).to_json() for p in pending]}
 
     def restore(self, step: int, state: dict[str, Any], where: str) -> None:
-        k = self.max_staleness
+        k, s = self.max_staleness, self.sampler
         pending = [ScoredRollout.from_json(p) for p in state.get("pending_rollouts") or []]
         if [p.step for p in pending] != list(range(step, step + k)):
             raise RuntimeError(f"checkpoint {where} does not hold the rollouts of steps {step + 1}..{step + k} that "
                                f"rollout.max_staleness={k} sampled ahead")
-        if jax.process_count() > 1 and self.sampler.rollout.assembly == "sharded":  # keep this process's share
-            shares = self.sampler.process_shares()
-            pending = [ShardedRollout.from_whole(p, shares, jax.process_index()) for p in pending]
-        self.restored = {p.step: p for p in pending}
+        self.restored = {p.step: s.layout.view(p, num_prompts=s.rollout.prompts_per_step,
+                                               group_size=s.rollout.group_size, devices=s.devices) for p in pending}
 
     def close(self) -> None:
         """Stops the sampler thread, then its process."""
@@ -112,23 +120,17 @@ class AsyncRolloutSource:
                 process.close()
 
 
-def make_rollout_source(rollout, sampler: RolloutSampler, *, processes: int, reward_spec: str | None, trainer,
-                        callbacks=(), process_index: int = 0):
+def make_rollout_source(rollout, sampler: RolloutSampler, *, reward_spec: str | None, trainer, callbacks=()):
     """The source `rollout` (the config's section) asks for; the sampler process starts now (its imports overlap
-    the engine's compilation); across processes (`processes` > 1, this one `process_index`) a sampler process
-    computes this process's share and the sampler thread exchanges it. ConfigError for what cannot run (a reward
-    function that does not pickle for the sampler process)."""
+    the engine's compilation) and computes this process's share (the sampler's layout is its trainer's).
+    ConfigError for what cannot run (a reward function that does not pickle for the sampler process)."""
     if not rollout.max_staleness:
         return SyncRollouts(sampler, trainer=trainer, callbacks=callbacks)
     process = None
     if rollout.sampler == "process":
-        # across processes the child computes this process's share and the sampler thread exchanges it
-        child = sampler if processes == 1 else dataclasses.replace(sampler, process=(process_index, processes))
         try:
-            process = SamplerProcess(child, nice=rollout.sampler_nice, reward_spec=reward_spec)
+            process = ProcessShares(SamplerProcess(sampler, nice=rollout.sampler_nice, reward_spec=reward_spec),
+                                    sampler.layout)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if processes > 1:
-            process = ExchangedShares(process, timeout_s=sampler.exchange_timeout_s,
-                                      sharded=rollout.assembly == "sharded")
     return AsyncRolloutSource(sampler, max_staleness=rollout.max_staleness, process=process)

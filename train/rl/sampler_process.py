@@ -6,15 +6,17 @@ taken from the trainer (bench/rl_contention.py measures that cost). A child proc
 its own; at a higher `nice` (`rollout.sampler_nice`, 10) it runs mostly on the cycles the trainer leaves idle (the
 engine's simulated devices wait on each other, and Python dispatch leaves gaps) and yields most of the rest.
 
-`SamplerProcess` is a drop-in `produce(step, params, version) -> ScoredRollout` for `AsyncRollouts`: the sampler
-thread keeps the schedule, the staleness bound and the checkpoints, and only the computation moves. The child
+`SamplerProcess(step, params, version)` is this process's share of a step's rollout (`RolloutSampler.share`,
+computed in the child); the sampler thread of `AsyncRollouts` makes the step's rollout of it with the run's layout
+(`rollout_source.ProcessShares`) and keeps the schedule, the staleness bound and the checkpoints: only the
+computation moves. The child
 holds a pickled `RolloutSampler` (task, tokenizer, sampling parameters and reward function must pickle; a
 `task.reward_fn` is loaded again from its spec there) and the weights of the version it last sampled from; the
 parent sends a version's weights once (host numpy), then sample requests. The child computes with the trainer's
 XLA flags, on as many devices as the engine's, split the same way (the same compiled programs), so a rollout is the
 same as the thread's for the same (step, weights, version) (tested bit for bit on CPU). Across processes (mpirun)
-the child, outside the MPI job, computes its process's share only (`RolloutSampler.process`) and the parent's
-sampler thread exchanges it (`sampler.ExchangedShares`).
+the child, outside the MPI job, computes its process's share (the sampler's layout is its trainer's) and the
+parent's sampler thread exchanges it.
 
 Failures: an exception in the child comes back as `SamplerProcessError` with the child's traceback for the step
 that raised it; a child that dies (killed, out of memory) is reported with its exit code instead of hanging
@@ -34,7 +36,8 @@ import jax
 import numpy as np
 
 from .rewards import load_reward_function
-from .sampler import RolloutSampler, ScoredRollout
+from .sampler import RolloutSampler
+from .scored import ScoredRollout
 
 
 class SamplerProcessError(RuntimeError):
@@ -72,7 +75,7 @@ def _serve(conn, payload: bytes, reward_spec: str | None, nice: int, env: dict[s
         try:
             if version not in weights:
                 raise RuntimeError(f"no weights of policy version {version} (holding {sorted(weights)})")
-            conn.send(("rollout", sampler(step, weights[version], version)))
+            conn.send(("rollout", sampler.share(step, weights[version], version)))
         except BaseException:  # noqa: BLE001 (reported to the trainer, which raises it for this step)
             conn.send(("error", traceback.format_exc()))
 
@@ -142,7 +145,8 @@ class SamplerProcess:
             raise self._exited(step) from None
 
     def __call__(self, step: int, params, version: int) -> ScoredRollout:
-        """Step `step`'s scored rollout from `params` of policy `version`, computed in the child."""
+        """This process's share of step `step`'s scored rollout from `params` of policy `version`, computed in the
+        child (`RolloutSampler.share`)."""
         try:
             if version != self._version:
                 self._conn.send(("params", version, _host(params)))
