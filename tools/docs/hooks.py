@@ -53,43 +53,68 @@ def _readme_markdown() -> str:
         return f.read()
 
 
+def _sources(config) -> list[tuple[str, str]]:
+    """(the page's path in the site, its Markdown file in the repository) of every page: README.md as index.md."""
+    docs_dir = config["docs_dir"]
+    out = [("index.md", os.path.join(ROOT, "README.md"))]
+    for folder, _, names in os.walk(docs_dir):
+        for name in names:
+            if name.endswith(".md"):
+                path = os.path.join(folder, name)
+                out.append((os.path.relpath(path, docs_dir).replace(os.sep, "/"), path))
+    return out
+
+
+def _target(site_page: str, source: str, target: str, config) -> tuple[str, str | None] | None:
+    """Where a relative link of a page goes in the site: (the link to write, the repository file to serve under
+    repo/ or None); None for a link left as it is (external, an anchor on the page, or a file that does not
+    exist: mkdocs reports the last)."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+        return None
+    path = target.partition("#")[0]
+    repo_path = os.path.relpath(os.path.normpath(os.path.join(os.path.dirname(source), path)), ROOT)
+    repo_path = repo_path.replace(os.sep, "/")
+    docs_dir = os.path.relpath(config["docs_dir"], ROOT).replace(os.sep, "/")
+    page_dir = posixpath.dirname(site_page)
+    if repo_path == "README.md":
+        site_path, served = "index.md", None
+    elif repo_path.startswith(docs_dir + "/"):
+        site_path, served = posixpath.relpath(repo_path, docs_dir), None
+    elif not repo_path.startswith("..") and os.path.isfile(os.path.join(ROOT, repo_path)):
+        site_path, served = posixpath.join(REPO_PREFIX, repo_path), repo_path
+    else:
+        return None
+    return posixpath.relpath(site_path, page_dir or "."), served
+
+
 def on_files(files, config):
-    """README.md becomes the home page (docs/ has no index.md of its own)."""
+    """README.md becomes the home page (docs/ has no index.md of its own), and every repository file outside docs/
+    that a page links to is served under repo/."""
     if files.get_file_from_path("index.md") is None:
         files.append(File.generated(config, "index.md", content=_readme_markdown()))
+    for site_page, source in _sources(config):
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+        for m in LINK.finditer(text):
+            found = _target(site_page, source, m.group(2), config)
+            if found and found[1] and files.get_file_from_path(posixpath.join(REPO_PREFIX, found[1])) is None:
+                files.append(File.generated(config, posixpath.join(REPO_PREFIX, found[1]),
+                                            abs_src_path=os.path.join(ROOT, found[1]),
+                                            inclusion=InclusionLevel.NOT_IN_NAV))
     return files
 
 
-def _rewrite(markdown: str, page_dir: str, files, config) -> str:
-    """Links of a page whose source lies in `page_dir` (a folder of the repository, relative to its root)."""
-    docs_dir = os.path.relpath(config["docs_dir"], ROOT)
-    site_dir_of_page = posixpath.relpath(page_dir, docs_dir)  # the page's folder inside the site
+def on_page_markdown(markdown, page, config, files):
+    site_page = page.file.src_uri
+    source = os.path.join(ROOT, "README.md") if site_page == "index.md" else os.path.join(config["docs_dir"],
+                                                                                         site_page)
 
     def repl(m: re.Match) -> str:
         head, target, tail = m.groups()
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+        found = _target(site_page, source, target, config)
+        if found is None:
             return m.group(0)
-        path, hash_, anchor = target.partition("#")
-        repo_path = posixpath.normpath(posixpath.join(page_dir, path))
-        if repo_path == "README.md":  # the home page
-            new = posixpath.relpath("index.md", site_dir_of_page)
-        elif repo_path == docs_dir or repo_path.startswith(docs_dir + "/"):
-            new = posixpath.relpath(posixpath.relpath(repo_path, docs_dir), site_dir_of_page)
-        elif os.path.isfile(os.path.join(ROOT, repo_path)):
-            served = posixpath.join(REPO_PREFIX, repo_path)
-            if files.get_file_from_path(served) is None:
-                files.append(File(repo_path, src_dir=ROOT, dest_dir=os.path.join(config["site_dir"], REPO_PREFIX),
-                                  use_directory_urls=False, inclusion=InclusionLevel.NOT_IN_NAV))
-            new = posixpath.relpath(served, site_dir_of_page)
-        else:
-            return m.group(0)  # mkdocs reports it
-        return f"{head}{new}{hash_}{anchor}{tail}"
+        hash_, anchor = target.partition("#")[1:]
+        return f"{head}{found[0]}{hash_}{anchor}{tail}"
 
     return LINK.sub(repl, markdown)
-
-
-def on_page_markdown(markdown, page, config, files):
-    src = page.file.src_uri
-    page_dir = "." if src == "index.md" and page.file.generated_by else posixpath.dirname(
-        posixpath.join(os.path.relpath(config["docs_dir"], ROOT), src))
-    return _rewrite(markdown, page_dir, files, config)
