@@ -238,3 +238,37 @@ def test_runnable_block_runs_as_written(doc, index, test_file, lang, code, scrat
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (f"{doc}: runnable block {index} failed ({done.returncode}):\n{code}\n"
                                   f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-6000:]}")
+
+
+# ---- The documents' shape (issue 46) --------------------------------------------------------------------------------
+HISTORY_HEADING = re.compile(r"^#+ .*\b(earlier|previous|before|rerun|re-run|used to)\b", re.I | re.M)
+
+
+def test_the_readme_is_a_landing_page():
+    """At most 200 lines, and a reader meets the quick start for their own checkpoint and data in its first screen."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    first_screen = "\n".join(lines[:45])
+    assert "## Quick start: SFT of your Hugging Face checkpoint on your data" in first_screen
+    assert "--model.hf_path" in "\n".join(lines[:60])
+
+
+def test_guides_keep_no_section_about_earlier_settings():
+    """History (earlier settings, previous defaults, reruns) lives in the dated records of docs/results/, not in a
+    guide's headings."""
+    for doc in _documents():
+        if doc.startswith("docs/results/") or doc == "README.md":
+            continue
+        with open(os.path.join(ROOT, doc)) as f:
+            prose = re.sub(r"^```.*?^```", "", f.read(), flags=re.M | re.S)  # headings, not code comments
+        found = HISTORY_HEADING.findall(prose)
+        assert not found, f"{doc} has a section about {found}: move it to docs/results/"
+
+
+def test_every_guide_is_in_the_site_navigation():
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        nav = f.read().split("\nnav:", 1)[1]
+    for doc in _documents():
+        if doc != "README.md":
+            assert re.search(rf"\b{re.escape(doc[len('docs/'):])}\b", nav), f"{doc} is not in mkdocs.yml's nav"

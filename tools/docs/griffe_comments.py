@@ -1,4 +1,4 @@
-"""A griffe extension for jodc's API reference: a class attribute without a docstring takes its comment.
+"""griffe extensions for jodc's API reference. FieldComments: a class attribute without a docstring takes its comment.
 
 The trainers' config sections (train/core/config.py, train/rl/config.py) and a few library dataclasses document each
 field with a trailing comment (`steps: int = 100  # training steps of the whole run`) or with comment lines right
@@ -7,6 +7,7 @@ above it; griffe reads only docstrings, so without this the reference would list
 from __future__ import annotations
 
 import ast
+import re
 
 import griffe
 
@@ -38,3 +39,16 @@ class FieldComments(griffe.Extension):
         text = _comment(lines, attr.lineno, attr.endlineno or attr.lineno)
         if text:
             attr.docstring = griffe.Docstring(text, lineno=attr.lineno, parent=attr)
+
+
+#: Sphinx cross-reference roles (`:func:`gather``) that some docstrings use; Markdown shows them literally.
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|data|obj|exc):`~?([^`]+)`")
+
+
+class SphinxRoles(griffe.Extension):
+    """Docstrings' Sphinx roles become code spans (`:func:`gather`` -> `` `gather` ``), as the Markdown docs write them."""
+
+    def on_instance(self, *, node: ast.AST | griffe.ObjectNode, obj: griffe.Object,
+                    agent: griffe.Visitor | griffe.Inspector, **kwargs) -> None:
+        if obj.docstring is not None and ":" in obj.docstring.value:
+            obj.docstring.value = SPHINX_ROLE.sub(r"`\1`", obj.docstring.value)
