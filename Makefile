@@ -32,7 +32,7 @@ $(PY):
 
 # Dependencies first (the build needs jaxlib's FFI headers), then the project itself in editable mode.
 $(INSTALLED): $(PY) pyproject.toml constraints-cpu.txt
-	$(PIP) install --quiet -c constraints-cpu.txt "setuptools>=69" wheel "pybind11>=2.12,<4" "jaxlib>=0.10.2,<0.13"
+	$(PIP) install --quiet -c constraints-cpu.txt "setuptools>=77.0.1" wheel "pybind11>=2.12,<4" "jaxlib>=0.10.2,<0.13"
 	$(PIP) install --quiet -c constraints-cpu.txt --no-build-isolation -e ".[test,hf-reference,mpi]"
 	touch $@
 
@@ -161,7 +161,7 @@ define py312_install
 		"install one (pyenv install 3.12) or pass PYTHON312=/path/to/python3.12"; exit 1; }
 	$(PYTHON312) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet -c $(3) "setuptools>=69" wheel "pybind11>=2.12,<4" jax jaxlib
+	$(1)/bin/python -m pip install --quiet -c $(3) "setuptools>=77.0.1" wheel "pybind11>=2.12,<4" jax jaxlib
 	$(1)/bin/python -m pip install --quiet -c $(3) --no-build-isolation -e "./$(2)/src[test,mpi]"
 endef
 
@@ -212,7 +212,7 @@ $(GPU_INSTALLED): pyproject.toml constraints-cuda.txt
 	@test -n "$(CUDA_MAJOR)" || { echo "make test-gpu needs the CUDA toolkit's nvcc on PATH (CUDA 12.8+ or 13)"; exit 1; }
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PY) -m pip install --quiet --upgrade pip
-	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt "setuptools>=69" wheel "pybind11>=2.12,<4" \
+	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt "setuptools>=77.0.1" wheel "pybind11>=2.12,<4" \
 		"jax[cuda$(CUDA_MAJOR)]" "nvidia-nvshmem-cu$(CUDA_MAJOR)"
 	$(GPU_PY) -m pip install --quiet -c constraints-cuda.txt --no-build-isolation -e ".[test,hf-reference,mpi]"
 	touch $@

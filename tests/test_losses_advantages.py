@@ -185,8 +185,9 @@ def otb_batch(seed=0, lengths=(3, 5, 1, 4, 2, 6, 6, 1, 2, 3, 4, 5), t=6, v=7):
     return x, tokens, lp, sp, mask
 
 
-def np_otb(rewards, k, lp, sp, mask, is_weights=None, handle_zero_tail=False, eps=1e-8):
-    """verl's compute_optimal_token_baseline_advantage for outcome rewards, with per-group loops."""
+def np_otb(rewards, k, lp, sp, mask, is_weights=None, handle_zero_tail=True, eps=1e-8):
+    """verl's compute_optimal_token_baseline_advantage for outcome rewards, with per-group loops (its default:
+    handle_zero_tail=True)."""
     n, t = mask.shape
     last = mask.sum(1).astype(int) - 1
     token_rewards = np.zeros((n, t))
@@ -226,6 +227,26 @@ def test_optimal_token_baseline_against_reference(handle_zero_tail, with_is_weig
     assert np.ptp(got[1, :5]) > 1e-3
 
 
+def test_optimal_token_baseline_handles_the_zero_tail_by_default_as_verl():
+    """verl's function (and its trainer, which never overrides it) defaults to handle_zero_tail=True: past the
+    second-longest response the longest one's baseline is 0, so a longest correct response keeps advantage 1 there
+    (it was ~0 with jodc's earlier default)."""
+    _, _, lp, sp, mask = otb_batch()
+    rewards = np.zeros(len(REWARDS))
+    group = mask[:K].sum(1).astype(int)  # the first group's lengths
+    longest, second = int(np.argmax(group)), int(np.sort(group)[-2])
+    assert group[longest] > second
+    rewards[longest] = 1.0
+    default = x64(optimal_token_baseline_advantages, rewards, K, logprobs=lp, sum_pi_squared=sp, mask=mask)
+    flagged = x64(optimal_token_baseline_advantages, rewards, K, logprobs=lp, sum_pi_squared=sp, mask=mask,
+                  handle_zero_tail=True)
+    assert np.array_equal(default, flagged)
+    np.testing.assert_allclose(default[longest, second:group[longest]], 1.0)
+    off = x64(optimal_token_baseline_advantages, rewards, K, logprobs=lp, sum_pi_squared=sp, mask=mask,
+              handle_zero_tail=False)
+    np.testing.assert_allclose(off[longest, second:group[longest]], 0.0, atol=1e-6)
+
+
 def test_optimal_token_baseline_from_logits_and_invariants():
     """Fed from `token_logprobs`-style log-probs and `sum_pi_squared` of the same logits; a group whose rewards
     are all equal has advantage 0 (with eps = 0: B_t is then exactly that reward); groups of one get 0."""
@@ -235,9 +256,9 @@ def test_optimal_token_baseline_from_logits_and_invariants():
               mask=mask)
     np.testing.assert_allclose(got, np_otb(REWARDS, K, lp, np.where(mask > 0, sp, 0.0), mask), rtol=1e-12,
                                atol=1e-14)
-    flat = np.repeat([0.5, 2.0, -1.0], K)
+    flat = np.repeat([0.5, 2.0, -1.0], K)  # (without the zero-tail handling, which gives a lone tail its reward)
     np.testing.assert_allclose(x64(optimal_token_baseline_advantages, flat, K, logprobs=np.nan_to_num(lp),
-                                   sum_pi_squared=sp, mask=mask, eps=0.0), 0.0, atol=1e-14)
+                                   sum_pi_squared=sp, mask=mask, eps=0.0, handle_zero_tail=False), 0.0, atol=1e-14)
     np.testing.assert_array_equal(optimal_token_baseline_advantages(REWARDS, 1, logprobs=np.nan_to_num(lp),
                                                                     sum_pi_squared=sp, mask=mask), 0.0)
 

@@ -243,6 +243,27 @@ def test_kl_controllers_follow_verl_and_round_trip():
         kl_controller("pid", 0.1)
 
 
+def test_current_kl_averages_over_responses_with_tokens_unlike_verl():
+    """The documented difference (docs/losses.md, "KL in the reward"): an empty response has no KL to report, so
+    `current_kl` is the mean over the rows with a valid token; verl's `apply_kl_penalty` takes each row's
+    masked mean (0 for an empty row) and averages over every row. The numbers docs/losses.md quotes: per-token KL
+    0.05 beside an empty response gives 0.05 here, 0.025 in verl; 12 adaptive updates (beta 0.05, target 0.04,
+    horizon 100, 2 rows each) end at beta 0.0525 vs 0.0477."""
+    lp = np.array([[-1.0, -1.0], [0.0, 0.0]])
+    mask = np.array([[1.0, 1.0], [0.0, 0.0]])
+    _, current = kl_reward(np.array([1.0, 0.0]), lp, lp - 0.05, mask, beta=0.1)
+    kl_nt = 0.05 * mask  # k1 per token
+    verl = np.mean((kl_nt * mask).sum(-1) / (mask.sum(-1) + 1e-8))  # masked_mean over tokens, mean over rows
+    np.testing.assert_allclose([float(current), verl], [0.05, 0.025], rtol=1e-5)
+    betas = []
+    for kl in (float(current), verl):
+        ctl = AdaptiveKLController(0.05, 0.04, 100)
+        for _ in range(12):
+            ctl = ctl.update(kl, 2)
+        betas.append(ctl.value)
+    np.testing.assert_allclose(betas, [0.0525, 0.0477], atol=5e-5)
+
+
 # ----------------------------------------------------------------------------------------------- entropy bonus
 def np_entropy(logits):
     z = logits - logits.max(-1, keepdims=True)

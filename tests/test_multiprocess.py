@@ -78,6 +78,42 @@ def _session_processes(sid: int) -> list[int]:
     return out
 
 
+def test_the_ucx_one_sided_probe_is_left_out_only_without_rdma_devices(tmp_path):
+    env = {}
+    assert _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "^ucx"}
+    env = {}
+    assert _mpi.quiet_one_sided_components(env, str(tmp_path)) and env["OMPI_MCA_osc"] == "^ucx"  # empty folder
+    (tmp_path / "mlx5_0").mkdir()
+    env = {}
+    assert not _mpi.quiet_one_sided_components(env, str(tmp_path)) and env == {}  # an RDMA device: UCX's place
+    env = {"OMPI_MCA_osc": "ucx"}
+    assert not _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "ucx"}
+
+
+QUIET_WINDOW = """
+import os
+from jodc.ops import _mpi
+comm = _mpi.mpi4py_comm_world()  # as jodc starts MPI (jodc-train under mpirun: train/core/distributed.py)
+from mpi4py import MPI
+window = MPI.Win.Allocate(64, comm=comm)  # what the MPI transport's heap creates
+window.Free()
+print("WINDOW", comm.rank, os.environ.get("OMPI_MCA_osc"), flush=True)
+"""
+
+
+@needs_mpi
+def test_a_healthy_mpirun_prints_no_error_lines_from_open_mpi(tmp_path):
+    """`mpirun -np 2 jodc-train ...` on a host without RDMA devices: Open MPI's UCX one-sided component used to fail
+    its query in every process and print an "Error" line before the shared-memory component was chosen anyway."""
+    import os as _os
+
+    env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_osc"}  # as a user's shell has it
+    rc, out = run_session(mpirun_command(2, sys.executable, "-c", QUIET_WINDOW), 120, env)
+    assert rc == 0 and out.count("WINDOW") == 2, out[-3000:]
+    if not (_os.path.isdir(_mpi.RDMA_DEVICES) and _os.listdir(_mpi.RDMA_DEVICES)):
+        assert "Error" not in out and "osc_ucx" not in out, out[-3000:]
+
+
 def test_kill_session_without_mpi_and_the_job_command_line():
     """kill_session ends a session's leader and a child in a process group of its own (as mpirun's workers are);
     mpirun_command / mpi_env give the CPU job's command line and environment."""
@@ -273,27 +309,86 @@ def _sft_args(out_dir, steps):
             "--out_dir", str(out_dir)]
 
 
+def _rank_pid(session: int, rank: int) -> int | None:
+    """The PID of MPI rank `rank` in the mpirun job of session `session` (None until it has started)."""
+    for pid in _session_processes(session):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def sigterm_rank_after_first_step(cmd: list[str], env: dict, run_dir, rank: int, timeout: float = 420
+                                  ) -> tuple[int, str]:
+    """Runs the mpirun training job `cmd` in a session of its own and sends SIGTERM to rank `rank` alone (as a
+    scheduler's notice may reach one host first) once step 1's metrics are written; returns (exit status, output).
+    The whole session is killed at `timeout` (the test then fails with the output so far)."""
+    import signal
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.1)
+        pid = _rank_pid(proc.pid, rank)
+        assert proc.poll() is None and pid is not None, "".join(lines)[-6000:]
+        os.kill(pid, signal.SIGTERM)
+        proc.wait(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        kill_session(proc.pid)
+        reader.join(10)
+        pytest.fail(f"the job did not stop within {timeout} s of its start; output:\n{''.join(lines)[-6000:]}")
+    reader.join(10)
+    return proc.returncode, "".join(lines)
+
+
 @needs_mpi
 @pytest.mark.slow
-def test_mpirun_sft_stop_resume_equals_single_process(tmp_path):
-    """`mpirun -np 2 jodc-train sft` (2 processes x 1 device, ODC over the MPI transport): stopped after step 2 and
-    resumed to step 4, its exported parameters equal bit for bit those of one process driving both devices
-    uninterrupted (this one, as in the RL test: no third interpreter start); only process 0 prints and writes the
-    run's files."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mpirun_sft_stopped_by_sigterm_to_one_rank_resumes_as_one_process(tmp_path, rank):
+    """`mpirun -np 2 jodc-train sft` (2 processes x 1 device, ODC over the MPI transport) with no checkpoint due
+    for 100 steps: a SIGTERM to one rank (either) after step 1 stops both at the same step, which both checkpoint
+    (a collective save) before exiting with status 143. Resumed for one more step, its exported parameters and
+    losses equal bit for bit those of one process driving both devices uninterrupted (this one, as in the RL test:
+    no third interpreter start); only process 0 prints and writes the run's files."""
+    import re
+
+    from jodc.train.core.checkpoint import CheckpointStore
+
     env = mpi_env()
     mp_dir = tmp_path / "mp"
-    for steps in (2, 4):
-        cmd = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train", *_sft_args(mp_dir, steps))
-        rc, out = run_session(cmd, 420, env)
-        assert rc == 0, out[-6000:]
-        assert out.count("done: ") == 1, out[-3000:]  # one process prints
-    assert "resumed from" in out and "(step 2)" in out, out[-3000:]
+    args = [*_sft_args(mp_dir, 40), "--save_every", "100", "--log_every", "1"]
+    cmd = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train", *args)
+    rc, out = sigterm_rank_after_first_step(cmd, env, mp_dir, rank)
+    stops = re.findall(r"jodc-train: stopped by SIGTERM after step (\d+)", out)
+    assert rc == 143 and len(stops) == 2 and len(set(stops)) == 1, out[-6000:]  # each process says it
+    stopped_at = int(stops[0])
+    assert 2 <= stopped_at < 40 and "done: " not in out, out[-6000:]
+    store = CheckpointStore(str(mp_dir / "checkpoints"), keep=2)
+    try:
+        assert store.steps() == [stopped_at]
+    finally:
+        store.close()
+    steps = stopped_at + 1
+    cmd = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train", *_sft_args(mp_dir, steps))
+    rc, out = run_session(cmd, 420, env)
+    assert rc == 0 and f"(step {stopped_at})" in out and out.count("done: ") == 1, out[-6000:]
     from jodc.train.cli import main as train_main
 
     single_dir = tmp_path / "single"
-    assert train_main(_sft_args(single_dir, 4)) == 0  # this process, 2 of its CPU devices
+    assert train_main(_sft_args(single_dir, steps)) == 0  # this process, 2 of its CPU devices
     assert_same_export(mp_dir, single_dir)
-    assert run_losses(mp_dir) == run_losses(single_dir) and len(run_losses(mp_dir)) == 4
+    assert run_losses(mp_dir) == run_losses(single_dir) and len(run_losses(mp_dir)) == steps
 
 
 def assert_same_export(a, b):
@@ -391,17 +486,19 @@ def _mpirun_train(args, timeout=300, **env):
 def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
     """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic) with
     asynchronous rollouts (`rollout.max_staleness: 1`, each process's sampler thread sampling its share of the next
-    step's rollout while the trainer trains; until step 1 through a sampler child process, after the resume
-    itself): stopped after step 1 and resumed to step 2, its metrics (rewards,
-    losses, KL, staleness, the held-out evaluation before each step) and exported parameters equal bit for bit those
-    of one process driving both devices uninterrupted. The evaluation is split as the rollouts are: each process
-    samples and scores its half of the problems and the rewards are exchanged. Each process samples and scores its half of each rollout on its device (the single process
-    samples the same halves on its two devices: the same keys and batch shapes) and the halves are exchanged; the
-    reward function is called once per response over both processes; the first launch's step-1 checkpoint holds the
-    rollout it sampled ahead; deterministic ODC reduces gradients in source order, so no tolerance is needed.
-    Only process 0 prints and writes the run's files. (The synchronous loop runs the same sampler and exchange on
-    the trainer's thread: test_rl_rollout_shares_across_processes.)"""
+    step's rollout while the trainer trains; in the first launch through a sampler child process, after the resume
+    itself): stopped by a SIGTERM to rank 1 after step 1 (both ranks finish and checkpoint the same step, with the
+    rollout sampled ahead, and exit 143) and resumed for one more step, its metrics (rewards, losses, KL, staleness,
+    the held-out evaluation before each step) and exported parameters equal bit for bit those of one process driving
+    both devices uninterrupted. The evaluation is split as the rollouts are: each process samples and scores its
+    half of the problems and the rewards are exchanged. Each process samples and scores its half of each rollout on
+    its device (the single process samples the same halves on its two devices: the same keys and batch shapes) and
+    the halves are exchanged; the reward function is called once per response over both processes; deterministic
+    ODC reduces gradients in source order, so no tolerance is needed. Only process 0 prints and writes the run's
+    files. (The synchronous loop runs the same sampler and exchange on the trainer's thread:
+    test_rl_rollout_shares_across_processes.)"""
     import json
+    import re
 
     from jodc.train.cli import main as train_main
     from jodc.train.rl.loop import EVAL_SAMPLES
@@ -410,21 +507,30 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
 
     mp_dir, calls = tmp_path / "mp", tmp_path / "calls"
     calls.mkdir()
-    for steps, sampler in ((1, "process"), (2, "thread")):  # where the sampler computes may change on resume
-        rc, out = _mpirun_train([*_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness,
-                                           eval_every=1),
-                                 "--rollout.sampler", sampler], JODC_TEST_REWARD_CALLS=str(calls))
-        assert rc == 0, out[-6000:]
-        assert out.count("done: ") == 1, out[-3000:]  # one process prints
-    assert "resumed from" in out and "(step 1)" in out, out[-3000:]
+    # the first launch runs until a SIGTERM to rank 1 after step 1 (both ranks checkpoint the agreed step and exit
+    # 143); the sampler computes in a child process there and on the sampler thread after the resume
+    env = mpi_env(JODC_TEST_REWARD_CALLS=str(calls))
+    first = [*_rl_args(mp_dir, 40, reward="counted", max_staleness=max_staleness, eval_every=1),
+             "--rollout.sampler", "process", "--log_every", "1"]
+    cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m",
+           "jodc.train", *first]
+    rc, out = sigterm_rank_after_first_step(cmd, env, mp_dir, rank=1)
+    stops = re.findall(r"jodc-train rl: stopped by SIGTERM after step (\d+)", out)
+    assert rc == 143 and len(stops) == 2 and len(set(stops)) == 1 and "done: " not in out, out[-6000:]
+    steps = int(stops[0]) + 1
+    rc, out = _mpirun_train([*_rl_args(mp_dir, steps, reward="counted", max_staleness=max_staleness, eval_every=1),
+                             "--rollout.sampler", "thread"], JODC_TEST_REWARD_CALLS=str(calls))
+    assert rc == 0, out[-6000:]
+    assert out.count("done: ") == 1, out[-3000:]  # one process prints
+    assert "resumed from" in out and f"(step {steps - 1})" in out, out[-3000:]
     # each process sampled and scored its half (8) of each rollout's 4 x 4 responses, each response once: steps 1
-    # and 2, and asynchronously the rollout sampled ahead for the final checkpoint (step 3's); and its half (2) of
-    # the 4 evaluation problems, greedy once and sampled EVAL_SAMPLES times, in each of the 4 evaluations (before
-    # step 1, at the first launch's end, before step 2, at the end)
+    # to `steps`, and asynchronously the rollout sampled ahead for the final checkpoint; and its half (2) of the 4
+    # evaluation problems, greedy once and sampled EVAL_SAMPLES times, in each evaluation (before every step and at
+    # the end: a run stopped by SIGTERM skips its final evaluation)
     sampled = [len((calls / f"calls-{rank}.txt").read_text().splitlines()) for rank in (0, 1)]
-    assert sampled == [8 * (2 + max_staleness) + 4 * 2 * (1 + EVAL_SAMPLES)] * 2, sampled
+    assert sampled == [8 * (steps + max_staleness) + (steps + 1) * 2 * (1 + EVAL_SAMPLES)] * 2, sampled
     single_dir = tmp_path / "single"
-    assert train_main(_rl_args(single_dir, 2, max_staleness=max_staleness, eval_every=1)) == 0  # 2 CPU devices
+    assert train_main(_rl_args(single_dir, steps, max_staleness=max_staleness, eval_every=1)) == 0  # 2 CPU devices
 
     def records(d):
         return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -433,7 +539,7 @@ def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
              "microbatches", "staleness", "policy_version", "eval_accuracy", "eval_sampled_reward")
     mp, single = records(mp_dir), records(single_dir)
     assert all("eval_sampled_reward" in r for r in mp), mp
-    assert [r["step"] for r in mp] == [r["step"] for r in single] == [1, 2]
+    assert [r["step"] for r in mp] == [r["step"] for r in single] == list(range(1, steps + 1))
     assert len({r["reward_mean"] for r in single}) > 1 or single[0]["reward_std"] > 0  # the rewards vary
     for key in exact:
         assert [r.get(key) for r in mp] == [r.get(key) for r in single], key

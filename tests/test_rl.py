@@ -12,11 +12,14 @@ import pytest
 
 from jodc.train.core.checkpoint import CheckpointStore
 from jodc.train.core.metrics import read_metrics
+from jodc.train.core.preemption import Preempted
 from jodc.train.rl.loop import CHECKPOINT_DIR, format_summary, run_rl
 from jodc.train.cli import main as train_main
 from jodc.train.rl.config import load_rl_config
 from jodc.train.rl.rewards import RewardError
 from jodc.train.rl.warmstart import WARMSTART_DIR
+
+from stop_signals import SigtermAt
 
 STEPS = 20
 #: Metrics that depend only on the computation (not on timing); a resumed run must reproduce them exactly.
@@ -113,11 +116,15 @@ def test_planning_time_is_logged_next_to_step_time(straight):
 
 
 def test_resume_is_exact_and_a_failing_reward_leaves_the_checkpoints_intact(straight, tmp_path):
+    """A synchronous run stopped by SIGTERM in the middle of step 6 (it finishes and checkpoints step 6), then
+    twice by a failing reward function in step 7 (nothing of it is saved), resumes to the uninterrupted run's
+    metrics and state bit for bit."""
     out, _ = straight
     run_dir = with_warm_start(out, tmp_path / "run")
     config = load_rl_config(None, overrides(run_dir))
-    first = run_rl(config, stop_at_step=6, log=quiet)  # "preempted" after step 6 (checkpoints 4 and 6)
-    assert first["steps_done"] == 6 and first["hf_export"] is None
+    with pytest.raises(Preempted, match="after step 6"):  # SIGTERM mid-step 6: it finishes, is checkpointed
+        run_rl(config, log=quiet, callbacks=[SigtermAt(5)])
+    assert not os.path.exists(os.path.join(run_dir, "hf"))  # the export is the finished run's
     saved = engine_state(run_dir, 6)
 
     def raising(prompt, response):
@@ -187,3 +194,12 @@ def test_prompts_from_a_file_need_a_reward_function(tmp_path):
                                             "--sft_steps", "0", "--pool_size", "0"))
     with pytest.raises(ConfigError, match="jsonl has no built-in reward: set task.reward_fn"):
         run_rl(config, log=quiet)
+
+
+def test_a_config_asking_for_more_devices_than_exist_fails_before_the_warm_start(tmp_path):
+    """engine.devices beyond the devices that exist is an error before anything runs, not after the SFT warm start
+    (the shipped async config's is 600 steps)."""
+    config = load_rl_config(None, overrides(tmp_path, "--devices", str(len(jax.devices()) * 2)))
+    with pytest.raises(RuntimeError, match=f"engine.devices={len(jax.devices()) * 2} but only"):
+        run_rl(config, log=quiet)
+    assert not os.path.exists(os.path.join(tmp_path, WARMSTART_DIR))

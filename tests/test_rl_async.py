@@ -4,6 +4,7 @@ follows its deterministic version schedule and hands errors to the trainer, pend
 trip bit for bit, an objective that needs them reads the recomputed trainer log-probs, and a stopped and resumed
 asynchronous bf16 run equals the uninterrupted one bit for bit (tiny model, no warm start, a length reward)."""
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 
 from jodc.train.cli import main as train_main
 from jodc.train.core.metrics import read_metrics
+from jodc.train.core.preemption import Preempted
 from jodc.train.rl import async_rollouts
 from jodc.train.rl.async_rollouts import AsyncRollouts, StaleRolloutError, behaviour_version, check_staleness
 from jodc.train.rl.config import load_rl_config
@@ -22,6 +24,7 @@ from jodc.train.rl.sampler import ScoredRollout, logprob_mismatch
 
 from test_rl import EXACT_KEYS, engine_state
 from test_rl_loss import microbatch
+from stop_signals import SigtermAt
 from step_runner import process_alive  # tools/step_runner.py (tests/conftest.py puts tools/ on the path)
 
 STEPS = 6
@@ -226,10 +229,49 @@ def test_the_async_config_resumes_from_the_command_line_exactly(straight, stoppe
         assert np.array_equal(x, y)
 
 
-def test_ctrl_c_stops_the_trainer_and_its_sampler_process(reward_file, tmp_path):
-    """Ctrl-C reaches the trainer and the sampler process (one process group, as in a terminal): the child ignores
-    it and keeps sampling, so the trainer can checkpoint the rollouts sampled ahead before it stops, and the child
-    is gone when the trainer has exited."""
+def test_sigterm_mid_step_checkpoints_the_rollouts_sampled_ahead_and_resumes_exactly(straight, reward_file,
+                                                                                     tmp_path):
+    """SIGTERM in the middle of step 4 of the asynchronous run (sampler thread ahead of the trainer): step 4
+    finishes and is checkpointed with the rollouts sampled ahead, the run stops with `Preempted`, and the resumed run
+    equals the uninterrupted one bit for bit."""
+    out, _ = straight
+    args = async_overrides(tmp_path, reward_file, "--steps", str(STEPS), "--rollout.sampler", "thread")
+    config = load_rl_config(args[1], args[2:])
+    with pytest.raises(Preempted, match="after step 4"):
+        run_rl(config, log=quiet, callbacks=[SigtermAt(3)])
+    assert read_metrics(os.path.join(tmp_path, "metrics.jsonl"))[-1]["step"] == 4
+    second = run_rl(config, log=quiet)
+    assert second["start_step"] == 4 and second["steps_done"] == STEPS
+    a, b = read_metrics(os.path.join(out, "metrics.jsonl")), read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b):
+        for key in EXACT_KEYS + ("staleness", "policy_version", "logprob_mismatch"):
+            assert x[key] == y[key], (x["step"], key)
+    for x, y in zip(engine_state(out, STEPS), engine_state(str(tmp_path), STEPS)):
+        assert np.array_equal(x, y)
+
+
+def test_the_sampler_process_gets_the_trainers_cpu_device_count(reward_file, tmp_path):
+    """As a new user runs it: no XLA_FLAGS, the CLI sets the CPU device count through `jax_num_cpu_devices` (which a
+    child process does not inherit). The sampler process computes on as many devices as the trainer, so the async
+    config runs (it failed with "engine.devices=2 but only 1 cpu device(s) exist")."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    command = [sys.executable, "-m", "jodc.train", "rl",
+               *async_overrides(tmp_path, reward_file, "--steps", "2", "--rollout.sampler", "process")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert [r["step"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))] == [1, 2]
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_the_trainer_and_its_sampler_process(reward_file, tmp_path, stop_signal):
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM reaches the trainer and the sampler process (one process group, as
+    in a terminal or a batch job): the child ignores it and keeps sampling, so the trainer can checkpoint the
+    rollouts sampled ahead before it stops, and the child is gone when the trainer has exited. Ctrl-C saves the last
+    finished step; SIGTERM lets the step under way finish, saves it and exits with status 143."""
     import signal
     import subprocess
     import sys
@@ -256,12 +298,19 @@ def test_ctrl_c_stops_the_trainer_and_its_sampler_process(reward_file, tmp_path)
             time.sleep(0.2)
         children = _children(trainer.pid)
         assert trainer.poll() is None and children, "the run did not reach step 3 with a sampler process"
-        os.killpg(trainer.pid, signal.SIGINT)
+        os.killpg(trainer.pid, getattr(signal, stop_signal))
         output, _ = trainer.communicate(timeout=120)
     finally:
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
-    assert trainer.returncode != 0 and "interrupted; the latest checkpoint is" in output, output[-3000:]
+    if stop_signal == "SIGINT":
+        assert trainer.returncode != 0 and "interrupted; the latest checkpoint is" in output, output[-3000:]
+    else:
+        assert trainer.returncode == 143, (trainer.returncode, output[-3000:])
+        stopped = re.search(r"jodc-train rl: stopped by SIGTERM after step (\d+) \(checkpoint (\S+)\)", output)
+        assert stopped and stopped.group(2) == os.path.join(tmp_path, "checkpoints", stopped.group(1)), output[-3000:]
+        assert os.path.isdir(stopped.group(2)) and int(stopped.group(1)) >= 3
+        assert output.rstrip().endswith("run the same command again to resume"), output[-3000:]
     # no traceback of the child (it ignored Ctrl-C): a spawned child's runs through multiprocessing/spawn.py or
     # process.py (the trainer's own may pass through multiprocessing/queues.py: tensorboardX writes through a queue)
     assert not any(f"multiprocessing/{m}.py" in output for m in ("spawn", "process")), output[-3000:]

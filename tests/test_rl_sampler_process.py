@@ -108,3 +108,60 @@ def test_the_child_of_a_killed_trainer_exits():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+SHARE_IN_A_CHILD = f"""
+import dataclasses, sys
+sys.path[:0] = [{TESTS!r}, {os.path.join(os.path.dirname(TESTS), "tools")!r}]
+import jax
+jax.config.update("jax_num_cpu_devices", 2)  # as the CLI sets it (no XLA_FLAGS): a child does not inherit it
+import numpy as np
+from jodc.train.rl.sampler_process import SamplerProcess
+from rl_sampling_setup import CountingReward, make_params, make_sampler
+# what the sampler child of MPI process 1 of 2 (2 devices each) computes: that process's 2 shares of step 3
+sampler = dataclasses.replace(make_sampler(4, CountingReward()), process=(1, 2))
+here = sampler(3, make_params(), 3)
+child = SamplerProcess(sampler, nice=0)
+try:
+    there = child(3, make_params(), 3)
+finally:
+    child.close(timeout=10)
+a, b = here.rollout, there.rollout
+assert a.prompts == b.prompts and len(a.prompts) == 6, (a.prompts, b.prompts)
+assert all(np.array_equal(x, y) for x, y in zip(a.response_ids, b.response_ids))
+assert all(x.tobytes() == y.tobytes() for x, y in zip(a.logprobs, b.logprobs))
+assert here.rewards.tolist() == there.rewards.tolist()
+print("SAME", len(jax.local_devices()))
+"""
+
+
+def test_the_child_samples_on_as_many_devices_as_its_trainer_however_the_count_was_set():
+    """A trainer that set its CPU device count with `jax_num_cpu_devices` (the CLI, no XLA_FLAGS): the child of
+    MPI process 1 of 2 samples that process's two shares on two devices, as the process itself does, bit for bit
+    (it had one device and sampled both shares as one batch: other numbers)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    done = subprocess.run([sys.executable, "-c", SHARE_IN_A_CHILD], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0 and "SAME 2" in done.stdout, (done.stdout + done.stderr)[-3000:]
+
+
+def test_the_child_environment_carries_the_trainers_device_count_and_flags():
+    import jax
+
+    from jodc.train.rl.sampler_process import child_environment
+
+    env = child_environment("cpu", {"XLA_FLAGS": "--xla_some_flag=1", "OTHER": "x"})
+    assert env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": "--xla_some_flag=1",
+                   "JAX_NUM_CPU_DEVICES": str(jax.local_device_count("cpu"))}
+    assert child_environment("gpu", {}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def test_a_child_with_fewer_devices_than_its_process_drives_says_so():
+    import dataclasses
+
+    from rl_sampling_setup import CountingReward, make_params, make_sampler
+
+    sampler = dataclasses.replace(make_sampler(32, CountingReward()), process=(1, 2))  # 16 per process; 8 here
+    with pytest.raises(RuntimeError, match="sampler process of MPI process 1 has 8 cpu device.*drives 16 "
+                                           r"\(engine.devices=32 over 2 processes\)"):
+        sampler(3, make_params(), 3)

@@ -3,6 +3,7 @@ resumed deterministic ODC run equals an uninterrupted one bit for bit, the engin
 back, checkpoints of another run are refused, and the CLI runs in a fresh process (where it sets XLA_FLAGS)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,8 +15,11 @@ from jodc.train import load_config
 
 from jodc.train import run_sft
 from jodc.train.core.checkpoint import CheckpointStore
+from jodc.train.core.preemption import Preempted
 from jodc.train.core.metrics import read_metrics
 from jodc.train.sft.loop import CHECKPOINT_DIR, format_summary
+
+from stop_signals import SigtermAt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -112,6 +116,30 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(straight, tmp_path
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
     again = run_sft(config, log=quiet)  # already finished: nothing to run
     assert again["start_step"] == STEPS and again["losses"] == []
+
+
+def test_sigterm_finishes_the_step_checkpoints_it_and_the_resume_is_exact(straight, tmp_path):
+    """SIGTERM (a scheduler's notice before SIGKILL) in the middle of step 5 does not end the process at once
+    (Python's default): step 5 finishes, is checkpointed (between the scheduled 3 and 6), and the run stops with
+    `Preempted`; the previous SIGTERM handler is back afterwards. The resumed run equals the uninterrupted one bit for
+    bit."""
+    out, _ = straight
+    config = load_config(None, overrides(tmp_path))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted, match="stopped by SIGTERM after step 5") as stopped:
+        run_sft(config, log=quiet, callbacks=[SigtermAt(4)])
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert stopped.value.step == 5 and stopped.value.checkpoint == os.path.join(tmp_path, CHECKPOINT_DIR, "5")
+    store = CheckpointStore(os.path.join(tmp_path, CHECKPOINT_DIR), keep=2)
+    assert store.steps() == [3, 5]
+    store.close()
+    assert not os.path.exists(os.path.join(tmp_path, "hf"))  # the final export is the resumed run's
+    second = run_sft(config, log=quiet)
+    assert second["start_step"] == 5 and second["steps_done"] == STEPS
+    straight_losses = [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
+    assert [r["loss"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))] == straight_losses
+    for x, y in zip(jax.tree.leaves(final_state(str(out))), jax.tree.leaves(final_state(str(tmp_path)))):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
 def test_engines_agree_on_the_same_minibatches(straight, tmp_path):

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import jax
 
-from .core import distributed
+from .core import distributed, preemption
 from .core.config import ConfigError, SFTConfig, all_keys, dump, load_config, sections
 from .rl.config import RLConfig, load_rl_config
 from .rl.loop import run_rl
@@ -65,8 +65,9 @@ def _parser() -> argparse.ArgumentParser:
 def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: str, load, trainer) -> int:
     """The flow of every subcommand: load and validate the config, print it if asked, set the CPU device count,
     then run `trainer` on the config, under mpirun in every process on its share of the devices. A config error,
-    also one only the trainer can detect, is printed and gives exit status 2; any other error prints its traceback
-    and then, as the last line, `<label>: error: <type>: <message>`, with exit status 1."""
+    also one only the trainer can detect, is printed and gives exit status 2; a stop on SIGTERM (the step under way
+    finished and checkpointed) gives 143 after a last line naming the checkpoint; any other error prints its
+    traceback and then, as the last line, `<label>: error: <type>: <message>`, with exit status 1."""
     try:
         config = load(args.config, overrides)
         if args.print_config:
@@ -81,10 +82,14 @@ def run_command(args: argparse.Namespace, overrides: Sequence[str], *, label: st
             use_cpu_devices(local)
         if processes > 1:
             distributed.initialize()
-        trainer(config)
+        with preemption.PreemptionWatch():  # a SIGTERM while the run is built stops it after its first step
+            trainer(config)
     except ConfigError as e:
         print(f"{label}: config error: {e}", file=sys.stderr)
         return 2
+    except preemption.Preempted as e:  # checkpointed: the run resumes from it when started again
+        print(f"{label}: {e}", file=sys.stderr)
+        return preemption.EXIT_STATUS
     except Exception as e:  # the run has closed its checkpoints and engine: nothing prints after this
         traceback.print_exc()
         sys.stderr.flush()

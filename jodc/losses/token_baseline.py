@@ -34,7 +34,7 @@ def _per_token(fn: str, name: str, x, shape: tuple[int, int]) -> jax.Array:
 
 
 def optimal_token_baseline_advantages(rewards, group_size: int, *, logprobs, sum_pi_squared, mask,
-                                      is_weights=None, handle_zero_tail: bool = False,
+                                      is_weights=None, handle_zero_tail: bool = True,
                                       eps: float = OTB_EPS) -> jax.Array:
     """Per-token OTB advantages [N, T] (0 where ``mask`` is 0) for outcome ``rewards`` [N] laid out group after
     group (see the module docstring).
@@ -50,7 +50,8 @@ def optimal_token_baseline_advantages(rewards, group_size: int, *, logprobs, sum
         scaled by rho^2, the baseline that minimises the variance of the importance-weighted gradient.
       handle_zero_tail: where a group's longest response is longer than all the others, it alone defines the
         baseline past the second-longest one's end, so its advantage there would be ~0; with this flag that tail's
-        baseline is 0 instead (its advantage is its reward), as verl's option of the same name.
+        baseline is 0 instead (its advantage is its reward), as verl's option of the same name, on by default as
+        there (verl's function and trainer default to True; a long correct response keeps a signal in its tail).
       eps: added to the baseline's denominator.
 
     Groups of one response get advantage 0 (no baseline to compare with; verl gives the raw reward)."""

@@ -124,8 +124,31 @@ _library: MpiLibrary | None = None
 _comms: dict[int, object] = {}  # heap id -> its mpi4py communicator (registration checks)
 
 
+#: Where Linux lists RDMA network devices (InfiniBand, RoCE), the hardware Open MPI's UCX one-sided component is for.
+RDMA_DEVICES = "/sys/class/infiniband"
+
+
+def quiet_one_sided_components(environ=os.environ, rdma_devices: str = RDMA_DEVICES) -> bool:
+    """Before MPI starts: on a host without RDMA devices, leaves Open MPI's UCX one-sided component out
+    (`OMPI_MCA_osc=^ucx`); returns whether it did. There that component fails its query and every process prints
+    "osc_ucx_component.c ... Error: OSC UCX component priority set inside component query failed" before Open MPI
+    picks the component it picks anyway (shared memory on one host, `rdma` over TCP across hosts): an error-looking
+    line on a healthy run. With RDMA devices UCX is the right component and is left alone; a user's own
+    OMPI_MCA_osc always wins. (Too late when MPI already started, e.g. under `python -m mpi4py`: docs/mpi.md.)"""
+    if "OMPI_MCA_osc" in environ:
+        return False
+    try:
+        if os.listdir(rdma_devices):
+            return False
+    except OSError:  # no such folder: no RDMA stack
+        pass
+    environ["OMPI_MCA_osc"] = "^ucx"
+    return True
+
+
 def mpi4py_comm_world():
     """mpi4py's COMM_WORLD (initialising MPI with MPI_THREAD_MULTIPLE if nothing did yet)."""
+    quiet_one_sided_components()  # (a no-op once MPI runs)
     try:
         from mpi4py import MPI
     except ImportError as e:

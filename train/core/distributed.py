@@ -39,6 +39,9 @@ def initialize() -> None:
     """jax.distributed over the processes of MPI_COMM_WORLD (idempotent); needs the jodc[mpi] extra."""
     if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
         return
+    from jodc.ops._mpi import quiet_one_sided_components
+
+    quiet_one_sided_components()  # before MPI starts: no error-looking lines from Open MPI's UCX probe
     try:
         from mpi4py import MPI  # noqa: F401  (initialises MPI with MPI_THREAD_MULTIPLE)
     except ImportError as e:
@@ -86,3 +89,11 @@ def check_agreement(what: str, value) -> None:
         raise RuntimeError(f"the processes disagree on {what}: process(es) {differ} computed something else than "
                            "process 0 (every process must compute it identically: is a reward function or the data "
                            "non-deterministic?)")
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true in any process of the run (a collective across processes: every process must call it
+    at the same point; in a single-process run `flag` itself)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.asarray(multihost_utils.process_allgather(np.asarray([flag], np.int32))).any())

@@ -2,9 +2,9 @@
 
 `Trainer` owns everything around a step: resuming (a foreign checkpoint is refused before anything is built, the
 learning-rate schedule keeps the original run's length, changed data are refused, the engine is restored), the step
-loop with its Ctrl-C semantics, the checkpoint cadence, the metrics logger, non-finite updates (stop, or skip and
-count), step timers, per-device timelines, evaluation, the HF export and the end-of-run summary. A subclass
-supplies the hooks:
+loop with its Ctrl-C and SIGTERM semantics (preemption.py), the checkpoint cadence, the metrics logger, non-finite
+updates (stop, or skip and count), step timers, per-device timelines, evaluation, the HF export and the end-of-run
+summary. A subclass supplies the hooks:
 
 * `load_data()` -> the data fingerprint (checked against the checkpoint before the model is built);
 * `build()`: tokenizer, model, planner, engine (`self.engine`, `self.model_config`, `self.tokenizer`), the
@@ -36,6 +36,7 @@ from .host_memory import return_freed_memory_promptly
 from .config import resume_mismatches, save_yaml, to_dict
 from .metrics import BAR_FIELDS, TENSORBOARD_DIR, MetricsLogger
 from .model import build_decoder, cost_model, make_engine, make_planner
+from .preemption import Preempted, PreemptionWatch
 from .timers import Timers, step_times, timing_lines, timing_summary
 
 CHECKPOINT_DIR, HF_DIR, TIMELINE_DIR, CONFIG_FILE = "checkpoints", "hf", "timeline", "config.yaml"
@@ -169,6 +170,9 @@ class Trainer:
         Ctrl-C between steps saves a checkpoint of the last finished step before stopping; during a step or a
         save the engine state is not known to be consistent, so the latest earlier checkpoint stays the one. An
         error inside a step (a failing reward function, a non-finite update) saves nothing of that step.
+        SIGTERM (a scheduler's notice) lets the step under way finish, checkpoints it and raises `Preempted`;
+        across processes every process stops at the same step (preemption.py). A stopped run skips the final
+        evaluation and export: the resumed run does them.
         """
         steps, ckpt, logs = self.config.run.steps, self.config.checkpoint, self.config.logging
         last = steps if stop_at_step is None else min(steps, stop_at_step)
@@ -178,25 +182,32 @@ class Trainer:
                                 if self.primary else _SilentLogger())
         done, consistent = self.start_step, True
         try:
-            for step in range(self.start_step, last):
-                consistent = False
-                record = self._run_step(step)
-                done, consistent = step + 1, True
-                if done % logs.log_every == 0 or done == last:
-                    logger.log(record)
-                logger.advance()
-                if ckpt.save_every and done % ckpt.save_every == 0:
+            with PreemptionWatch() as preemption:
+                for step in range(self.start_step, last):
                     consistent = False
-                    self.save(done)
-                    consistent = True
-            consistent = False
-            self.save(done)
+                    record = self._run_step(step)
+                    done, consistent = step + 1, True
+                    if done % logs.log_every == 0 or done == last:
+                        logger.log(record)
+                    logger.advance()
+                    stop = preemption.reached(done)  # every process asks after every step
+                    if stop or (ckpt.save_every and done % ckpt.save_every == 0):
+                        consistent = False
+                        self.save(done)
+                        consistent = True
+                    if stop:
+                        raise Preempted(done, self.store.step_dir(done))
+                consistent = False
+                self.save(done)
         except KeyboardInterrupt:
             if consistent and done > (self.last_saved_step or 0):
                 self.save(done)
             latest = self.store.latest_step()
             logger.write(f"interrupted; the latest checkpoint is {self.store.step_dir(latest)}"
                          if latest is not None else "interrupted before any checkpoint")
+            raise
+        except Preempted as stop:
+            logger.write(str(stop))
             raise
         finally:
             logger.close()

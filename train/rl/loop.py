@@ -138,6 +138,9 @@ class RLRun(Trainer):
             self.log(f"evaluating on the {len(self.eval_set)} distinct problems outside the training pool "
                      f"(task.eval_problems={config.task.eval_problems})")
         self.reward_fn, reward_spec = resolve_reward_function(self.reward_fn, config.task, self.task)
+        # the process of each engine device (mesh order = the minibatch arrays' rows): where sequences are trained;
+        # a config asking for more devices than exist fails here, before a warm start has run
+        self.device_processes = [d.process_index for d in mesh_devices(e.platform, e.devices)]
         model_section = config.model
         if config.warmstart.sft_steps:
             model_section = dataclasses.replace(model_section, hf_path=run_warmstart(config, self.task, log=self.log))
@@ -166,8 +169,6 @@ class RLRun(Trainer):
                                       # every engine device samples a share; processes exchange theirs
                                       platform=e.platform, devices=e.devices,
                                       exchange_timeout_s=e.barrier_timeout_s)
-        # the process of each engine device (mesh order = the minibatch arrays' rows): where sequences are trained
-        self.device_processes = [d.process_index for d in mesh_devices(e.platform, e.devices)]
         # the responses each engine device samples: the row blocks of the per-sequence forward passes
         self.device_rows = [range(s.start * r.group_size, s.stop * r.group_size)
                             for s in device_shares(r.prompts_per_step, e.devices)]

@@ -197,7 +197,12 @@ class RolloutSampler:
             index, count = self.process  # of the process-major mesh (as many in every process)
             per_process = self.devices // count
             mine = shares[index * per_process:(index + 1) * per_process]
-            return range(mine[0].start, mine[-1].stop), jax.local_devices(backend=self.platform)[:per_process]
+            devices = jax.local_devices(backend=self.platform)
+            if len(devices) < per_process:  # (it would sample several devices' shares as one batch: other numbers)
+                raise RuntimeError(f"the sampler process of MPI process {index} has {len(devices)} {self.platform} "
+                                   f"device(s); its process drives {per_process} (engine.devices={self.devices} over "
+                                   f"{count} processes)")
+            return range(mine[0].start, mine[-1].stop), devices[:per_process]
         devices = mesh_devices(self.platform, self.devices)  # the engine's mesh, in its order
         mine = [(share, d) for share, d in zip(shares, devices) if d.process_index == jax.process_index()]
         if not mine:

@@ -18,7 +18,7 @@ sampler thread exchanges it (`sampler.ExchangedShares`).
 
 Failures: an exception in the child comes back as `SamplerProcessError` with the child's traceback for the step
 that raised it; a child that dies (killed, out of memory) is reported with its exit code instead of hanging
-the trainer; `close()` stops the child (terminates it if it does not exit within the timeout).
+the trainer; `close()` stops the child (kills it if it does not exit within the timeout).
 """
 from __future__ import annotations
 
@@ -45,8 +45,13 @@ def _serve(conn, payload: bytes, reward_spec: str | None, nice: int, env: dict[s
     """The child's loop: ("params", version, weights) keeps the weights of `version`; ("sample", step, version)
     answers ("rollout", ScoredRollout) or ("error", traceback); ("stop",) ends it."""
     os.environ.update(env)  # before JAX initialises a backend (unpickling the sampler only imports modules)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it finishes the step, checkpoints
-    if nice:  # (which waits for the rollouts sampled ahead) and then stops this process
+    if "JAX_NUM_CPU_DEVICES" in env:  # (JAX read its environment when this module imported it)
+        jax.config.update("jax_num_cpu_devices", int(env["JAX_NUM_CPU_DEVICES"]))
+    # Ctrl-C and a scheduler's SIGTERM (sent to the whole job) are the trainer's: it finishes the step,
+    # checkpoints (which waits for the rollouts sampled ahead) and then stops this process
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, signal.SIG_IGN)
+    if nice:
         os.nice(nice)
     sampler: RolloutSampler = pickle.loads(payload)
     if reward_spec:
@@ -72,6 +77,19 @@ def _serve(conn, payload: bytes, reward_spec: str | None, nice: int, env: dict[s
             conn.send(("error", traceback.format_exc()))
 
 
+def child_environment(platform: str, environ=os.environ) -> dict[str, str]:
+    """What the child's JAX must see of the trainer's (set before it starts a backend): the trainer's XLA flags,
+    no preallocation of an accelerator's memory (it stays the trainer's), and on CPU the trainer's device count
+    however the trainer set it (XLA_FLAGS, or `jax_num_cpu_devices`, which the CLI sets and a child does not
+    inherit), so the child splits a step over as many devices as the engine's, as the sampler thread does."""
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if "XLA_FLAGS" in environ:
+        env["XLA_FLAGS"] = environ["XLA_FLAGS"]
+    if platform == "cpu":
+        env["JAX_NUM_CPU_DEVICES"] = str(jax.local_device_count("cpu"))
+    return env
+
+
 def _host(params) -> Any:
     """`params` with every leaf a numpy array (what pickles cheaply and needs no device in the child)."""
     return jax.tree.map(np.asarray, params)
@@ -94,9 +112,7 @@ class SamplerProcess:
             raise ValueError(f"rollout.sampler=process: the sampler cannot be sent to a child process ({e}); "
                              "give a module-level reward function (task.reward_fn: 'module:function') or use "
                              "rollout.sampler=thread") from None
-        env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # an accelerator's memory stays the trainer's
-        if "XLA_FLAGS" in os.environ:
-            env["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
+        env = child_environment(getattr(sampler, "platform", "cpu"))
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: forking a live XLA client is unsafe
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=_serve, args=(child_conn, payload, reward_spec, nice, env),
@@ -140,16 +156,13 @@ class SamplerProcess:
         return value
 
     def close(self, timeout: float = 30.0) -> None:
-        """Asks the child to stop; terminates it (then kills it) if it has not exited after `timeout` seconds."""
+        """Asks the child to stop; kills it if it has not exited after `timeout` seconds."""
         try:
             self._conn.send(("stop",))
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
         self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5.0)
-        if self._process.is_alive():
+        if self._process.is_alive():  # (it ignores SIGTERM: see _serve)
             self._process.kill()
             self._process.join(5.0)
         self._conn.close()
