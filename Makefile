@@ -8,6 +8,7 @@
 # make gpu-check - on a GPU runner with a CUDA jax already installed (no venv, no index): build, every GPU check,
 #                  the GPU benchmarks and an SFT smoke run inside one time budget; summary.json + logs in GPU_CHECK_OUT
 # make gpu-wheels - (where a package index is reachable) the pure-Python wheels such a runner lacks, for Python 3.12
+# make docs - build the docs site into site/ with warnings as errors (own venv .venv-docs; every link and anchor checked)
 # make lint - ruff's pyflakes checks (undefined names, unused imports) over every tracked Python file
 # make test-py312 - the suite on Python 3.12 with the GPU image's jax (0.11.2), without torch/transformers
 # make test-jax-latest - on Python 3.12 with the newest jax (0.12.x): the library imports and the ops tests pass
@@ -21,7 +22,7 @@ JODC_CUDA ?=
 NATIVE := $(VENV)/.jodc-native$(if $(filter-out 0,$(JODC_CUDA)),-cuda,)
 
 .PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test test-gpu sanitize-gpu \
-	gpu-setup lint test-py312 test-jax-latest gpu-check gpu-wheels
+	gpu-setup lint docs test-py312 test-jax-latest gpu-check gpu-wheels
 
 setup: $(NATIVE)
 
@@ -103,6 +104,24 @@ $(LINT_RUFF):
 
 lint: $(LINT_RUFF)
 	$(LINT_VENV)/bin/ruff check
+
+# ---- Docs -----------------------------------------------------------------------------------------------------------
+# The site (mkdocs.yml): README.md as the home page, the guides of docs/, the API reference from the docstrings. Its
+# packages (pyproject.toml's `docs` extra, pinned by constraints-docs.txt) go into a venv of their own without the
+# project: griffe reads the sources statically, so nothing imports JAX and .venv's setup does not grow (install about
+# 15 s, build a few seconds). --strict: a warning (a broken link or anchor, a page outside the nav) fails the build.
+DOCS_VENV ?= .venv-docs
+DOCS_INSTALLED := $(DOCS_VENV)/.jodc-docs-installed
+DOCS_EXTRA = $(shell $(PYTHON) -c 'import tomllib; print(" ".join(repr(r) for r in \
+	tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
+
+$(DOCS_INSTALLED): pyproject.toml constraints-docs.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet -c constraints-docs.txt $(DOCS_EXTRA)
+	touch $@
+
+docs: $(DOCS_INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --quiet
 
 # ---- Python 3.12: the GPU image's jax, and the newest jax -----------------------------------------------------
 # jax 0.11+ needs Python 3.12+, and the GPU runners' image has Python 3.12 with jax 0.11.2. `make test-py312` runs the

@@ -1,5 +1,5 @@
-"""`jodc.fsdp.from_nnx`: a user's Flax NNX model trained by the engines. The README's example (run from the README
-itself) gives the parameters plain `jax.grad` + optax reach on one device; bad modules are refused by name."""
+"""`jodc.fsdp.from_nnx`: a user's Flax NNX model trained by the engines. The example of docs/engines.md (run from the
+guide itself) gives the parameters plain `jax.grad` + optax reach on one device; bad modules are refused by name."""
 import os
 import re
 
@@ -13,12 +13,12 @@ from flax import nnx
 import fsdp_toy
 from jodc import fsdp
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "engines.md")
 
 
 def readme_example() -> str:
-    """The python block of the README's "Bring your own Flax model" section."""
-    text = open(README).read()
+    """The python block of docs/engines.md's "Bring your own Flax model" section."""
+    text = open(GUIDE).read()
     section = text[text.index("## Bring your own Flax model"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
@@ -63,11 +63,11 @@ def assert_trees_close(got, want, tol=1e-5):
 
 
 def test_readme_gpt_trained_by_odc_equals_plain_jax_grad_and_optax():
-    """Runs the README's block as written (3 ODC steps on 2 devices, uneven packing), then trains a fresh copy of
+    """Runs the guide's block as written (3 ODC steps on 2 devices, uneven packing), then trains a fresh copy of
     its GPT with jax.grad + optax on the same minibatches: the parameters agree within 1e-5 (each step moves them by
 about the learning rate, 3e-3)."""
     namespace = {"__name__": "readme_example"}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(compile(readme_example(), "docs/engines.md", "exec"), namespace)
     gpt, batches, cfg = namespace["gpt"], namespace["batches"], namespace["optimizer"]
     assert len(batches) >= 3 and namespace["engine"].heap.freed  # the example ran every step and closed its engine
     fresh = namespace["GPT"](vocab=64, dim=16, depth=2, rngs=nnx.Rngs(0))
