@@ -121,6 +121,7 @@ $(DOCS_INSTALLED): pyproject.toml constraints-docs.txt
 	touch $@
 
 docs: $(DOCS_INSTALLED)
+	$(DOCS_VENV)/bin/python tools/docs/hooks.py
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --quiet
 
 # ---- Python 3.12: the GPU image's jax, and the newest jax -----------------------------------------------------

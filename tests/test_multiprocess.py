@@ -688,12 +688,10 @@ def test_spmd_step_compiles_once_per_shape():
 
 def test_digest_and_agreement_in_one_process():
     """`distributed.digest` tells arrays apart by bytes, dtype and shape; `check_agreement` and `barrier` are no-ops
-    in one process (the multi-process paths: test_mpirun_rl_*); `sequences_digest` covers every field a step
-    trains on (here: an advantage)."""
+    in one process (the multi-process paths: test_mpirun_rl_*)."""
     import numpy as np
 
     from jodc.train.core import distributed
-    from jodc.train.rl.batch import TrainingSequences, sequences_digest
 
     a = np.arange(6, dtype=np.int32)
     d = distributed.digest([a])
@@ -703,10 +701,3 @@ def test_digest_and_agreement_in_one_process():
         assert not np.array_equal(d, distributed.digest(other))
     distributed.check_agreement("nothing", lambda: d)
     distributed.barrier("nothing")
-
-    def sequences(advantage):
-        return TrainingSequences([a], [a], [np.ones(6, np.float32)],
-                                 {"advantages": [np.full(6, advantage, np.float32)]})
-
-    assert np.array_equal(sequences_digest(sequences(0.5)), sequences_digest(sequences(0.5)))
-    assert not np.array_equal(sequences_digest(sequences(0.5)), sequences_digest(sequences(-0.5)))

@@ -118,3 +118,7 @@ def on_page_markdown(markdown, page, config, files):
         return f"{head}{found[0]}{hash_}{anchor}{tail}"
 
     return LINK.sub(repl, markdown)
+
+
+if __name__ == "__main__":  # `make docs` lays the tree out before mkdocs starts: mkdocstrings drops a search path
+    _api_tree()  # that does not exist yet when it reads its config, which is before on_config runs

@@ -23,7 +23,6 @@ import numpy as np
 from jodc.fsdp import MinibatchArrays
 from jodc.fsdp.batch import minibatch_from_plan
 
-from ..core.distributed import digest
 from ..sft.batching import without_empty_microbatches
 from .rollout import Rollout
 
@@ -100,15 +99,6 @@ def sequences_from_arrays(prompt_ids: Sequence[np.ndarray], response_ids: Sequen
         loss_masks=placed([np.ones(len(r)) for r in responses]),
         extras={name: placed(v, np.int32 if name == "topk_ids" else np.float32) for name, v in per_token.items()
                 if v is not None})
-
-
-def sequences_digest(sequences: TrainingSequences) -> np.ndarray:
-    """A digest of everything the step trains on (tokens, masks, behaviour log-probs, advantages, reference
-    log-probs, top-k): what the processes of a multi-process run must agree on."""
-    arrays = [*sequences.inputs, *sequences.targets, *sequences.loss_masks]
-    for name in sorted(sequences.extras):
-        arrays += sequences.extras[name]
-    return digest(arrays)
 
 
 def split_minibatches(num_sequences: int, updates: int, *, seed: int, step: int) -> list[np.ndarray]:
