@@ -48,22 +48,22 @@ from .assembly import (StepInputs, assembly_digest, extra_specs, local_sequences
 from .batch import plan_minibatch, split_minibatches
 from .config import RLConfig
 from .critic import critic_advantages, response_values
+from .evaluation import EVAL_SAMPLES, evaluate_policy
 from .layout import RolloutLayout
 from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
-from .metrics import BAR_FIELDS, CURVES_FILE, format_summary, overlap_summary, plot_curves, step_record
-from .policy_weights import held_copy, policy_weights, sampler_weights_on_devices, trainer_params
+from .metrics import BAR_FIELDS, CURVES_FILE, format_summary, run_summary_fields, step_record
+from .policy_weights import held_copy, policy_weights, trainer_params
 from .reference import ShardedReference
-from .rewards import RewardFunction, resolve_reward_function, score
-from .rollout import device_shares, encode_prompts, sample_rollout, sampling_params
-from .rollout_exchange import EVALUATION_TAGS, bytes_received
+from .rewards import RewardFunction, resolve_reward_function
+from .rollout import device_shares, encode_prompts, sampling_params
+from .rollout_exchange import bytes_received
 from .rollout_source import make_rollout_source
 from .sampler import RolloutSampler, trainer_logprobs
 from .scored import StepRollout
 from .tasks import eval_problems, fingerprint_task, make_task, training_pool
 from .warmstart import run_warmstart
 
-__all__ = ["CHECKPOINT_DIR", "RLRun", "format_summary", "run_rl"]
-EVAL_SAMPLES = 4  # sampled responses per evaluation problem
+__all__ = ["CHECKPOINT_DIR", "EVAL_SAMPLES", "RLRun", "format_summary", "run_rl"]
 
 
 class RLRun(Trainer):
@@ -132,8 +132,6 @@ class RLRun(Trainer):
                             for s in device_shares(r.prompts_per_step, e.devices)]
         self.rollouts = make_rollout_source(r, self.sampler, reward_spec=reward_spec, trainer=self,
                                             callbacks=self.callbacks)
-        # the sampler process gets host weights (pickled to it); the trainer's own sampler copies made on device
-        self.host_weights = bool(r.max_staleness) and r.sampler == "process"
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         self.rollouts.restore(step, state, self.store.step_dir(step))
@@ -166,34 +164,11 @@ class RLRun(Trainer):
 
     # -- the step ----------------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
-        """The current policy on the fixed held-out evaluation set: `eval_accuracy` (greedy decoding) and
-        `eval_sampled_reward` (mean reward of `EVAL_SAMPLES` responses per problem at the rollout temperature,
-        fixed key: the quantity RL optimises); `step` is for error messages.
-
-        Sampled as the rollouts are: the problems are split over the engine's devices (`RolloutSampler.local_devices`),
-        each process samples and scores its devices' share, and across processes the shares' rewards (not their
-        tokens) are exchanged. Response j of problem i samples with the same key wherever it runs (`response_keys`)."""
-        prompts = [p.prompt for p in self.eval_set]
-        mine, devices = self.sampler.local_devices(len(prompts))
-        params = sampler_weights_on_devices(self.engine, devices=devices, dtype="float32")  # fp32, on device
-        width = self.eval_width
-
-        def share() -> dict[str, np.ndarray]:  # this process's rewards per measure
-            rewards = {}
-            for key, group_size, sampling in (("eval_accuracy", 1, self.greedy),
-                                              ("eval_sampled_reward", EVAL_SAMPLES, self.eval_sampling)):
-                rollout = sample_rollout(self.model_config, params, self.tokenizer, prompts[mine.start:mine.stop],
-                                         group_size=group_size, sampling=sampling, prompt_indices=mine,
-                                         devices=devices, prompt_width=width,
-                                         key=jax.random.PRNGKey(self.config.run.seed))
-                rewards[key] = score(self.reward_fn, rollout.prompts, rollout.responses, step=step,
-                                     first_sample=mine.start * group_size)
-            return rewards
-
-        parts = self.layout.gather(share, what=f"the evaluation at step {step}", tags=EVALUATION_TAGS)
-        rewards = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
-        return {"eval_accuracy": float(np.mean(rewards["eval_accuracy"] >= self.config.task.success_reward)),
-                "eval_sampled_reward": float(np.mean(rewards["eval_sampled_reward"]))}
+        """The current policy on the held-out set (evaluation.py); `step` is for error messages."""
+        return evaluate_policy(self.engine, [p.prompt for p in self.eval_set], step=step, sampler=self.sampler,
+                               model_config=self.model_config, tokenizer=self.tokenizer, greedy=self.greedy,
+                               sampled=self.eval_sampling, reward_fn=self.reward_fn, seed=self.config.run.seed,
+                               prompt_width=self.eval_width, success_reward=self.config.task.success_reward)
 
     def policy_version(self):
         """The current policy as this step uses it, made now (across processes every process makes it at this point
@@ -204,14 +179,9 @@ class RLRun(Trainer):
         devices = self.sampler.local_devices()[1]
         if self.reference is not None:
             self.step_reference = self.reference.policy(devices[0])
-        if self.host_weights:
+        if self.rollouts.host_weights:  # a sampler process: pickled to it
             return self.engine.params()
         return policy_weights(self.engine, devices, self.config.rollout.dtype, devices[0])
-
-    def next_rollout(self, step: int, params) -> tuple[StepRollout, float]:
-        """(step `step`'s scored rollout, seconds the trainer waited for it), from the run's rollout source
-        (rollout_source.py: sampled now from `params`, or taken from the sampler thread)."""
-        return self.rollouts.get(step, params)
 
     def forward_passes(self, rollout, params, scored, step: int, *, first: int, width: int) -> StepInputs:
         """The per-sequence forward passes of `rollout`, the step's responses `first` .. (the whole rollout, or
@@ -317,7 +287,7 @@ class RLRun(Trainer):
         with timers("step"):
             with timers("params"):  # the policy resharded onto the devices once per version: `params_seconds`
                 params = self.policy_version()
-            scored, waited = self.next_rollout(step, params)
+            scored, waited = self.rollouts.get(step, params)  # sampled now, or by the sampler thread
             minibatches, extra_record = self.minibatches(step, scored, params)
             updates, tokens, microbatches = [], 0, []
             learning_rate = float(self.lr_schedule(self.engine.steps_done))
@@ -343,22 +313,9 @@ class RLRun(Trainer):
 
     # -- the end of a run --------------------------------------------------------------------------------------
     def summary_fields(self, done: int, final_eval: dict[str, float] | None) -> dict[str, Any]:
-        """Rewards over the whole run (this invocation's part for first/last), the evaluations before this invocation's
-        first step and after its last, the curves."""
         records = read_metrics(self.logger.path) if self.primary else []  # only process 0 writes them
-        curves = plot_curves(records, os.path.join(self.out_dir, CURVES_FILE), final_eval=final_eval,
-                             title=f"{self.config.loss.name} on {self.config.task.name}") if records else None
-        ran = [r for r in records if r["step"] > self.start_step]
-        return {"rewards": [(r["step"], r["reward_mean"]) for r in records],
-                "first_reward": ran[0]["reward_mean"] if ran else None,
-                "last_reward": ran[-1]["reward_mean"] if ran else None,
-                # the evaluation before this invocation's first step, where one ran (eval_every > 0)
-                "first_eval_accuracy": ran[0].get("eval_accuracy") if ran else None,
-                "first_eval_sampled_reward": ran[0].get("eval_sampled_reward") if ran else None,
-                "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
-                "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
-                "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves,
-                **overlap_summary(ran, self.config.rollout)}
+        curves = os.path.join(self.out_dir, CURVES_FILE)
+        return run_summary_fields(records, self.start_step, final_eval, self.config, curves_path=curves)
 
 
 def run_rl(config: RLConfig, *, reward_fn: RewardFunction | None = None, stop_at_step: int | None = None,

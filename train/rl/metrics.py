@@ -163,3 +163,23 @@ def overlap_lines(summary: dict[str, Any]) -> list[str]:
     return [f"rollouts: max_staleness {summary['max_staleness']}, sampler {summary['rollout_dtype']}; trainer "
             f"idle {summary['trainer_idle_fraction']:.0%}, sampler idle {summary['sampler_idle_fraction']:.0%} of the "
             "step" + (f"; log-prob mismatch {mismatch:.2e} per token" if mismatch is not None else "")]
+
+
+def run_summary_fields(records: Sequence[dict[str, Any]], start_step: int, final_eval: dict[str, float] | None,
+                       config, *, curves_path: str) -> dict[str, Any]:
+    """What an RL run's summary adds: rewards over the whole run (`records`; this invocation's steps, after
+    `start_step`, for first / last), the evaluations before this invocation's first step and after its last, the
+    curves (drawn to `curves_path` where there are records: process 0's), the rollout/trainer overlap."""
+    curves = plot_curves(records, curves_path, final_eval=final_eval,
+                         title=f"{config.loss.name} on {config.task.name}") if records else None
+    ran = [r for r in records if r["step"] > start_step]
+    return {"rewards": [(r["step"], r["reward_mean"]) for r in records],
+            "first_reward": ran[0]["reward_mean"] if ran else None,
+            "last_reward": ran[-1]["reward_mean"] if ran else None,
+            # the evaluation before this invocation's first step, where one ran (eval_every > 0)
+            "first_eval_accuracy": ran[0].get("eval_accuracy") if ran else None,
+            "first_eval_sampled_reward": ran[0].get("eval_sampled_reward") if ran else None,
+            "final_eval_accuracy": final_eval["eval_accuracy"] if final_eval else None,
+            "final_eval_sampled_reward": final_eval["eval_sampled_reward"] if final_eval else None,
+            "unstable_steps": sum(1 for r in records if r.get("unstable")), "curves": curves,
+            **overlap_summary(ran, config.rollout)}

@@ -10,7 +10,8 @@
   the whole of each rollout sampled ahead (a resume in any layout reads it).
 
 Both have one interface for the RL loop: `get(step, params)` -> (the step's `StepRollout`, seconds the trainer
-waited), `sampler_busy(start, end, scored)`, `checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
+waited), `host_weights` (which weights `params` must be), `sampler_busy(start, end, scored)`,
+`checkpoint_state(done)`, `restore(step, state, where)` and `close()`.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from .scored import ScoredRollout, StepRollout
 
 class SyncRollouts:
     """The trainer samples each step's rollout itself (rollout.max_staleness: 0)."""
+
+    host_weights = False  # the sampler takes the trainer's weights as they are on the devices
 
     def __init__(self, sampler: RolloutSampler, *, trainer, callbacks=()):
         self.sampler, self.trainer, self.callbacks = sampler, trainer, tuple(callbacks)
@@ -76,6 +79,12 @@ class AsyncRolloutSource:
         self.sampler, self.max_staleness, self.process = sampler, max_staleness, process
         self.thread: AsyncRollouts | None = None  # started by the first `get`, at the run's first step
         self.restored: dict[int, StepRollout] = {}  # rollouts sampled ahead, from the checkpoint
+
+    @property
+    def host_weights(self) -> bool:
+        """Whether the sampler takes host fp32 weights (a sampler process, to which they are pickled) rather than the
+        copies made on the devices."""
+        return self.process is not None
 
     def get(self, step: int, params) -> tuple[StepRollout, float]:
         """Publishes `params` as version `step` and takes the rollout sampled from version max(0, step - k)
