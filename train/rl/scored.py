@@ -62,6 +62,16 @@ def logprob_mismatch(behaviour: Sequence[np.ndarray], trainer: Sequence[np.ndarr
     return mismatch_metrics(MismatchSums.of(behaviour, trainer))
 
 
+def _check_shares(where: str, steps: Sequence[int], measured: Sequence[bool]) -> bool:
+    """Whether the shares of one step measured the mismatch; ValueError when they are of several steps or only some
+    measured it."""
+    if len(set(steps)) != 1:
+        raise ValueError(f"{where}: shares of steps {sorted(set(steps))}")
+    if len(set(measured)) != 1:
+        raise ValueError(f"{where}: some shares measured the mismatch and some did not")
+    return measured[0]
+
+
 @dataclasses.dataclass
 class ScoredRollout:
     """A step's rollout (or one process's share of it), its rewards and the policy version of each response.
@@ -123,13 +133,9 @@ class ScoredRollout:
     @classmethod
     def concat(cls, parts: Sequence["ScoredRollout"], exchange_seconds: float = 0.0) -> "ScoredRollout":
         """One step's rollout from its shares (in prompt order); times are the slowest share's."""
-        steps = {p.step for p in parts}
-        if len(steps) != 1:
-            raise ValueError(f"ScoredRollout.concat: shares of steps {sorted(steps)}")
-        with_trainer = {p.trainer_logprobs is not None for p in parts}
-        if len(with_trainer) != 1:
-            raise ValueError("ScoredRollout.concat: some shares measured the mismatch and some did not")
-        trainer = [x for p in parts for x in p.trainer_logprobs] if True in with_trainer else None
+        measured = _check_shares("ScoredRollout.concat", [p.step for p in parts],
+                                 [p.trainer_logprobs is not None for p in parts])
+        trainer = [x for p in parts for x in p.trainer_logprobs] if measured else None
         return cls(step=parts[0].step, rollout=Rollout.concat([p.rollout for p in parts]),
                    rewards=np.concatenate([p.rewards for p in parts]),
                    versions=np.concatenate([p.versions for p in parts]), trainer_logprobs=trainer,
@@ -251,18 +257,13 @@ class StepRollout:
     def from_metas(cls, own: ScoredRollout, metas: Sequence[ShareMeta], process: int,
                    exchange_seconds: float = 0.0) -> "StepRollout":
         """Process `process`'s view: its share `own` and every process's `ShareMeta`, in process order."""
-        steps = {m.step for m in metas}
-        if len(steps) != 1:
-            raise ValueError(f"StepRollout: shares of steps {sorted(steps)}")
-        measured = {m.mismatch_sums is not None for m in metas}
-        if len(measured) != 1:
-            raise ValueError("StepRollout: some shares measured the mismatch and some did not")
+        measured = _check_shares("StepRollout", [m.step for m in metas], [m.mismatch_sums is not None for m in metas])
         bounds = np.cumsum([0] + [len(m.rewards) for m in metas])
 
         def joined(field):
             return np.concatenate([getattr(m, field) for m in metas])
 
-        sums = MismatchSums.combined([m.mismatch_sums for m in metas]) if True in measured else None
+        sums = MismatchSums.combined([m.mismatch_sums for m in metas]) if measured else None
         return cls(own=own, held=range(int(bounds[process]), int(bounds[process + 1])),
                    prompt_lengths=joined("prompt_lengths"), response_lengths=joined("response_lengths"),
                    finished=joined("finished").astype(bool), rewards=joined("rewards"), versions=joined("versions"),
