@@ -707,7 +707,8 @@ def test_stress_c_abort_releases_waiting_devices_at_once():
 def test_stress_c_a_handler_error_releases_waiting_devices_at_once(op):
     """(c, defect 5) Device 1's op fails in its handler (here: an unregistered bucket) while device 0 waits in a
     barrier with a long timeout (LONG_BARRIER_S): the failure aborts the heap, so device 0 is released within a
-    second, with device 1's error as the cause (raw handlers on one GPU: device 0 of a 2-device heap waits on another thread)."""
+    second, with device 1's error as the cause (raw handlers on one GPU: device 0 of a 2-device heap waits on another
+    thread)."""
     heap = RawHeap(2, timeout_s=LONG_BARRIER_S)
     waited = {}
     waiter = threading.Thread()

@@ -6,11 +6,12 @@ pytest runs in a child process with tools/pytest_record.py loaded (``-p pytest_r
 it runs into R (tools/test_record.py) and ends the process when one test runs longer than S seconds. Then, if a test
 started and never finished (the watchdog ended it, or it crashed the interpreter) and tests remain that never started,
 pytest runs again on the same arguments without every test that already has a result, that one included
-(``--deselect``), up to N times: one hang costs one test and a restart, not the rest of the step. The record accumulates across the runs; --junit writes its
-JUnit XML at the end (tools/gpu_check.py writes it from the record itself, also when this wrapper is killed).
+(``--deselect``), up to N times: one hang costs one test and a restart, not the rest of the step. The record
+accumulates across the runs; --junit writes its JUnit XML at the end (tools/gpu_check.py writes it from the record
+itself, also when this wrapper is killed).
 
-Exit code: 0 when every recorded test passed or skipped and the last pytest exited 0 (or 5: nothing collected is an
-error here too, 1); else 1.
+Exit code: 0 when the last pytest exited 0 and every recorded test passed or skipped; else 1 (a run that collected
+nothing is 1 too).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def parse_order(text: str) -> list[str]:
 
 
 def order_key(marks: set[str], order: list[str]) -> int:
-    """The group of a test carrying `marks` under `order` (parse_order's list): the first named mark it has, else '*'."""
+    """The group of a test carrying `marks` under `order` (parse_order's list): its first named mark, else '*'."""
     for i, name in enumerate(order):
         if name != "*" and name in marks:
             return i

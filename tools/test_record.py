@@ -67,8 +67,9 @@ def read_events(path: str) -> list[dict]:
 def results(events: list[dict], ended_by: str = "") -> list[dict]:
     """One result per test, in the order the tests started: {"nodeid", "outcome", "seconds", "message", "finished"};
     outcome is passed, failed (the test itself), error (setup or teardown failed, the module did not import, or the
-    test never finished), skipped, or not_run (collected, never started: its process ended first; listed last). A test that started and never finished gets an error saying so, with `ended_by` (why its
-    process ended, e.g. "the step was killed at its limit of 60 s") or, where a watchdog event names it, the limit."""
+    test never finished), skipped, or not_run (collected, never started: its process ended first; listed last). A
+    test that started and never finished gets an error saying so, with `ended_by` (why its process ended, e.g. "the
+    step was killed at its limit of 60 s") or, where a watchdog event names it, the limit."""
     order: list[str] = []
     by_id: dict[str, dict] = {}
     collected = [n for e in events if e["event"] == "collected" for n in e.get("nodeids", ())]
