@@ -35,7 +35,8 @@ def report() -> dict:
     out: dict = {"bench": "gpu_env", "python": platform.python_version(), "host": platform.node(),
                  "cpus": os.cpu_count()}
     out["gpus"] = _run_text(["nvidia-smi", f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader"]).splitlines()
-    out["nvcc"] = (_run_text(["nvcc", "--version"]).strip().splitlines() or ["not found"])[-1]
+    nvcc = _run_text(["nvcc", "--version"]).strip().splitlines()
+    out["nvcc"] = next((line for line in nvcc if "release" in line), nvcc[-1] if nvcc else "not found")
     out["compute_sanitizer"] = shutil.which("compute-sanitizer") or "not found"
     versions = {}
     for dist in DISTRIBUTIONS:

@@ -3,8 +3,8 @@ optional order of the tests by their marks. Loaded with ``-p pytest_record`` (to
 and tools/bounded_pytest.py do this); it does nothing unless ``$JODC_TEST_RECORD`` names the record file.
 
 Per-test limit (``$JODC_TEST_LIMIT_S``, seconds; unset or 0: none): a test still running at its limit gets a watchdog
-event in the record, every thread's stack on stderr (faulthandler), and its process ends with exit code
-WATCHDOG_EXIT. Ending the process is the only bound that always works: a test stuck in native code (a GPU kernel that
+event in the record, every thread's stack on stderr (faulthandler), the processes it started are killed, and its
+process ends with exit code WATCHDOG_EXIT. Ending the process is the only bound that always works: a test stuck in native code (a GPU kernel that
 never finishes, a barrier waiting on a peer) cannot be interrupted from Python. tools/bounded_pytest.py then runs the
 tests not yet run in a fresh process. The watchdog is a Python thread, so it also needs the GIL: if the stuck code
 holds it, faulthandler's own timer (GIL-free) dumps the stacks and exits FALLBACK_GRACE_S later.
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import threading
 import time
 
 import test_record
+from step_runner import descendants
 
 WATCHDOG_EXIT = 86
 FALLBACK_GRACE_S = 10.0
@@ -85,6 +87,11 @@ class Watchdog:
         os.write(self.stderr_fd, (f"\n*** {nodeid} ran past its limit of {self.limit_s:g} s: the stacks of every "
                                   f"thread follow, then this process exits with {WATCHDOG_EXIT} ***\n").encode())
         faulthandler.dump_traceback(file=self.stderr_fd, all_threads=True)
+        for pid in descendants(os.getpid()):  # what the test started (its own sessions too) ends with it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self._exit(WATCHDOG_EXIT)
 
 
