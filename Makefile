@@ -245,25 +245,28 @@ sanitize-gpu: gpu-setup
 			$(GPU_PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) || exit 1; \
 	done
 
-# The one command for a GPU runner that already has a CUDA jax and may have no network (tools/gpu_check.py): an overlay
-# environment on GPU_PYTHON (its packages as they are, jodc from this checkout, missing pure-Python packages from
-# GPU_WHEELS), the CPU extension and the CUDA library built file by file in parallel (GPU_ARCHS; NVSHMEM=1 adds the
-# NVSHMEM library), then every check cheapest first, each under its own limit, inside GPU_CHECK_BUDGET seconds.
-# summary.json, junit.xml and logs/ land in GPU_CHECK_OUT whatever happens. ONLY=step,step reruns chosen steps,
-# REUSE_BUILD=1 keeps the build of an earlier run (a warm machine). `python tools/gpu_check.py --list` shows the steps.
+# A thin wrapper of tools/gpu_check.py, the one command for a GPU runner that already has a CUDA jax (the runner may
+# have no make: the Python command is the primary one, docs/cuda.md gives it): an overlay environment on GPU_PYTHON
+# (its packages as they are, jodc from this checkout, missing pure-Python packages from GPU_WHEELS), the build (reused
+# when its sources match), then every check by value, each under its own limit, inside GPU_CHECK_BUDGET seconds.
+# GPU_CHECK_OUT receives summary.json, junit.xml and logs.tar.gz (nothing else: working files go to GPU_CHECK_WORK).
+# ONLY=step,step runs chosen steps (after prepare, env and build); REUSE_BUILD=1 states the reuse of the build.
+# `python3 tools/gpu_check.py --list` shows the steps and their limits.
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= build/gpu-check
+GPU_CHECK_WORK ?= build/gpu-check-work
 GPU_ENV ?= build/gpu-env
-GPU_CHECK_BUDGET ?= 450
+GPU_CHECK_BUDGET ?= 480
 GPU_WHEELS ?= build/gpu-wheels
 GPU_ARCHS ?= 90
 ONLY ?=
 REUSE_BUILD ?=
 NVSHMEM ?=
 gpu-check:
-	$(GPU_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --env-dir $(GPU_ENV) --budget-s $(GPU_CHECK_BUDGET) --archs $(GPU_ARCHS) \
-		$(if $(wildcard $(GPU_WHEELS)),--wheels $(GPU_WHEELS)) $(if $(ONLY),--only $(ONLY)) \
-		$(if $(filter-out 0,$(REUSE_BUILD)),--reuse-build) $(if $(filter-out 0,$(NVSHMEM)),--nvshmem)
+	$(GPU_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --work-dir $(GPU_CHECK_WORK) --env-dir $(GPU_ENV) \
+		--budget-s $(GPU_CHECK_BUDGET) --archs $(GPU_ARCHS) $(if $(wildcard $(GPU_WHEELS)),--wheels $(GPU_WHEELS)) \
+		$(if $(ONLY),--only $(ONLY)) $(if $(filter-out 0,$(REUSE_BUILD)),--reuse-build) \
+		$(if $(filter-out 0,$(NVSHMEM)),--nvshmem)
 
 # What a CUDA jax image may lack (tools/gpu_check.py's PURE_PYTHON_NEEDS), as wheels for Python 3.12 on x86_64 Linux,
 # versions from constraints-cpu.txt where it pins them; bring the folder along (GPU_WHEELS) to a runner without network.

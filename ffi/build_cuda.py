@@ -64,9 +64,10 @@ def gencode_flags(archs=ARCHS) -> list[str]:
 def compile_command(source: str, obj: str, include_dir: str, archs=ARCHS, keep_dir: str | None = None,
                     extra=()) -> list[str]:
     """nvcc's command line compiling one .cu to an object: C++17, -O3, hidden visibility (exports are marked), the
-    XLA FFI headers as system headers (their warnings stay out of the log). `keep_dir` keeps the intermediate files
+    XLA FFI headers as system headers (their warnings stay out of the log), and -lineinfo (source lines for
+    compute-sanitizer's and ncu's reports; it changes no generated code). `keep_dir` keeps the intermediate files
     (the PTX per source and architecture); `extra` adds flags (the NVSHMEM build: -rdc=true, its headers)."""
-    cmd = [nvcc(), "-std=c++17", "-O3", "-c", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+    cmd = [nvcc(), "-std=c++17", "-O3", "-lineinfo", "-c", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
            "-Xcompiler", "-Wall", "-isystem", include_dir, "-I", HERE, *extra, *gencode_flags(archs)]
     if keep_dir is not None:
         cmd += ["--keep", "--keep-dir", keep_dir]
@@ -140,14 +141,24 @@ VECTOR_RED = "red.relaxed.sys.global.add.v4.f32"
 SCALAR_RED = re.compile(r"\b(?:red|atom)(?:\.\w+)*\.add\.f32\b")
 
 
+def kept_ptx(keep_dir: str, stem: str, arch: str, archs=ARCHS) -> list[str]:
+    """The PTX files nvcc kept in `keep_dir` for source `stem` (e.g. 'scatter_accumulate') and architecture `arch` of a
+    build for `archs`. nvcc names them `<stem>.compute_<arch>.ptx` when it compiles for several architectures, but
+    plain `<stem>.ptx` when it compiles for one (a build with --archs 90)."""
+    found = sorted(glob.glob(os.path.join(keep_dir, f"{stem}*.compute_{arch}.ptx")) +
+                   glob.glob(os.path.join(keep_dir, f"{stem}*sm_{arch}*.ptx")))
+    if not found and len(tuple(archs)) == 1:
+        found = sorted(glob.glob(os.path.join(keep_dir, f"{stem}.ptx")))
+    return found
+
+
 def check_reductions(keep_dir: str, archs=ARCHS) -> list[str]:
     """Reads the PTX of scatter_accumulate.cu kept by a build for `archs`; returns one line per architecture checked.
     Raises RuntimeError when sm_90 lacks the vector reduction or an older architecture has it (ptxas would reject it
     there)."""
     lines = []
     for arch in archs:
-        found = sorted(glob.glob(os.path.join(keep_dir, f"scatter_accumulate*.compute_{arch}.ptx")) +
-                       glob.glob(os.path.join(keep_dir, f"scatter_accumulate*sm_{arch}*.ptx")))
+        found = kept_ptx(keep_dir, "scatter_accumulate", arch, archs)
         if not found:
             raise RuntimeError(f"no PTX of scatter_accumulate.cu for sm_{arch} under {keep_dir}")
         ptx = open(found[0]).read()

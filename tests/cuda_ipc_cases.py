@@ -31,6 +31,20 @@ MODES = {"atomic": False, "deterministic": True}  # accumulation mode -> Symmetr
 # preallocated 75% of the GPU leaves the rest for these processes and their heaps.
 CHILD_POOL_FRACTION = 0.1
 FAULT_TIMEOUT_S = 2.0  # the barrier timeout of the timeout case
+# The launcher's deadline for its processes, and the cap of their host-side waits; a time-boxed GPU check
+# (tools/gpu_check.py) sets it well inside its step's limit.
+PROCESS_TIMEOUT_ENV = "JODC_TEST_PROCESS_TIMEOUT_S"
+
+
+def process_timeout_s(default: float = 300.0, environ=None) -> float:
+    """How long launched processes may run: $JODC_TEST_PROCESS_TIMEOUT_S if set (a positive number), else `default`."""
+    text = (os.environ if environ is None else environ).get(PROCESS_TIMEOUT_ENV, "").strip()
+    if not text:
+        return default
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{PROCESS_TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return value
 ABORT_AFTER_S = 2.0  # how long position 0 waits in its barrier before position 1 aborts the heap
 
 
@@ -58,7 +72,9 @@ def child_environment(base: dict, root: str = ROOT) -> dict:
     from jodc.ops import _cuda_ipc
 
     env = dict(base)
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests")])
+    # first on the path, before what the base environment had (an overlay environment's site folder: keep it)
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests")] +
+                                        [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("XLA_FLAGS", None)
     env[_cuda_ipc.PREALLOCATE_ENV] = "false"
     names = [n for n in _cuda_ipc.MEM_FRACTION_ENVS if n in base] or ["XLA_PYTHON_CLIENT_MEM_FRACTION"]
@@ -126,7 +142,8 @@ def check_ops(mesh, deterministic: bool, transport: str) -> str:
     rng = np.random.default_rng(0)
     values = rng.standard_normal(numel).astype(np.float32)
     grads = rng.standard_normal((nproc, numel)).astype(np.float32)
-    with ops.SymmetricHeap(mesh, deterministic=deterministic, barrier_timeout_s=60.0, transport=transport) as heap:
+    with ops.SymmetricHeap(mesh, deterministic=deterministic, barrier_timeout_s=min(60.0, process_timeout_s()),
+                           transport=transport) as heap:
         assert heap.transport == ("cuda_ipc" if transport == "auto" else transport), heap.transport
         sharing = getattr(getattr(heap._transport, "collective", None), "gpu_sharing", {})
         one_gpu = len(sharing) == 1
@@ -312,7 +329,7 @@ def main(argv=None) -> None:
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     # host-side rendezvous points of the fault cases (the key-value store, no collective: processes may share a GPU)
     sync = _exchange.KeyValueExchange(distributed.global_state.client, args.process_id, args.num_processes,
-                                      "ipc-cases", timeout_s=120.0)
+                                      "ipc-cases", timeout_s=min(120.0, process_timeout_s()))
     lines = [check_ops(mesh, MODES[m], args.transport) for m in args.modes]
     if args.faults:
         lines += [check_timeout(mesh, sync), check_abort(mesh, sync)]

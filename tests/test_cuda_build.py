@@ -70,6 +70,7 @@ def test_every_source_compiles_to_its_own_object_for_sm80_and_sm90():
         assert ("-gencode", f"arch=compute_{arch},code=sm_{arch}") in pairs
     assert "-c" in cmd and cmd[-3:] == [source, "-o", "/b/cuda_gather.o"] and ("-isystem", "/include") in pairs
     assert "--keep" not in cmd
+    assert "-lineinfo" in cmd  # compute-sanitizer names source lines
     kept = build_cuda.compile_command(source, "/b/cuda_gather.o", "/include", keep_dir="/tmp/keep")
     assert ("--keep-dir", "/tmp/keep") in list(zip(kept, kept[1:]))
     only90 = build_cuda.compile_command(source, "/b/cuda_gather.o", "/include", archs=("90",))
@@ -139,6 +140,13 @@ def test_reduction_check_reads_the_kept_ptx(tmp_path):
     assert lines == ["sm_80: 0 vector + 1 scalar f32 reductions in scatter_accumulate",
                      "sm_90: 1 vector + 1 scalar f32 reductions in scatter_accumulate"]
     assert build_cuda.check_reductions(str(tmp_path), archs=("90",)) == lines[1:]  # a build for sm_90 only
+    single = tmp_path / "single"  # nvcc names the PTX of a one-architecture build <stem>.ptx
+    single.mkdir()
+    (single / "scatter_accumulate.ptx").write_text(good["90"])
+    only = build_cuda.kept_ptx(str(single), "scatter_accumulate", "90", ("90",))
+    assert only == [str(single / "scatter_accumulate.ptx")]
+    assert build_cuda.kept_ptx(str(single), "scatter_accumulate", "90", ("80", "90")) == []
+    assert build_cuda.check_reductions(str(single), archs=("90",)) == lines[1:]
     (tmp_path / "scatter_accumulate.compute_90.ptx").write_text(good["80"])
     with pytest.raises(RuntimeError, match="sm_90 scatter kernel has no red.relaxed.sys.global.add.v4.f32"):
         build_cuda.check_reductions(str(tmp_path))

@@ -40,6 +40,8 @@ def test_checker_finds_calls_inside_command_buffers_and_their_callees():
     assert total == 3
     assert captured == [("command_buffer.2", "jodc_gather"), ("inner", "jodc_after")]
     assert set(hlo_check.computations(SYNTHETIC)) == {"inner", "command_buffer.2", "main"}
+    assert hlo_check.command_buffer_count(SYNTHETIC) == 1
+    assert hlo_check.command_buffer_count(SYNTHETIC.replace("command_buffer.2", "fused_thing")) == 0
 
 
 def test_compiled_ops_are_side_effecting_typed_ffi_calls_outside_command_buffers():
@@ -71,3 +73,4 @@ def test_compiled_ops_are_side_effecting_typed_ffi_calls_outside_command_buffers
     assert where["jodc_gather"] == where["jodc_scatter_accumulate"] != where["jodc_barrier"], where
     total, captured = hlo_check.jodc_calls_in_command_buffers(text)
     assert total == len(calls) and captured == []
+    assert hlo_check.command_buffer_count(text) == 0  # the CPU backend forms none: the GPU test skips on 0

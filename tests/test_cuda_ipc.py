@@ -358,6 +358,8 @@ def test_launched_processes_cap_their_xla_pools():
                                            root="/repo")
     assert "XLA_FLAGS" not in env and env["HOME"] == "/h"
     assert env["PYTHONPATH"].split(os.pathsep) == ["/repo", os.path.join("/repo", "tests")]
+    kept = cuda_ipc_cases.child_environment({"PYTHONPATH": "/overlay/site"}, root="/repo")
+    assert kept["PYTHONPATH"].split(os.pathsep) == ["/repo", os.path.join("/repo", "tests"), "/overlay/site"]
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and _cuda_ipc.xla_pool_fraction(env) == 0.0
     assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == cuda_ipc_cases.CHILD_POOL_FRACTION
     # jax refuses both fraction variables at once: the one the test process uses is the one set
@@ -366,6 +368,15 @@ def test_launched_processes_cap_their_xla_pools():
     assert float(newer["XLA_CLIENT_MEM_FRACTION"]) == cuda_ipc_cases.CHILD_POOL_FRACTION
     infos = [_info(p, "0000:00:00.0", _cuda_ipc.xla_pool_fraction(env)) for p in range(2)]
     assert _cuda_ipc.shared_gpu_warnings(infos) == []
+
+
+def test_process_timeout_comes_from_the_environment():
+    import cuda_ipc_cases
+
+    assert cuda_ipc_cases.process_timeout_s(300.0, {}) == 300.0
+    assert cuda_ipc_cases.process_timeout_s(300.0, {"JODC_TEST_PROCESS_TIMEOUT_S": "90"}) == 90.0
+    with pytest.raises(ValueError, match="JODC_TEST_PROCESS_TIMEOUT_S must be a positive number"):
+        cuda_ipc_cases.process_timeout_s(300.0, {"JODC_TEST_PROCESS_TIMEOUT_S": "0"})
 
 
 def test_case_options_are_checked_before_jax_starts():

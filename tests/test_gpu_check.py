@@ -1,13 +1,15 @@
-"""`make gpu-check`'s logic, checked here where there is no GPU: the step runner (budget, limits, dependencies,
-outputs written whatever happens, interruption), the overlay environment, the build's commands and the real plan
-(every file it names exists, every CUDA test belongs to exactly one step)."""
+"""tools/gpu_check.py's logic, checked here where there is no GPU: the step runner (budget, limits, dependencies,
+the record published whatever happens, interruption), the overlay environment, the build's commands, the real plan
+(every file it names exists, every CUDA test belongs to exactly one step, the limits fit the budget), and dry runs of
+the whole check (stand-ins for every step, faults injected): at most five files returned, the time accounting, the
+log archive's bound, and the second call. tests/test_gpu_check_parts.py checks the pieces one by one."""
 import ast
-import gzip
 import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 import zipfile
@@ -16,7 +18,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import gpu_build  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_overlay  # noqa: E402
+import gpu_results  # noqa: E402
 import step_runner  # noqa: E402
 from step_runner import Runner, Step  # noqa: E402
 
@@ -36,27 +41,40 @@ def run(steps, tmp_path, budget_s=60.0, **kw):
 
 
 def log_text(out, name):
-    with gzip.open(os.path.join(out, "logs", f"{name}.log.gz"), "rt") as f:
+    with open(os.path.join(out, "logs", f"{name}.log")) as f:
         return f.read()
 
 
-JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4">
-<testcase classname="tests.test_x" name="a"/><testcase classname="tests.test_x" name="b"><failure message="no"/></testcase>
-<testcase classname="tests.test_x" name="c"><skipped message="needs two GPUs"/></testcase>
-<testcase classname="tests.test_x" name="d"/></testsuite></testsuites>"""
+def record_lines(*outcomes) -> str:
+    """A per-test record (tools/test_record.py) of tests a, b, ... with these outcomes ('hang': started only)."""
+    lines = [{"event": "collected", "nodeids": [f"tests/test_x.py::{chr(97 + i)}" for i in range(len(outcomes))]}]
+    for i, outcome in enumerate(outcomes):
+        nodeid = f"tests/test_x.py::{chr(97 + i)}"
+        lines.append({"event": "start", "nodeid": nodeid})
+        if outcome == "hang":
+            break
+        if outcome == "skipped":
+            lines.append({"event": "report", "nodeid": nodeid, "when": "setup", "outcome": "skipped",
+                          "message": "needs two GPUs", "duration": 0.0})
+        else:
+            lines.append({"event": "report", "nodeid": nodeid, "when": "call", "outcome": outcome,
+                          "message": "no" if outcome == "failed" else "", "duration": 0.1})
+        lines.append({"event": "finish", "nodeid": nodeid})
+    return "".join(json.dumps(line) + "\n" for line in lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the step runner
 
 def test_statuses_dependencies_json_lines_and_junit(tmp_path):
+    record = record_lines("passed", "failed", "skipped", "passed")
     steps = [
         Step("ok", py("print('hello'); print('{\"gpu_x\": 1.5, \"nested\": {\"a\": 1}}')"), 30, json_line=True),
         Step("fails", py("import sys; print('boom'); sys.exit(3)"), 30),
         Step("after_fail", py("print('never')"), 30, needs=("fails",)),
         Step("after_ok", py("print('runs')"), 30, needs=("ok",)),
-        Step("tests", py(f"open(r'''{{junit}}'''.strip(), 'w').write({JUNIT!r}); raise SystemExit(1)"), 30,
-             junit=True),
+        Step("tests", py(f"open(r'''{{record}}'''.strip(), 'w').write({record!r}); raise SystemExit(1)"), 30,
+             tests=True),
         Step("quiet_bench", py("print('no json here')"), 30, json_line=True),
     ]
     summary, out = run(steps, tmp_path)
@@ -65,13 +83,13 @@ def test_statuses_dependencies_json_lines_and_junit(tmp_path):
     assert st["fails"]["status"] == "failed" and st["fails"]["exit_code"] == 3 and "boom" in st["fails"]["log_tail"]
     assert st["after_fail"] == {"status": "skipped", "reason": "needs fails, which did not pass", "seconds": 0.0}
     assert st["after_ok"]["status"] == "passed"
-    assert st["tests"]["tests"] == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1, "total": 4}
+    assert st["tests"]["tests"] == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1, "not_run": 0, "total": 4}
     assert st["quiet_bench"]["status"] == "failed" and "no JSON line" in st["quiet_bench"]["reason"]
     assert summary["status"] == "failed" and summary["tests"]["passed"] == 2
     assert summary["benchmarks"] == {"ok": {"gpu_x": 1.5, "nested": {"a": 1}}}
-    assert "boom" in log_text(out, "fails") and not os.path.exists(os.path.join(out, "logs", "fails.log"))
-    merged = open(os.path.join(out, "junit.xml")).read()
-    assert merged.count("<testcase") == 4 and "<testsuites" in merged
+    assert "boom" in log_text(out, "fails")
+    junit = open(os.path.join(out, "junit", "tests.xml")).read()
+    assert junit.count("<testcase") == 4 and "<testsuites" in junit and 'name="tests"' in junit
     table = step_runner.table(summary)
     assert "FAILED" in table and "2 passed, 1 failed, 1 skipped" in table
 
@@ -202,7 +220,7 @@ def test_descendants_lists_children_and_grandchildren():
 # the overlay environment
 
 def test_package_dirs_come_from_pyproject():
-    assert gpu_check.package_dirs() == {"jodc": "jodc", "jodc.models": "models", "jodc.train": "train"}
+    assert gpu_overlay.package_dirs() == {"jodc": "jodc", "jodc.models": "models", "jodc.train": "train"}
 
 
 def _wheel(folder, dist: str, module: str) -> None:
@@ -223,10 +241,10 @@ def test_prepare_makes_jodc_importable_from_the_checkout_and_installs_missing_wh
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(str(wheels), "jodc-fake-need", "jodc_fake_need")
-    monkeypatch.setattr(gpu_check, "PURE_PYTHON_NEEDS", {"json": "stdlib", "jodc_fake_need": "jodc-fake-need"})
+    monkeypatch.setattr(gpu_overlay, "PURE_PYTHON_NEEDS", {"json": "stdlib", "jodc_fake_need": "jodc-fake-need"})
     env_dir = str(tmp_path / "env")
-    python = gpu_check.prepare(PY, env_dir, str(wheels), use_venv=use_venv)
-    assert python == gpu_check.env_python(env_dir)
+    python = gpu_overlay.prepare(PY, env_dir, str(wheels), use_venv=use_venv)
+    assert python == gpu_overlay.env_python(env_dir)
     assert os.path.exists(os.path.join(env_dir, "pyvenv.cfg")) == use_venv
     probe = subprocess.run(
         [python, "-c", "import jodc.train, jodc.models, jodc.ops, jodc_fake_need, jax; "
@@ -240,19 +258,19 @@ def test_prepare_makes_jodc_importable_from_the_checkout_and_installs_missing_wh
     probe = subprocess.run([python, "-m", "jodc.train", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert probe.returncode == 0, probe.stderr
     # again: idempotent
-    assert gpu_check.prepare(PY, env_dir, str(wheels), use_venv=use_venv) == python
+    assert gpu_overlay.prepare(PY, env_dir, str(wheels), use_venv=use_venv) == python
 
 
 def test_prepare_names_what_is_missing_without_wheels(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "PURE_PYTHON_NEEDS", {"jodc_fake_absent": "jodc-fake-absent"})
-    with pytest.raises(SystemExit, match=r"missing Python packages \['jodc-fake-absent'\]: pass GPU_WHEELS"):
-        gpu_check.prepare(PY, str(tmp_path / "env"), None)
+    monkeypatch.setattr(gpu_overlay, "PURE_PYTHON_NEEDS", {"jodc_fake_absent": "jodc-fake-absent"})
+    with pytest.raises(SystemExit, match=r"missing Python packages \['jodc-fake-absent'\]: pass --wheels"):
+        gpu_overlay.prepare(PY, str(tmp_path / "env"), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the build
+# the build (tests/test_gpu_check_parts.py checks the stamps and the reuse)
 
-def test_build_runs_the_cpu_and_cuda_builds_concurrently_and_reports_failures(monkeypatch, capsys):
+def test_the_build_runs_the_cpu_and_cuda_builds_concurrently_and_reports_failures(monkeypatch, capsys):
     started = []
 
     class FakePopen:
@@ -263,9 +281,9 @@ def test_build_runs_the_cpu_and_cuda_builds_concurrently_and_reports_failures(mo
         def communicate(self):
             return ("log\n", None)
 
-    monkeypatch.setattr(gpu_check.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(gpu_build.subprocess, "Popen", FakePopen)
     with pytest.raises(SystemExit, match=r"build failed: \['cuda'\]"):
-        gpu_check.build("py", "90", 16, nvshmem=True, reuse=False)
+        gpu_build.compile_all(gpu_build.compile_commands("py", "90", 16, nvshmem=True), 16)
     cmds = [c for c, _ in started]
     assert cmds[0] == ["py", "setup.py", "--quiet", "build_ext", "--inplace"]
     assert started[0][1]["JODC_BUILD_JOBS"] == "16" and started[0][1]["JODC_MPICXX"] == "none"
@@ -282,35 +300,62 @@ def test_the_builders_take_the_options_the_build_passes():
         assert "--archs" in out.stdout and "--jobs" in out.stdout, script
 
 
-def test_reuse_build_keeps_existing_outputs(monkeypatch, tmp_path):
-    outs = [tmp_path / "a.so", tmp_path / "b.so"]
-    for p in outs:
-        p.write_text("")
-    monkeypatch.setattr(gpu_check, "build_outputs", lambda nvshmem: [str(p) for p in outs])
-    monkeypatch.setattr(gpu_check.subprocess, "Popen", lambda *a, **k: pytest.fail("rebuilt"))
-    gpu_check.build("py", "90", 4, nvshmem=False, reuse=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the real plan
 
-def _plan(tmp_path):
-    return gpu_check.plan("envpy", PY, str(tmp_path / "out"), str(tmp_path / "env"), None, "90", 16, False, False)
+def _plan(tmp_path, **kw):
+    return gpu_check.plan("envpy", PY, str(tmp_path / "work"), str(tmp_path / "env"), None, "90", 16, False, **kw)
 
 
-def test_the_gpu_plan_is_ordered_cheapest_first_and_names_existing_files(tmp_path):
+def test_the_gpu_plan_is_ordered_by_value_fits_its_budget_and_names_existing_files(tmp_path):
     steps = _plan(tmp_path)
     step_runner.check_plan(steps)
     names = [s.name for s in steps]
-    for earlier, later in [("env", "build"), ("heap", "host"), ("host", "raw"), ("raw", "mesh"), ("mesh", "stress"),
-                           ("stress", "memcheck"), ("memcheck", "bench_ops"), ("bench_ops", "sft_smoke")]:
-        assert names.index(earlier) < names.index(later), (earlier, later)
-    assert [s.name for s in steps if s.optional] == ["bench_generate", "profile_flash", "profile_blockwise", "racecheck"]
+    assert names[:3] == list(gpu_check.ALWAYS)
+    required = [s.name for s in steps if not s.optional]
+    assert required == ["prepare", "env", "build", "heap", "host", "ops", "bench_ops", "bench_model", "memcheck",
+                        "sft_smoke", "ipc"]  # the issue's order: the least-known step last
+    assert [s.name for s in steps if s.optional] == ["racecheck", "attention", "bench_generate"]
+    # every required step gets its whole limit within the budget; ~120 s for the two-process test
+    assert step_runner.required_seconds(steps) <= gpu_check.DEFAULT_BUDGET_S
+    assert {s.name: s.timeout_s for s in steps}["ipc"] >= 100
+    assert gpu_check.DEFAULT_BUDGET_S + 15 <= gpu_check.CALL_TIMEOUT_S <= 600  # the device's 10 minutes a command
+    assert gpu_check.SECOND_BUDGET_S + 15 <= gpu_check.SECOND_CALL_TIMEOUT_S <= 240  # ~4 minutes
+    reused = {s.name: s.timeout_s for s in _plan(tmp_path, build_reusable=True)}
+    assert reused["build"] == gpu_check.BUILD_REUSE_S < gpu_check.BUILD_S
     for step in steps:
         for arg in (step.cmd() if callable(step.cmd) else step.cmd):
-            if arg.startswith(("tests/", "bench/", "ffi/", "tools/")) and arg.endswith(".py"):
+            if arg.endswith(".py") and (arg.startswith(("tests/", "bench/", "ffi/", "tools/")) or
+                                        arg.startswith(ROOT)):
                 assert os.path.exists(os.path.join(ROOT, arg)), (step.name, arg)
-    assert sum(s.timeout_s for s in steps if not s.optional) > gpu_check.DEFAULT_BUDGET_S  # the budget decides
+    for step in steps:
+        if step.tests:  # bounded: a per-test limit under the step's, -v so the log names the running test
+            cmd = step.cmd
+            assert cmd[1].endswith("bounded_pytest.py") and "-v" in cmd and "{record}" in cmd
+            assert float(cmd[cmd.index("--limit-s") + 1]) < step.timeout_s
+
+
+def test_every_step_runs_without_the_compilation_cache_and_with_short_barriers(tmp_path):
+    for step in gpu_check.with_common_env(_plan(tmp_path)):
+        assert step.env["JODC_TEST_COMPILATION_CACHE"] == "0" and step.env["JAX_ENABLE_COMPILATION_CACHE"] == "false"
+        assert float(step.env["JODC_BARRIER_TIMEOUT_S"]) <= 30
+    for name in ("ops", "ipc"):  # launched processes < the test's limit < the step's
+        step = {s.name: s for s in _plan(tmp_path)}[name]
+        assert float(step.env["JODC_TEST_PROCESS_TIMEOUT_S"]) < gpu_check.TEST_LIMITS_S[name] < step.timeout_s
+
+
+def test_choose_always_runs_prepare_env_and_build(tmp_path):
+    steps = _plan(tmp_path)
+    assert [s.name for s in gpu_check.choose(steps, ["ipc", "ops"])] == ["prepare", "env", "build", "ops", "ipc"]
+    assert gpu_check.choose(steps, []) == steps
+    with pytest.raises(ValueError, match="unknown step"):
+        gpu_check.choose(steps, ["nope"])
+
+
+def test_describe_plan_sums_the_required_limits(tmp_path):
+    text = gpu_check.describe_plan(_plan(tmp_path), 480)
+    assert "required limits: 480 s of a 480 s budget" in text and "(if time is left)" in text
+    assert "OVER" in gpu_check.describe_plan(_plan(tmp_path), 100)
 
 
 def _cuda_test_markers() -> dict[str, set[str]]:
@@ -336,13 +381,19 @@ def _matches(expr: str, marks: set[str]) -> bool:
     return eval(expr, {}, {w: w in marks for w in words})  # noqa: S307 (our own constant expressions)
 
 
+def _pyproject_markers():
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    block = text.split("markers = [", 1)[1].split("]", 1)[0]
+    return [line.strip().strip(",") for line in block.splitlines() if line.strip().startswith('"')]
+
+
 def test_every_cuda_test_runs_in_exactly_one_step(tmp_path):
     registered = {line.split(":")[0].strip().strip('"') for line in _pyproject_markers()}
     exprs = {}
     for step in _plan(tmp_path):
         if not callable(step.cmd) and "tests/test_ops_cuda.py" in step.cmd:
             exprs[step.name] = step.cmd[len(step.cmd) - 1 - step.cmd[::-1].index("-m") + 1]  # pytest's -m
-    assert set(exprs) == {"raw", "mesh", "stress", "ipc"}
+    assert set(exprs) == {"ops", "ipc"}
     marks = _cuda_test_markers()
     assert len(marks) > 20
     for expr in exprs.values():
@@ -355,12 +406,8 @@ def test_every_cuda_test_runs_in_exactly_one_step(tmp_path):
         else:
             assert len(steps) == 1, f"{test} (marks {sorted(found)}) runs in steps {steps}"
     assert any("raw_handlers" in m for m in marks.values()) and any("processes" in m for m in marks.values())
-
-
-def _pyproject_markers():
-    text = open(os.path.join(ROOT, "pyproject.toml")).read()
-    block = text.split("markers = [", 1)[1].split("]", 1)[0]
-    return [line.strip().strip(",") for line in block.splitlines() if line.strip().startswith('"')]
+    order = {s.name: s.cmd for s in _plan(tmp_path)}["ops"]
+    assert order[order.index("--order") + 1] == "raw_handlers,*,stress"
 
 
 def test_environment_report_runs_without_a_gpu():
@@ -372,16 +419,108 @@ def test_environment_report_runs_without_a_gpu():
     assert report["versions"]["jax"] is not None and report["jax_devices"]
 
 
-def test_make_gpu_check_runs_chosen_steps_and_writes_the_summary(tmp_path):
-    """The Makefile's wiring, end to end, with this machine's Python as the 'GPU' one: the overlay and the environment
-    report pass; the summary, the merged junit and the logs are where GPU_CHECK_OUT says."""
-    out = tmp_path / "gpu-check"
-    proc = subprocess.run(["make", "-s", "gpu-check", f"GPU_PYTHON={PY}", f"GPU_CHECK_OUT={out}", "ONLY=env",
-                           f"GPU_WHEELS={tmp_path / 'none'}", f"GPU_ENV={tmp_path / 'env'}", "GPU_CHECK_BUDGET=200"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+# ---------------------------------------------------------------------------------------------------------------
+# dry runs of the whole check: stand-ins for every step (tools/gpu_dry_run.py), faults injected
+
+SCALE = 0.1  # every limit and the budget times this: the 480 s plan in 48 s, mostly unused
+# with faults: a hung test's restart needs two pytest starts inside what its step's limit leaves after the per-test
+# limit (35 s of ops' 80 s, times this): room for a loaded 2-core machine
+FAULT_SCALE = 0.2
+
+
+def dry_run(tmp_path, *args, name="first", scale=SCALE):
+    out, work = tmp_path / name / "out", tmp_path / name / "work"
+    proc = subprocess.run([PY, os.path.join(ROOT, "tools", "gpu_check.py"), "--out", str(out), "--work-dir",
+                           str(work), "--env-dir", str(tmp_path / "env"), "--dry-run", "--time-scale", str(scale),
+                           *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary["steps"]) == ["prepare", "env"] and summary["status"] == "passed"
-    assert summary["versions"]["jax"] and "env" in summary["benchmarks"]
-    assert (out / "logs" / "env.log.gz").exists() and (out / "junit.xml").exists()
-    assert "PASSED" in proc.stdout
+    return proc, summary, out
+
+
+def test_a_dry_run_returns_at_most_five_files_and_accounts_for_its_time(tmp_path):
+    began = time.monotonic()
+    proc, summary, out = dry_run(tmp_path, "--dry-faults", "ops=hang_test,bench_model=hang,memcheck=big_log",
+                                 scale=FAULT_SCALE)
+    wall = time.monotonic() - began
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["junit.xml", "logs.tar.gz", "summary.json"]
+    assert len(os.listdir(out)) <= gpu_results.MAX_OUT_FILES
+    steps = summary["steps"]
+    budget = gpu_check.DEFAULT_BUDGET_S * FAULT_SCALE
+    accounting = summary["time_accounting"]
+    assert accounting["required_limits_s"] <= accounting["budget_s"] == summary["budget_s"] == pytest.approx(budget)
+    assert summary["elapsed_s"] <= budget + 2 and wall < budget + 30
+    # a step that hangs is killed at its limit and recorded; the steps after it still run
+    model = steps["bench_model"]
+    assert model["status"] == "timeout" and model["limit_s"] == pytest.approx(50 * FAULT_SCALE)
+    assert model["seconds"] < model["limit_s"] + step_runner.KILL_GRACE_S + 1
+    assert [steps[n]["status"] for n in ("memcheck", "sft_smoke", "ipc")] == ["passed"] * 3
+    # a test that hangs costs one test: the per-test limit ends it, the rest of the step runs in a fresh pytest
+    ops = steps["ops"]
+    assert ops["status"] == "failed" and ops["tests"]["passed"] == 3 and ops["tests"]["errors"] == 1
+    assert ops["running_when_ended"].endswith("test_case_1")
+    junit = (out / "junit.xml").read_text()
+    assert "per-test limit" in junit and junit.count("<testcase") == sum(
+        r["tests"]["total"] for r in steps.values() if "tests" in r)
+    # the sanitizer's counts and every benchmark figure reach the summary
+    assert summary["sanitizers"]["memcheck"]["errors"] == 0
+    assert summary["headline"]["gpu_dry_bench_ops"] == 1.0 and summary["environment"]["gpu"] == "DRY RUN GPU"
+    # the 40 MiB log is cut to keep the archive small; the stack dump of the hung test is in the archive
+    archive = summary["logs_archive"]
+    assert archive["bytes"] < 16 << 20 and "logs/memcheck.log" in archive["truncated"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+        ops_log = tar.extractfile("logs/logs/ops.log").read().decode()
+    assert "logs/records/ops.jsonl" in names and "logs/junit/ops.xml" in names
+    assert "ran past its limit" in ops_log and "test_case_1" in ops_log
+    # the second call: what did not pass, sized to its budget
+    second = summary["second_call"]
+    assert second["steps"] == ["ops", "bench_model"] and second["limits_s"] <= gpu_check.SECOND_BUDGET_S
+    assert second["command"] == ("python3 tools/gpu_check.py --out $OUT --only ops,bench_model --reuse-build "
+                                 f"--budget-s {gpu_check.SECOND_BUDGET_S:.0f}")
+
+
+def test_the_second_call_runs_only_what_it_names(tmp_path):
+    proc, summary, out = dry_run(tmp_path, "--only", "ops,bench_model", "--reuse-build",
+                                 "--budget-s", str(gpu_check.SECOND_BUDGET_S), name="second")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(summary["steps"]) == ["prepare", "env", "build", "ops", "bench_model"]
+    assert summary["status"] == "passed" and summary["second_call"]["command"] == ""
+    assert summary["budget_s"] == pytest.approx(gpu_check.SECOND_BUDGET_S * SCALE)
+    assert len(os.listdir(out)) <= gpu_results.MAX_OUT_FILES
+
+
+def test_second_call_subcommand_prints_the_command(tmp_path):
+    summary = {"steps": {"prepare": {"status": "passed"}, "env": {"status": "passed"},
+                         "build": {"status": "passed"}, "ops": {"status": "passed"},
+                         "memcheck": {"status": "failed"}, "ipc": {"status": "skipped"}}}
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary))
+    out = subprocess.run([PY, os.path.join(ROOT, "tools", "gpu_check.py"), "second-call", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == ("python3 tools/gpu_check.py --out $OUT --only memcheck,ipc --reuse-build "
+                                          "--budget-s 200")
+    assert f"timeout_s={gpu_check.SECOND_CALL_TIMEOUT_S}" in out.stdout
+
+
+def test_options_that_contradict_are_refused(tmp_path):
+    for args, message in ((["--time-scale", "0.5"], "for dry runs"), (["--rebuild", "--reuse-build"], "contradict"),
+                          (["--work-dir", str(tmp_path / "o" / "w"), "--out", str(tmp_path / "o")], "separate"),
+                          (["--dry-run", "--dry-faults", "nope=hang"], "unknown steps"),
+                          (["--dry-run", "--dry-faults", "ops=melt"], "the faults are")):
+        out = subprocess.run([PY, os.path.join(ROOT, "tools", "gpu_check.py"), "--list", *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+
+
+def test_make_gpu_check_is_a_thin_wrapper(tmp_path):
+    """The Makefile's target passes its variables to tools/gpu_check.py (the Python command is the primary one: the
+    runner may have no make)."""
+    out = subprocess.run(["make", "-n", "-s", "gpu-check", f"GPU_PYTHON={PY}", f"GPU_CHECK_OUT={tmp_path / 'o'}",
+                          "ONLY=ops", "REUSE_BUILD=1", "GPU_CHECK_BUDGET=200"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = " ".join(out.stdout.replace("\\\n", " ").split())
+    assert line.startswith(f"{PY} tools/gpu_check.py --out {tmp_path / 'o'}")
+    assert "--only ops" in line and "--reuse-build" in line and "--budget-s 200" in line

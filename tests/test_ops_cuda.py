@@ -30,7 +30,7 @@ import ops_checks
 from conftest import cpu_mesh, spmd
 from jodc import ops
 from jodc.ops import _native
-from jodc.ops.heap import _settle_ops_before_free
+from jodc.ops.heap import _settle_ops_before_free, default_barrier_timeout_s
 
 # Marks split the module into `make gpu-check`'s steps (tools/gpu_check.py; every test is in exactly one, checked
 # by tests/test_gpu_check.py): raw_handlers (handlers driven directly, several positions on one GPU), stress (issue 15's
@@ -67,6 +67,11 @@ except ImportError as e:
     _unavailable(f"the CUDA build of jodc is missing: {e}")
 
 N_GPUS = len(GPUS)
+# Every wait is bounded: launched processes by the launcher's deadline, barriers by the heaps' default timeout (both
+# seconds under tools/gpu_check.py: $JODC_TEST_PROCESS_TIMEOUT_S, $JODC_BARRIER_TIMEOUT_S); tests that need a barrier
+# to outlast a second take at most LONG_BARRIER_S.
+PROCESS_TIMEOUT_S = cuda_ipc_cases.process_timeout_s()
+LONG_BARRIER_S = min(60.0, default_barrier_timeout_s())
 WORLDS = sorted({1, min(2, N_GPUS), N_GPUS})
 TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 
@@ -171,10 +176,10 @@ def test_heaps_are_released():
 class RawHeap:
     """A heap made through the library itself, for calling the handlers with explicit device indices."""
 
-    def __init__(self, world, *, deterministic=False, timeout_s=300.0):
+    def __init__(self, world, *, deterministic=False, timeout_s=None):
         _native.ensure_registered("gpu")  # the key SymmetricHeap uses for GPU meshes
         self.world = world
-        self.id = LIB.heap_create(world, deterministic, timeout_s)
+        self.id = LIB.heap_create(world, deterministic, default_barrier_timeout_s() if timeout_s is None else timeout_s)
 
     def register(self, numel, dtype="float32"):
         return LIB.bucket_register(self.id, numel, dtype)
@@ -351,7 +356,7 @@ def child_env(**extra) -> dict:
     return dict(cuda_ipc_cases.child_environment(os.environ), **extra)
 
 
-def run_python(code: str, *, env=None, timeout=300) -> str:
+def run_python(code: str, *, env=None, timeout=PROCESS_TIMEOUT_S) -> str:
     """Runs `code` in a fresh interpreter (no JAX state of this process: contexts, flags); returns its stdout."""
     full_env = child_env(**(env or {}))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
@@ -522,11 +527,18 @@ def test_management_does_not_wait_for_another_heaps_spinning_barrier():
 
 
 def test_tfrt_gpu_client_is_refused_at_heap_creation():
-    """Defect 8: under the TFRT GPU client the blocking barrier could deadlock; creating a heap must say so."""
+    """Defect 8: under the TFRT GPU client the blocking barrier could deadlock; creating a heap must say so. Where
+    this jax cannot start the TFRT GPU client at all, there is nothing to refuse: the test skips saying why (and
+    tools/cuda_report.py --check-junit counts that skip as a software one, to be read)."""
     out = run_python("""
         import jax, numpy as np
         from jodc import ops
-        mesh = jax.sharding.Mesh(np.array(jax.devices("gpu")[:1]), ("d",))
+        try:
+            gpus = jax.devices("gpu")
+        except Exception as e:  # the client itself did not start: not jodc's refusal
+            print("TFRT CLIENT DID NOT START", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            raise SystemExit(0)
+        mesh = jax.sharding.Mesh(np.array(gpus[:1]), ("d",))
         try:
             ops.SymmetricHeap(mesh)
         except ValueError as e:
@@ -534,6 +546,9 @@ def test_tfrt_gpu_client_is_refused_at_heap_creation():
         else:
             print("ACCEPTED")
     """, env={"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"})
+    if "TFRT CLIENT DID NOT START" in out:
+        pytest.skip(f"jax {jax.__version__} could not start the TFRT GPU client here ({out.strip()[-300:]}): "
+                    "no heap to refuse")
     assert "REFUSED" in out and "TFRT GPU client" in out, out
 
 
@@ -672,8 +687,8 @@ def test_stress_c_raw_waiting_device_is_released_within_timeout_plus_1s():
 @pytest.mark.stress
 def test_stress_c_abort_releases_waiting_devices_at_once():
     """(c, fail fast) A device that fails instead of timing out aborts the heap: a waiting barrier returns within a
-    second, long before its 60 s timeout (raw handler on one GPU: device 0 of a 2-device heap waits)."""
-    heap = RawHeap(2, timeout_s=60.0)
+    second, long before its timeout (raw handler on one GPU: device 0 of a 2-device heap waits)."""
+    heap = RawHeap(2, timeout_s=LONG_BARRIER_S)
     try:
         barrier = heap.prepare("jodc_barrier", (TOKEN,), 0, jnp.int32(0), heap=heap.id)
         timer = threading.Timer(0.5, lambda: LIB.heap_abort(heap.id, "device 1 failed"))
@@ -691,9 +706,10 @@ def test_stress_c_abort_releases_waiting_devices_at_once():
 @pytest.mark.parametrize("op", ["gather", "scatter_accumulate", "publish", "read_accumulator", "zero_accumulator"])
 def test_stress_c_a_handler_error_releases_waiting_devices_at_once(op):
     """(c, defect 5) Device 1's op fails in its handler (here: an unregistered bucket) while device 0 waits in a
-    barrier with a 60 s timeout: the failure aborts the heap, so device 0 is released within a second, with device
-    1's error as the cause (raw handlers on one GPU: device 0 of a 2-device heap waits on another thread)."""
-    heap = RawHeap(2, timeout_s=60.0)
+    barrier with a long timeout (LONG_BARRIER_S): the failure aborts the heap, so device 0 is released within a
+    second, with device 1's error as the cause (raw handlers on one GPU: device 0 of a 2-device heap waits on another
+    thread)."""
+    heap = RawHeap(2, timeout_s=LONG_BARRIER_S)
     waited = {}
     waiter = threading.Thread()
     try:
@@ -738,18 +754,22 @@ def test_stress_c_a_handler_error_releases_waiting_devices_at_once(op):
     finally:
         LIB.heap_abort(heap.id, "test over")
         if waiter.is_alive():
-            waiter.join(timeout=70)
+            waiter.join(timeout=LONG_BARRIER_S + 10)
         heap.free()
 
 
-COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE"
+# min_graph_size=1: XLA forms a command buffer of any size (its default needs several kernels in a row), so the program
+# below is sure to have some, unless this XLA ignores the flags.
+COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE --xla_gpu_graph_min_graph_size=1"
 
 
 @pytest.mark.stress
 def test_stress_d_jodc_calls_stay_outside_command_buffers():
     """(d) With command buffers on for fusions, custom calls and while loops, XLA must keep every jodc custom call out
     of them (a captured barrier would be replayed without its host wait; captured ops would bake in stale pointers).
-    Compiled in a fresh process (the flag is read when the backend starts); the check reads the optimized HLO."""
+    Compiled in a fresh process (the flag is read when the backend starts); the check reads the optimized HLO. It
+    proves something only if XLA formed command buffers at all: where it formed none (this XLA ignores the flags, or
+    no longer captures such programs), the test skips saying so instead of passing on nothing."""
     out = run_python(f"""
         import os
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " {COMMAND_BUFFER_FLAGS}"
@@ -774,13 +794,18 @@ def test_stress_d_jodc_calls_stay_outside_command_buffers():
             sm = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
             x = jnp.ones((len(devices),))
             compiled = jax.jit(sm).lower(x).compile()
-            calls, captured = hlo_check.jodc_calls_in_command_buffers(compiled.as_text())
-            print("CALLS", calls, "CAPTURED", captured)
+            text = compiled.as_text()
+            calls, captured = hlo_check.jodc_calls_in_command_buffers(text)
+            print("CALLS", calls, "CAPTURED", captured, "BUFFERS", hlo_check.command_buffer_count(text))
             jax.block_until_ready(compiled(x))
     """)
     calls = int(re.search(r"CALLS (\d+)", out).group(1))
     assert calls >= 4, out  # gather, scatter_accumulate, barrier, read_accumulator survived compilation
     assert "CAPTURED []" in out, out
+    buffers = int(re.search(r"BUFFERS (\d+)", out).group(1))
+    if buffers == 0:
+        pytest.skip(f"XLA (jax {jax.__version__}) formed no command buffer under {COMMAND_BUFFER_FLAGS}: nothing was "
+                    "there to keep the jodc calls out of, so the check is void on this version")
 
 
 @pytest.mark.stress
@@ -842,7 +867,8 @@ def test_stress_f_compute_sanitizer_memcheck_and_racecheck():
         proc = subprocess.run(
             [sanitizer, "--tool", tool, "--error-exitcode", "97", "--report-api-errors", "no", "--kernel-name",
              "kns=jodc", sys.executable, os.path.join(ROOT, "tests", "cuda_sanitize_cases.py")],
-            capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+            capture_output=True, text=True, timeout=cuda_ipc_cases.process_timeout_s(600.0), cwd=ROOT,
+            env=child_env())
         assert proc.returncode == 0, f"{tool}: exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
         assert "ALL CASES PASSED" in proc.stdout
         assert re.search(r"ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards", proc.stdout + proc.stderr), tool
@@ -862,10 +888,10 @@ def _check_ipc_processes(results, transport: str) -> None:
 def test_gpu_heap_across_two_processes(transport):
     """One process per GPU: the transport chosen for a mesh of two processes on one node is cuda_ipc (and NVSHMEM,
     forced, works there too), and every op gives numpy's answer across them in both accumulation modes; with CUDA IPC
-    also a barrier timeout and an abort across the processes. Bounded: killed after 300 s."""
+    also a barrier timeout and an abort across the processes. Bounded: killed after PROCESS_TIMEOUT_S (300 s)."""
     faults = ["--faults"] if transport == "auto" else []
     args = ["--transport", transport, *faults]
-    results = cuda_ipc_cases.launch(2, N_GPUS, share=False, timeout_s=300, case_args=args)
+    results = cuda_ipc_cases.launch(2, N_GPUS, share=False, timeout_s=PROCESS_TIMEOUT_S, case_args=args)
     _check_ipc_processes(results, "cuda_ipc" if transport == "auto" else transport)
 
 
@@ -875,8 +901,8 @@ def test_gpu_heap_across_two_processes_on_one_gpu():
     CUDA IPC, which maps another process's memory on the same device: the handle exchange, the shared control block,
     barriers across the processes (arrivals, a timeout naming the missing position, an abort releasing a waiting
     barrier with the other process's reason) and both accumulation modes (atomic, then landing slots). It checks
-    function, not speed (the GPU time-slices between the processes). Bounded: killed after 300 s."""
-    results = cuda_ipc_cases.launch(2, N_GPUS, share=True, timeout_s=300, case_args=["--faults"])
+    function, not speed (the GPU time-slices between the processes). Bounded: killed after PROCESS_TIMEOUT_S."""
+    results = cuda_ipc_cases.launch(2, N_GPUS, share=True, timeout_s=PROCESS_TIMEOUT_S, case_args=["--faults"])
     _check_ipc_processes(results, "cuda_ipc")
     for _, out in results:  # one GPU: native atomics in atomic mode, landing slots only when deterministic
         assert "atomic: landing_slots=0 one_gpu=1" in out and "deterministic: landing_slots=1 one_gpu=1" in out, out
@@ -886,7 +912,8 @@ def test_bench_primitives_runs_on_the_cuda_mesh():
     """bench/primitives.py --platform gpu measures jodc's kernels against NCCL and reports every ratio (a quick run:
     the table of docs/benchmarks.md comes from a full one)."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "primitives.py"), "--platform", "gpu",
-                           "--quick", "--mib", "4", "--no-save"], capture_output=True, text=True, timeout=600,
+                           "--quick", "--mib", "4", "--no-save"], capture_output=True, text=True,
+                          timeout=cuda_ipc_cases.process_timeout_s(600.0),
                           cwd=ROOT, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])

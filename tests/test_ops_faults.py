@@ -211,9 +211,28 @@ def test_huge_and_infinite_barrier_timeouts_wait(timeout_s):
         heap.free()
 
 
+def test_default_barrier_timeout_comes_from_the_environment(monkeypatch):
+    """A heap made without a timeout takes $JODC_BARRIER_TIMEOUT_S (seconds under tools/gpu_check.py), else 300 s;
+    an explicit timeout wins; a bad value names the variable."""
+    from jodc.ops import heap as heap_module
+
+    assert heap_module.default_barrier_timeout_s({}) == heap_module.DEFAULT_BARRIER_TIMEOUT_S == 300.0
+    assert heap_module.default_barrier_timeout_s({"JODC_BARRIER_TIMEOUT_S": " 7.5 "}) == 7.5
+    assert heap_module.default_barrier_timeout_s({"JODC_BARRIER_TIMEOUT_S": "inf"}) == math.inf
+    for bad in ("0", "-2", "nan", "soon"):
+        with pytest.raises(ValueError, match=f"JODC_BARRIER_TIMEOUT_S must be .* got '{bad}'"):
+            heap_module.default_barrier_timeout_s({"JODC_BARRIER_TIMEOUT_S": bad})
+    monkeypatch.setenv("JODC_BARRIER_TIMEOUT_S", "12")
+    mesh = cpu_mesh(2)
+    with ops.SymmetricHeap(mesh) as heap:
+        assert heap.barrier_timeout_s == 12.0
+    with ops.SymmetricHeap(mesh, barrier_timeout_s=3) as heap:
+        assert heap.barrier_timeout_s == 3.0
+
+
 def test_barrier_timeout_is_honoured_and_validated():
     mesh = cpu_mesh(4)
-    for bad in (0, -1.0, math.nan, "soon", True, None):
+    for bad in (0, -1.0, math.nan, "soon", True):
         with pytest.raises(ValueError, match="barrier_timeout_s must be"):
             ops.SymmetricHeap(mesh, barrier_timeout_s=bad)
     with ops.SymmetricHeap(mesh, barrier_timeout_s=60) as heap:

@@ -43,6 +43,12 @@ def _callees(lines: list[str]) -> set[str]:
     return names
 
 
+def command_buffer_count(hlo_text: str) -> int:
+    """How many command buffers (computations named command_buffer*) XLA formed in the module: 0 means the checks
+    below had nothing to look into, whatever they say."""
+    return sum(1 for name in computations(hlo_text) if name.startswith("command_buffer"))
+
+
 def jodc_calls_in_command_buffers(hlo_text: str) -> tuple[int, list[tuple[str, str]]]:
     """(number of jodc custom calls in the module, [(computation, target)] of those inside a command buffer: in a
     computation named command_buffer* or one reachable from it)."""

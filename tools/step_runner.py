@@ -1,27 +1,30 @@
-"""Runs a list of checks (subprocesses) under one wall-clock budget and always leaves a readable record behind.
+"""Runs a list of checks (subprocesses) under one wall-clock budget and keeps a current record of them at every moment.
 
 Made for machines that are lent rarely and briefly (the GPU runner, `tools/gpu_check.py`): every second goes to
 running, a failing step never costs the information the other steps would give, and whatever happens (a step fails,
-hangs, the budget runs out, the runner itself is interrupted) the output folder holds
+hangs, the budget runs out, the runner itself is interrupted or killed) the record says what was done. Working files
+go to a work folder:
 
-    summary.json      one entry per step: status, seconds, exit code, test counts, the step's JSON line, log tail;
-                      rewritten after every step, so it is current even if this process is killed
-    junit.xml         every pytest step's JUnit XML merged into one <testsuites>
-    junit/<step>.xml  the per-step files
-    logs/<step>.log.gz  each step's whole output (stdout and stderr interleaved), compressed
+    logs/<step>.log       each step's whole output (stdout and stderr interleaved), as it is written
+    records/<step>.jsonl  a test step's per-test record (tools/test_record.py), as pytest runs
+    junit/<step>.xml      a test step's JUnit XML, made from its record when the step ends (whatever ended it)
+
+and the summary (one entry per step: status, seconds, limit, exit code, test counts, the test running when the step
+was killed, the step's JSON line, facts read from its log, log tail) goes to ``publish``: before the first step, every
+``heartbeat_s`` while a step runs, after every step and at the end. The default publisher writes summary.json in the
+work folder; tools/gpu_check.py's writes its few result files.
 
 Statuses: ``passed``, ``failed`` (non-zero exit), ``timeout`` (killed at its limit), ``skipped`` (with the reason: a
-step it needs did not pass, or the budget is spent), ``interrupted`` (the runner got SIGTERM / SIGINT mid-step).
-A step's limit is the smaller of its own ``timeout_s`` and the budget left; an ``optional`` step (``if time is
-left``) starts only when its whole ``timeout_s`` still fits. Steps run in the order given.
+step it needs did not pass, or the budget is spent), ``interrupted`` (the runner got SIGTERM / SIGINT mid-step),
+``running`` and ``pending`` (in a summary published mid-run). A step's limit is the smaller of its own ``timeout_s``
+and the budget left; an ``optional`` step (``if time is left``) starts only when its whole ``timeout_s`` still fits.
+Steps run in the order given.
 """
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,28 +32,36 @@ import time
 import xml.etree.ElementTree as ElementTree
 from typing import Callable, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_record  # noqa: E402  (tools/test_record.py)
+
 # Below this many seconds of budget no step is started: it could not do anything useful.
 MIN_STEP_S = 5.0
 LOG_TAIL_LINES = 40
+LOG_TAIL_LINE_CHARS = 400
 # After SIGTERM to a step's process group, how long it gets to exit before SIGKILL.
 KILL_GRACE_S = 5.0
+NOT_RUN_LISTED = 50
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One check. `cmd` is the argv (list of strings), or a callable returning it (evaluated when the step starts,
-    so it can read what earlier steps produced). `junit`: the step is pytest and ``{junit}`` in its argv is replaced by
-    the path its JUnit XML must go to. `json_line`: the step prints one JSON object line (a benchmark or a report):
-    the last such line of its output goes into the summary."""
+    so it can read what earlier steps produced); ``{record}`` in it becomes the step's record path. `tests`: the step
+    runs pytest with tools/pytest_record.py (tools/bounded_pytest.py), whose record ($JODC_TEST_RECORD) gives the
+    step's test counts and JUnit XML. `json_line`: the step prints one JSON object line (a benchmark or a report):
+    the last such line of its output goes into the summary. `facts(log_text) -> dict` reads figures from the step's
+    output (sanitizer error counts) into its summary entry."""
     name: str
     cmd: Sequence[str] | Callable[[], Sequence[str]]
     timeout_s: float
     what: str = ""
     needs: tuple[str, ...] = ()
-    junit: bool = False
+    tests: bool = False
     json_line: bool = False
     optional: bool = False
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    facts: Callable[[str], dict] | None = None
 
     def __post_init__(self):
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -69,6 +80,12 @@ def check_plan(steps: Sequence[Step]) -> None:
         if missing:
             raise ValueError(f"step {step.name!r} needs {missing}, which are not earlier steps")
         seen.add(step.name)
+
+
+def required_seconds(steps: Sequence[Step]) -> float:
+    """The sum of the required (not optional) steps' limits: what a budget must cover for every one of them to get
+    its whole limit."""
+    return sum(s.timeout_s for s in steps if not s.optional)
 
 
 def select(steps: Sequence[Step], only: Sequence[str] | None) -> list[Step]:
@@ -99,7 +116,7 @@ def last_json_object(text: str) -> dict | None:
 
 
 def junit_counts(path: str) -> dict[str, int] | None:
-    """passed / failed / errors / skipped / total of a pytest JUnit XML file, or None if it is missing or torn."""
+    """passed / failed / errors / skipped / total of a JUnit XML file, or None if it is missing or torn."""
     try:
         root = ElementTree.parse(path).getroot()
     except (OSError, ElementTree.ParseError):
@@ -119,7 +136,8 @@ def junit_counts(path: str) -> dict[str, int] | None:
 
 
 def merge_junit(paths: Sequence[str], out_path: str) -> None:
-    """One <testsuites> holding every <testsuite> of the readable files in `paths` (missing or torn ones are left out)."""
+    """One <testsuites> holding every <testsuite> of the readable files in `paths` (missing or torn ones are left out),
+    written atomically (a reader never sees half a file)."""
     merged = ElementTree.Element("testsuites")
     for path in paths:
         try:
@@ -127,53 +145,78 @@ def merge_junit(paths: Sequence[str], out_path: str) -> None:
         except (OSError, ElementTree.ParseError):
             continue
         merged.extend([root] if root.tag == "testsuite" else list(root.iter("testsuite")))
-    ElementTree.ElementTree(merged).write(out_path, encoding="utf-8", xml_declaration=True)
+    tmp = out_path + ".tmp"
+    ElementTree.ElementTree(merged).write(tmp, encoding="utf-8", xml_declaration=True)
+    os.replace(tmp, out_path)
 
 
 class _Interrupted(Exception):
     pass
 
 
-class Runner:
-    """Runs `steps` (already checked and selected) with a total of `budget_s` seconds, writing into `out_dir`.
-    `meta` goes into the summary as is (what ran where). `clock` is injectable for tests."""
+def write_json(path: str, value) -> None:
+    """`value` as indented JSON at `path`, atomically (written beside it, then renamed over it)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
 
-    def __init__(self, steps: Sequence[Step], out_dir: str, budget_s: float, meta: dict | None = None,
+
+class Runner:
+    """Runs `steps` (already checked and selected) with a total of `budget_s` seconds, working in `work_dir`.
+    `meta` goes into the summary as is (what ran where). `publish(summary)` receives every summary (default: written
+    to work_dir/summary.json). No step starts with less than `min_step_s` of budget left (default MIN_STEP_S).
+    `clock` is injectable for tests."""
+
+    def __init__(self, steps: Sequence[Step], work_dir: str, budget_s: float, meta: dict | None = None,
                  env: dict[str, str] | None = None, cwd: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 echo: Callable[[str], None] | None = None):
+                 echo: Callable[[str], None] | None = None, publish: Callable[[dict], None] | None = None,
+                 heartbeat_s: float = 20.0, min_step_s: float | None = None):
         check_plan(steps)
         if budget_s <= 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s}")
-        self.steps, self.out_dir, self.budget_s = list(steps), out_dir, float(budget_s)
+        self.steps, self.work_dir, self.budget_s = list(steps), work_dir, float(budget_s)
         self.env = dict(os.environ if env is None else env)
         self.cwd, self.clock = cwd, clock
         self.echo = echo or (lambda line: print(line, flush=True))
+        self.publish = publish or (lambda summary: write_json(self.path("summary.json"), summary))
+        self.heartbeat_s = float(heartbeat_s)
+        self.min_step_s = MIN_STEP_S if min_step_s is None else float(min_step_s)
         self.meta = dict(meta or {})
         self.results: dict[str, dict] = {}
         self._current: subprocess.Popen | None = None
+        self._running: tuple[str, float] | None = None  # (step, its start on self.clock)
         self._interrupted = False
 
     # ---- paths
-    def _path(self, *parts: str) -> str:
-        return os.path.join(self.out_dir, *parts)
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.work_dir, *parts)
 
-    def _junit_path(self, name: str) -> str:
-        return self._path("junit", f"{name}.xml")
+    def log_path(self, name: str) -> str:
+        return self.path("logs", f"{name}.log")
+
+    def record_path(self, name: str) -> str:
+        return self.path("records", f"{name}.jsonl")
+
+    def junit_path(self, name: str) -> str:
+        return self.path("junit", f"{name}.xml")
 
     # ---- the run
     def run(self) -> dict:
-        """Runs every step; returns the summary (also in summary.json). Never raises for a failing step."""
-        for sub in ("logs", "junit"):
-            os.makedirs(self._path(sub), exist_ok=True)
+        """Runs every step; returns the final summary (also published). Never raises for a failing step."""
+        for sub in ("logs", "junit", "records"):
+            os.makedirs(self.path(sub), exist_ok=True)
         self.start = self.clock()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
             signal.signal(sig, self._on_signal)
         try:
+            self.summary(final=False, publish=True)
             for step in self.steps:
                 self.results[step.name] = self._run_step(step)
-                self._write_summary(final=False)
+                self.summary(final=False, publish=True)
                 r = self.results[step.name]
                 self.echo(f"[{step.name}] {r['status']} in {r['seconds']:.1f} s"
                           + (f" ({r['reason']})" if r.get("reason") else "")
@@ -181,12 +224,12 @@ class Runner:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return self._write_summary(final=True)
+        return self.summary(final=True, publish=True)
 
     def _on_signal(self, signum, _frame):
         self._interrupted = True
         if self._current is not None:
-            _kill_group(self._current)
+            kill_tree(self._current)
         raise _Interrupted(signal.Signals(signum).name)
 
     def remaining_s(self) -> float:
@@ -202,66 +245,115 @@ class Runner:
         if unmet:
             return self._skip(f"needs {', '.join(unmet)}, which did not pass")
         left = self.remaining_s()
-        if left < MIN_STEP_S:
+        if left < self.min_step_s:
             return self._skip(f"budget spent ({left:.0f} s left of {self.budget_s:.0f} s)")
         if step.optional and left < step.timeout_s:
             return self._skip(f"optional and its {step.timeout_s:.0f} s do not fit the {left:.0f} s left")
         limit = min(step.timeout_s, left)
-        argv = [str(a) for a in (step.cmd() if callable(step.cmd) else step.cmd)]
-        if step.junit:
-            argv = [a.replace("{junit}", self._junit_path(step.name)) for a in argv]
-        log_path = self._path("logs", f"{step.name}.log")
+        record = self.record_path(step.name)
+        for stale in (record, self.junit_path(step.name)):  # a rerun in the same work folder starts afresh
+            if os.path.exists(stale):
+                os.remove(stale)
+        argv = [str(a).replace("{record}", record) for a in (step.cmd() if callable(step.cmd) else step.cmd)]
+        env = dict(self.env, **step.env)
+        if step.tests:
+            env[test_record.RECORD_ENV] = record
+        log_path = self.log_path(step.name)
         result: dict = {"what": step.what, "command": " ".join(argv), "limit_s": round(limit, 1)}
         began = self.clock()
+        self._running = (step.name, began)
         try:
             with open(log_path, "wb") as log:
                 log.write(f"$ {' '.join(argv)}\n".encode())
                 log.flush()
-                result.update(self._execute(argv, dict(self.env, **step.env), log, limit))
+                result.update(self._execute(argv, env, log, limit))
         except _Interrupted as e:
             result.update(status="interrupted", reason=f"the runner got {e}")
         except OSError as e:  # the program does not exist, cannot be executed, ...
             result.update(status="failed", reason=f"could not start: {e}")
+        finally:
+            self._running = None
         result["seconds"] = round(self.clock() - began, 2)
         text = _read(log_path)
-        result["log_tail"] = text.splitlines()[-LOG_TAIL_LINES:]
-        _compress(log_path)
-        result["log"] = os.path.relpath(log_path + ".gz", self.out_dir)
-        if step.junit:
-            counts = junit_counts(self._junit_path(step.name))
-            if counts is not None:
-                result["tests"] = counts
+        result["log_tail"] = [line[:LOG_TAIL_LINE_CHARS] for line in text.splitlines()[-LOG_TAIL_LINES:]]
+        result["log"] = os.path.relpath(log_path, self.work_dir)
+        if step.tests:
+            result.update(self._test_outcome(step.name, result))
         if step.json_line:
             result["json"] = last_json_object(text)
             if result["json"] is None and result["status"] == "passed":
                 result.update(status="failed", reason="passed but printed no JSON line")
+        if step.facts is not None:
+            try:
+                result["facts"] = step.facts(text)
+            except Exception as e:  # noqa: BLE001  (a parser's bug must not lose the step's record)
+                result["facts"] = {"error": f"{type(e).__name__}: {e}"}
         return result
+
+    def _test_outcome(self, name: str, result: dict) -> dict:
+        """The test step's counts, JUnit file and unfinished business, from its record."""
+        ended_by = {"timeout": f"the step was killed at its limit of {result['limit_s']:.0f} s",
+                    "interrupted": "the runner was interrupted"}.get(result.get("status"), "")
+        events = test_record.read_events(self.record_path(name))
+        out: dict = {"tests": test_record.write_junit(self.record_path(name), self.junit_path(name), name, ended_by)}
+        running = test_record.running_test(events)
+        if running is not None:
+            out["running_when_ended"] = running
+        not_run = test_record.not_run(events)
+        if not_run:
+            out["not_run"] = not_run[:NOT_RUN_LISTED] + ([f"... {len(not_run) - NOT_RUN_LISTED} more"]
+                                                         if len(not_run) > NOT_RUN_LISTED else [])
+        if not events:
+            out["tests_note"] = "no record: pytest never started its session"
+        return out
 
     def _execute(self, argv: list[str], env: dict, log, limit: float) -> dict:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=self.cwd, start_new_session=True)
         self._current = proc
+        deadline = self.clock() + limit
         try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return {"status": "timeout", "reason": f"killed at its limit of {limit:.0f} s", "exit_code": None}
+            while True:
+                try:
+                    rc = proc.wait(timeout=max(0.0, min(self.heartbeat_s, deadline - self.clock())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if self.clock() >= deadline:
+                        kill_tree(proc)
+                        return {"status": "timeout", "reason": f"killed at its limit of {limit:.0f} s",
+                                "exit_code": None}
+                    self.summary(final=False, publish=True)  # a heartbeat: the record stays current mid-step
         finally:
             self._current = None
         return {"status": "passed" if rc == 0 else "failed", "exit_code": rc}
 
     # ---- the record
-    def _write_summary(self, final: bool) -> dict:
-        junits = [self._junit_path(s.name) for s in self.steps if s.junit and os.path.exists(self._junit_path(s.name))]
-        merge_junit(junits, self._path("junit.xml"))
-        totals = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0}
+    def _running_entry(self, name: str, began: float) -> dict:
+        entry = {"status": "running", "seconds": round(self.clock() - began, 1)}
+        step = next(s for s in self.steps if s.name == name)
+        if step.tests:
+            events = test_record.read_events(self.record_path(name))
+            entry["tests"] = test_record.counts(test_record.results(events))
+            running = test_record.running_test(events)
+            if running:
+                entry["running_test"] = running
+        return entry
+
+    def summary(self, final: bool, publish: bool = False) -> dict:
+        """The summary as of now (`final`: the run is over, unreached steps are skipped); published if asked."""
+        totals = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "not_run": 0, "total": 0}
         for r in self.results.values():
             for k, v in r.get("tests", {}).items():
-                totals[k] += v
+                totals[k] = totals.get(k, 0) + v
         steps = {}
         for s in self.steps:
-            steps[s.name] = self.results.get(s.name, {"status": "pending" if not final else "skipped",
-                                                      "reason": "not reached", "seconds": 0.0})
+            if s.name in self.results:
+                steps[s.name] = self.results[s.name]
+            elif self._running and self._running[0] == s.name:
+                steps[s.name] = self._running_entry(*self._running)
+            else:
+                steps[s.name] = ({"status": "skipped", "reason": "not reached", "seconds": 0.0} if final
+                                 else {"status": "pending", "limit_s": s.timeout_s, "seconds": 0.0})
         required_ok = all(steps[s.name]["status"] == "passed" for s in self.steps if not s.optional)
         optional_ok = all(steps[s.name]["status"] in ("passed", "skipped") for s in self.steps if s.optional)
         summary = {
@@ -275,12 +367,13 @@ class Runner:
             "benchmarks": {n: r["json"] for n, r in self.results.items() if r.get("json") is not None},
             "steps": steps,
         }
-        tmp = self._path("summary.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, self._path("summary.json"))
+        if publish:
+            self.publish(summary)
         return summary
+
+    def junit_files(self) -> list[str]:
+        """The JUnit files of the test steps that have one, in plan order."""
+        return [self.junit_path(s.name) for s in self.steps if s.tests and os.path.exists(self.junit_path(s.name))]
 
 
 def table(summary: dict) -> str:
@@ -288,14 +381,17 @@ def table(summary: dict) -> str:
     rows = [("step", "status", "s", "tests / note")]
     for name, r in summary["steps"].items():
         t = r.get("tests")
-        note = (f"{t['passed']} passed, {t['failed'] + t['errors']} failed, {t['skipped']} skipped" if t
-                else r.get("reason", ""))
-        rows.append((name, r["status"], f"{r.get('seconds', 0):.0f}", note[:90]))
+        note = (f"{t['passed']} passed, {t['failed'] + t['errors']} failed, {t['skipped']} skipped"
+                + (f", {t['not_run']} not run" if t.get("not_run") else "") if t else r.get("reason", ""))
+        if r.get("running_when_ended"):
+            note += f"; ended during {r['running_when_ended']}"
+        rows.append((name, r["status"], f"{r.get('seconds', 0):.0f}", note[:140]))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}" for a, b, c, d in rows]
     t = summary["tests"]
     lines.append(f"{summary['status'].upper()}: {t['passed']} tests passed, {t['failed'] + t['errors']} failed, "
-                 f"{t['skipped']} skipped; {summary['elapsed_s']:.0f} s of {summary['budget_s']:.0f} s")
+                 f"{t['skipped']} skipped, {t.get('not_run', 0)} not run; {summary['elapsed_s']:.0f} s of "
+                 f"{summary['budget_s']:.0f} s")
     return "\n".join(lines)
 
 
@@ -330,7 +426,7 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     """Ends a step: SIGTERM to its process group and to every descendant (all of them started by the step; listed
     before the first signal, since orphans are re-parented), SIGKILL to whatever is left after a grace period."""
     targets = descendants(proc.pid)
@@ -351,20 +447,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
 
 
-def _read(path: str) -> str:
+def _read(path: str, max_bytes: int = 8 << 20) -> str:
+    """The last `max_bytes` of the file at `path` as text ('' if unreadable): what the summary reads from a log (its
+    tail, its last JSON line, a sanitizer's closing summary) is at its end."""
     try:
         with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - max_bytes))
             return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-
-
-def _compress(path: str) -> None:
-    if not os.path.exists(path):
-        return
-    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(path)
 
 
 if __name__ == "__main__":

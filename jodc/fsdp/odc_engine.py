@@ -38,8 +38,8 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     `deterministic=True` makes gradient accumulation bit-for-bit reproducible (per-source landing slots; on an
     HSDP mesh the cross-replica sum is added in replica order too). `barrier_timeout_s` bounds the wait for a device
-    that never arrives (``inf``: forever); a device that fails aborts the step at once (`jodc.ops.DeviceFailed`),
-    whatever the timeout.
+    that never arrives (``inf``: forever; None: the heap's default, ``jodc.ops.heap.default_barrier_timeout_s``); a
+    device that fails aborts the step at once (`jodc.ops.DeviceFailed`), whatever the timeout.
 
     `mesh`: ('d',) for flat ODC over every device, or ('r', 'd') for HSDP (`sharding.hsdp_mesh`): replica groups
     along 'r', each sharding the parameters over its 'd' devices. Minibatches are planned for all replicas x shards
@@ -50,7 +50,7 @@ class ODCEngine(ShardedStateMixin, Engine):
     options = ("deterministic", "barrier_timeout_s")
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
-                 compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float = 300.0,
+                 compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float | None = None,
                  length_buckets=None):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 import weakref
 from typing import Sequence
@@ -24,6 +25,21 @@ from jodc.ops import layout, transports
 MASTER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 MASTER_DTYPE_NAMES = tuple(MASTER_DTYPES)
 DEFAULT_BARRIER_TIMEOUT_S = 300.0
+# Overrides DEFAULT_BARRIER_TIMEOUT_S for heaps created without an explicit timeout: a time-boxed GPU check
+# (tools/gpu_check.py) sets seconds, so a device that never arrives fails its test long before the check's limit.
+BARRIER_TIMEOUT_ENV = "JODC_BARRIER_TIMEOUT_S"
+
+
+def default_barrier_timeout_s(environ=None) -> float:
+    """The barrier timeout of a heap created without one: ``$JODC_BARRIER_TIMEOUT_S`` when set (a positive number of
+    seconds, or ``inf``), else DEFAULT_BARRIER_TIMEOUT_S. ValueError naming the variable for anything else."""
+    text = (os.environ if environ is None else environ).get(BARRIER_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_BARRIER_TIMEOUT_S
+    try:
+        return layout.check_barrier_timeout(float(text))
+    except ValueError:
+        raise ValueError(f"{BARRIER_TIMEOUT_ENV} must be a positive number of seconds or inf, got {text!r}") from None
 
 
 def dtype_name(dtype) -> str:
@@ -86,7 +102,8 @@ class SymmetricHeap(FreedOnExit):
       deterministic: accumulate pushes in per-source landing slots reduced in a fixed order, so accumulated
         gradients are bit-for-bit reproducible whatever the thread timing (costs world x the accumulator memory).
       barrier_timeout_s: how long ``barrier`` waits before failing with the names of the missing devices; ``inf``
-        waits forever. A device that fails (rather than never arriving) aborts the heap at once: see ``abort`` and
+        waits forever. None (default): ``default_barrier_timeout_s()``, 300 s unless ``$JODC_BARRIER_TIMEOUT_S``
+        says otherwise. A device that fails (rather than never arriving) aborts the heap at once: see ``abort`` and
         ``block_until_ready``.
       transport: 'auto' (default: 'mpi' when the mesh holds devices of several processes, else 'local'), 'local'
         (in-process memory) or 'mpi' (MPI one-sided windows, see ``jodc.ops._mpi``; needs the ``jodc[mpi]`` extra).
@@ -106,14 +123,15 @@ class SymmetricHeap(FreedOnExit):
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: str = "d", *, deterministic: bool = False,
-                 barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, transport: str = "auto",
+                 barrier_timeout_s: float | None = None, transport: str = "auto",
                  progress_thread: bool | None = None):
         if axis_name not in mesh.shape:
             raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis_name!r}")
         platforms = {d.platform for d in mesh.devices.flat}
         if len(platforms) != 1:
             raise ValueError(f"a heap's mesh must hold devices of one platform, got {sorted(platforms)}")
-        barrier_timeout_s = layout.check_barrier_timeout(barrier_timeout_s)
+        barrier_timeout_s = (default_barrier_timeout_s() if barrier_timeout_s is None
+                             else layout.check_barrier_timeout(barrier_timeout_s))
         check_one_replica(mesh, axis_name)
         self.mesh = mesh
         self.axis_name = axis_name

@@ -19,7 +19,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jodc.ops.heap import DEFAULT_BARRIER_TIMEOUT_S, Bucket, FreedOnExit, SymmetricHeap
+from jodc.ops.heap import Bucket, FreedOnExit, SymmetricHeap
 
 
 def replica_groups(mesh: jax.sharding.Mesh, axis_name: str, replica_axis: str) -> np.ndarray:
@@ -71,7 +71,7 @@ class ReplicatedHeap(FreedOnExit):
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, axis_name: str = "d", replica_axis: str = "r", *,
-                 deterministic: bool = False, barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
+                 deterministic: bool = False, barrier_timeout_s: float | None = None,
                  transport: str = "auto"):
         groups = replica_groups(mesh, axis_name, replica_axis)
         local = local_replicas(groups, jax.process_index())
