@@ -270,7 +270,7 @@ gpu-check:
 
 # What a CUDA jax image may lack (tools/gpu_check.py's PURE_PYTHON_NEEDS), as wheels for Python 3.12 on x86_64 Linux,
 # versions from constraints-cpu.txt where it pins them; bring the folder along (GPU_WHEELS) to a runner without network.
-GPU_WHEEL_PACKAGES := draccus mergedeep toml tensorboardX typing-inspect mypy-extensions protobuf
+GPU_WHEEL_PACKAGES := draccus mergedeep toml tensorboardX typing-inspect mypy-extensions protobuf setuptools
 gpu-wheels:
 	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --platform any \

@@ -261,6 +261,21 @@ def test_prepare_makes_jodc_importable_from_the_checkout_and_installs_missing_wh
     assert gpu_overlay.prepare(PY, env_dir, str(wheels), use_venv=use_venv) == python
 
 
+def test_the_build_floor_comes_from_pyproject_and_an_older_setuptools_is_refused(tmp_path, monkeypatch):
+    """The image's setuptools must read pyproject.toml (the SPDX license needs 77): the overlay checks its version
+    against [build-system] requires and installs the carried wheel where it is older, or says what is needed."""
+    from test_build_floor import setuptools_floor
+
+    assert gpu_overlay.version_floors() == {"setuptools": setuptools_floor()}
+    assert gpu_overlay._version_tuple("77.0.1") > gpu_overlay._version_tuple("76.1.0")
+    assert gpu_overlay._installed_version(PY, "setuptools") != "0"
+    assert gpu_overlay._installed_version(PY, "jodc-no-such-dist") == "0"
+    monkeypatch.setattr(gpu_overlay, "PURE_PYTHON_NEEDS", {})
+    monkeypatch.setattr(gpu_overlay, "version_floors", lambda: {"setuptools": "999.0"})
+    with pytest.raises(SystemExit, match=r"the build needs \['setuptools>=999.0'\], older here"):
+        gpu_overlay.prepare(PY, str(tmp_path / "env"), None)
+
+
 def test_prepare_names_what_is_missing_without_wheels(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_overlay, "PURE_PYTHON_NEEDS", {"jodc_fake_absent": "jodc-fake-absent"})
     with pytest.raises(SystemExit, match=r"missing Python packages \['jodc-fake-absent'\]: pass --wheels"):

@@ -24,6 +24,20 @@ PURE_PYTHON_NEEDS = {"draccus": "draccus", "mergedeep": "mergedeep", "toml": "to
 FINDER_MODULE = "_jodc_checkout_finder"
 
 
+def version_floors(pyproject: str = os.path.join(ROOT, "pyproject.toml")) -> dict[str, str]:
+    """What the build needs at least of what a CUDA image has anyway (distribution -> oldest version), from pyproject's
+    [build-system] requires: setuptools (its SPDX license string needs 77; an older image setuptools fails to read
+    pyproject.toml). `make gpu-wheels` fetches it; `prepare` installs it into the overlay where the image's is
+    older."""
+    with open(pyproject, "rb") as f:
+        requires = tomllib.load(f)["build-system"]["requires"]
+    return {name: floor for name, floor in (r.split(">=", 1) for r in requires if r.startswith("setuptools>="))}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the overlay environment
 
@@ -146,12 +160,28 @@ def prepare(base_python: str, env_dir: str, wheels: str | None, use_venv: bool =
     if missing:
         raise SystemExit(f"missing Python packages {missing}: pass --wheels <folder of their wheels> (GPU_WHEELS= "
                          "with make; `make gpu-wheels` fetches them into build/gpu-wheels where an index is reachable)")
+    too_old = [f"{dist}>={floor}" for dist, floor in version_floors().items()
+               if _version_tuple(_installed_version(py, dist)) < _version_tuple(floor)]
+    if too_old and wheels:
+        subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--find-links", wheels,
+                        "--target", site, "--upgrade", "--disable-pip-version-check", *too_old], check=True)
+        too_old = [f"{dist}>={floor}" for dist, floor in version_floors().items()
+                   if _version_tuple(_installed_version(py, dist)) < _version_tuple(floor)]
+    if too_old:
+        raise SystemExit(f"the build needs {too_old}, older here: pass --wheels (`make gpu-wheels` fetches it)")
     probe = subprocess.run([py, "-c", "import jodc, jodc.models, jodc.train, jodc.ops; print(jodc.__file__)"],
                            capture_output=True, text=True, cwd="/")
     if probe.returncode != 0 or not probe.stdout.strip().startswith(ROOT):
         raise SystemExit(f"jodc is not importable from the checkout in the overlay:\n{probe.stdout}{probe.stderr}")
     print(f"overlay {env_dir}: python {py}, jodc from {ROOT}")
     return py
+
+
+def _installed_version(python: str, dist: str) -> str:
+    """The version of distribution `dist` that `python` imports ("0" when it has none)."""
+    done = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "0"
 
 
 def _importable(python: str, module: str) -> bool:
