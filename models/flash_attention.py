@@ -27,7 +27,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from .attention import check_attention_inputs
+from .attention_inputs import check_attention_inputs
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)

@@ -1,7 +1,5 @@
 """The engine core (jodc/fsdp/engine.py, sharding.py): the one microbatch loop, the one update step, the one shard
 arithmetic, and the capabilities engines declare."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +8,10 @@ import pytest
 
 import fsdp_toy
 from conftest import cpu_mesh
-from jodc.engine_facts import ENGINE_FACTS, EngineFacts
-from jodc.fsdp import (ENGINES, CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine,
-                       engine_class, make_engine, sharding)
+from jodc.fsdp import (ENGINES, CollectiveEngine, Engine, ODCEngine, OptimizerConfig, ReferenceEngine,
+                       XlaSpmdEngine, engine_class, make_engine, sharding)
 from jodc.fsdp.engine import accumulate, microbatch_loop, update_step
-from jodc.fsdp.optim import make_optimizer
+from jodc.fsdp.optim import learning_rate_schedule, make_optimizer
 from jodc.ops import _native
 
 OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
@@ -68,7 +65,7 @@ def test_update_step_is_optax_clipping_then_adamw():
     rng = np.random.default_rng(1)
     params = {"a": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32), "b": jnp.asarray(rng.standard_normal(7))}
     grads = jax.tree.map(lambda p: 3.0 * jnp.ones_like(p), params)
-    tx = make_optimizer(OPT)
+    tx = make_optimizer(OPT, learning_rate_schedule(OPT))
     plain = optax.chain(optax.clip_by_global_norm(OPT.max_grad_norm),
                         optax.adamw(OPT.learning_rate, b1=OPT.b1, b2=OPT.b2, eps=OPT.eps,
                                     weight_decay=OPT.weight_decay))
@@ -107,16 +104,18 @@ def test_engines_declare_their_capabilities():
         ["lb_mini", "lb_micro", "lb_micro", "lb_mini"]
 
 
-def test_the_registry_holds_every_engine_of_the_facts_table_with_its_row():
-    """`jodc.engine_facts` and `jodc.fsdp.ENGINES` name the same engines, and
-    each class carries its row."""
-    assert list(ENGINES) == list(ENGINE_FACTS)
+def test_every_registered_engine_states_its_facts_in_its_own_class():
+    """`jodc.fsdp.ENGINES` is the one list of engines, keyed by each class's own `name`; every class states each fact
+    in its body, and a class that leaves one out is refused when it is defined."""
+    assert list(ENGINES) == ["odc", "collective", "xla_spmd", "reference"]
     for name, cls in ENGINES.items():
         assert cls.name == name and engine_class(name) is cls
-        for field in dataclasses.fields(EngineFacts):
-            assert getattr(cls, field.name) == getattr(ENGINE_FACTS[name], field.name), (name, field.name)
+        assert all(fact in vars(cls) for fact in Engine.FACTS), name
     with pytest.raises(ValueError, match="unknown engine 'mpi'; engines are odc, collective, xla_spmd, reference"):
         engine_class("mpi")
+    with pytest.raises(TypeError, match=r"must state its facts \['supports_timeline', 'default_planner'"):
+        class Unfinished(Engine):  # noqa: F841  (refused while it is defined)
+            name, lockstep = "unfinished", False
 
 
 @pytest.mark.parametrize("name", ["odc", "collective", "xla_spmd", "reference"])
@@ -154,6 +153,18 @@ def test_a_timeline_from_an_engine_without_one_is_refused_before_dispatch(kind):
     for g, v in engine.flat_params().items():
         np.testing.assert_array_equal(v, before[g])
     assert engine.step(batch).timeline is None and engine.steps_done == 1  # and it still trains
+
+
+def test_the_engine_reports_the_learning_rate_of_its_schedule():
+    """The engine builds the schedule once, runs it and reports it: `learning_rate` is the rate its next update
+    uses (`steps_done` applied updates so far), what the trainers log."""
+    cosine = OptimizerConfig(learning_rate=1e-2, schedule="cosine", warmup_steps=2, total_steps=4)
+    model, groups = fsdp_toy.make_model(num_layers=1)
+    engine = ReferenceEngine(model, groups, cpu_mesh(2), optimizer=cosine)
+    schedule = learning_rate_schedule(cosine)
+    assert engine.learning_rate == float(schedule(0))
+    engine.step(fsdp_toy.random_minibatch([1, 1]))
+    assert engine.learning_rate == float(schedule(1)) == pytest.approx(7.5e-3)
 
 
 def test_meshes_without_a_d_axis_are_refused_by_name():

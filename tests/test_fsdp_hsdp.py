@@ -15,7 +15,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import fsdp_toy
 from jodc import ops
-from jodc.engine_facts import hsdp_shards
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine, sharding
 
 OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
@@ -166,15 +165,19 @@ def test_bad_mesh_settings_are_refused():
     with pytest.raises(ConfigError, match=r"engine.replicas"):
         load_config(None, ["--devices", "8", "--replicas", "0"])
     assert load_config(None, ["--devices", "8", "--replicas", "2"]).engine.replicas == 2
-    assert hsdp_shards(8, 4) == 2
+    assert sharding.hsdp_shards(8, 4) == 2
     with pytest.raises(ValueError, match="replicas must be a positive integer"):
-        hsdp_shards(8, True)
+        sharding.hsdp_shards(8, True)
     with pytest.raises(ValueError, match="replicas=3 does not divide"):
         sharding.hsdp_mesh(jax.devices("cpu")[:8], 3)
     flat = sharding.hsdp_mesh(jax.devices("cpu")[:8], 1)
-    assert flat.axis_names == ("d",) and sharding.device_axes(flat) == "d" and sharding.replicas(flat) == 1
+    layout = sharding.MeshLayout.of(flat, "ODC")
+    assert flat.axis_names == ("d",) and sharding.device_axes(flat) == "d"
+    assert (layout.axes, layout.replicas, layout.shards, layout.devices, layout.hsdp) == ("d", 1, 8, 8, False)
     hsdp = mesh_of(4)
-    assert sharding.device_axes(hsdp) == ("r", "d") and (sharding.replicas(hsdp), sharding.shards(hsdp)) == (4, 2)
+    layout = sharding.MeshLayout.of(hsdp, "ODC")
+    assert sharding.device_axes(hsdp) == ("r", "d") and layout.rows().spec == P(("r", "d"))
+    assert (layout.axes, layout.replicas, layout.shards, layout.devices, layout.hsdp) == (("r", "d"), 4, 2, 8, True)
     model, groups = fsdp_toy.make_model(num_layers=1)
     wrong = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("d", "r"))
     for cls in (ODCEngine, CollectiveEngine, XlaSpmdEngine):

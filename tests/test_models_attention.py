@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jodc.models import attention, blockwise_attention, dense_attention
 from jodc.models.attention import block_interactions
+from jodc.models.attention_inputs import check_attention_inputs
 
 
 def qkv(b, t, h=4, kv=2, d=8, seed=0, dtype=jnp.float32):
@@ -117,6 +118,19 @@ def test_bf16_inputs_stay_bf16_and_close_to_fp32():
                                 block_size=8)
     assert out16.dtype == jnp.bfloat16
     np.testing.assert_allclose(out16.astype(jnp.float32), out32, atol=5e-2)
+
+
+def test_check_attention_inputs_names_what_does_not_fit():
+    """The one operand check of every attention path (the flash kernel's too): shapes, head counts, segment ids."""
+    q, k, v = qkv(1, 8)
+    seg = jnp.ones((1, 8), jnp.int32)
+    check_attention_inputs(q, k, v, seg)  # fits: no error
+    with pytest.raises(ValueError, match="expects q"):
+        check_attention_inputs(q[0], k, v, seg)
+    with pytest.raises(ValueError, match="must have the same shape"):
+        check_attention_inputs(q, k, v[:, :4], seg)
+    with pytest.raises(ValueError, match="does not match q"):
+        check_attention_inputs(q, k[:, :4], v[:, :4], seg)
 
 
 def test_attention_rejects_bad_inputs():

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+import jodc.train
+from jodc.fsdp import ENGINES
 from jodc.train.core import config as C
-from jodc.train.cli import main
+from jodc.train.cli import COMMANDS, any_engine, main
 
 
 def write(tmp_path, text, name="c.yaml"):
@@ -119,6 +121,16 @@ def test_cli_reports_config_errors_and_prints_config(tmp_path, capsys):
     assert "config error: engine.name: Cannot convert 'mpi' into one of" in capsys.readouterr().err
     assert main(["sft", "--devices", "3", "--print-config"]) == 0
     assert "devices: 3" in capsys.readouterr().out
+
+
+def test_both_commands_name_every_registered_engine_and_the_package_exports_both_trainers():
+    """The engines a command offers come from the registry (`jodc.fsdp.ENGINES`), never a list written twice; and
+    `jodc.train` hands out both trainers' entry points."""
+    assert any_engine() == "the odc, collective, xla_spmd or reference engine" and len(ENGINES) == 4
+    for name, (*_, description) in COMMANDS.items():
+        assert any_engine() in description, name
+    assert {"run_sft", "load_config", "SFTConfig", "run_rl", "load_rl_config", "RLConfig"} <= set(jodc.train.__all__)
+    assert jodc.train.run_rl is COMMANDS["rl"][2] and jodc.train.load_rl_config is COMMANDS["rl"][1]
 
 
 def test_the_optimizer_section_is_the_engines_optimizer_config():

@@ -20,6 +20,8 @@ from typing import Sequence
 
 import jax
 
+from jodc.fsdp import ENGINES
+
 from .core import distributed, preemption
 from .core.config import ConfigError, SFTConfig, all_keys, dump, load_config, sections
 from .rl.config import RLConfig, load_rl_config
@@ -39,13 +41,20 @@ def use_cpu_devices(count: int) -> None:
             pass
 
 
+def any_engine() -> str:
+    """'the odc, collective, xla_spmd or reference engine': every engine of the registry (`jodc.fsdp.ENGINES`), which
+    both trainers take."""
+    *others, last = ENGINES
+    return f"the {', '.join(others)} or {last} engine" if others else f"the {last} engine"
+
+
 # name: (config class, load, trainer, label of its messages, help, description)
 COMMANDS = {
     "sft": (SFTConfig, load_config, run_sft, "jodc-train", "supervised fine-tuning",
-            "Supervised fine-tuning with the ODC, collective, XLA-SPMD or reference engine."),
+            f"Supervised fine-tuning with {any_engine()}."),
     "rl": (RLConfig, load_rl_config, run_rl, "jodc-train rl", "RL post-training (DPPO by default)",
-           "RL post-training (GRPO-style groups, DPPO by default) with the ODC, collective or reference engine, on a "
-           "verifiable task or your own reward function."),
+           f"RL post-training (GRPO-style groups, DPPO by default) with {any_engine()}, on a verifiable task or "
+           "your own reward function."),
 }
 
 

@@ -1,7 +1,7 @@
 """FSDP engines behind one interface: ODC (point-to-point, per-device microbatch counts, one barrier per
 minibatch), collective (all_gather / psum_scatter in lock-step), XLA-SPMD (NamedSharding under plain jit: what
-JAX users do today) and an unsharded reference, sharing one core (`engine`), registered by name (`ENGINES`; their
-facts in `jodc.engine_facts`); `from_nnx` adapts a Flax NNX model."""
+JAX users do today) and an unsharded reference, sharing one core (`engine`), registered by name (`ENGINES`), each
+stating its own facts (`lockstep`, `default_planner`, ...) in its class; `from_nnx` adapts a Flax NNX model."""
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.collective_engine import CollectiveEngine
 from jodc.fsdp.engine import Engine, NonFiniteStepError, StepResult
@@ -14,5 +14,5 @@ from jodc.fsdp.xla_spmd_engine import XlaSpmdEngine
 from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
 
 __all__ = ["ENGINES", "CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "NNXStagedModel",
-           "NonFiniteStepError", "ODCEngine", "OptimizerConfig", "ReferenceEngine", "XlaSpmdEngine", "Stage", "StagedModel", "StepResult",
-           "engine_class", "from_nnx", "make_engine"]
+           "NonFiniteStepError", "ODCEngine", "OptimizerConfig", "ReferenceEngine", "XlaSpmdEngine", "Stage",
+           "StagedModel", "StepResult", "engine_class", "from_nnx", "make_engine"]

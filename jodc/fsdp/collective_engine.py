@@ -27,20 +27,24 @@ class CollectiveEngine(ShardedStateMixin, Engine):
     `lb_micro` give equal counts; extra ones are empty and cost compute)."""
 
     name = "collective"
+    lockstep = True  # every device runs max(counts) microbatches: its collectives meet in every one
+    supports_timeline = True
+    default_planner = "lb_micro"
+    supports_deterministic = False  # psum_scatter adds in the collective's own order
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
-        self.mesh = sharding.check_mesh(mesh, self.name)
-        self.axes = sharding.device_axes(mesh)
+        self.layout = sharding.MeshLayout.of(mesh, self.name)
+        self.mesh = mesh
         self.numels = {g: model.layouts[g].numel for g in model.group_names}
-        self.shard_numels = sharding.shard_numels(self.numels, sharding.shards(mesh))
+        self.shard_numels = sharding.shard_numels(self.numels, self.layout.shards)
         self._init_sharded_state(groups)
 
     @property
     def num_devices(self) -> int:
-        return int(self.mesh.devices.size)  # replicas x shards
+        return self.layout.devices
 
     def _microbatch_loss(self, shards, microbatch, i=None, recorder=None):
         h = None
@@ -68,7 +72,7 @@ class CollectiveEngine(ShardedStateMixin, Engine):
 
         def microbatch_grads(mb, i):
             aux, grads = grad_fn(shards, mb, i)
-            if isinstance(self.axes, tuple):  # HSDP: all-reduce every microbatch's gradient over the replicas
+            if self.layout.hsdp:  # all-reduce every microbatch's gradient over the replicas
                 grads = replica_sum(grads, sharding.REPLICA_AXIS)
             return aux, grads
 
@@ -77,14 +81,14 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         loss_sum, metric_sums, grads = microbatch_loop(
             accumulate(microbatch_grads), arrays, next(iter(arrays.values())).shape[0],
             jax.tree.map(jnp.zeros_like, shards), normalizer=normalizer, lengths=lengths, bucket=round_bucket,
-            metric_names=self.model.metric_names, axis=self.axes, recorder=recorder)
+            metric_names=self.model.metric_names, axis=self.layout.axes, recorder=recorder)
         shards, opt_state, loss, norm, metrics, applied = update_step(
-            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis=self.axes)
+            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, layout=self.layout)
         return (shards, sharding.stacked_state(opt_state, groups), loss[None], norm[None],
                 sharding.stacked(metrics), applied[None])
 
     def _build(self, arrays, recorder, lengths):
-        axes = self.axes
+        axes = self.layout.axes
         specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
                  sharding.device_spec(arrays, axes), P(), P())
         device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)

@@ -18,11 +18,12 @@ import numpy as np
 import optax
 from jax import lax
 
-from jodc.engine_facts import ENGINE_FACTS
 from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import MinibatchArrays
-from jodc.fsdp.optim import OptimizerConfig, guarded_update, make_optimizer, squared_norm
+from jodc.fsdp.optim import OptimizerConfig, guarded_update, learning_rate_schedule, make_optimizer, squared_norm
+from jodc.fsdp.sharding import SHARD_AXIS, MeshLayout
 from jodc.fsdp.stages import StagedModel
+from jodc.fsdp.state import GroupSource, from_host_canonical, host_copy, to_host_canonical
 from jodc.fsdp.timeline import TimelineRecorder
 
 
@@ -61,28 +62,29 @@ class Engine(abc.ABC):
     compute in `compute_dtype`, AdamW with global-norm clipping. `step` dispatches exactly one minibatch and waits
     for it (never more than one in flight: a blocking barrier must not face queued launches)."""
 
-    # Facts (class attributes, read by trainers instead of engine names): an engine class sets `name`, and a name in
-    # `jodc.engine_facts.ENGINE_FACTS` brings that row's facts (`__init_subclass__`). See `EngineFacts` for each.
-    name: str = "engine"
-    supports_timeline: bool = False
-    lockstep: bool = False
-    default_planner: str = "lb_mini"
-    supports_deterministic: bool = False
+    # Facts: what the engine is, read by trainers and the trainer's config instead of engine names. Every engine
+    # class states each of them in its own body (a class that does not cannot be defined: `__init_subclass__`).
+    name: str  # the registry name (`jodc.fsdp.ENGINES`, config `engine.name`)
+    lockstep: bool  # every device runs max(counts) microbatches (feed it lock-step plans); else its own count, and a
+    # plan's empty microbatches are dropped before the step
+    supports_timeline: bool  # `step(record_timeline=True)` records per-device busy / wait events
+    default_planner: str  # the planner used when the config names none (a `jodc.balance` planner name)
+    supports_deterministic: bool  # gradient accumulation can be made (or always is) bit-for-bit reproducible
+    FACTS = ("name", "lockstep", "supports_timeline", "default_planner", "supports_deterministic")
     # the keyword options of the constructor beyond the shape every engine shares, `(model, groups, mesh, *,
     # optimizer, compute_dtype, length_buckets, **options)`
     options: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):
+        """Refuses an engine class that states none of a fact and inherits none (a subclass of an engine keeps its
+        parent's facts)."""
         super().__init_subclass__(**kwargs)
-        facts = ENGINE_FACTS.get(cls.__dict__.get("name"))
-        if facts is not None:
-            for field in dataclasses.fields(facts):
-                setattr(cls, field.name, getattr(facts, field.name))
+        missing = [f for f in cls.FACTS if not hasattr(cls, f)]
+        if missing:
+            raise TypeError(f"engine class {cls.__name__} must state its facts {missing} in its body")
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):
-        from jodc.fsdp.state import GroupSource
-
         missing = [] if isinstance(groups, GroupSource) else [g for g in model.group_names if g not in groups]
         if missing:
             raise ValueError(f"initial parameters lack groups {missing}")
@@ -98,7 +100,8 @@ class Engine(abc.ABC):
             if not length_buckets or length_buckets[0] < 1:
                 raise ValueError(f"length_buckets must be positive token counts, got {length_buckets}")
         self.length_buckets = length_buckets
-        self.tx = make_optimizer(optimizer)
+        self.lr_schedule = learning_rate_schedule(optimizer)  # the one schedule: the optimizer's, and what it reports
+        self.tx = make_optimizer(optimizer, self.lr_schedule)
         self._compiled: dict[Any, Any] = {}
         self.numels = {g: model.layouts[g].numel for g in model.group_names}  # each group's unpadded size
 
@@ -189,6 +192,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def num_devices(self) -> int: ...
 
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate the schedule gives after `steps_done` applied updates: the rate of the next update (the
+        optimizer counts applied updates too), which the trainers log with each step."""
+        return float(self.lr_schedule(self.steps_done))
+
     # -- state -------------------------------------------------------------------------------------------------
     # The canonical form (jodc.fsdp.state): {"params": {group: 1-D fp32, the group's flat vector then zeros},
     # "opt_state": the optax tree, group leaves likewise, the step count a scalar}, as jax.Arrays split over the mesh
@@ -254,8 +263,6 @@ class Engine(abc.ABC):
         """One group's fp32 master parameters, flat (its numel), gathered to this host: a collective across
         processes (every process calls it for the same groups in the same order). One group at a time is what an
         export holds."""
-        from jodc.fsdp.state import host_copy
-
         return host_copy(self.sharded_params()[group])[: self.numels[group]]
 
     def flat_params(self) -> dict[str, np.ndarray]:
@@ -271,14 +278,10 @@ class Engine(abc.ABC):
     def state_dict(self) -> dict[str, Any]:
         """The canonical state on the host, group vectors cut to their numels, with the step count: the whole model
         and optimizer state in this process (tests, small models; checkpoints save `sharded_state()` instead)."""
-        from jodc.fsdp.state import to_host_canonical
-
         return {**to_host_canonical(self.sharded_state(), self.numels), "step": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of `state_dict` (any engine's, any layout's: group vectors of their numel or zero-padded)."""
-        from jodc.fsdp.state import from_host_canonical
-
         targets = self._targets()
         loaded = jax.tree.unflatten(jax.tree.structure(targets),
                                     jax.tree.leaves({k: v for k, v in state.items() if k != "step"}))
@@ -370,20 +373,19 @@ def replica_sum(tree, axis: str, *, ordered: bool = False):
 
 
 def update_step(tx: optax.GradientTransformation, cfg: OptimizerConfig, grads, params, opt_state, loss_sum,
-                metric_sums, *, axis: str | tuple[str, ...] | None = None):
-    """The optimizer update every engine ends its step with, on whole parameters (`axis` None) or on this device's
-    shards inside shard_map (`axis` 'd': the squared gradient norm, the loss and the metrics are summed over the
-    devices in device order, `device_sum`, so clipping sees the global norm). On an HSDP mesh (`axis` ('r', 'd'))
-    `grads` are this device's shard already summed over the replicas: every replica group holds the whole gradient
-    once, so its squared norm is summed over the last axis ('d') only, and the loss and metrics over every device.
-    Non-finite steps are not applied (`optim.guarded_update`). Returns (params, opt_state, loss, grad_norm, metrics,
-    applied)."""
-    shard_axis = axis[-1] if isinstance(axis, tuple) else axis
-    reduce = (lambda x: x) if axis is None else functools.partial(device_sum, axis=axis)
-    if shard_axis == axis:  # flat (or no) sharding: norm and loss in one gather
+                metric_sums, *, layout: MeshLayout | None = None):
+    """The optimizer update every engine ends its step with, on whole parameters (`layout` None) or on this device's
+    shards inside shard_map over `layout`'s mesh (flat: the squared gradient norm, the loss and the metrics are
+    summed over the devices in device order, `device_sum`, so clipping sees the global norm). On an HSDP mesh
+    (`layout.hsdp`) `grads` are this device's shard already summed over the replicas: every replica group holds the
+    whole gradient once, so its squared norm is summed over the shard axis ('d') only, and the loss and metrics over
+    every device. Non-finite steps are not applied (`optim.guarded_update`). Returns (params, opt_state, loss,
+    grad_norm, metrics, applied)."""
+    reduce = (lambda x: x) if layout is None else functools.partial(device_sum, axis=layout.axes)
+    if layout is not None and layout.hsdp:
+        global_sq, loss = device_sum(squared_norm(grads), SHARD_AXIS), reduce(loss_sum)
+    else:  # flat (or no) sharding: norm and loss in one gather
         global_sq, loss = reduce((squared_norm(grads), loss_sum))
-    else:
-        global_sq, loss = device_sum(squared_norm(grads), shard_axis), reduce(loss_sum)
     params, opt_state, norm, applied = guarded_update(tx, cfg, grads, params, opt_state, global_sq_norm=global_sq,
                                                       loss=loss, all_reduce=reduce)
     return params, opt_state, loss, norm, reduce(metric_sums), applied

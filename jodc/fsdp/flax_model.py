@@ -127,10 +127,6 @@ def _default_head(modules, h, microbatch):
     return _apply_in_turn(modules if isinstance(modules, tuple) else (modules,), h)
 
 
-def _default_loss(logits, microbatch):
-    return sft_loss_from_logits(logits, microbatch)
-
-
 @dataclasses.dataclass(frozen=True)
 class NNXStagedModel:
     """What `from_nnx` returns: `model` and `groups` (initial fp32 parameters) for an engine, and `update` to write
@@ -205,7 +201,7 @@ def from_nnx(module: nnx.Module, *, embed: str | Sequence[str] = "embed", layers
     embed_call = embed_call or _default_embed
     layer_call = layer_call or _default_layer
     head_call = head_call or _default_head
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or sft_loss_from_logits
 
     def single(mods):  # one module as itself, several as a tuple
         return mods[0] if len(mods) == 1 else mods

@@ -47,6 +47,10 @@ class ODCEngine(ShardedStateMixin, Engine):
     """
 
     name = "odc"
+    lockstep = False  # each device runs its own microbatch count
+    supports_timeline = True
+    default_planner = "lb_mini"
+    supports_deterministic = True  # per-source landing slots (`deterministic=True`)
     options = ("deterministic", "barrier_timeout_s")
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
@@ -54,9 +58,9 @@ class ODCEngine(ShardedStateMixin, Engine):
                  length_buckets=None):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
-        self.mesh = sharding.check_mesh(mesh, "ODC")
-        self.axes = sharding.device_axes(mesh)
-        if isinstance(self.axes, tuple):  # HSDP: one heap per replica group
+        self.layout = sharding.MeshLayout.of(mesh, "ODC")
+        self.mesh = mesh
+        if self.layout.hsdp:  # one heap per replica group
             self.heap = ops.ReplicatedHeap(mesh, sharding.SHARD_AXIS, sharding.REPLICA_AXIS,
                                            deterministic=deterministic, barrier_timeout_s=barrier_timeout_s)
         else:
@@ -64,7 +68,7 @@ class ODCEngine(ShardedStateMixin, Engine):
         self.deterministic = bool(deterministic)
         self.buckets = {g: self.heap.register(model.layouts[g].numel, jnp.float32, name=g) for g in model.group_names}
         self.numels = {g: b.numel for g, b in self.buckets.items()}
-        self.shard_numels = sharding.shard_numels(self.numels, sharding.shards(mesh))
+        self.shard_numels = sharding.shard_numels(self.numels, self.layout.shards)
         native = {g: b.shard_numel for g, b in self.buckets.items()}
         if native != self.shard_numels:  # one layout for every engine and checkpoint; never expected to differ
             raise RuntimeError(f"the heap's shard sizes {native} differ from jodc.ops.layout's {self.shard_numels}")
@@ -72,7 +76,7 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     @property
     def num_devices(self) -> int:
-        return int(self.mesh.devices.size)  # replicas x shards: the devices a minibatch is planned for
+        return self.layout.devices
 
     # -- compiled pieces ---------------------------------------------------------------------------------------
     def _layers(self):
@@ -85,7 +89,7 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     def _device_step(self, shards, opt_state, arrays, counts, bucket_index, normalizer, recorder=None,
                      lengths=()):
-        groups = self.model.group_names
+        groups, axes = self.model.group_names, self.layout.axes
         shards, opt_state = sharding.local_state(shards, groups), sharding.local_state(opt_state, groups)
         arrays = sharding.local(arrays)
         layers = self._layers()
@@ -104,7 +108,7 @@ class ODCEngine(ShardedStateMixin, Engine):
 
         def run_microbatch(microbatch, i, token):
             """Forward + backward of one microbatch; its gradients are pushed to their owners, not carried."""
-            anchor = lax.pcast(jnp.zeros(()), self.axes, to="varying")
+            anchor = lax.pcast(jnp.zeros(()), axes, to="varying")
             loss, vjp_fn, (token, metrics) = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor,
                                                      token, has_aux=True)
             d_anchor, _ = vjp_fn(jnp.ones_like(loss))
@@ -113,13 +117,13 @@ class ODCEngine(ShardedStateMixin, Engine):
 
         # each device runs its own count and picks its own length per microbatch: no collective inside the loop
         arrays = jax.tree.map(lambda v: v[:, None], arrays)  # [M, 1, T]: this device's one row per microbatch
-        per_device_normalizer = lax.pcast(normalizer, self.axes, to="varying")  # no collective in the backward
+        per_device_normalizer = lax.pcast(normalizer, axes, to="varying")  # no collective in the backward
         loss_sum, metric_sums, token = microbatch_loop(
-            run_microbatch, arrays, counts[0], ops.new_token(self.axes), normalizer=per_device_normalizer,
-            lengths=lengths, bucket=bucket_index[0], metric_names=self.model.metric_names, axis=self.axes)
+            run_microbatch, arrays, counts[0], ops.new_token(axes), normalizer=per_device_normalizer,
+            lengths=lengths, bucket=bucket_index[0], metric_names=self.model.metric_names, axis=axes)
         # every device's pushes have landed. HSDP: every device of every group meets here (`replica_barrier`), so
         # that a failure anywhere ends every device's step in an abortable barrier, never in a collective below
-        token = self._barrier(token, recorder, every_group=isinstance(self.axes, tuple))
+        token = self._barrier(token, recorder, every_group=self.layout.hsdp)
         # the reductions below are collectives: keep them after the barrier (XLA would otherwise hoist them, and
         # the devices would meet there instead, invisibly)
         loss_sum, metric_sums = ops.depend_on((loss_sum, metric_sums), token)
@@ -127,11 +131,11 @@ class ODCEngine(ShardedStateMixin, Engine):
         for g in self.model.group_names:
             grads[g], token = ops.read_accumulator(self.buckets[g], token)
             token = ops.zero_accumulator(self.buckets[g], token)
-        if isinstance(self.axes, tuple):  # HSDP: each group holds its own devices' gradients; sum them, once
+        if self.layout.hsdp:  # each group holds its own devices' gradients; sum them, once
             grads = replica_sum(grads, sharding.REPLICA_AXIS, ordered=self.deterministic)
         # a non-finite step keeps (and republishes) the previous shards: a NaN on one device reaches no parameter
         shards, opt_state, loss, norm, metrics, applied = update_step(
-            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, axis=self.axes)
+            self.tx, self.optimizer, grads, shards, opt_state, loss_sum, metric_sums, layout=self.layout)
         for g in self.model.group_names:
             token = ops.publish(self.buckets[g], shards[g], token)
         token = self._barrier(token, recorder)  # nobody gathers the next minibatch before everyone published
@@ -153,7 +157,7 @@ class ODCEngine(ShardedStateMixin, Engine):
         key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None, lengths)
 
         def build():
-            axes = self.axes
+            axes = self.layout.axes
             specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
                      sharding.device_spec(arrays_template, axes), P(axes), P(axes), P())
             device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
@@ -188,7 +192,7 @@ class ODCEngine(ShardedStateMixin, Engine):
         """Publishes the engine's shards into the heap, each device its own (on device: no host copy, no process
         writes another's shard), then meets the others, so no gather reads a shard before it is published."""
         self.heap.check_alive()
-        axes, groups = self.axes, self.model.group_names
+        axes, groups = self.layout.axes, self.model.group_names
 
         def publish_all(shards):
             token = ops.new_token(axes)

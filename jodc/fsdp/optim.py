@@ -71,10 +71,10 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, main], [cfg.warmup_steps])
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """AdamW without clipping (clipping needs the global norm; see `clip_by_global_norm`)."""
-    return optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay)
+def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """AdamW at the learning rates of `schedule` (`learning_rate_schedule(cfg)`, built once by the engine, which
+    also reports it), without clipping (clipping needs the global norm; see `clip_by_global_norm`)."""
+    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def squared_norm(tree) -> jax.Array:

@@ -23,7 +23,11 @@ class ReferenceEngine(Engine):
     runs on its first device. None: one device, the first CPU device. Length buckets are accepted (the shape every
     engine shares) and not used: each microbatch runs at the full token cap."""
 
-    name = "reference"  # no timelines (one device: nothing to wait for)
+    name = "reference"
+    lockstep = False  # it runs each device's own microbatches, in turn
+    supports_timeline = False  # one device: nothing to wait for
+    default_planner = "lb_mini"
+    supports_deterministic = True  # one device, one order: always
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh | None = None, *,
                  optimizer: OptimizerConfig, compute_dtype=jnp.float32, length_buckets=None):

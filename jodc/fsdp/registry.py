@@ -1,10 +1,9 @@
-"""The engines by name: `ENGINES` maps each name of `jodc.engine_facts.ENGINE_FACTS` to its class, and
-`make_engine` builds one with the constructor shape every engine shares."""
+"""The engines by name: `ENGINES`, the one list of engines, maps each engine class's `name` to the class (each class
+states its own facts: `Engine`), and `make_engine` builds one with the constructor shape every engine shares."""
 from __future__ import annotations
 
 from typing import Any
 
-from jodc.engine_facts import engine_facts
 from jodc.fsdp.collective_engine import CollectiveEngine
 from jodc.fsdp.engine import Engine
 from jodc.fsdp.odc_engine import ODCEngine
@@ -17,8 +16,10 @@ ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (ODCEngine, Collect
 
 def engine_class(name: str) -> type[Engine]:
     """The engine class registered as `name`; ValueError naming the engines there are."""
-    engine_facts(name)  # the clear error for an unknown name
-    return ENGINES[name]
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; engines are {', '.join(ENGINES)}") from None
 
 
 def make_engine(name: str, model, groups: dict[str, Any], mesh, *, optimizer, compute_dtype, length_buckets=None,

@@ -3,13 +3,18 @@ of size `devices`), placement on a mesh, the shard sizes and the optimizer state
 
 Meshes: 1-D ('d',) (flat FSDP: every device a shard) or 2-D ('r', 'd') (HSDP: parameters sharded over the 'd'
 devices of a replica group, replicated over the 'r' groups). A per-device leaf [D, ...] has one row per device in
-mesh order, D = replicas x shards: device (r, d) holds row r * shards + d (`device_axes`)."""
+mesh order, D = replicas x shards: device (r, d) holds row r * shards + d (`device_axes`). An engine reads its mesh
+once into a `MeshLayout` (replicas, shards, axes) and asks it wherever flat FSDP and HSDP differ."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jodc.ops import layout
 
 REPLICA_AXIS = "r"  # HSDP: the axis the replica groups lie along
 SHARD_AXIS = "d"  # the axis parameters are sharded over (inside a replica group)
@@ -20,14 +25,38 @@ def device_axes(mesh) -> str | tuple[str, str]:
     return (REPLICA_AXIS, SHARD_AXIS) if REPLICA_AXIS in mesh.axis_names else SHARD_AXIS
 
 
-def replicas(mesh) -> int:
-    """Replica groups of `mesh` (1 on a 1-D mesh)."""
-    return int(mesh.shape[REPLICA_AXIS]) if REPLICA_AXIS in mesh.axis_names else 1
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """How an engine's devices are arranged, read once from its mesh (`of`): `replicas` HSDP replica groups (1 on a
+    flat mesh) of `shards` devices each, and `axes`, the mesh axes a per-device leading axis is split over ('d', or
+    ('r', 'd') on an HSDP mesh: `device_axes`). What differs between flat FSDP and HSDP asks `hsdp`."""
 
+    mesh: Mesh
+    replicas: int
+    shards: int
+    axes: str | tuple[str, str]
 
-def shards(mesh) -> int:
-    """Devices of one replica group: the number of shards each parameter group is split into."""
-    return int(mesh.shape[SHARD_AXIS])
+    @classmethod
+    def of(cls, mesh: Mesh, engine: str) -> MeshLayout:
+        """The layout of `mesh`; ValueError naming `engine` unless its axes are ('d',) or ('r', 'd') (`check_mesh`)."""
+        check_mesh(mesh, engine)
+        axes = device_axes(mesh)
+        replicas = int(mesh.shape[REPLICA_AXIS]) if axes != SHARD_AXIS else 1
+        return cls(mesh, replicas, int(mesh.shape[SHARD_AXIS]), axes)
+
+    @property
+    def hsdp(self) -> bool:
+        """An ('r', 'd') mesh: every replica group is its own FSDP world, and the groups' gradients are summed."""
+        return self.axes != SHARD_AXIS
+
+    @property
+    def devices(self) -> int:
+        """Every device of the mesh, replicas x shards: the devices a minibatch is planned for."""
+        return self.replicas * self.shards
+
+    def rows(self) -> NamedSharding:
+        """The sharding of a per-device leaf [devices, ...]: device (r, d) holds row r * shards + d."""
+        return NamedSharding(self.mesh, P(self.axes))
 
 
 def device_position():
@@ -117,8 +146,6 @@ def hsdp_mesh(devices, replicas: int) -> Mesh:
     ('r', 'd') with consecutive devices in one group (devices r * shards .. r * shards + shards - 1 form group r: a
     process's or a node's devices, listed together, share the fast link). ValueError naming `replicas` when it is
     not a positive divisor of the device count."""
-    from jodc.engine_facts import hsdp_shards
-
     devices = list(devices)
     shards = hsdp_shards(len(devices), replicas)
     if replicas == 1:
@@ -126,11 +153,21 @@ def hsdp_mesh(devices, replicas: int) -> Mesh:
     return Mesh(np.array(devices).reshape(replicas, shards), (REPLICA_AXIS, SHARD_AXIS))
 
 
+def hsdp_shards(devices: int, replicas: int) -> int:
+    """Devices per replica group (shards per parameter group) when `devices` data-parallel devices form `replicas`
+    HSDP replica groups; ValueError naming `replicas` unless it is a positive integer dividing `devices` (the
+    trainer's config checks its `engine` section with it; `hsdp_mesh` builds the mesh)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    if devices % replicas:
+        raise ValueError(f"replicas={replicas} does not divide the {devices} devices into equal replica groups "
+                         f"(replicas x shards = devices)")
+    return devices // replicas
+
+
 def shard_numels(numels: dict[str, int], devices: int) -> dict[str, int]:
     """Elements per device shard of each group's flat fp32 vector: the heap's layout (`jodc.ops.layout`, the
     Python mirror of ffi/common/layout.h), so every engine splits a group exactly as the ODC heap does."""
-    from jodc.ops import layout
-
     return {g: layout.shard_numel(n, devices, 4) for g, n in numels.items()}
 
 
@@ -141,11 +178,10 @@ def opt_state_specs(tx, shards, axes="d"):
     return jax.tree.map(lambda _: P(axes), shapes)
 
 
-def init_opt_state(tx, mesh: Mesh, shards, out_shardings=None):
+def init_opt_state(tx, mesh_layout: MeshLayout, shards):
     """`tx.init` run on every device's own shard under shard_map: moments split like `shards`, the step count with a
     leading device axis (`local_state`)."""
-    axes = device_axes(mesh)
-    groups = tuple(shards)
-    init = jax.shard_map(lambda s: stacked_state(tx.init(s), groups), mesh=mesh,
+    axes, groups = mesh_layout.axes, tuple(shards)
+    init = jax.shard_map(lambda s: stacked_state(tx.init(s), groups), mesh=mesh_layout.mesh,
                          in_specs=(device_spec(shards, axes),), out_specs=opt_state_specs(tx, shards, axes))
     return jax.jit(init)(shards)

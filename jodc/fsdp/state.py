@@ -19,9 +19,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jodc.fsdp import sharding
+from jodc.fsdp.sharding import MeshLayout
 
 
 @runtime_checkable
@@ -107,35 +109,33 @@ def _rows_to_value(x: jax.Array, mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, target, arrays)
 
 
-def rows_to_canonical(tree, mesh, groups) -> Any:
+def rows_to_canonical(tree, layout: MeshLayout, groups) -> Any:
     """A sharded engine's state (group leaves 1-D, one block per device in mesh order; other leaves [devices, ...])
-    as canonical leaves: group leaves split over 'd' only (on an HSDP mesh device (r, d) holds block d, which it
-    already does), other leaves as one replicated value (every device holds the same step count). No data move."""
-    replicas = sharding.replicas(mesh)
+    on `layout`'s mesh as canonical leaves: group leaves split over 'd' only (on an HSDP mesh device (r, d) holds
+    block d, which it already does), other leaves as one replicated value (every device holds the same step count).
+    No data move."""
 
     def convert(path, x):
         if sharding.group_of(path, groups) is None:
-            return _rows_to_value(x, mesh)
-        if replicas == 1:
+            return _rows_to_value(x, layout.mesh)
+        if layout.replicas == 1:
             return x
-        return _relabel(x, (x.shape[0] // replicas,), canonical_sharding(mesh))
+        return _relabel(x, (x.shape[0] // layout.replicas,), canonical_sharding(layout.mesh))
 
     return jax.tree_util.tree_map_with_path(convert, tree)
 
 
-def canonical_to_rows(tree, mesh, groups) -> Any:
+def canonical_to_rows(tree, layout: MeshLayout, groups) -> Any:
     """Inverse of `rows_to_canonical`: canonical leaves (as `state_targets` placed them) in a sharded engine's own
     layout. No data move for the group leaves."""
-    replicas = sharding.replicas(mesh)
-    rows = NamedSharding(mesh, P(sharding.device_axes(mesh)))
-    devices = int(mesh.devices.size)
+    rows = layout.rows()
 
     def convert(path, x):
         if sharding.group_of(path, groups) is not None:
-            if replicas == 1:
+            if layout.replicas == 1:
                 return x
-            return _relabel(x, (x.shape[0] * replicas,), rows)
-        shape = (devices,) + tuple(np.shape(x))
+            return _relabel(x, (x.shape[0] * layout.replicas,), rows)
+        shape = (layout.devices,) + tuple(np.shape(x))
         by_device = {s.device: s.data for s in x.addressable_shards}
         arrays = [by_device[d].reshape((1,) + tuple(np.shape(x))) for d in rows.addressable_devices_indices_map(shape)]
         return jax.make_array_from_single_device_arrays(shape, rows, arrays)
@@ -143,15 +143,15 @@ def canonical_to_rows(tree, mesh, groups) -> Any:
     return jax.tree_util.tree_map_with_path(convert, tree)
 
 
-def rows_targets(tree, mesh, groups) -> Any:
-    """`jax.ShapeDtypeStruct`s of the canonical form of a sharded engine's state `tree` (its shapes and placement):
-    what a checkpoint is restored into."""
-    replicas = sharding.replicas(mesh)
-    replicated = NamedSharding(mesh, P())
+def rows_targets(tree, layout: MeshLayout, groups) -> Any:
+    """`jax.ShapeDtypeStruct`s of the canonical form of a sharded engine's state `tree` (its shapes and placement on
+    `layout`'s mesh): what a checkpoint is restored into."""
+    replicated = NamedSharding(layout.mesh, P())
 
     def target(path, x):
         if sharding.group_of(path, groups) is not None:
-            return jax.ShapeDtypeStruct((x.shape[0] // replicas,), x.dtype, sharding=canonical_sharding(mesh))
+            return jax.ShapeDtypeStruct((x.shape[0] // layout.replicas,), x.dtype,
+                                        sharding=canonical_sharding(layout.mesh))
         return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=replicated)
 
     return jax.tree_util.tree_map_with_path(target, tree)
@@ -171,8 +171,6 @@ def host_copy(x) -> np.ndarray:
     if not isinstance(x, jax.Array):
         return np.array(x)
     if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     out = np.empty(x.shape, x.dtype)
     for s in x.addressable_shards:
@@ -213,19 +211,20 @@ def from_host_canonical(state, targets, numels: dict[str, int]) -> Any:
 class ShardedStateMixin:
     """State for engines whose parameters are `shards` ({group: 1-D [devices x shard]}, one block per device in mesh
     order, HSDP replicas repeating the blocks) and `opt_state` (moments split the same way, the step count with a
-    leading device axis) on `mesh`, given `numels` and `shard_numels` per group."""
+    leading device axis) on the mesh of `layout` (a `MeshLayout`), given `numels` and `shard_numels` per group."""
+
+    layout: MeshLayout
 
     def _row_lengths(self) -> dict[str, int]:
-        devices = int(self.mesh.devices.size)
-        return {g: self.shard_numels[g] * devices for g in self.model.group_names}
+        return {g: self.shard_numels[g] * self.layout.devices for g in self.model.group_names}
 
     def _init_sharded_state(self, groups) -> None:
         """Places the initial parameters (a `GroupSource` or group pytrees), each process building only its own
         devices' blocks, and initialises the optimizer on each shard."""
         source = as_source(groups, self.model.layouts)
-        rows = NamedSharding(self.mesh, P(sharding.device_axes(self.mesh)))
+        rows = self.layout.rows()
         shard_numels = self.shard_numels
-        shards = sharding.shards(self.mesh)
+        shards = self.layout.shards
 
         def block(g):  # a device's block of the rows = its range of the group's padded vector (replica-independent)
             def fill(begin, end):
@@ -235,23 +234,23 @@ class ShardedStateMixin:
             return fill
 
         self.shards = {g: place_flat((n,), rows, block(g)) for g, n in self._row_lengths().items()}
-        self.opt_state = sharding.init_opt_state(self.tx, self.mesh, self.shards)
+        self.opt_state = sharding.init_opt_state(self.tx, self.layout, self.shards)
         self._params_loaded()
 
     def _canonical(self) -> dict[str, Any]:
         groups = self.model.group_names
-        return {"params": rows_to_canonical(self.shards, self.mesh, groups),
-                "opt_state": rows_to_canonical(self.opt_state, self.mesh, groups)}
+        return {"params": rows_to_canonical(self.shards, self.layout, groups),
+                "opt_state": rows_to_canonical(self.opt_state, self.layout, groups)}
 
     def _targets(self) -> dict[str, Any]:
         groups = self.model.group_names
-        return {"params": rows_targets(self.shards, self.mesh, groups),
-                "opt_state": rows_targets(self.opt_state, self.mesh, groups)}
+        return {"params": rows_targets(self.shards, self.layout, groups),
+                "opt_state": rows_targets(self.opt_state, self.layout, groups)}
 
     def _load_canonical(self, state) -> None:
         groups = self.model.group_names
-        self.shards = canonical_to_rows(state["params"], self.mesh, groups)
-        self.opt_state = canonical_to_rows(state["opt_state"], self.mesh, groups)
+        self.shards = canonical_to_rows(state["params"], self.layout, groups)
+        self.opt_state = canonical_to_rows(state["opt_state"], self.layout, groups)
         self._params_loaded()
 
     def _params_loaded(self) -> None:

@@ -55,25 +55,21 @@ class TimelineRecorder:
             self._marks.append(Mark(int(device), int(microbatch), int(code), int(stage), t))
         return np.zeros((), np.int32)
 
-    def _stamp(self, value, microbatch, code, stage):
-        """Records a mark after `value` exists, and returns `value` made to depend on the mark (so the mark sits
-        exactly between what produced `value` and what consumes it)."""
-        done = io_callback(self._record, jax.ShapeDtypeStruct((), jnp.int32), device_position(), microbatch,
-                           code, stage, lax.stop_gradient(_first(value)))
-        return depend_on(value, done)
-
     def reset(self) -> None:
         with self._lock:
             self._marks = []
 
     # -- inside the program ------------------------------------------------------------------------------------
     def mark(self, value, microbatch, code: int, stage: int = -1):
-        """Records a mark once `value` exists; returns `value` tied to it (use the result)."""
-        return self._stamp(value, microbatch, code, stage)
+        """Records a mark once `value` exists; returns `value` made to depend on the mark (use the result: the mark
+        then sits exactly between what produced `value` and what consumes it)."""
+        done = io_callback(self._record, jax.ShapeDtypeStruct((), jnp.int32), device_position(), microbatch,
+                           code, stage, lax.stop_gradient(_first(value)))
+        return depend_on(value, done)
 
     def probe(self, h, microbatch, stage: int):
         """Identity with a forward mark (stage done) and a backward mark (cotangent reached this point)."""
-        stamp = self._stamp
+        stamp = self.mark
 
         @jax.custom_vjp
         def identity(h, mb):

@@ -27,23 +27,27 @@ class XlaSpmdEngine(Engine):
     split over both (XLA places the cross-replica reduction)."""
 
     name = "xla_spmd"
+    lockstep = True  # one program for all devices
+    supports_timeline = False
+    default_planner = "lb_micro"
+    supports_deterministic = False  # XLA places (and orders) the reductions
     options = ("remat",)
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, remat: bool = True, length_buckets=None):
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
-        self.mesh = sharding.check_mesh(mesh, "SPMD")
-        self.axes = sharding.device_axes(mesh)
+        self.layout = sharding.MeshLayout.of(mesh, "SPMD")
+        self.mesh = mesh
         self.remat = remat  # per-stage rematerialisation, like the other engines (MaxText's remat_policy=full)
         self.numels = {g: model.layouts[g].numel for g in model.group_names}
-        shards = sharding.shards(mesh)
+        shards = self.layout.shards
         self.padded = {g: n * shards for g, n in sharding.shard_numels(self.numels, shards).items()}
         self.param_sharding = NamedSharding(mesh, P("d"))
         # split over 'd' (replicated over HSDP replica groups): the canonical layout itself (jodc.fsdp.state)
         flats = state.place_groups(state.as_source(groups, model.layouts), self.padded, self.param_sharding)
         self._place_state(flats, self.param_sharding, self._opt_shardings(jax.eval_shape(self.tx.init, flats)))
-        self.batch_sharding = NamedSharding(mesh, P(None, self.axes, None))  # [M, D, T]: one row per device
+        self.batch_sharding = NamedSharding(mesh, P(None, self.layout.axes, None))  # [M, D, T]: one row per device
 
     def _opt_shardings(self, opt_state):
         """Optimizer state leaves of a parameter group are sharded as the parameters, the others replicated."""
@@ -56,7 +60,7 @@ class XlaSpmdEngine(Engine):
 
     @property
     def num_devices(self) -> int:
-        return int(self.mesh.devices.size)  # replicas x shards
+        return self.layout.devices
 
     def _loss(self, flats, microbatch):
         # FSDP's partitioning, stated: stage by stage, the stage's groups are gathered whole right before it runs
@@ -74,7 +78,7 @@ class XlaSpmdEngine(Engine):
         # stage runs per device under shard_map on the replicated parameters; the activations between stages stay
         # sharded by rows (a leading device axis on every leaf), and the last stage's loss and metrics, sums over
         # rows, are psummed into the whole microbatch's.
-        specs = {k: P(self.axes) if jnp.ndim(v) else P() for k, v in microbatch.items()}
+        specs = {k: P(self.layout.axes) if jnp.ndim(v) else P() for k, v in microbatch.items()}
         h = None
         last = len(self.model.stages) - 1
         for index, st in enumerate(self.model.stages):
@@ -82,8 +86,9 @@ class XlaSpmdEngine(Engine):
             if self.remat:
                 h = self._fsdp_remat(stage, index == last)(tuple(flats[g] for g in st.groups), h, microbatch)
             else:  # the gathered parameters are kept for the backward: every stage's, the whole model
-                h = stage(self._gather(tuple(flats[g] for g in st.groups),
-                                       h if h is not None else microbatch["tokens"], P(self.axes)), h, microbatch)
+                full = self._gather(tuple(flats[g] for g in st.groups),
+                                    h if h is not None else microbatch["tokens"], P(self.layout.axes))
+                h = stage(full, h, microbatch)
         return h
 
     def _gather(self, flats, after, after_spec):
@@ -101,17 +106,17 @@ class XlaSpmdEngine(Engine):
             # varying from here on: the gradient of each whole flat vector is reduced over the devices at once,
             # after its tensors' gradients are put together, rather than tensor by tensor, each padded to the
             # vector's size first (XLA kept those padded copies alive together: a dozen layers' worth of memory)
-            full = lax.pcast(full, self.axes, to="varying")
+            full = lax.pcast(full, self.layout.axes, to="varying")
             params = tuple(self.model.layouts[g].unflatten(v[: self.numels[g]].astype(self.compute_dtype))
                            for g, v in zip(st.groups, full))
             out = st.fn(params, jax.tree.map(lambda x: x[0], h), microbatch)
             if last:
                 loss, metrics = split_loss(out, self.model.metric_names)
-                return lax.psum((loss.astype(jnp.float32), metrics), self.axes)
+                return lax.psum((loss.astype(jnp.float32), metrics), self.layout.axes)
             return jax.tree.map(lambda x: x[None], out)
 
-        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), P(self.axes), specs),
-                             out_specs=P() if last else P(self.axes))(full, h, microbatch)
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), P(self.layout.axes), specs),
+                             out_specs=P() if last else P(self.layout.axes))(full, h, microbatch)
 
     def _fsdp_remat(self, stage, last):
         """`stage(full, h, microbatch)` on the gathered parameters, rematerialised as FSDP does it: a function of the
@@ -125,7 +130,7 @@ class XlaSpmdEngine(Engine):
         scheduled first; optimization barriers are gone by then on CPU), every stage's parameters whole twice over
         for the whole step, and it delayed every stage's gradient all-reduce to the end of the backward (combined
         into one), every stage's whole gradient at once. That is what the collective engine's all_gathers get."""
-        rows = P(self.axes)
+        rows = P(self.layout.axes)
 
         @jax.custom_vjp
         def run(flats, h, microbatch):

@@ -24,8 +24,8 @@ import mergedeep
 import yaml
 from draccus.utils import DecodingError, ParsingError, deflatten
 
-from jodc.engine_facts import hsdp_shards
 from jodc.fsdp import ENGINES, OptimizerConfig, engine_class
+from jodc.fsdp.sharding import hsdp_shards
 
 from .export import EXPORT_DTYPES
 from .presets import MODEL_PRESETS

@@ -26,7 +26,6 @@ import jax
 
 from jodc.train.core.staged_decoder import decoder_staged_model
 from jodc.fsdp.engine import nonfinite_cause
-from jodc.fsdp.optim import learning_rate_schedule
 from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
 
 from .callbacks import Callback, EngineFactory, emit
@@ -109,14 +108,14 @@ class Trainer:
     def build_engine(self, model, *, max_length: int, **head) -> dict:
         """What `build` makes the same way in both trainers: the decoder of `model` (a ModelConfig) for
         `self.tokenizer`, staged with `head` (`decoder_staged_model`'s head_loss / metric_names), the planner (timed:
-        plan_ms), its cost model, the learning-rate schedule and the engine; returns the staged group parameters."""
+        plan_ms), its cost model and the engine (which runs, and reports, the learning-rate schedule); returns the
+        staged group parameters."""
         config, seed = self.config, self.config.run.seed
         self.model_config, groups = build_decoder(model, self.tokenizer, max_length=max_length,
                                                   compute_dtype=config.engine.compute_dtype, seed=seed)
         self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed, **head)
         self.planner = self.timers.timed("plan", make_planner(config))
         self.cost_model = cost_model(config.engine.cost_model, self.model_config)
-        self.lr_schedule = learning_rate_schedule(config.schedule_optimizer)
         self.engine = self.engine_factory(config, self.model, groups)
         return groups
 

@@ -290,7 +290,7 @@ class RLRun(Trainer):
             scored, waited = self.rollouts.get(step, params)  # sampled now, or by the sampler thread
             minibatches, extra_record = self.minibatches(step, scored, params)
             updates, tokens, microbatches = [], 0, []
-            learning_rate = float(self.lr_schedule(self.engine.steps_done))
+            learning_rate = self.engine.learning_rate
             for i in range(run_.updates_per_step):
                 with timers("train"):  # planning (plan_ms) and packing are part of it
                     arrays = next(minibatches)

@@ -79,7 +79,7 @@ class SFTRun(Trainer):
         done = step + 1
         with self.timers("host"):  # host_seconds: the data and the plan (plan_ms is part of it)
             plan, arrays, examples = self.minibatch(step)
-        learning_rate = float(self.lr_schedule(self.engine.steps_done))
+        learning_rate = self.engine.learning_rate
         result = self.update(arrays, f"step {done}", timeline=(done, plan) if self.timeline_due(done) else None)
         extra = {self.SKIPPED_KEY: self.skipped, **{f"model_{k}": v for k, v in result.metrics.items()}}
         if not result.applied:
