@@ -4,7 +4,8 @@ Every trainer command documented in README.md, docs/*.md and the Makefile's demo
 documents (code blocks and `inline code`), run with `--print-config` through the entry point it names, and its
 overrides must appear in the printed config. Every block marked runnable (`<!-- runnable -->`: the README's quick
 starts, the guides' examples) is run, in a subprocess. A newly documented command or block is covered without editing
-this file. This process imports no JAX (--print-config returns before the trainer loads; blocks run in subprocesses)."""
+this file. This process runs no training (--print-config returns before the trainer builds anything; blocks run in
+subprocesses)."""
 import os
 import re
 import shlex

@@ -16,6 +16,8 @@ import dataclasses
 
 import numpy as np
 
+from jodc.balance import layout, pack_arrays
+
 RESERVED = ("normalizer",)
 
 FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
@@ -104,8 +106,6 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None =
     axis is padded to the largest count with empty microbatches. The normaliser is the minibatch's total of
     `loss_masks`, the same on every device.
     """
-    from jodc.balance import layout, pack_arrays  # planners are pure numpy; imported here to keep fsdp light
-
     num_devices = len(plan.devices)
     m = max(1, max(len(mbs) for mbs in plan.devices))
     t = plan.token_cap

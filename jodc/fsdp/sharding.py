@@ -40,9 +40,8 @@ class MeshLayout:
     def of(cls, mesh: Mesh, engine: str) -> MeshLayout:
         """The layout of `mesh`; ValueError naming `engine` unless its axes are ('d',) or ('r', 'd') (`check_mesh`)."""
         check_mesh(mesh, engine)
-        axes = device_axes(mesh)
-        replicas = int(mesh.shape[REPLICA_AXIS]) if axes != SHARD_AXIS else 1
-        return cls(mesh, replicas, int(mesh.shape[SHARD_AXIS]), axes)
+        replicas = int(mesh.shape[REPLICA_AXIS]) if REPLICA_AXIS in mesh.axis_names else 1
+        return cls(mesh, replicas, int(mesh.shape[SHARD_AXIS]), device_axes(mesh))
 
     @property
     def hsdp(self) -> bool:

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jodc.fsdp.stages import GroupLayout
 from jodc.fsdp.state import GroupSource, PytreeSource, pad_slice
 from jodc.models.config import DecoderConfig
 from jodc.models.layerwise import group_param_shapes, init_group_params, param_groups
@@ -71,6 +72,4 @@ def host_groups(source: GroupSource, layouts: dict[str, Any]) -> dict[str, Any]:
 
 def decoder_host_params(config: DecoderConfig, source: GroupSource) -> dict[str, Any]:
     """The decoder's groups of `source` as host pytrees (see `host_groups`: benchmarks and small models only)."""
-    from jodc.fsdp.stages import GroupLayout
-
     return host_groups(source, {g: GroupLayout.of(v) for g, v in abstract_groups(config).items()})
