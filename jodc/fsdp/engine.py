@@ -76,8 +76,8 @@ class Engine(abc.ABC):
     options: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):
-        """Refuses an engine class that states none of a fact and inherits none (a subclass of an engine keeps its
-        parent's facts)."""
+        """Refuses an engine class that lacks one of `FACTS`: stated in its body, or inherited from the engine class
+        it extends (a test's variant of an engine is that engine)."""
         super().__init_subclass__(**kwargs)
         missing = [f for f in cls.FACTS if not hasattr(cls, f)]
         if missing:
