@@ -358,8 +358,8 @@ def sigterm_rank_after_first_step(cmd: list[str], env: dict, run_dir, rank: int,
 def test_mpirun_sft_stopped_by_sigterm_to_one_rank_resumes_as_one_process(tmp_path, rank):
     """`mpirun -np 2 jodc-train sft` (2 processes x 1 device, ODC over the MPI transport) with no checkpoint due
     for 100 steps: a SIGTERM to one rank (either) after step 1 stops both at the same step, which both checkpoint
-    (a collective save) before exiting with status 143. Resumed for one more step, its exported parameters and
-    losses equal bit for bit those of one process driving both devices uninterrupted (this one, as in the RL test:
+    (a collective save) before exiting with status 143. Resumed for one more step (rank 0's case), its exported
+    parameters and losses equal bit for bit those of one process driving both devices uninterrupted (this one, as in the RL test:
     no third interpreter start); only process 0 prints and writes the run's files."""
     import re
 
@@ -379,6 +379,8 @@ def test_mpirun_sft_stopped_by_sigterm_to_one_rank_resumes_as_one_process(tmp_pa
         assert store.steps() == [stopped_at]
     finally:
         store.close()
+    if rank == 1:  # the resume does not depend on which rank got the signal: rank 0's case compares it (CI time)
+        return
     steps = stopped_at + 1
     cmd = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "jodc.train", *_sft_args(mp_dir, steps))
     rc, out = run_session(cmd, 420, env)
