@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jodc.balance import get_planner
-from jodc.train.sft.batching import minibatch_arrays, shifted_targets, without_empty_microbatches
+from jodc.train.sft.batching import minibatch_arrays, shifted_targets
 from jodc.train.sft.data import Example
 
 def random_examples(n, seed=0, max_len=40):
@@ -68,7 +68,7 @@ def test_odc_skips_empty_microbatches_and_pads_rows():
     batch = minibatch_arrays(plan, examples, skip_empty_microbatches=True)
     assert batch.counts.tolist() == [3, 2] and batch.tokens.shape[1] == 3
     assert np.all(batch.segment_ids[1, 2] == 0) and np.all(batch.loss_mask[1, 2] == 0)
-    assert without_empty_microbatches(plan).microbatch_counts() == (3, 2)
+    assert plan.without_empty_microbatches().microbatch_counts() == (3, 2)
 
 
 def test_a_device_with_nothing_gets_only_padding():

@@ -137,6 +137,11 @@ class Plan:
                         f"device {d} microbatch {m} holds {mb.num_tokens} tokens, over token_cap={self.token_cap}"
                     )
 
+    def without_empty_microbatches(self) -> "Plan":
+        """This plan minus its empty microbatches (an ODC engine need not run the padding lock-step planners add)."""
+        return dataclasses.replace(self, devices=tuple(tuple(mb for mb in device if not mb.is_empty)
+                                                       for device in self.devices))
+
     @property
     def num_devices(self) -> int:
         return len(self.devices)

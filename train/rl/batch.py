@@ -23,7 +23,6 @@ import numpy as np
 from jodc.fsdp import MinibatchArrays
 from jodc.fsdp.batch import minibatch_from_plan
 
-from ..sft.batching import without_empty_microbatches
 from .rollout import Rollout
 
 _SPLIT_STREAM = 4  # random stream of the minibatch split (see rl_tasks for the others)
@@ -127,7 +126,7 @@ def plan_minibatch(lengths: Sequence[int], *, planner: Callable, num_devices: in
         raise ValueError(f"a prompt + response of {max(lengths)} tokens exceeds engine.token_cap={token_cap}; "
                          "raise engine.token_cap or lower rollout.max_new_tokens")
     plan = planner(lengths, num_devices, token_cap, cost_model=cost_model)
-    return without_empty_microbatches(plan) if skip_empty_microbatches else plan
+    return plan.without_empty_microbatches() if skip_empty_microbatches else plan
 
 
 def pack_minibatch(sequences: TrainingSequences, indices: np.ndarray, *, planner: Callable, num_devices: int,

@@ -19,6 +19,7 @@ from jodc.fsdp import OptimizerConfig
 
 from ..core import distributed
 from ..core.config import CheckpointConfig, DataConfig, LoggingConfig, RunConfig, SFTConfig
+from ..sft.loop import run_sft
 from .config import RLConfig
 from .tasks import Task, warmstart_records
 
@@ -50,8 +51,6 @@ def warmstart_sft_config(config: RLConfig, directory: str) -> SFTConfig:
 
 def run_warmstart(config: RLConfig, task: Task, *, log: Callable[[str], None] = print) -> str:
     """Runs (or reuses) the warm start of `config`; returns the HF directory of the warm-started model."""
-    from ..sft.loop import run_sft  # imports JAX
-
     if config.warmstart.sft_steps < 1:
         raise ValueError("run_warmstart: warmstart.sft_steps is 0 (no warm start configured)")
     directory = os.path.join(os.path.abspath(config.run.out_dir), WARMSTART_DIR)

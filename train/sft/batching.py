@@ -9,7 +9,6 @@ so the loss is a global per-token mean; and for ODC the lock-step planners' empt
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -26,12 +25,6 @@ def shifted_targets(example: Example) -> tuple[np.ndarray, np.ndarray]:
     targets = np.append(example.tokens[1:], np.int32(0)).astype(np.int32)
     mask = np.append(example.loss_mask[1:], False).astype(np.float32)
     return targets, mask
-
-
-def without_empty_microbatches(plan: Plan) -> Plan:
-    """The plan minus its empty microbatches (an ODC engine need not run the padding lock-step planners add)."""
-    devices = tuple(tuple(mb for mb in device if not mb.is_empty) for device in plan.devices)
-    return dataclasses.replace(plan, devices=devices)
 
 
 def minibatch_arrays(plan: Plan, examples: Sequence[Example], *, skip_empty_microbatches: bool = False
@@ -51,6 +44,6 @@ def minibatch_arrays(plan: Plan, examples: Sequence[Example], *, skip_empty_micr
     if not any(mask.any() for _, mask in shifted):
         raise ValueError("the minibatch has no trained token (every example's loss mask is empty)")
     if skip_empty_microbatches:
-        plan = without_empty_microbatches(plan)
+        plan = plan.without_empty_microbatches()
     return minibatch_from_plan(plan, [e.tokens for e in examples], [t for t, _ in shifted],
                                [m for _, m in shifted])
