@@ -223,6 +223,10 @@ def test_a_child_sampler_samples_the_shares_of_the_process_it_works_for():
     assert sampler.local_devices() == (range(2, 4), jax.local_devices()[:2])
     assert dataclasses.replace(sampler, layout=RolloutLayout(0, 2)).local_devices()[0] == range(0, 2)
     assert make_sampler(4, CountingReward()).local_devices()[0] == range(0, 4)  # one process: all of them
+    # every process's responses: its devices' prompt shares (5 prompts over 4 devices: 2, 1, 1, 1) x the group
+    assert RolloutLayout(0, 2).response_shares(5, 3, 4) == [range(0, 9), range(9, 15)]
+    assert RolloutLayout(0, 2).prompt_range(5, 4) == range(0, 3) and RolloutLayout(1, 2).prompt_range(5, 4) == range(3, 5)
+    assert RolloutLayout().response_shares(5, 3, 4) == [range(0, 15)]
     with pytest.raises(RuntimeError, match=r"sampler of process 1 of 2 has 8 cpu device.*samples on 16 "
                                            r"\(engine.devices=32 over 2 process"):
         make_sampler(32, CountingReward(), layout=RolloutLayout(1, 2)).local_devices()

@@ -62,9 +62,12 @@ class RolloutLayout:
 
     def prompt_range(self, num_prompts: int, devices: int) -> range:
         """The prompts of `num_prompts` this process samples: the shares of its devices among `devices`."""
-        shares = device_shares(num_prompts, devices)[self._device_block(devices).start:
-                                                     self._device_block(devices).stop]
-        return range(shares[0].start, shares[-1].stop)
+        return self._prompts_of(self._device_block(devices), device_shares(num_prompts, devices))
+
+    @staticmethod
+    def _prompts_of(block: range, shares: list[range]) -> range:
+        """The prompts of devices `block` (consecutive) given every device's `shares`."""
+        return range(shares[block.start].start, shares[block.stop - 1].stop)
 
     def sampling_devices(self, platform: str, devices: int) -> list[jax.Device]:
         """The devices this process samples on: its first `devices / processes` local devices of `platform` (in a
@@ -84,9 +87,9 @@ class RolloutLayout:
     def response_shares(self, num_prompts: int, group_size: int, devices: int) -> list[range]:
         """The responses of a step each process samples, in process order."""
         shares = device_shares(num_prompts, devices)
-        per_process = devices // self.processes
-        return [range(shares[p * per_process].start * group_size, shares[(p + 1) * per_process - 1].stop * group_size)
-                for p in range(self.processes)]
+        prompts = [self._prompts_of(dataclasses.replace(self, process=p)._device_block(devices), shares)
+                   for p in range(self.processes)]
+        return [range(r.start * group_size, r.stop * group_size) for r in prompts]
 
     # -- the exchanges ---------------------------------------------------------------------------------------------
     def gather(self, produce: Callable[[], Any], *, what: str, tags: tuple[int, int] = SHARE_TAGS) -> list[Any]:
