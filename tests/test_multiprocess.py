@@ -373,7 +373,7 @@ def test_mpirun_sft_stopped_by_sigterm_to_one_rank_resumes_as_one_process(tmp_pa
     stops = re.findall(r"jodc-train: stopped by SIGTERM after step (\d+)", out)
     assert rc == 143 and len(stops) == 2 and len(set(stops)) == 1, out[-6000:]  # each process says it
     stopped_at = int(stops[0])
-    assert 2 <= stopped_at < 40 and "done: " not in out, out[-6000:]
+    assert 1 <= stopped_at < 40 and "done: " not in out, out[-6000:]  # the notice may land before step 1's vote
     store = CheckpointStore(str(mp_dir / "checkpoints"), keep=2)
     try:
         assert store.steps() == [stopped_at]
