@@ -92,7 +92,7 @@ def sampling_logprobs(logits_bv: jax.Array, temperature: float, top_p: float) ->
     return jax.nn.log_softmax(jnp.where(logprobs >= cutoff, scaled, -jnp.inf), axis=-1)
 
 
-def _sample(logits_bv, keys_b, sampling: SamplingParams):
+def sample_tokens(logits_bv, keys_b, sampling: SamplingParams):
     """One sampling step: token [B], its log-prob [B], and (top-K ids, log-probs) or (None, None). Row b draws
     with its own key `keys_b[b]`, so its token does not depend on which other rows share the batch."""
     logprobs = sampling_logprobs(logits_bv, sampling.temperature, sampling.top_p)
@@ -111,7 +111,7 @@ def _sample(logits_bv, keys_b, sampling: SamplingParams):
     return token, token_logprob, top_ids, top_logprobs
 
 
-def _prefill(config, params, tokens_bp, lengths_b, cache_len):
+def prefill(config, params, tokens_bp, lengths_b, cache_len):
     """Run the left-padded prompts; return last-column logits [B, V] and the KV cache (per-layer (k, v))."""
     b, p = tokens_bp.shape
     column = jnp.arange(p, dtype=jnp.int32)[None, :]
@@ -158,7 +158,7 @@ def _generate_padded(config: DecoderConfig, sampling: SamplingParams, params, to
     b, p = tokens_bp.shape
     n = sampling.max_new_tokens
     k_top = sampling.top_k_logprobs
-    logits, cache = _prefill(config, params, tokens_bp, lengths_b, p + n)
+    logits, cache = prefill(config, params, tokens_bp, lengths_b, p + n)
     stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
 
     def cond(carry):
@@ -167,7 +167,7 @@ def _generate_padded(config: DecoderConfig, sampling: SamplingParams, params, to
 
     def body(carry):
         step, logits, cache, done, tokens, logprobs, lengths, top_ids, top_logprobs = carry
-        token, token_logprob, step_top_ids, step_top_logprobs = _sample(
+        token, token_logprob, step_top_ids, step_top_logprobs = sample_tokens(
             logits, jax.vmap(lambda key: jax.random.fold_in(key, step))(keys_b), sampling)
         active = ~done
         tokens = tokens.at[:, step].set(jnp.where(active, token, sampling.pad_token_id))

@@ -35,8 +35,8 @@ class TaskConfig(Section):
 
     name_in_config = "task"
     minimum = {"pool_size": 0, "min_terms": 2, "max_terms": 2, "max_digits": 1, "min_numbers": 2, "max_numbers": 2,
-               "max_number": 1, "eval_problems": 1}
-    name: TaskName = "arithmetic"  # arithmetic, countdown, or jsonl (prompts from path)
+               "max_number": 1, "min_runs": 1, "max_runs": 1, "max_count": 1, "letters": 2, "eval_problems": 1}
+    name: TaskName = "arithmetic"  # arithmetic, countdown, expand, or jsonl (prompts from path)
     path: str | None = None  # jsonl task: file of {"prompt": ..., "solution": ...} records
     reward_fn: str | None = None  # 'module:function' or 'file.py:function'; default: the task's own
     success_reward: float = 1.0  # a response with at least this reward counts as correct (accuracy)
@@ -47,6 +47,11 @@ class TaskConfig(Section):
     min_numbers: int = 2  # countdown: fewest numbers given
     max_numbers: int = 4  # countdown: most numbers given
     max_number: int = 25  # countdown: largest number
+    min_runs: int = 1  # expand: fewest runs
+    max_runs: int = 32  # expand: most runs (the Pareto tail is cut here)
+    max_count: int = 9  # expand: largest count of a run (1..9)
+    letters: int = 5  # expand: letters used, from 'a'
+    tail: float = 1.2  # expand: Pareto index of the number of runs (smaller: heavier tail)
     eval_problems: int = 64  # size of the fixed greedy evaluation set
 
     def task_options(self) -> dict[str, Any]:
@@ -55,6 +60,9 @@ class TaskConfig(Section):
             return {"min_terms": self.min_terms, "max_terms": self.max_terms, "max_digits": self.max_digits}
         if self.name == "countdown":
             return {"min_numbers": self.min_numbers, "max_numbers": self.max_numbers, "max_number": self.max_number}
+        if self.name == "expand":
+            return {"min_runs": self.min_runs, "max_runs": self.max_runs, "max_count": self.max_count,
+                    "letters": self.letters, "tail": self.tail}
         return {"path": self.path}
 
     def check(self) -> None:
@@ -66,6 +74,11 @@ class TaskConfig(Section):
             raise ConfigError(f"task.min_terms={self.min_terms} exceeds task.max_terms={self.max_terms}")
         if self.min_numbers > self.max_numbers:
             raise ConfigError(f"task.min_numbers={self.min_numbers} exceeds task.max_numbers={self.max_numbers}")
+        if self.min_runs > self.max_runs:
+            raise ConfigError(f"task.min_runs={self.min_runs} exceeds task.max_runs={self.max_runs}")
+        if self.max_count > 9 or self.letters > 26 or not self.tail > 0:
+            raise ConfigError(f"task: expand needs max_count <= 9, letters <= 26 and tail > 0; got {self.max_count}, "
+                              f"{self.letters}, {self.tail}")
 
 
 @dataclasses.dataclass

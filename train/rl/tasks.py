@@ -8,6 +8,9 @@ the built-in rewards have the same signature as a user's reward function: `rewar
 * `arithmetic`: sums and differences of 2..max_terms integers of 1..max_digits digits, `"47+8-160="` -> `"-105"`.
 * `countdown`: reach a target with some of the given numbers and + - * (each number at most once, parentheses
   allowed), `"3 7 25>46:"` -> `"25+3*7"` (or any other expression that evaluates to 46).
+* `expand`: run-length expansion with long-tailed lengths, `"3a1c2b>"` -> `"aaacbb"`: the number of runs follows a
+  Pareto tail, so most responses are a few characters long and a few are 16x the median or more (the workload
+  continuous batching exists for).
 * `jsonl`: prompts (and optional solutions) read from a file; the reward must come from the user.
 
 Prompts and responses vary in length (the number of terms / numbers and their digits are drawn per problem), so
@@ -26,7 +29,7 @@ from ..core.jsonl import iter_jsonl
 
 import numpy as np
 
-TASK_NAMES = ("arithmetic", "countdown", "jsonl")
+TASK_NAMES = ("arithmetic", "countdown", "expand", "jsonl")
 
 # Disjoint random streams of one seed: training prompts of step k, the evaluation set, the warm-start data, the
 # training pool.
@@ -174,6 +177,57 @@ class JsonlTask:
                          "reward_fn= to run_rl)")
 
 
+class ExpandTask:
+    """Run-length expansion: prompt `"<count><letter>...>"`, response each letter repeated count times, in order.
+
+    The number of runs is drawn from a discrete Pareto tail, `min(max_runs, floor(min_runs * u ** (-1 / tail)))`
+    for u uniform in (0, 1]: with the defaults (1..32 runs, tail 1.2, counts 1..9) the median response is about 8
+    characters and about 2% of responses are 16x that or longer. Each run's letter differs from the previous
+    one's, so the response determines the runs and the prompt is the unique correct encoding of it."""
+
+    name = "expand"
+    _PROMPT = re.compile(r"^(?:[1-9][a-z])+>$")
+
+    def __init__(self, min_runs: int = 1, max_runs: int = 32, max_count: int = 9, letters: int = 5,
+                 tail: float = 1.2):
+        if not 1 <= min_runs <= max_runs:
+            raise ValueError(f"expand task: need 1 <= min_runs <= max_runs, got {min_runs}, {max_runs}")
+        if not 1 <= max_count <= 9:
+            raise ValueError(f"expand task: max_count must be in 1..9 (one digit), got {max_count}")
+        if not 2 <= letters <= 26:
+            raise ValueError(f"expand task: letters must be in 2..26, got {letters}")
+        if not tail > 0:
+            raise ValueError(f"expand task: tail must be > 0, got {tail}")
+        self.min_runs, self.max_runs, self.max_count, self.letters, self.tail = (min_runs, max_runs, max_count,
+                                                                                 letters, float(tail))
+
+    def runs(self, rng: np.random.Generator) -> int:
+        """A number of runs from the Pareto tail (see the class docstring)."""
+        u = 1.0 - float(rng.random())  # in (0, 1]
+        return int(min(self.max_runs, np.floor(self.min_runs * u ** (-1.0 / self.tail))))
+
+    def problem(self, rng: np.random.Generator) -> Problem:
+        """A random problem: a Pareto number of runs, each a count in 1..max_count and a letter unlike the last."""
+        parts, previous = [], -1
+        for _ in range(self.runs(rng)):
+            letter = int(rng.integers(0, self.letters - 1))
+            letter += letter >= previous >= 0  # skip the previous run's letter
+            parts.append((int(rng.integers(1, self.max_count + 1)), chr(ord("a") + letter)))
+            previous = letter
+        prompt = "".join(f"{n}{c}" for n, c in parts) + ">"
+        return Problem(prompt, self.expansion(prompt))
+
+    def expansion(self, prompt: str) -> str:
+        """The expansion of an expand prompt; ValueError if it is not one."""
+        if not self._PROMPT.match(prompt):
+            raise ValueError(f"not an expand prompt (runs of a digit 1-9 and a letter a-z, then '>'): {prompt!r}")
+        return "".join(c * int(n) for n, c in re.findall(r"([1-9])([a-z])", prompt))
+
+    def reward(self, prompt: str, response: str) -> float:
+        """1.0 when the response (surrounding whitespace ignored) is exactly the expansion, else 0.0."""
+        return 1.0 if response.strip() == self.expansion(prompt) else 0.0
+
+
 def fingerprint_task(task) -> dict | None:
     """{"examples": count, "sha256": ...} of the prompts (and solutions) a task reads from a file, which a checkpoint
     records so that a resume on a file edited in place is noticed; None for generated tasks (their problems follow
@@ -205,14 +259,14 @@ def read_prompts(path: str) -> list[Problem]:
     return problems
 
 
-Task = ArithmeticTask | CountdownTask | JsonlTask
+Task = ArithmeticTask | CountdownTask | ExpandTask | JsonlTask
 
 
 def make_task(name: str, **options) -> Task:
     """The task called `name` with its options (arithmetic: min_terms, max_terms, max_digits; countdown:
-    min_numbers, max_numbers, max_number; jsonl: path)."""
+    min_numbers, max_numbers, max_number; expand: min_runs, max_runs, max_count, letters, tail; jsonl: path)."""
     factories: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "countdown": CountdownTask,
-                                                 "jsonl": JsonlTask}
+                                                 "expand": ExpandTask, "jsonl": JsonlTask}
     if name not in factories:
         raise ValueError(f"unknown task {name!r}; tasks are {', '.join(TASK_NAMES)}")
     return factories[name](**options)
