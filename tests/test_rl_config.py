@@ -28,6 +28,10 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.task.name == "countdown" and cfg.task.task_options() == {"min_numbers": 2, "max_numbers": 4,
                                                                         "max_number": 25}
     assert cfg.optimizer.learning_rate == 3e-5
+    expand = C.load_rl_config(None, ["--task.name", "expand", "--task.max_runs", "8", "--task.tail", "1.5"]).task
+    assert expand.task_options() == {"min_runs": 1, "max_runs": 8, "max_count": 9, "letters": 5, "tail": 1.5}
+    with pytest.raises(ConfigError, match="max_count"):
+        C.load_rl_config(None, ["--task.name", "expand", "--task.max_count", "10"])
     # a section given in part keeps RL's defaults for the rest (not the shared section class's)
     assert (cfg.optimizer.schedule, cfg.optimizer.warmup_steps, cfg.engine.devices, cfg.engine.token_cap) == \
         ("constant", 0, 2, 256)

@@ -11,6 +11,7 @@ from jodc.train.rl.rewards import RewardError, load_reward_function, score
 from jodc.train.rl.tasks import (
     ArithmeticTask,
     CountdownTask,
+    ExpandTask,
     JsonlTask,
     eval_problems,
     make_task,
@@ -19,6 +20,32 @@ from jodc.train.rl.tasks import (
     training_pool,
     warmstart_records,
 )
+
+
+def test_expand_problems_are_solved_by_their_solution_and_their_lengths_have_a_long_tail():
+    """Most expand responses are a few characters and about 2% are 16x the median or longer (the workload of
+    continuous batching); each prompt is the unique run-length encoding of its solution."""
+    task = make_task("expand")
+    rng = np.random.default_rng(0)
+    problems = [task.problem(rng) for _ in range(4000)]
+    lengths = np.array([len(p.solution) for p in problems])
+    median = np.median(lengths)
+    assert 4 <= median <= 12 and 0.01 <= np.mean(lengths >= 16 * median) <= 0.05
+    assert lengths.max() <= 32 * 9 and lengths.min() >= 1
+    for p in problems[:300]:
+        assert p.prompt.endswith(">") and task.reward(p.prompt, p.solution) == 1.0
+        assert task.reward(p.prompt, f" {p.solution}\n") == 1.0
+        assert task.reward(p.prompt, p.solution + p.solution[-1]) == 0.0 and task.reward(p.prompt, p.solution[:-1]) == 0.0
+        letters = p.prompt[1:-1:2]
+        assert all(a != b for a, b in zip(letters, letters[1:]))  # a run's letter differs from the previous run's
+    assert task.reward("3a1c2b>", "aaacbb") == 1.0 and task.reward("3a1c2b>", "aaacb") == 0.0
+    short = ExpandTask(min_runs=2, max_runs=2, max_count=1, letters=2)
+    assert {short.problem(rng).solution for _ in range(50)} == {"ab", "ba"}
+    with pytest.raises(ValueError, match="not an expand prompt"):
+        task.reward("0a>", "")
+    for bad in ({"min_runs": 0}, {"min_runs": 3, "max_runs": 2}, {"max_count": 10}, {"letters": 1}, {"tail": 0}):
+        with pytest.raises(ValueError, match="expand task"):
+            ExpandTask(**bad)
 
 
 def test_arithmetic_problems_are_solved_by_their_solution_and_vary_in_length():

@@ -210,8 +210,11 @@ class ExpandTask:
         """A random problem: a Pareto number of runs, each a count in 1..max_count and a letter unlike the last."""
         parts, previous = [], -1
         for _ in range(self.runs(rng)):
-            letter = int(rng.integers(0, self.letters - 1))
-            letter += letter >= previous >= 0  # skip the previous run's letter
+            if previous < 0:
+                letter = int(rng.integers(0, self.letters))
+            else:  # any letter but the previous run's
+                letter = int(rng.integers(0, self.letters - 1))
+                letter += letter >= previous
             parts.append((int(rng.integers(1, self.max_count + 1)), chr(ord("a") + letter)))
             previous = letter
         prompt = "".join(f"{n}{c}" for n, c in parts) + ">"
