@@ -9,6 +9,9 @@ Two compiled programs of fixed shapes do all the work, so nothing recompiles as 
   last logits (row key `fold_in(key_b, t)` for its token t, exactly as `generate` does), records it, and feeds it:
   the new key / value is written to the slot's page, and attention reads the slot's pages in logical order under
   a mask of its valid positions. Idle, finished and held slots write to the scratch page and keep their state.
+  A call attends over as many pages as its longest running row holds, rounded up to a power of two (a handful of
+  compiled widths); without a paged-attention kernel every slot reads that width, so the attention work of a call
+  follows its longest row while the cache's memory follows every row's own length.
 Between calls the host (this module's `ContinuousSampler`) collects finished rows, returns their pages, admits
 waiting prompts and gives running rows the pages their next chunk needs. A row that cannot get a page waits (it is
 held for the chunk: its state does not move); if no running row can move, the youngest is preempted (its pages
@@ -359,13 +362,19 @@ class ContinuousSampler:
         if none can move), run one decode chunk, collect the rows that finished."""
         self._admit_waiting()
         runnable = self._grow_running()
-        table = self._put(self.pool.table)
+        table = self._put(self.pool.table[:, :self._attended_pages(runnable)])
         self._state, steps = _decode_jit(self.config, self.sampling, self.shape.page_size, self.shape.chunk,
                                          self._params, self._state, table, self._put(runnable),
                                          self._put(np.int32(self._version)))
         self.stats.decode_calls += 1
         self.stats.slot_steps += self.shape.slots * int(steps)
         return self._collect()
+
+    def _attended_pages(self, runnable: np.ndarray) -> int:
+        """Pages the decode call attends over: the most any runnable row holds, rounded up to a power of two (a
+        few compiled shapes), so a call without a long row does not pay for the longest row's width."""
+        most = max((self.pool.held(s) for s in np.flatnonzero(runnable)), default=1)
+        return min(self.pool.pages_per_row, 1 << max(most - 1, 0).bit_length())
 
     def _put(self, x):
         return jnp.asarray(x) if self.device is None else jax.device_put(x, self.device)
