@@ -37,7 +37,7 @@ import numpy as np
 from .attention import masked_attention
 from .config import DecoderConfig
 from .decoder import Decoder, split_params
-from .generate import SamplingParams, left_pad_prompts, on_device, per_row_keys, prefill, sample_tokens
+from .generate import Generation, SamplingParams, left_pad_prompts, on_device, per_row_keys, prefill, sample_tokens
 from .layerwise import EMBED, HEAD, attention_inputs, embed_apply, head_apply, layer_group_name, layer_output
 from .paged_cache import SCRATCH_PAGE, PagePool, pages_for
 
@@ -291,6 +291,8 @@ class ContinuousSampler:
         self._slot_request = [-1] * shape.slots
         self._admitted_order: list[int] = []  # slots, oldest admission first
         self._state: StreamState | None = None
+        self._steps_run = None
+        self._host_step = np.zeros(shape.slots, np.int64)  # the slots' `step` as of the last collect
         self._next_id = 0
         self.set_params(params, version)
 
@@ -304,7 +306,7 @@ class ContinuousSampler:
             self._refill_running()
 
     def _refill_running(self) -> None:
-        step, tokens = jax.device_get((self._state.step, self._state.tokens))
+        step, tokens = self._host_step, jax.device_get(self._state.tokens)
         rows = self.shape.prefill_rows
         slots = list(self._admitted_order)
         for start in range(0, len(slots), rows):
@@ -343,7 +345,7 @@ class ContinuousSampler:
     def run(self) -> dict[int, Completion]:
         """Drive the stream until every submitted prompt has finished; their completions by request id."""
         finished: dict[int, Completion] = {}
-        while self._waiting or any(r >= 0 for r in self._slot_request):
+        while self.busy:
             finished.update(self.advance())
         return finished
 
@@ -360,15 +362,48 @@ class ContinuousSampler:
     def advance(self) -> dict[int, Completion]:
         """One round: admit waiting prompts into free slots, give running rows their next chunk's pages (preempting
         if none can move), run one decode chunk, collect the rows that finished."""
+        self.dispatch()
+        return self.collect()
+
+    def dispatch(self) -> None:
+        """The first half of `advance`: admission, pages and the decode call, dispatched without waiting for the
+        device (so the streams of several devices driven from one thread run concurrently: `run_streams`)."""
         self._admit_waiting()
         runnable = self._grow_running()
         table = self._put(self.pool.table[:, :self._attended_pages(runnable)])
-        self._state, steps = _decode_jit(self.config, self.sampling, self.shape.page_size, self.shape.chunk,
-                                         self._params, self._state, table, self._put(runnable),
-                                         self._put(np.int32(self._version)))
+        self._state, self._steps_run = _decode_jit(self.config, self.sampling, self.shape.page_size,
+                                                   self.shape.chunk, self._params, self._state, table,
+                                                   self._put(runnable), self._put(np.int32(self._version)))
         self.stats.decode_calls += 1
+
+    def collect(self) -> dict[int, Completion]:
+        """The second half of `advance`: wait for the decode call, take the finished rows out, free their slots."""
+        steps, done, step = jax.device_get((self._steps_run, self._state.done, self._state.step))
+        self._host_step = np.array(step, np.int64)
         self.stats.slot_steps += self.shape.slots * int(steps)
-        return self._collect()
+        finished_slots = [s for s in self._admitted_order if done[s]]
+        if not finished_slots:
+            return {}
+        fields = jax.device_get((self._state.tokens, self._state.logprobs, self._state.versions,
+                                 self._state.topk_ids, self._state.topk_logprobs))
+        tokens, logprobs, versions, topk_ids, topk_logprobs = fields
+        out = {}
+        k_top = self.sampling.top_k_logprobs
+        for slot in finished_slots:
+            n = int(self._host_step[slot])
+            request_id = self._slot_request[slot]
+            out[request_id] = Completion(tokens[slot, :n].copy(), logprobs[slot, :n].copy(), versions[slot, :n].copy(),
+                                         topk_ids[slot, :n].copy() if k_top else None,
+                                         topk_logprobs[slot, :n].copy() if k_top else None)
+            self.stats.tokens += n
+            del self._requests[request_id]
+            self._release(slot)
+        return out
+
+    @property
+    def busy(self) -> bool:
+        """Whether prompts are waiting or running."""
+        return bool(self._waiting) or bool(self._admitted_order)
 
     def _attended_pages(self, runnable: np.ndarray) -> int:
         """Pages the decode call attends over: the most any runnable row holds, rounded up to a power of two (a
@@ -403,6 +438,7 @@ class ContinuousSampler:
             request_id = self._waiting.popleft()
             request.slot = slot
             self._slot_request[slot] = request_id
+            self._host_step[slot] = 0
             self._admitted_order.append(slot)
             admitted.append((request_id, slot))
         for start in range(0, len(admitted), self.shape.prefill_rows):
@@ -430,7 +466,7 @@ class ContinuousSampler:
     def _grow_running(self) -> np.ndarray:
         """Which slots may decode this chunk: every running row that got the pages for its next `chunk` tokens,
         oldest first; when none could, the youngest running row is preempted and the others tried again."""
-        step = np.asarray(self._state.step)
+        step = self._host_step
         while True:
             runnable = np.zeros(self.shape.slots, bool)
             for slot in self._admitted_order:
@@ -458,27 +494,6 @@ class ContinuousSampler:
         self._slot_request[slot] = -1
         self._admitted_order.remove(slot)
 
-    def _collect(self) -> dict[int, Completion]:
-        done = np.asarray(self._state.done)
-        finished_slots = [s for s in self._admitted_order if done[s]]
-        if not finished_slots:
-            return {}
-        fields = jax.device_get((self._state.step, self._state.tokens, self._state.logprobs, self._state.versions,
-                                 self._state.topk_ids, self._state.topk_logprobs))
-        step, tokens, logprobs, versions, topk_ids, topk_logprobs = fields
-        out = {}
-        k_top = self.sampling.top_k_logprobs
-        for slot in finished_slots:
-            n = int(step[slot])
-            request_id = self._slot_request[slot]
-            out[request_id] = Completion(tokens[slot, :n].copy(), logprobs[slot, :n].copy(), versions[slot, :n].copy(),
-                                         topk_ids[slot, :n].copy() if k_top else None,
-                                         topk_logprobs[slot, :n].copy() if k_top else None)
-            self.stats.tokens += n
-            del self._requests[request_id]
-            self._release(slot)
-        return out
-
 
 def stream_generate(model: Decoder | DecoderConfig, prompts: Sequence[Sequence[int]], *, key: jax.Array,
                     sampling: SamplingParams, shape: StreamShape, params=None,
@@ -492,3 +507,34 @@ def stream_generate(model: Decoder | DecoderConfig, prompts: Sequence[Sequence[i
     ids = sampler.submit(prompts, key)
     finished = sampler.run()
     return [finished[i] for i in ids], sampler.stats
+
+
+def run_streams(samplers: Sequence[ContinuousSampler]) -> list[dict[int, Completion]]:
+    """Drive several samplers (one per device) from this thread until all are done: each round dispatches every
+    busy sampler's decode call before waiting for any, so the devices compute concurrently. Their completions,
+    per sampler."""
+    finished: list[dict[int, Completion]] = [{} for _ in samplers]
+    while any(s.busy for s in samplers):
+        busy = [i for i, s in enumerate(samplers) if s.busy]
+        for i in busy:
+            samplers[i].dispatch()
+        for i in busy:
+            finished[i].update(samplers[i].collect())
+    return finished
+
+
+def as_generation(completions: Sequence[Completion], sampling: SamplingParams) -> Generation:
+    """Completions as `generate`'s padded arrays (host numpy): tokens / log-probs [B, N] (pad_token_id / 0 after
+    a row's end), lengths [B] and the top-K arrays or None."""
+    n, k_top = sampling.max_new_tokens, sampling.top_k_logprobs
+    b = len(completions)
+    tokens = np.full((b, n), sampling.pad_token_id, np.int32)
+    logprobs = np.zeros((b, n), np.float32)
+    topk_ids = np.full((b, n, k_top), sampling.pad_token_id, np.int32) if k_top else None
+    topk_logprobs = np.zeros((b, n, k_top), np.float32) if k_top else None
+    for row, c in enumerate(completions):
+        tokens[row, :len(c.tokens)], logprobs[row, :len(c.tokens)] = c.tokens, c.logprobs
+        if k_top:
+            topk_ids[row, :len(c.tokens)], topk_logprobs[row, :len(c.tokens)] = c.topk_ids, c.topk_logprobs
+    lengths = np.array([len(c.tokens) for c in completions], np.int32)
+    return Generation(tokens, logprobs, lengths, topk_ids, topk_logprobs)

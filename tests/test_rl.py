@@ -169,6 +169,24 @@ def test_the_command_line_runs_another_loss(straight, tmp_path):
     assert records[1]["loss"] != straight_records[1]["loss"]
 
 
+def test_continuous_batching_trains_on_the_static_samplers_rollouts(straight, tmp_path):
+    """`rollout.batching: continuous` (each device streams its share through 5 slots over a paged cache) samples
+    the static sampler's responses: the same rewards and tokens at every step, the
+    loss to rounding (the behaviour log-probs differ by ~1e-6)."""
+    out, _ = straight
+    run_dir = with_warm_start(out, tmp_path / "continuous")
+    args = overrides(run_dir, "--rollout.batching", "continuous", "--rollout.slots", "5", "--rollout.page_size", "4",
+                     "--rollout.cache_tokens", "48", "--rollout.decode_chunk", "2", "--steps", "2", "--eval_every",
+                     "0", "--no-export_hf")
+    run_rl(load_rl_config(None, args), log=quiet)
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    straight_records = read_metrics(os.path.join(out, "metrics.jsonl"))[:2]
+    for mine, theirs in zip(records, straight_records):
+        for key in ("reward_mean", "accuracy", "response_length", "tokens", "microbatches"):
+            assert mine[key] == theirs[key], key
+        np.testing.assert_allclose(mine["loss"], theirs["loss"], rtol=1e-3, atol=1e-6)
+
+
 def test_the_lockstep_engines_train_rl_alike(straight, tmp_path):
     """Every registered engine trains RL: the XLA-SPMD engine (once refused by the RL config) and the collective one
     run the same lock-step plans and agree up to floating-point reassociation."""

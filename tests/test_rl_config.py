@@ -30,6 +30,9 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.optimizer.learning_rate == 3e-5
     expand = C.load_rl_config(None, ["--task.name", "expand", "--task.max_runs", "8", "--task.tail", "1.5"]).task
     assert expand.task_options() == {"min_runs": 1, "max_runs": 8, "max_count": 9, "letters": 5, "tail": 1.5}
+    with pytest.raises(ConfigError, match="cannot hold one response"):
+        C.load_rl_config(None, ["--rollout.batching", "continuous", "--rollout.cache_tokens", "16",
+                                "--rollout.max_new_tokens", "64"])
     with pytest.raises(ConfigError, match="max_count"):
         C.load_rl_config(None, ["--task.name", "expand", "--task.max_count", "10"])
     # a section given in part keeps RL's defaults for the rest (not the shared section class's)

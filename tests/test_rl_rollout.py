@@ -108,3 +108,23 @@ def test_behaviour_logprobs_are_the_training_forwards_and_the_reference_reproduc
         np.testing.assert_allclose(got, want, atol=2e-5)
     other = ReferencePolicy(CONFIG, jax.tree.map(lambda x: x * 1.5, params), temperature=TEMPERATURE)
     assert not np.allclose(np.concatenate(other.response_logprobs(rollout)), np.concatenate(rollout.logprobs))
+
+
+def test_continuous_batching_over_two_devices_samples_the_static_rollout(params, rollout):
+    """`rollout.batching: continuous` (each device streams its share through a few slots over a paged cache) gives the
+    static rollout's responses token for token, its behaviour top-k ids, and its log-probs to rounding."""
+    from jodc.models.stream import StreamShape
+
+    sampling = sampling_params(TOKENIZER, CONFIG, max_new_tokens=NEW, temperature=TEMPERATURE, top_k=K)
+    devices = jax.devices()[:2]
+    static = sample_rollout(CONFIG, params, TOKENIZER, PROMPTS, group_size=GROUP, sampling=sampling,
+                            key=jax.random.PRNGKey(3), devices=devices, prompt_width=12)
+    streamed = sample_rollout(CONFIG, params, TOKENIZER, PROMPTS, group_size=GROUP, sampling=sampling,
+                              key=jax.random.PRNGKey(3), devices=devices, prompt_width=12,
+                              stream=StreamShape(slots=3, page_size=4, chunk=2, prefill_rows=2))
+    assert [r.tolist() for r in streamed.response_ids] == [r.tolist() for r in static.response_ids] == \
+        [r.tolist() for r in rollout.response_ids]  # and the one-device rollout's
+    assert streamed.responses == static.responses and (streamed.finished == static.finished).all()
+    for a, b, ta, tb in zip(streamed.logprobs, static.logprobs, streamed.topk_ids, static.topk_ids):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(ta, tb)

@@ -87,7 +87,8 @@ class RolloutConfig(Section):
 
     name_in_config = "rollout"
     minimum = {"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 1, "top_k": 1, "prompt_bucket": 1,
-               "max_staleness": 0, "sampler_nice": 0}
+               "max_staleness": 0, "sampler_nice": 0, "slots": 1, "page_size": 1, "cache_tokens": 0,
+               "decode_chunk": 1}
     prompts_per_step: int = 16  # prompts per step
     group_size: int = 8  # responses per prompt (GRPO group)
     max_new_tokens: int = 8  # generation budget per response
@@ -98,6 +99,14 @@ class RolloutConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"  # the sampler's parameters and compute (training: fp32)
     sampler: Literal["thread", "process"] = "thread"  # max_staleness > 0: where the sampler computes
     sampler_nice: int = 10  # sampler: process: the child's OS priority (higher: less taken from the trainer)
+    # static: each device samples its share as one batch until its longest response ends (a dense cache per row);
+    # continuous: each device streams its share through `slots` rows over a paged KV cache, a finished row's slot
+    # taking the next prompt at once (models/stream.py; the same responses, faster on long-tailed lengths)
+    batching: Literal["static", "continuous"] = "static"
+    slots: int = 64  # continuous: rows decoded at once per device
+    page_size: int = 16  # continuous: tokens per KV-cache page
+    cache_tokens: int = 0  # continuous: KV cache per device, in tokens (0: every slot's longest row, no waiting)
+    decode_chunk: int = 8  # continuous: decode steps per compiled call (the host refills slots between calls)
     # across processes (mpirun): sharded = each process keeps its share, exchanges per-response metadata and sends
     # each sequence only to the process that trains it (train/rl/assembly.py); replicated = every process gets the
     # whole rollout (all-gathered) and computes every pass over it (the baseline bench/rl_sampling.py compares)
@@ -114,6 +123,10 @@ class RolloutConfig(Section):
                               f"distribution), got {self.temperature}")
         if self.sampler_nice > 19:
             raise ConfigError(f"rollout.sampler_nice must be in 0..19, got {self.sampler_nice}")
+        if self.cache_tokens and self.cache_tokens // self.page_size < 2 + -(-self.max_new_tokens // self.page_size):
+            raise ConfigError(f"rollout.cache_tokens={self.cache_tokens} cannot hold one response of max_new_tokens="
+                              f"{self.max_new_tokens} and its prompt in pages of {self.page_size} (0: as much as "
+                              "every slot's longest row)")
         if self.sampler == "process" and not self.max_staleness:
             raise ConfigError("rollout.sampler=process needs rollout.max_staleness >= 1 (synchronous rollouts are "
                               "sampled by the trainer itself)")

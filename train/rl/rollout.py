@@ -16,7 +16,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jodc.models import DecoderConfig, SamplingParams, generate
+from jodc.models import DecoderConfig, Generation, SamplingParams, generate
+from jodc.models.stream import ContinuousSampler, StreamShape, as_generation, run_streams
 from jodc.models.tokenizer import Tokenizer
 
 from .policy_weights import DeviceWeights
@@ -136,7 +137,8 @@ def _response_keys(key, indices, members):
 
 def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: int,
                    sampling: SamplingParams, key: jax.Array, prompt_indices: Sequence[int] | None = None,
-                   prompt_width: int = 0, devices: Sequence[jax.Device] | None = None) -> Rollout:
+                   prompt_width: int = 0, devices: Sequence[jax.Device] | None = None,
+                   stream: StreamShape | None = None) -> Rollout:
     """Samples `group_size` responses to each prompt with `params`: group pytrees (host or on a device), or a
     `policy_weights.DeviceWeights` holding a copy on each of `devices` (each device samples with its own copy).
 
@@ -145,7 +147,10 @@ def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts:
     prompt_width: pad prompts to at least this width (the whole step's, so that every share of it compiles and
       computes the same shape).
     devices: split the prompts in whole groups over these devices (`device_shares`), each sampling its share
-      concurrently; default: JAX's default device."""
+      concurrently; default: JAX's default device.
+    stream: sample each device's share as a stream through this many slots over a paged cache
+      (`models.stream.ContinuousSampler`, the devices' streams driven together) instead of one static batch; the
+      same responses (log-probs to rounding)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     prompt_indices = range(len(prompts)) if prompt_indices is None else list(prompt_indices)
@@ -162,11 +167,14 @@ def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts:
     keys = response_keys(key, prompt_indices, group_size)
     devices = [None] if not devices else list(devices)
     calls = [(share, device) for share, device in zip(device_shares(len(prompts), len(devices)), devices) if share]
-    outs = [generate(config, prompt_ids[s.start * group_size:s.stop * group_size], sampling=sampling,
-                     params=params.on(device) if isinstance(params, DeviceWeights) else params,
-                     key=keys[s.start * group_size:s.stop * group_size], prompt_width=prompt_width, device=device)
-            for s, device in calls]  # dispatched without waiting: the devices sample concurrently
-    outs = jax.device_get(outs)
+    shares = [(slice(s.start * group_size, s.stop * group_size), device,
+               params.on(device) if isinstance(params, DeviceWeights) else params) for s, device in calls]
+    if stream is None:
+        outs = jax.device_get([generate(config, prompt_ids[rows], sampling=sampling, params=weights, key=keys[rows],
+                                        prompt_width=prompt_width, device=device)
+                               for rows, device, weights in shares])  # dispatched without waiting: concurrent
+    else:
+        outs = _streamed(config, shares, prompt_ids, keys, sampling, stream, prompt_width)
 
     def rows(field):
         return np.concatenate([np.asarray(getattr(o, field)) for o in outs])
@@ -187,3 +195,18 @@ def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts:
                    logprobs=[logprobs[i, :n] for i, n in enumerate(lengths)], topk_ids=topk_ids,
                    topk_logprobs=topk_logprobs, responses=list(texts), finished=finished, group_size=group_size,
                    seconds=time.perf_counter() - started)
+
+
+def _streamed(config: DecoderConfig, shares, prompt_ids, keys, sampling: SamplingParams, stream: StreamShape,
+              prompt_width: int) -> list[Generation]:
+    """Each share (rows, device, weights) sampled by a continuous sampler on its device, all driven together;
+    as `generate`'s arrays, per share."""
+    samplers, ids = [], []
+    for rows, device, weights in shares:
+        prompts = prompt_ids[rows]
+        sampler = ContinuousSampler(config, sampling, stream, params=weights, device=device,
+                                    max_prompt_tokens=max(prompt_width, max(map(len, prompts))))
+        ids.append(sampler.submit(prompts, keys[rows]))
+        samplers.append(sampler)
+    return [as_generation([done[i] for i in share_ids], sampling)
+            for share_ids, done in zip(ids, run_streams(samplers))]

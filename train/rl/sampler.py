@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodc.models import DecoderConfig, SamplingParams
+from jodc.models.stream import StreamShape
 from jodc.models.tokenizer import Tokenizer
 
 from .config import RolloutConfig
@@ -42,6 +43,15 @@ def measures_mismatch(rollout) -> bool:
     rounding, ~1e-6), so the pass would cost about as much as the sampling for nothing; stale rollouts' old /
     proximal log-probs are recomputed by the trainer at its own, newer weights, not at the sampling ones."""
     return rollout.dtype != "float32"
+
+
+def stream_shape(rollout: RolloutConfig) -> StreamShape | None:
+    """The continuous sampler's shape of `rollout.batching: continuous` (None: the static batch)."""
+    if rollout.batching == "static":
+        return None
+    return StreamShape(slots=rollout.slots, page_size=rollout.page_size,
+                       pages=rollout.cache_tokens // rollout.page_size, chunk=rollout.decode_chunk,
+                       prefill_rows=min(8, rollout.slots))
 
 
 def sampler_config(config: DecoderConfig, dtype: str) -> DecoderConfig:
@@ -114,7 +124,7 @@ class RolloutSampler:
             (config, weights), fp32 = sampler_weights(self.model_config, params, r.dtype), params
         rollout = sample_rollout(config, weights, self.tokenizer, prompts[mine.start:mine.stop],
                                  group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step),
-                                 prompt_indices=mine, devices=devices,
+                                 prompt_indices=mine, devices=devices, stream=stream_shape(r),
                                  prompt_width=max(len(ids) for ids in encode_prompts(self.tokenizer, prompts)))
         started = time.perf_counter()
         rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1,
