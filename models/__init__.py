@@ -11,12 +11,14 @@
   `save_tokenizer`, the built-in `byte_level_tokenizer`.
 - The critic's value head on the decoder (value_head.py): `VALUE_HEAD`, `init_value_head`, `value_apply`,
   `values_forward`.
-- Sampling with a KV cache for rollouts (generate.py): `generate`, `SamplingParams`, `Generation`.
+- Sampling with a KV cache for rollouts (generate.py): `generate`, `SamplingParams`, `Generation`; continuous
+  batching over a paged KV cache (stream.py): `ContinuousSampler`, `StreamShape`, `stream_generate`.
 """
 from .attention import attention, blockwise_attention, dense_attention
 from .config import DecoderConfig, RopeScaling
 from .decoder import Decoder, ParamGroup, merge_params, split_params
 from .generate import Generation, SamplingParams, generate, sampling_logprobs
+from .stream import Completion, ContinuousSampler, StreamShape, StreamStats, stream_generate
 from .hf import HFGroupSource, config_from_hf, config_to_hf, load_pretrained, save_pretrained
 from .layerwise import (
     EMBED,
@@ -38,11 +40,12 @@ from .value_head import VALUE_HEAD, init_value_head, value_apply, values_forward
 from .tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
-    "EMBED", "HEAD", "Decoder", "DecoderConfig", "Generation", "HFGroupSource", "ParamGroup", "RopeScaling",
+    "EMBED", "HEAD", "Completion", "ContinuousSampler", "Decoder", "DecoderConfig", "Generation", "HFGroupSource", "ParamGroup", "RopeScaling",
     "SamplingParams", "Tokenizer", "attention", "blockwise_attention", "byte_level_tokenizer",
     "check_group_params", "config_from_hf", "config_to_hf", "dense_attention", "embed_apply", "forward",
     "generate", "group_flat_layout", "group_numel", "group_param_shapes", "head_apply", "init_params", "layer_apply",
     "layer_group_name", "load_pretrained", "load_tokenizer", "merge_params", "param_groups",
     "positions_from_segment_ids", "sampling_logprobs", "save_pretrained", "save_tokenizer", "split_params",
+    "StreamShape", "StreamStats", "stream_generate",
     "VALUE_HEAD", "init_value_head", "value_apply", "values_forward",
 ]
