@@ -342,6 +342,82 @@ class ContinuousSampler:
             self._next_id += 1
         return ids
 
+    def snapshot(self) -> dict:
+        """The stream between calls as JSON-able data: each row under way (its request id, slot, pages held,
+        prompt, key, and its tokens, log-probs, versions and top-K so far) in admission order, the waiting prompts
+        in queue order, and the next request id. The caches are not kept: `restore` prefills the rows again under
+        the weights it is given, as `set_params` does at a weight update, so a stream snapshotted where the weights
+        were about to change resumes exactly."""
+        rows, waiting = [], []
+        if self._state is not None:
+            tokens, logprobs, versions, topk_ids, topk_logprobs = jax.device_get(
+                (self._state.tokens, self._state.logprobs, self._state.versions, self._state.topk_ids,
+                 self._state.topk_logprobs))
+            for slot in self._admitted_order:
+                n, request_id = int(self._host_step[slot]), self._slot_request[slot]
+                rows.append({**self._request_json(request_id), "slot": slot, "pages": self.pool.held(slot),
+                             "tokens": tokens[slot, :n].tolist(), "logprobs": logprobs[slot, :n].tolist(),
+                             "versions": versions[slot, :n].tolist(), "topk_ids": topk_ids[slot, :n].tolist(),
+                             "topk_logprobs": topk_logprobs[slot, :n].tolist()})
+            waiting = [self._request_json(r) for r in self._waiting]
+        return {"rows": rows, "waiting": waiting, "next_id": self._next_id}
+
+    def _request_json(self, request_id: int) -> dict:
+        request = self._requests[request_id]
+        typed = jax.dtypes.issubdtype(request.key.dtype, jax.dtypes.prng_key)
+        data = jax.random.key_data(request.key) if typed else request.key
+        return {"id": request_id, "prompt": request.prompt.tolist(), "key": np.asarray(data).tolist(),
+                "typed_key": bool(typed)}
+
+    def restore(self, snapshot: dict, params, version: int) -> None:
+        """Continue the stream `snapshot` (from a sampler of the same model, sampling and shape) in this new one,
+        under `params` of `version`: the rows under way take their slots and as many pages as they held, and are
+        prefilled again (prompt and tokens so far); the waiting prompts queue in order."""
+        if self._requests:
+            raise RuntimeError("ContinuousSampler.restore: the sampler already holds requests")
+        self._params, self._version = (params if self.device is None else on_device(params, self.device),
+                                       int(version))
+        entries = snapshot["rows"] + snapshot["waiting"]
+        if not entries:
+            self._next_id = int(snapshot["next_id"])
+            return
+        keys = [np.asarray(e["key"], np.uint32) for e in entries]
+        keys = jnp.asarray(np.stack(keys))
+        if entries[0]["typed_key"]:
+            keys = jax.random.wrap_key_data(keys)
+        if self._state is None:
+            self._state = self._initial_state(keys)
+        for i, entry in enumerate(entries):
+            self._requests[int(entry["id"])] = _Request(np.asarray(entry["prompt"], np.int32), keys[i])
+        for row in snapshot["rows"]:
+            self._restore_row(row)
+        self._waiting.extend(int(e["id"]) for e in snapshot["waiting"])
+        self._next_id = int(snapshot["next_id"])
+        if self._admitted_order:
+            self._refill_running()
+
+    def _restore_row(self, row: dict) -> None:
+        request_id, slot, n = int(row["id"]), int(row["slot"]), len(row["tokens"])
+        request = self._requests[request_id]
+        if self._slot_request[slot] >= 0 or not self.pool.grow(slot, int(row["pages"]) * self.shape.page_size):
+            raise ValueError(f"ContinuousSampler.restore: slot {slot} (or its {row['pages']} pages) is not free; "
+                             "the snapshot is of another stream shape")
+        request.slot, self._slot_request[slot], self._host_step[slot] = slot, request_id, n
+        self._admitted_order.append(slot)
+        k_top = self.sampling.top_k_logprobs
+        st = self._state
+        self._state = st._replace(
+            keys=st.keys.at[slot].set(request.key), step=st.step.at[slot].set(n),
+            prompt_len=st.prompt_len.at[slot].set(len(request.prompt)), done=st.done.at[slot].set(False),
+            tokens=st.tokens.at[slot, :n].set(jnp.asarray(row["tokens"], jnp.int32)),
+            logprobs=st.logprobs.at[slot, :n].set(jnp.asarray(row["logprobs"], jnp.float32)),
+            versions=st.versions.at[slot, :n].set(jnp.asarray(row["versions"], jnp.int32)))
+        if k_top and n:
+            self._state = self._state._replace(
+                topk_ids=self._state.topk_ids.at[slot, :n].set(jnp.asarray(row["topk_ids"], jnp.int32)),
+                topk_logprobs=self._state.topk_logprobs.at[slot, :n].set(jnp.asarray(row["topk_logprobs"],
+                                                                                     jnp.float32)))
+
     def run(self) -> dict[int, Completion]:
         """Drive the stream until every submitted prompt has finished; their completions by request id."""
         finished: dict[int, Completion] = {}

@@ -134,3 +134,36 @@ def test_bad_shapes_and_prompts_are_refused_before_anything_runs(model):
         sampler.submit([], jax.random.key(0))
     with pytest.raises(TypeError, match="StreamShape"):
         ContinuousSampler(model, sampling, (2, 16), max_prompt_tokens=4)
+
+
+def test_a_snapshot_taken_before_a_weight_update_resumes_exactly(prompts):
+    """A stream snapshotted between calls (rows under way, prompts waiting) and restored in a new sampler under the
+    next weights finishes bit for bit as the original does after `set_params` with those weights."""
+    import json
+
+    models = [split_params(merge_params(CONFIG, init_params(CONFIG, jax.random.key(seed), init_std=0.1)))
+              for seed in (0, 1)]
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=STOPS, top_k_logprobs=2)
+    shape = StreamShape(slots=4, page_size=4, pages=20, chunk=3, prefill_rows=2)
+
+    def sampler():
+        return ContinuousSampler(CONFIG, sampling, shape, max_prompt_tokens=max(map(len, prompts)),
+                                 params=models[0])
+
+    original = sampler()
+    ids = original.submit(prompts, jax.random.key(2))
+    before = {}
+    for _ in range(4):
+        before.update(original.advance())
+    snapshot = json.loads(json.dumps(original.snapshot()))  # as a checkpoint stores it
+    assert snapshot["rows"] and snapshot["waiting"]
+    original.set_params(models[1], version=1)
+    expected = original.run()
+    resumed = sampler()
+    resumed.restore(snapshot, models[1], version=1)
+    got = resumed.run()
+    assert sorted(got) == sorted(expected) == sorted(set(ids) - set(before))
+    for request_id, c in expected.items():
+        for field in ("tokens", "logprobs", "versions", "topk_ids", "topk_logprobs"):
+            np.testing.assert_array_equal(getattr(got[request_id], field), getattr(c, field), err_msg=field)
+    assert resumed.pool.free == resumed.pool.usable
