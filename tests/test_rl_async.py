@@ -368,9 +368,9 @@ def test_the_rollout_source_is_chosen_once_from_the_config():
 
     sync = make_rollout_source(types.SimpleNamespace(max_staleness=0), sampler=None, reward_spec=None, trainer=None)
     assert isinstance(sync, SyncRollouts) and sync.checkpoint_state(3) == {}
-    thread = make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="thread"), sampler=None,
-                                 reward_spec=None, trainer=None)
-    assert isinstance(thread, AsyncRolloutSource) and thread.process is None
+    thread = make_rollout_source(types.SimpleNamespace(max_staleness=2, sampler="thread", partial_rollouts=False),
+                                 sampler=None, reward_spec=None, trainer=None)
+    assert isinstance(thread, AsyncRolloutSource) and thread.process is None and thread.partial is None
     assert thread.checkpoint_state(0) == {"pending_rollouts": []}
     with pytest.raises(RuntimeError, match="does not hold the rollouts of steps 5..6"):
         thread.restore(4, {"pending_rollouts": []}, "ckpt/4")

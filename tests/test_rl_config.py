@@ -33,6 +33,10 @@ def test_yaml_then_overrides(tmp_path):
     with pytest.raises(ConfigError, match="cannot hold one response"):
         C.load_rl_config(None, ["--rollout.batching", "continuous", "--rollout.cache_tokens", "16",
                                 "--rollout.max_new_tokens", "64"])
+    with pytest.raises(ConfigError, match="partial_rollouts needs rollout.batching=continuous"):
+        C.load_rl_config(None, ["--rollout.partial_rollouts", "true", "--rollout.max_staleness", "1"])
+    with pytest.raises(ConfigError, match="partial_rollouts needs"):
+        C.load_rl_config(None, ["--rollout.partial_rollouts", "true", "--rollout.batching", "continuous"])
     with pytest.raises(ConfigError, match="max_count"):
         C.load_rl_config(None, ["--task.name", "expand", "--task.max_count", "10"])
     # a section given in part keeps RL's defaults for the rest (not the shared section class's)

@@ -80,6 +80,8 @@ class AsyncRollouts:
         if sorted(pending) != list(range(start_step, start_step + len(pending))):
             raise ValueError(f"pending rollouts must be of consecutive steps from {start_step}, got {sorted(pending)}")
         self.produce, self.max_staleness = produce, max_staleness
+        # a producer that completes rollout s one phase later (partial rollouts) needs version s + lag - k for it
+        self.lag = int(getattr(produce, "lag", 0))
         self._cond = threading.Condition()
         self._params: dict[int, Any] = {}
         self._ready: dict[int, StepRollout] = pending
@@ -96,7 +98,7 @@ class AsyncRollouts:
         while True:
             with self._cond:
                 step = self._next
-                version = behaviour_version(step, self.max_staleness)
+                version = behaviour_version(step + self.lag, self.max_staleness)
                 while not self._stop and version not in self._params:
                     self._cond.wait()
                 if self._stop:
@@ -116,7 +118,7 @@ class AsyncRollouts:
                     return
                 self._ready[step] = out
                 self._next = step + 1
-                needed = behaviour_version(self._next, self.max_staleness)
+                needed = behaviour_version(self._next + self.lag, self.max_staleness)
                 for v in [v for v in self._params if v < needed]:
                     del self._params[v]
 
@@ -124,7 +126,7 @@ class AsyncRollouts:
     def publish(self, version: int, params) -> None:
         """The weights of policy `version` (host group pytrees; not modified afterwards)."""
         with self._cond:
-            if version >= behaviour_version(self._next, self.max_staleness):
+            if version >= behaviour_version(self._next + self.lag, self.max_staleness):
                 self._params[version] = params
             self._cond.notify_all()
 
@@ -149,11 +151,15 @@ class AsyncRollouts:
         return out, time.perf_counter() - started
 
     def pending(self, done: int) -> list[StepRollout]:
-        """The rollouts of steps done .. done + k - 1 (waits for them): what a checkpoint of step `done` holds."""
+        """The rollouts of steps done .. done + k - 1 - lag (waits for them): what a checkpoint of step `done`
+        holds. The thread has then produced rollout done + k - 1 - lag (or the trainer has taken it) and waits
+        for version done, which the trainer has not published yet: a producer with state of its own (partial
+        rollouts) is between phases."""
+        ahead = range(done, done + self.max_staleness - self.lag)
         with self._cond:
-            for step in range(done, done + self.max_staleness):
+            for step in ahead:
                 self._wait_for(step)
-            return [self._ready[s] for s in range(done, done + self.max_staleness)]
+            return [self._ready[s] for s in ahead]
 
     def busy_seconds(self, start: float, end: float) -> float:
         """How long the sampler thread worked within the perf_counter interval [start, end]."""

@@ -107,6 +107,9 @@ class RolloutConfig(Section):
     page_size: int = 16  # continuous: tokens per KV-cache page
     cache_tokens: int = 0  # continuous: KV cache per device, in tokens (0: every slot's longest row, no waiting)
     decode_chunk: int = 8  # continuous: decode steps per compiled call (the host refills slots between calls)
+    # max_staleness > 0 with continuous batching: generation carries on across policy updates (responses may hold
+    # tokens of two versions, each token keeping its version and log-prob; train/rl/partial_rollouts.py)
+    partial_rollouts: bool = False
     # across processes (mpirun): sharded = each process keeps its share, exchanges per-response metadata and sends
     # each sequence only to the process that trains it (train/rl/assembly.py); replicated = every process gets the
     # whole rollout (all-gathered) and computes every pass over it (the baseline bench/rl_sampling.py compares)
@@ -127,6 +130,11 @@ class RolloutConfig(Section):
             raise ConfigError(f"rollout.cache_tokens={self.cache_tokens} cannot hold one response of max_new_tokens="
                               f"{self.max_new_tokens} and its prompt in pages of {self.page_size} (0: as much as "
                               "every slot's longest row)")
+        if self.partial_rollouts and (self.batching != "continuous" or not self.max_staleness
+                                      or self.sampler != "thread" or self.dtype != "float32"):
+            raise ConfigError("rollout.partial_rollouts needs rollout.batching=continuous, rollout.max_staleness >= 1, "
+                              "rollout.sampler=thread and rollout.dtype=float32 (the mismatch against one version's "
+                              "weights is not defined for responses of two)")
         if self.sampler == "process" and not self.max_staleness:
             raise ConfigError("rollout.sampler=process needs rollout.max_staleness >= 1 (synchronous rollouts are "
                               "sampled by the trainer itself)")

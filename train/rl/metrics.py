@@ -61,6 +61,10 @@ def step_record(scored, step: int, updates: Sequence[dict[str, float]], *, group
     record.update(update_metrics(updates, unstable_kl=unstable_kl) if updates else
                   {"loss": float("nan"), "grad_norm": float("nan")})
     oldest = int(scored.versions.min())
+    newest = getattr(scored, "newest_versions", None)
+    if newest is not None:  # partial rollouts: the responses a weight update reached under way, the newest token
+        record["partial_response_fraction"] = float(np.mean(newest > scored.versions))
+        record["newest_policy_version"] = int(newest.max())
     record.update({"tokens": tokens, "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
                    "rollout_seconds": scored.rollout_seconds, "reward_seconds": scored.reward_seconds,
                    "mismatch_seconds": scored.mismatch_seconds, "rollout_fraction": scored.rollout_seconds / seconds,

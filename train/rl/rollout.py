@@ -37,6 +37,9 @@ class Rollout:
     finished: np.ndarray               # bool [N]: the response ended with a stop token (else it hit the budget)
     group_size: int
     seconds: float                     # wall time of sampling and decoding
+    # per response: int32 [n_i] the policy version each token was sampled under (partial rollouts, whose responses
+    # may span a weight update); None: every token of a response has the response's version
+    token_versions: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -54,7 +57,8 @@ class Rollout:
         return dataclasses.replace(self, prompts=part(self.prompts), prompt_ids=part(self.prompt_ids),
                                    response_ids=part(self.response_ids), logprobs=part(self.logprobs),
                                    topk_ids=part(self.topk_ids), topk_logprobs=part(self.topk_logprobs),
-                                   responses=part(self.responses), finished=part(self.finished))
+                                   responses=part(self.responses), finished=part(self.finished),
+                                   token_versions=part(self.token_versions))
 
     def width(self, bucket: int) -> int:
         """The longest prompt + response, rounded up to `bucket`: the row width of a forward pass over it."""
@@ -77,7 +81,8 @@ class Rollout:
         return cls(prompts=joined("prompts"), prompt_ids=joined("prompt_ids"), response_ids=joined("response_ids"),
                    logprobs=joined("logprobs"), topk_ids=joined("topk_ids"), topk_logprobs=joined("topk_logprobs"),
                    responses=joined("responses"), finished=np.concatenate([p.finished for p in parts]).astype(bool),
-                   group_size=parts[0].group_size, seconds=max(p.seconds for p in parts))
+                   group_size=parts[0].group_size, seconds=max(p.seconds for p in parts),
+                   token_versions=joined("token_versions"))
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str]) -> list[np.ndarray]:
@@ -175,7 +180,15 @@ def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts:
                                for rows, device, weights in shares])  # dispatched without waiting: concurrent
     else:
         outs = _streamed(config, shares, prompt_ids, keys, sampling, stream, prompt_width)
+    return rollout_of(tokenizer, sampling, repeated, prompt_ids, outs, group_size=group_size,
+                      seconds=time.perf_counter() - started)
 
+
+def rollout_of(tokenizer: Tokenizer, sampling: SamplingParams, prompts: list[str], prompt_ids: list[np.ndarray],
+               outs: Sequence[Generation], *, group_size: int, seconds: float,
+               token_versions: list[np.ndarray] | None = None) -> Rollout:
+    """The `Rollout` of sampled rows: `outs` (host `Generation`s, rows in order) of the responses to `prompts`
+    (per response: its text and `prompt_ids`), decoded; `token_versions` per response, when they vary."""
     def rows(field):
         return np.concatenate([np.asarray(getattr(o, field)) for o in outs])
 
@@ -191,10 +204,10 @@ def sample_rollout(config: DecoderConfig, params, tokenizer: Tokenizer, prompts:
         ids, lps = rows("topk_ids"), rows("topk_logprobs").astype(np.float32)
         topk_ids = [ids[i, :n].astype(np.int32) for i, n in enumerate(lengths)]
         topk_logprobs = [lps[i, :n] for i, n in enumerate(lengths)]
-    return Rollout(prompts=repeated, prompt_ids=prompt_ids, response_ids=response_ids,
+    return Rollout(prompts=list(prompts), prompt_ids=prompt_ids, response_ids=response_ids,
                    logprobs=[logprobs[i, :n] for i, n in enumerate(lengths)], topk_ids=topk_ids,
                    topk_logprobs=topk_logprobs, responses=list(texts), finished=finished, group_size=group_size,
-                   seconds=time.perf_counter() - started)
+                   seconds=seconds, token_versions=token_versions)
 
 
 def _streamed(config: DecoderConfig, shares, prompt_ids, keys, sampling: SamplingParams, stream: StreamShape,

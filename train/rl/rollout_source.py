@@ -22,7 +22,8 @@ from ..core.callbacks import emit
 from ..core.config import ConfigError
 from .async_rollouts import AsyncRollouts, check_staleness
 from .layout import RolloutLayout
-from .sampler import RolloutSampler
+from .partial_rollouts import PartialRollouts
+from .sampler import RolloutSampler, stream_shape
 from .sampler_process import SamplerProcess
 from .scored import ScoredRollout, StepRollout
 
@@ -73,10 +74,13 @@ class ProcessShares:
 
 
 class AsyncRolloutSource:
-    """Rollouts sampled ahead by a sampler thread from weights at most `max_staleness` versions old."""
+    """Rollouts sampled ahead by a sampler thread from weights at most `max_staleness` versions old; with
+    `partial` (a `PartialRollouts`) the thread's streams carry generation on across policy updates."""
 
-    def __init__(self, sampler: RolloutSampler, *, max_staleness: int, process: ProcessShares | None = None):
-        self.sampler, self.max_staleness, self.process = sampler, max_staleness, process
+    def __init__(self, sampler: RolloutSampler, *, max_staleness: int, process: ProcessShares | None = None,
+                 partial: PartialRollouts | None = None):
+        self.sampler, self.max_staleness, self.process, self.partial = sampler, max_staleness, process, partial
+        self.lag = partial.lag if partial is not None else 0  # rollouts a checkpoint holds: k - lag
         self.thread: AsyncRollouts | None = None  # started by the first `get`, at the run's first step
         self.restored: dict[int, StepRollout] = {}  # rollouts sampled ahead, from the checkpoint
 
@@ -90,7 +94,7 @@ class AsyncRolloutSource:
         """Publishes `params` as version `step` and takes the rollout sampled from version max(0, step - k)
         (refused if staler than k)."""
         if self.thread is None:
-            self.thread = AsyncRollouts(self.process or self.sampler, max_staleness=self.max_staleness,
+            self.thread = AsyncRollouts(self.process or self.partial or self.sampler, max_staleness=self.max_staleness,
                                         start_step=step, pending=self.restored)
             self.restored = {}
         self.thread.publish(step, params)
@@ -106,14 +110,21 @@ class AsyncRolloutSource:
             pending = self.thread.pending(done)
         else:  # nothing ran since the restore
             pending = [self.restored[s] for s in sorted(self.restored)]
-        return {"pending_rollouts": [self.sampler.layout.whole(p).to_json() for p in pending]}
+        state = {"pending_rollouts": [self.sampler.layout.whole(p).to_json() for p in pending]}
+        if self.partial is not None:  # the streams between phases: rows under way, waiting, finished ahead
+            state["partial_rollouts"] = self.partial.state()
+        return state
 
     def restore(self, step: int, state: dict[str, Any], where: str) -> None:
         k, s = self.max_staleness, self.sampler
         pending = [ScoredRollout.from_json(p) for p in state.get("pending_rollouts") or []]
-        if [p.step for p in pending] != list(range(step, step + k)):
-            raise RuntimeError(f"checkpoint {where} does not hold the rollouts of steps {step + 1}..{step + k} that "
-                               f"rollout.max_staleness={k} sampled ahead")
+        if [p.step for p in pending] != list(range(step, step + k - self.lag)):
+            raise RuntimeError(f"checkpoint {where} does not hold the rollouts of steps {step + 1}.."
+                               f"{step + k - self.lag} that rollout.max_staleness={k} sampled ahead")
+        if self.partial is not None:
+            if "partial_rollouts" not in state:
+                raise RuntimeError(f"checkpoint {where} holds no partial rollouts' streams")
+            self.partial.restore(state["partial_rollouts"])
         self.restored = {p.step: s.layout.view(p, num_prompts=s.rollout.prompts_per_step,
                                                group_size=s.rollout.group_size, devices=s.devices) for p in pending}
 
@@ -142,4 +153,5 @@ def make_rollout_source(rollout, sampler: RolloutSampler, *, reward_spec: str | 
                                     sampler.layout)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    return AsyncRolloutSource(sampler, max_staleness=rollout.max_staleness, process=process)
+    partial = PartialRollouts(sampler, stream_shape(rollout)) if rollout.partial_rollouts else None
+    return AsyncRolloutSource(sampler, max_staleness=rollout.max_staleness, process=process, partial=partial)

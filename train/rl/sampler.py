@@ -111,24 +111,40 @@ class RolloutSampler:
     def share(self, step: int, params, version: int) -> ScoredRollout:
         """This process's share of step `step`'s scored rollout (all of it in one process), sampled over its
         devices and scored (each response once)."""
-        r = self.rollout
-        problems = step_problems(self.task, self.seed, step, r.prompts_per_step, pool=self.pool,
+        prompts, mine, devices, width = self.step_prompts(step)
+        config, weights, fp32 = self.weights(params)
+        rollout = sample_rollout(config, weights, self.tokenizer, prompts[mine.start:mine.stop],
+                                 group_size=self.rollout.group_size, sampling=self.sampling,
+                                 key=self.rollout_key(step), prompt_indices=mine, devices=devices,
+                                 stream=stream_shape(self.rollout), prompt_width=width)
+        return self.scored(step, rollout, np.full(len(rollout), version, np.int64), fp32)
+
+    def step_prompts(self, step: int) -> tuple[list[str], range, list[jax.Device], int]:
+        """Step `step`'s prompts (a pure function of (seed, step)), the range of them this process samples, its
+        sampling devices, and the step's prompt width (every share pads to it)."""
+        problems = step_problems(self.task, self.seed, step, self.rollout.prompts_per_step, pool=self.pool,
                                  held_out=self.held_out)
         prompts = [p.prompt for p in problems]
         mine, devices = self.local_devices()
-        if isinstance(params, PolicyWeights):  # already on the sampling devices, in the sampler's dtype
-            if params.sampler.dtype != jnp.dtype(r.dtype).name:
-                raise ValueError(f"weights in {params.sampler.dtype} for a {r.dtype} sampler")
-            config, weights, fp32 = sampler_config(self.model_config, r.dtype), params.sampler, params.trainer
-        else:
-            (config, weights), fp32 = sampler_weights(self.model_config, params, r.dtype), params
-        rollout = sample_rollout(config, weights, self.tokenizer, prompts[mine.start:mine.stop],
-                                 group_size=r.group_size, sampling=self.sampling, key=self.rollout_key(step),
-                                 prompt_indices=mine, devices=devices, stream=stream_shape(r),
-                                 prompt_width=max(len(ids) for ids in encode_prompts(self.tokenizer, prompts)))
+        return prompts, mine, devices, max(len(ids) for ids in encode_prompts(self.tokenizer, prompts))
+
+    def weights(self, params) -> tuple[DecoderConfig, Any, Any]:
+        """(the sampler's model config, its weights, the trainer's fp32 weights) of `params`: a `PolicyWeights`
+        (already on the sampling devices, in the sampler's dtype) or host fp32 group pytrees."""
+        dtype = self.rollout.dtype
+        if isinstance(params, PolicyWeights):
+            if params.sampler.dtype != jnp.dtype(dtype).name:
+                raise ValueError(f"weights in {params.sampler.dtype} for a {dtype} sampler")
+            return sampler_config(self.model_config, dtype), params.sampler, params.trainer
+        return (*sampler_weights(self.model_config, params, dtype), params)
+
+    def scored(self, step: int, rollout: Rollout, versions: np.ndarray, fp32) -> ScoredRollout:
+        """`rollout` (this process's share of step `step`, responses of policy `versions`) scored, each response
+        once, with the rollout/trainer mismatch where the sampler's numerics differ from the trainer's."""
+        r = self.rollout
         started = time.perf_counter()
         rewards = score(self.reward_fn, rollout.prompts, rollout.responses, step=step + 1,
-                        first_sample=mine.start * r.group_size)
+                        first_sample=self.layout.prompt_range(r.prompts_per_step, self.devices).start * r.group_size)
         reward_seconds = time.perf_counter() - started
         started = time.perf_counter()
         trainer = None
@@ -136,8 +152,7 @@ class RolloutSampler:
             trainer = (trainer_logprobs(self.model_config, fp32, rollout, temperature=r.temperature,
                                         bucket=r.prompt_bucket) if len(rollout) else [])
         mismatch_seconds = time.perf_counter() - started
-        return ScoredRollout(step=step, rollout=rollout, rewards=rewards,
-                             versions=np.full(len(rollout), version, np.int64), trainer_logprobs=trainer,
+        return ScoredRollout(step=step, rollout=rollout, rewards=rewards, versions=versions, trainer_logprobs=trainer,
                              reward_seconds=reward_seconds, mismatch_seconds=mismatch_seconds)
 
 

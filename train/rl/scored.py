@@ -91,6 +91,15 @@ class ScoredRollout:
     exchange_seconds: float = 0.0  # across processes: waiting for and receiving the other processes' shares
 
     @property
+    def newest_versions(self) -> np.ndarray | None:
+        """Per response, the policy version of its newest token: above `versions` (its oldest token's) for a
+        response that a weight update reached under way; None without per-token versions (not partial rollouts)."""
+        if self.rollout.token_versions is None:
+            return None
+        return np.array([int(t.max()) if len(t) else int(v) for t, v in zip(self.rollout.token_versions,
+                                                                              self.versions)], np.int64)
+
+    @property
     def mismatch_sums(self) -> MismatchSums | None:
         if self.trainer_logprobs is None:
             return None
@@ -169,7 +178,8 @@ class ScoredRollout:
                              "logprobs": arrays(r["logprobs"], np.float32),
                              "topk_ids": arrays(r["topk_ids"], np.int32, tail),
                              "topk_logprobs": arrays(r["topk_logprobs"], np.float32, tail),
-                             "finished": np.asarray(r["finished"], bool)})
+                             "finished": np.asarray(r["finished"], bool),
+                             "token_versions": arrays(r.get("token_versions"), np.int32)})
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{**{k: v for k, v in data.items() if k in fields}, "rollout": rollout,
                       "rewards": np.asarray(data["rewards"], np.float64),
@@ -192,6 +202,7 @@ class ShareMeta:
     rollout_seconds: float
     reward_seconds: float
     mismatch_seconds: float
+    newest_versions: np.ndarray | None = None  # per response, its newest token's version (partial rollouts only)
 
     @classmethod
     def of(cls, share: ScoredRollout) -> "ShareMeta":
@@ -200,7 +211,8 @@ class ShareMeta:
                    response_lengths=r.response_lengths, finished=np.asarray(r.finished, bool),
                    rewards=np.asarray(share.rewards), versions=np.asarray(share.versions, np.int64),
                    mismatch_sums=share.mismatch_sums, rollout_seconds=r.seconds, reward_seconds=share.reward_seconds,
-                   mismatch_seconds=share.mismatch_seconds)
+                   mismatch_seconds=share.mismatch_seconds,
+                   newest_versions=share.newest_versions)
 
 
 @dataclasses.dataclass
@@ -221,6 +233,7 @@ class StepRollout:
     reward_seconds: float
     mismatch_seconds: float
     exchange_seconds: float = 0.0
+    newest_versions: np.ndarray | None = None  # per response, its newest token's version (partial rollouts only)
 
     @property
     def step(self) -> int:
@@ -269,7 +282,9 @@ class StepRollout:
                    finished=joined("finished").astype(bool), rewards=joined("rewards"), versions=joined("versions"),
                    mismatch=mismatch_metrics(sums), rollout_seconds=max(m.rollout_seconds for m in metas),
                    reward_seconds=max(m.reward_seconds for m in metas),
-                   mismatch_seconds=max(m.mismatch_seconds for m in metas), exchange_seconds=exchange_seconds)
+                   mismatch_seconds=max(m.mismatch_seconds for m in metas), exchange_seconds=exchange_seconds,
+                   newest_versions=None if all(m.newest_versions is None for m in metas) else np.concatenate(
+                       [m.versions if m.newest_versions is None else m.newest_versions for m in metas]))
 
     @classmethod
     def from_whole(cls, whole: ScoredRollout, held: range | None = None) -> "StepRollout":
@@ -282,4 +297,5 @@ class StepRollout:
                    response_lengths=r.response_lengths, finished=np.asarray(r.finished, bool), rewards=whole.rewards,
                    versions=whole.versions, mismatch=whole.mismatch, rollout_seconds=r.seconds,
                    reward_seconds=whole.reward_seconds, mismatch_seconds=whole.mismatch_seconds,
-                   exchange_seconds=whole.exchange_seconds)
+                   exchange_seconds=whole.exchange_seconds,
+                   newest_versions=whole.newest_versions)

@@ -66,6 +66,11 @@ class ArithmeticTask:
         prompt = text + "="
         return Problem(prompt, str(self.answer(prompt)))
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt this task makes: every term at max_digits digits, an operator or '=' after each."""
+        return self.max_terms * (self.max_digits + 1)
+
     def answer(self, prompt: str) -> int:
         """The value of the expression in an arithmetic prompt; ValueError if it is not one."""
         if not self._PROMPT.match(prompt):
@@ -105,6 +110,13 @@ class CountdownTask:
             target = _evaluate(expression)[0]
             if target >= 0:
                 return Problem(f"{' '.join(map(str, numbers))}>{target}:", expression)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt this task makes: max_numbers numbers and separators, '>', the largest target (the
+        product of every number at its largest) and ':'."""
+        width = len(str(self.max_number))
+        return self.max_numbers * (width + 1) + len(str(self.max_number ** self.max_numbers)) + 1
 
     def parse_prompt(self, prompt: str) -> tuple[list[int], int]:
         """(numbers, target) of a countdown prompt; ValueError if it is not one."""
@@ -168,6 +180,11 @@ class JsonlTask:
         self.path = path
         self.problems = read_prompts(path)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt of the file."""
+        return max(len(p.prompt) for p in self.problems)
+
     def problem(self, rng: np.random.Generator) -> Problem:
         """A record drawn uniformly."""
         return self.problems[int(rng.integers(len(self.problems)))]
@@ -200,6 +217,11 @@ class ExpandTask:
             raise ValueError(f"expand task: tail must be > 0, got {tail}")
         self.min_runs, self.max_runs, self.max_count, self.letters, self.tail = (min_runs, max_runs, max_count,
                                                                                  letters, float(tail))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt this task makes: max_runs runs of a digit and a letter, then '>'."""
+        return 2 * self.max_runs + 1
 
     def runs(self, rng: np.random.Generator) -> int:
         """A number of runs from the Pareto tail (see the class docstring)."""
