@@ -16,8 +16,15 @@ one JSON line (also written to bench/results/rl_stream.json unless --no-save): `
 `stream_tokens_per_s`, `stream_vs_static_tokens_per_s` (target >= 2.0), `static_rollout_seconds`,
 `stream_rollout_seconds`, `responses_equal` (the fraction of responses token-for-token equal in the two samplers:
 the stream samples what the static sampler samples), `max_logprob_difference`, the cache sizes, the slot
-utilisation of each (tokens generated / slot-steps decoded) and the stream's preemptions and waits. Whole RL steps
-with partial rollouts are not measured here yet (the trainer does not drive the stream yet).
+utilisation of each (tokens generated / slot-steps decoded) and the stream's preemptions and waits.
+
+Then (`--rl-steps N`, 0 to skip) whole asynchronous RL steps from the same warm start (`rollout.max_staleness` 1,
+continuous batching with `--slots` slots, `--rl-prompts` x `--rl-group` responses per step, 2 updates per step
+at 3e-4, a KL penalty of 0.1 to the warm start),
+without and with `rollout.partial_rollouts`, one run each: `step_seconds_static_phases` / `_partial` (the median
+step after the first), `partial_rollout_step_speedup` (their ratio: above 1 is faster), `trainer_idle_fraction_*`
+and `sampler_idle_fraction_*`, and the held-out evaluation after the N steps (`eval_sampled_reward_*`,
+`eval_accuracy_*`), so that speed is not bought with learning.
 """
 from __future__ import annotations
 
@@ -36,8 +43,8 @@ import numpy as np  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "rl_stream.json")
 DEFAULTS = dict(prompts=256, batch=32, slots=64, page_size=16, chunk=8, max_new_tokens=208, repeats=3,
-                warmstart_steps=400)
-QUICK = dict(prompts=96, batch=16, slots=32, repeats=1, warmstart_steps=100)
+                warmstart_steps=400, rl_steps=20, rl_prompts=16, rl_group=4)
+QUICK = dict(prompts=96, batch=16, slots=32, repeats=1, warmstart_steps=100, rl_steps=0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,6 +82,43 @@ def held_out_prompts(tokenizer, task, count: int) -> list[np.ndarray]:
     from jodc.train.rl.tasks import eval_problems
 
     return encode_prompts(tokenizer, [p.prompt for p in eval_problems(task, 7, count)])
+
+
+def rl_args(args, out_dir: str, partial: bool) -> list[str]:
+    """The RL run of the comparison: the warm start's settings (so it is reused), async k = 1, continuous."""
+    return ["--task.name", "expand", "--warmstart.sft_steps", str(args.warmstart_steps), "--warmstart.sft_examples",
+            "8192", "--engine.token_cap", "512", "--out_dir", out_dir, "--no-progress", "--run.steps",
+            str(args.rl_steps), "--rollout.prompts_per_step", str(args.rl_prompts), "--rollout.group_size",
+            str(args.rl_group), "--rollout.max_new_tokens", str(args.max_new_tokens), "--run.updates_per_step", "2",
+            "--rollout.max_staleness", "1", "--rollout.batching", "continuous", "--rollout.slots", str(args.slots),
+            "--rollout.page_size", str(args.page_size), "--rollout.decode_chunk", str(args.chunk),
+            "--rollout.partial_rollouts", str(partial).lower(), "--run.eval_every", str(args.rl_steps),
+            "--task.eval_problems", "64", "--checkpoint.save_every", "0", "--no-export_hf",
+            "--optimizer.learning_rate", "3e-4", "--loss.kl_coef", "0.1"]
+
+
+def measure_rl(args) -> dict:
+    """Whole async RL steps without and with partial rollouts (see the module docstring)."""
+    import shutil
+
+    from jodc.train.core.metrics import read_metrics
+    from jodc.train.rl.config import load_rl_config
+    from jodc.train.rl.loop import run_rl
+
+    out: dict = {"rl_steps": args.rl_steps, "rl_responses_per_step": args.rl_prompts * args.rl_group}
+    for name, partial in (("static_phases", False), ("partial", True)):
+        run_dir = os.path.join(args.work, f"rl_{name}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(os.path.join(args.work, "warmstart"), os.path.join(run_dir, "warmstart"))
+        summary = run_rl(load_rl_config(None, rl_args(args, run_dir, partial)), log=lambda line: None)
+        records = read_metrics(summary["metrics"])[1:]  # after the first step, which compiles
+        out[f"step_seconds_{name}"] = statistics.median(r["step_seconds"] for r in records)
+        for key in ("trainer_idle_fraction", "sampler_idle_fraction"):
+            out[f"{key}_{name}"] = float(np.mean([r[key] for r in records]))
+        out[f"eval_sampled_reward_{name}"] = summary["final_eval_sampled_reward"]
+        out[f"eval_accuracy_{name}"] = summary["final_eval_accuracy"]
+    out["partial_rollout_step_speedup"] = out["step_seconds_static_phases"] / out["step_seconds_partial"]
+    return out
 
 
 def run_static(model, prompts, keys, sampling, batch: int):
@@ -163,10 +207,23 @@ def print_table(r: dict) -> None:
           f"preempted {r['stream_preempted']}, held {r['stream_held']}")
 
 
+def print_rl_table(r: dict) -> None:
+    print(f"async RL, {r['rl_steps']} steps of {r['rl_responses_per_step']} responses (max_staleness 1, continuous):")
+    print(f"{'':<22}{'step s':>8}{'trainer idle':>14}{'sampler idle':>14}{'eval reward':>13}{'eval acc':>10}")
+    for name in ("static_phases", "partial"):
+        print(f"{name:<22}{r['step_seconds_' + name]:>8.2f}{r['trainer_idle_fraction_' + name]:>14.2f}"
+              f"{r['sampler_idle_fraction_' + name]:>14.2f}{r['eval_sampled_reward_' + name]:>13.3f}"
+              f"{r['eval_accuracy_' + name]:>10.3f}")
+    print(f"partial rollouts: {r['partial_rollout_step_speedup']:.2f}x the steps per second")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = measure(args)
     print_table(result)
+    if args.rl_steps and not args.model:
+        result.update(measure_rl(args))
+        print_rl_table(result)
     print(json.dumps(result))
     if not args.no_save:
         with open(RESULTS, "w") as f:

@@ -120,8 +120,10 @@ class StreamStats:
     peak_pages: int = 0
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 5))
 def _empty_state(config: DecoderConfig, sampling: SamplingParams, shape: StreamShape, pool_pages: int,
-                 keys_like: jax.Array, logits_dtype) -> StreamState:
+                 keys_like: jax.Array, logits_dtype: str) -> StreamState:
+    """Every slot empty (done), the pool zero; compiled once per shape."""
     s, n, k = shape.slots, sampling.max_new_tokens, sampling.top_k_logprobs
     kv = (pool_pages * shape.page_size, config.num_kv_heads, config.head_dim)
     cache = tuple((jnp.zeros(kv, config.compute_dtype), jnp.zeros(kv, config.compute_dtype))
@@ -494,11 +496,8 @@ class ContinuousSampler:
         logits_dtype = jax.eval_shape(
             lambda p, t: head_apply(self.config, p[HEAD], embed_apply(self.config, p[EMBED], t), p[EMBED]),
             self._params, jax.ShapeDtypeStruct((1, 1), jnp.int32)).dtype
-        make = functools.partial(_empty_state, self.config, self.sampling, self.shape, self.pool.pages,
-                                 logits_dtype=logits_dtype)
-        if self.device is None:
-            return jax.jit(make)(keys)
-        return jax.jit(make)(jax.device_put(keys, self.device))
+        keys = keys if self.device is None else jax.device_put(keys, self.device)
+        return _empty_state(self.config, self.sampling, self.shape, self.pool.pages, keys, jnp.dtype(logits_dtype).name)
 
     def _admit_waiting(self) -> None:
         free_slots = [s for s, r in enumerate(self._slot_request) if r < 0]

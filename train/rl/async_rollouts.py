@@ -95,16 +95,22 @@ class AsyncRollouts:
 
     # -- the sampler thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
+        idle_round = getattr(self.produce, "idle_round", None)
         while True:
             with self._cond:
                 step = self._next
                 version = behaviour_version(step + self.lag, self.max_staleness)
-                while not self._stop and version not in self._params:
+                while not self._stop and version not in self._params and idle_round is None:
                     self._cond.wait()
                 if self._stop:
                     return
-                params = self._params[version]
+                waiting = version not in self._params
+                if not waiting:
+                    params = self._params[version]
                 self._busy_since = time.perf_counter()
+            if waiting:  # a producer that works while the next version is awaited (partial rollouts)
+                self._idle(idle_round)
+                continue
             try:
                 out = self.produce(step, params, version)
             except BaseException as e:  # noqa: BLE001 (handed to the trainer when it asks for this step)
@@ -121,6 +127,23 @@ class AsyncRollouts:
                 needed = behaviour_version(self._next + self.lag, self.max_staleness)
                 for v in [v for v in self._params if v < needed]:
                     del self._params[v]
+
+    def _idle(self, idle_round: Callable[[], bool]) -> None:
+        """One round of the producer's work under the weights it has, or (nothing to do) a wait for the trainer."""
+        try:
+            worked = idle_round()
+        except BaseException as e:  # noqa: BLE001 (handed to the trainer when it asks for the next step)
+            worked = False
+            with self._cond:
+                self._errors[self._next] = e
+        with self._cond:
+            if worked:
+                self._busy.append((self._busy_since, time.perf_counter()))
+            self._busy_since = None
+            if not worked and not self._errors:
+                self._cond.wait(timeout=1.0)
+            if self._errors:
+                self._stop = True
 
     # -- the trainer's side -------------------------------------------------------------------------------------
     def publish(self, version: int, params) -> None:

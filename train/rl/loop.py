@@ -131,7 +131,7 @@ class RLRun(Trainer):
         self.device_rows = [range(s.start * r.group_size, s.stop * r.group_size)
                             for s in device_shares(r.prompts_per_step, e.devices)]
         self.rollouts = make_rollout_source(r, self.sampler, reward_spec=reward_spec, trainer=self,
-                                            callbacks=self.callbacks)
+                                            callbacks=self.callbacks, deterministic=e.deterministic)
 
     def restored(self, step: int, state: dict[str, Any]) -> int:
         self.rollouts.restore(step, state, self.store.step_dir(step))

@@ -13,7 +13,9 @@ of a rollout without partial rollouts. The slots freed by step s - 1's short res
 once, while its long responses finish.
 
 The schedule is deterministic (phases end at a point of the stream's own progress, never of the trainer's timing),
-so a run is reproducible. The thread delivers rollout s at the end of phase s + 1, one phase later than without
+so a run is reproducible; but the streams then idle while the thread waits for the next version. Without
+`engine.deterministic` they keep generating meanwhile (`keep_generating`: the rows under way carry on under the
+weights of their phase, which keeps the bound), so a response's split between its two versions depends on timing. The thread delivers rollout s at the end of phase s + 1, one phase later than without
 partial rollouts (`lag = 1`: it needs version s + 1 - k, so k >= 1). A checkpoint after step d holds the complete
 rollouts d .. d + k - 2 and the stream as phase d + k - 1 left it (`state`: the rows under way and waiting, the
 responses of later steps already finished); a resumed run restores it under version d, where the uninterrupted run
@@ -21,6 +23,7 @@ carries its rows on under the same version, so it continues bit for bit.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -40,8 +43,11 @@ class PartialRollouts:
 
     lag = 1  # rollout s is complete at the end of phase s + 1, under version s + 1 - k
 
-    def __init__(self, sampler: RolloutSampler, shape: StreamShape):
+    def __init__(self, sampler: RolloutSampler, shape: StreamShape, *, keep_generating: bool = False):
         self.sampler, self.shape = sampler, shape
+        if keep_generating:  # the sampler thread calls it while it waits for the next version
+            self.idle_round = self._idle_round
+        self._lock = threading.Lock()  # the streams: the sampler thread's rounds vs a checkpoint's snapshot
         self.streams: list[ContinuousSampler] | None = None  # one per sampling device, made at the first call
         self.submitted: int | None = None  # the last step whose prompts were queued
         self.owner: dict[tuple[int, int], tuple[int, int]] = {}  # (device, request id) -> (step, row of the share)
@@ -52,14 +58,17 @@ class PartialRollouts:
     def __call__(self, step: int, params, version: int) -> StepRollout:
         started = time.perf_counter()
         config, weights, fp32 = self.sampler.weights(params)
-        self._carry_on(config, weights, version)
-        if self.submitted is None:  # a fresh run: step `step`'s own prompts first (phase `step` merged in)
-            self._submit(step, version)
-        for later in range(self.submitted + 1, step + 2):
-            self._submit(later, version)
-        self._run_until_complete(step)
-        rows = self.finished.pop(step)
-        self.expected.pop(step)
+        with self._lock:
+            self._carry_on(config, weights, version)
+            if self.submitted is None:  # a fresh run: step `step`'s own prompts first (phase `step` merged in)
+                self._submit(step, version)
+            for later in range(self.submitted + 1, step + 2):
+                self._submit(later, version)
+            while len(self.finished[step]) < self.expected[step]:
+                if not self._round():
+                    raise RuntimeError(f"partial rollouts: step {step + 1}'s responses are missing from the streams")
+            rows = self.finished.pop(step)
+            self.expected.pop(step)
         share = self._share(step, [rows[i] for i in range(len(rows))], fp32, time.perf_counter() - started)
         return self.sampler.layout.step_rollout(step, lambda: share)
 
@@ -105,19 +114,24 @@ class PartialRollouts:
                 self.owner.update({(device, rid): (step, row) for rid, row in zip(ids, rows)})
         self.submitted = step
 
-    def _run_until_complete(self, step: int) -> None:
-        """Drive every device's stream (each round's decode calls dispatched before any is waited for) until all of
-        step `step`'s responses have finished."""
-        while len(self.finished[step]) < self.expected[step]:
-            busy = [i for i, s in enumerate(self.streams) if s.busy]
-            if not busy:
-                raise RuntimeError(f"partial rollouts: step {step + 1}'s responses are missing from the streams")
-            for i in busy:
-                self.streams[i].dispatch()
-            for i in busy:
-                for request_id, completion in self.streams[i].collect().items():
-                    owner_step, row = self.owner.pop((i, request_id))
-                    self.finished[owner_step][row] = completion
+    def _round(self) -> bool:
+        """One round of every busy stream (each decode call dispatched before any is waited for), its finished
+        responses filed under their steps; False when no stream has work."""
+        busy = [i for i, s in enumerate(self.streams or []) if s.busy]
+        for i in busy:
+            self.streams[i].dispatch()
+        for i in busy:
+            for request_id, completion in self.streams[i].collect().items():
+                owner_step, row = self.owner.pop((i, request_id))
+                self.finished[owner_step][row] = completion
+        return bool(busy)
+
+    def _idle_round(self) -> bool:
+        """While the next version is awaited (`keep_generating`): the rows under way (and the next step's waiting
+        prompts) carry on under the weights they have, one round; within the staleness bound, since those are the
+        weights of their own phase. How far they get depends on the trainer's timing, so runs are not bit-exact."""
+        with self._lock:
+            return self._round()
 
     def _share(self, step: int, completions: list[Completion], fp32, seconds: float):
         """This process's share of step `step`'s rollout from its completions (rows in order), scored."""
@@ -135,7 +149,12 @@ class PartialRollouts:
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """The streams as the last phase left them (between phases: the thread waits for the next version), JSON."""
+        """The streams as the last phase left them (between phases: the thread waits for the next version; with
+        `keep_generating`, between two of its rounds), JSON."""
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
         if self.streams is None:
             return dict(self._restored or {})
         return {"streams": [s.snapshot() for s in self.streams], "submitted": self.submitted,

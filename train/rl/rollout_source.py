@@ -140,9 +140,11 @@ class AsyncRolloutSource:
                 process.close()
 
 
-def make_rollout_source(rollout, sampler: RolloutSampler, *, reward_spec: str | None, trainer, callbacks=()):
+def make_rollout_source(rollout, sampler: RolloutSampler, *, reward_spec: str | None, trainer, callbacks=(),
+                        deterministic: bool = True):
     """The source `rollout` (the config's section) asks for; the sampler process starts now (its imports overlap
-    the engine's compilation) and computes this process's share (the sampler's layout is its trainer's).
+    the engine's compilation) and computes this process's share (the sampler's layout is its trainer's). Partial
+    rollouts keep generating while the next version is awaited unless the run is `deterministic`.
     ConfigError for what cannot run (a reward function that does not pickle for the sampler process)."""
     if not rollout.max_staleness:
         return SyncRollouts(sampler, trainer=trainer, callbacks=callbacks)
@@ -153,5 +155,6 @@ def make_rollout_source(rollout, sampler: RolloutSampler, *, reward_spec: str | 
                                     sampler.layout)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    partial = PartialRollouts(sampler, stream_shape(rollout)) if rollout.partial_rollouts else None
+    partial = (PartialRollouts(sampler, stream_shape(rollout), keep_generating=not deterministic)
+               if rollout.partial_rollouts else None)
     return AsyncRolloutSource(sampler, max_staleness=rollout.max_staleness, process=process, partial=partial)
