@@ -22,6 +22,11 @@ its share of each rollout and exchanges it with the other processes' threads (`R
 `rollout.sampler: process` the thread hands each rollout to a `SamplerProcess` (a child at a lower OS priority,
 `sampler_process.py`) instead of computing it; everything else here is unchanged.
 
+A producer may complete rollout s one phase later (`produce.lag = 1`: partial rollouts, partial_rollouts.py): it is
+then handed version max(0, s + 1 - k) for it, a checkpoint holds one rollout fewer, and the producer keeps its own
+state (the streams). A producer with an `idle_round()` is called for one round of work at a time while the thread
+waits for the next version, instead of the thread sleeping.
+
 Checkpoints: `pending(done)` waits until the rollouts of steps done .. done + k - 1 (sampled from versions up to
 done - 1, all published by then) exist and returns them; the trainer stores them in its checkpoint, and a resumed
 run hands them back to a new `AsyncRollouts`, so it continues with the same rollouts, sampled from the same
