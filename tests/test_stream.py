@@ -43,11 +43,12 @@ def assert_same_as_generate(model, prompts, sampling, shape, key=jax.random.key(
     return stats
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("shape", [StreamShape(slots=1, page_size=4, chunk=1, prefill_rows=1),
-                                   StreamShape(slots=4, page_size=4, chunk=3, prefill_rows=2),
-                                   StreamShape(slots=32, page_size=16, chunk=8, prefill_rows=4)],
-                         ids=["1-slot", "4-slots", "more-slots-than-prompts"])
+@pytest.mark.parametrize("shape, temperature", [
+    (StreamShape(slots=1, page_size=4, chunk=4, prefill_rows=1), 0.0),
+    (StreamShape(slots=4, page_size=4, chunk=3, prefill_rows=2), 0.0),
+    (StreamShape(slots=4, page_size=4, chunk=3, prefill_rows=2), 1.0),
+    (StreamShape(slots=32, page_size=16, chunk=8, prefill_rows=4), 1.0)],
+    ids=["1-slot-greedy", "4-slots-greedy", "4-slots-sampled", "more-slots-than-prompts-sampled"])
 def test_every_response_equals_the_static_samplers(model, prompts, temperature, shape):
     sampling = SamplingParams(max_new_tokens=20, temperature=temperature, stop_token_ids=STOPS, top_k_logprobs=3,
                               top_p=0.9 if temperature else 1.0)
@@ -87,7 +88,13 @@ def test_tokens_after_a_weight_update_record_the_new_version_and_its_log_probs(p
     sampler.set_params(split_params(models[1]), version=1)
     assert sampler.stats.refills == running > 0
     done.update(sampler.run())
-    forward = jax.jit(lambda m, t: jax.nn.log_softmax(m(t[None])[0].astype(jnp.float32)))
+    width = 64  # every sequence padded to one width (segment 0): one compiled forward
+
+    @jax.jit
+    def forward(m, tokens, n_real):
+        segments = (jnp.arange(width) < n_real).astype(jnp.int32)[None]
+        return jax.nn.log_softmax(m(tokens[None], None, segments)[0].astype(jnp.float32))
+
     both = 0
     for request_id in ids:
         prompt, c = prompts[request_id], done[request_id]
@@ -97,7 +104,10 @@ def test_tokens_after_a_weight_update_record_the_new_version_and_its_log_probs(p
             steps = np.flatnonzero(c.versions == version)
             if steps.size:
                 sequence = np.asarray(prompt + c.tokens.tolist(), np.int32)
-                logprobs = np.asarray(forward(models[version], jnp.asarray(sequence)))
+                n_real = len(sequence)
+                padded = np.zeros(width, np.int32)
+                padded[:n_real] = sequence
+                logprobs = np.asarray(forward(models[version], jnp.asarray(padded), n_real))
                 expected = logprobs[len(prompt) - 1 + steps, c.tokens[steps]]
                 np.testing.assert_allclose(c.logprobs[steps], expected, atol=2e-5, rtol=0)
     assert both > 0  # some responses hold tokens of both versions
