@@ -279,7 +279,10 @@ class ContinuousSampler:
         if not 0 <= sampling.pad_token_id < config.vocab_size:
             raise ValueError(f"pad_token_id {sampling.pad_token_id} is outside [0, {config.vocab_size})")
         self.config, self.sampling, self.shape, self.device = config, sampling, shape, device
-        self.max_prompt_tokens = int(max_prompt_tokens)
+        # prompts are prefilled left-padded to this bucketed width, so every shape (prefill, page table, pool) is a
+        # function of the bucket: samplers made for prompts of nearby lengths share their compiled programs
+        bucket = sampling.prompt_bucket
+        self.max_prompt_tokens = -(-int(max_prompt_tokens) // bucket) * bucket
         self.row_tokens = self.max_prompt_tokens + sampling.max_new_tokens - 1  # the last token is never fed
         per_row = pages_for(self.row_tokens, shape.page_size)
         pool_pages = shape.pool_pages(self.row_tokens)

@@ -136,8 +136,9 @@ def test_bad_shapes_and_prompts_are_refused_before_anything_runs(model):
     with pytest.raises(ValueError, match="cannot hold one row"):
         ContinuousSampler(model, sampling, StreamShape(page_size=4, pages=3), max_prompt_tokens=10)
     sampler = ContinuousSampler(model, sampling, StreamShape(slots=2), max_prompt_tokens=4)
+    assert sampler.max_prompt_tokens == sampling.prompt_bucket == 16  # rounded up to the prompt bucket
     with pytest.raises(ValueError, match="prompt lengths"):
-        sampler.submit([[1, 2, 3, 4, 5]], jax.random.key(0))
+        sampler.submit([list(range(1, 18))], jax.random.key(0))
     with pytest.raises(ValueError, match="outside"):
         sampler.submit([[1, 500]], jax.random.key(0))
     with pytest.raises(ValueError, match="no prompts"):
