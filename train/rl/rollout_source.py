@@ -22,6 +22,7 @@ from ..core.callbacks import emit
 from ..core.config import ConfigError
 from .async_rollouts import AsyncRollouts, check_staleness
 from .layout import RolloutLayout
+from .rollout_exchange import CHECKPOINT_TAGS
 from .partial_rollouts import PartialRollouts
 from .sampler import RolloutSampler, stream_shape
 from .sampler_process import SamplerProcess
@@ -111,8 +112,9 @@ class AsyncRolloutSource:
         else:  # nothing ran since the restore
             pending = [self.restored[s] for s in sorted(self.restored)]
         state = {"pending_rollouts": [self.sampler.layout.whole(p).to_json() for p in pending]}
-        if self.partial is not None:  # the streams between phases: rows under way, waiting, finished ahead
-            state["partial_rollouts"] = self.partial.state()
+        if self.partial is not None:  # each process's streams between phases: rows under way, waiting, finished
+            state["partial_rollouts"] = self.sampler.layout.gather(
+                self.partial.state, what="the partial rollouts' streams for the checkpoint", tags=CHECKPOINT_TAGS)
         return state
 
     def restore(self, step: int, state: dict[str, Any], where: str) -> None:
@@ -122,9 +124,12 @@ class AsyncRolloutSource:
             raise RuntimeError(f"checkpoint {where} does not hold the rollouts of steps {step + 1}.."
                                f"{step + k - self.lag} that rollout.max_staleness={k} sampled ahead")
         if self.partial is not None:
-            if "partial_rollouts" not in state:
-                raise RuntimeError(f"checkpoint {where} holds no partial rollouts' streams")
-            self.partial.restore(state["partial_rollouts"])
+            streams = state.get("partial_rollouts")
+            if not isinstance(streams, list) or len(streams) != s.layout.processes:
+                saved = len(streams) if isinstance(streams, list) else 0
+                raise RuntimeError(f"checkpoint {where} holds the partial rollouts' streams of {saved} process(es); "
+                                   f"it resumes only with as many (this run has {s.layout.processes})")
+            self.partial.restore(streams[s.layout.process])
         self.restored = {p.step: s.layout.view(p, num_prompts=s.rollout.prompts_per_step,
                                                group_size=s.rollout.group_size, devices=s.devices) for p in pending}
 
