@@ -21,8 +21,8 @@ utilisation of each (tokens generated / slot-steps decoded) and the stream's pre
 Then (`--rl-steps N`, 0 to skip) whole asynchronous RL steps from the same warm start (`rollout.max_staleness` 1,
 continuous batching with `--slots` slots, `--rl-prompts` x `--rl-group` responses per step, 2 updates per step
 at 3e-4, a KL penalty of 0.1 to the warm start),
-without and with `rollout.partial_rollouts`, one run each: `step_seconds_static_phases` / `_partial` (the median
-step after the first), `partial_rollout_step_speedup` (their ratio: above 1 is faster), `trainer_idle_fraction_*`
+without and with `rollout.partial_rollouts`, one run each in its own interpreter (so that each pays its own
+compilations): `step_seconds_static_phases` / `_partial` (the median step after the first), `partial_rollout_step_speedup` (their ratio: above 1 is faster), `trainer_idle_fraction_*`
 and `sampler_idle_fraction_*`, and the held-out evaluation after the N steps (`eval_sampled_reward_*`,
 `eval_accuracy_*`), so that speed is not bought with learning.
 """
@@ -97,26 +97,40 @@ def rl_args(args, out_dir: str, partial: bool) -> list[str]:
             "--optimizer.learning_rate", "3e-4", "--loss.kl_coef", "0.1"]
 
 
-def measure_rl(args) -> dict:
-    """Whole async RL steps without and with partial rollouts (see the module docstring)."""
-    import shutil
+#: One RL run in a fresh interpreter (each mode pays its own compilations): the summary and records as JSON.
+_RL_RUN = """
+import json, sys
+from jodc.train.core.metrics import read_metrics
+from jodc.train.rl.config import load_rl_config
+from jodc.train.rl.loop import run_rl
+summary = run_rl(load_rl_config(None, json.loads(sys.argv[1])), log=lambda line: None)
+print(json.dumps({"summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str, type(None)))},
+                  "records": read_metrics(summary["metrics"])}))
+"""
 
-    from jodc.train.core.metrics import read_metrics
-    from jodc.train.rl.config import load_rl_config
-    from jodc.train.rl.loop import run_rl
+
+def measure_rl(args) -> dict:
+    """Whole async RL steps without and with partial rollouts, each run in its own interpreter (see the module
+    docstring)."""
+    import shutil
+    import subprocess
 
     out: dict = {"rl_steps": args.rl_steps, "rl_responses_per_step": args.rl_prompts * args.rl_group}
     for name, partial in (("static_phases", False), ("partial", True)):
         run_dir = os.path.join(args.work, f"rl_{name}")
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.copytree(os.path.join(args.work, "warmstart"), os.path.join(run_dir, "warmstart"))
-        summary = run_rl(load_rl_config(None, rl_args(args, run_dir, partial)), log=lambda line: None)
-        records = read_metrics(summary["metrics"])[1:]  # after the first step, which compiles
+        proc = subprocess.run([sys.executable, "-c", _RL_RUN, json.dumps(rl_args(args, run_dir, partial))],
+                              capture_output=True, text=True, env=os.environ.copy())
+        if proc.returncode:
+            raise RuntimeError(f"the {name} RL run failed:\n{proc.stderr[-3000:]}")
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        records = run["records"][1:]  # after the first step, which compiles most
         out[f"step_seconds_{name}"] = statistics.median(r["step_seconds"] for r in records)
         for key in ("trainer_idle_fraction", "sampler_idle_fraction"):
             out[f"{key}_{name}"] = float(np.mean([r[key] for r in records]))
-        out[f"eval_sampled_reward_{name}"] = summary["final_eval_sampled_reward"]
-        out[f"eval_accuracy_{name}"] = summary["final_eval_accuracy"]
+        out[f"eval_sampled_reward_{name}"] = run["summary"]["final_eval_sampled_reward"]
+        out[f"eval_accuracy_{name}"] = run["summary"]["final_eval_accuracy"]
     out["partial_rollout_step_speedup"] = out["step_seconds_static_phases"] / out["step_seconds_partial"]
     return out
 
