@@ -410,3 +410,52 @@ def test_decoder_layer_parameter_gradients_equal_one_device(group_size, record_p
     record_property("relative_errors", errors)
     print(group_size, errors)
     assert max(errors.values()) <= 1e-5, errors
+
+
+def test_whole_decoder_loss_and_parameter_gradients_equal_one_device(record_property):
+    """Embedding, two context-parallel layers and the head on 4 members: the token-level cross-entropy and the
+    gradients of every parameter group equal `layerwise.forward` on the one-device row."""
+    from jodc.models.layerwise import EMBED, HEAD, embed_apply, forward, head_apply, init_params, layer_group_name
+
+    group_size, cap = 4, 24
+    config = DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                           num_kv_heads=2, attention_impl="blockwise", attention_block_size=4)
+    case = group_case(45, group_size, cap, [[3], [2, 4], [], [5]])
+    rng = np.random.default_rng(11)
+    params = init_params(config, jax.random.key(3), init_std=0.2)
+    ref_seg = jnp.asarray(case.reference_segment_ids)
+    tokens_ref = rng.integers(0, config.vocab_size, ref_seg.shape).astype(np.int32)
+    targets_ref = rng.integers(0, config.vocab_size, ref_seg.shape).astype(np.int32)
+    weights_ref = (case.reference_segment_ids > 0).astype(np.float32)
+
+    def token_nll(logits, targets, weights):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * weights)
+
+    def reference_loss(params):
+        logits = forward(config, params, jnp.asarray(tokens_ref), positions_from_segment_ids(ref_seg), ref_seg)
+        return token_nll(logits, targets_ref, weights_ref)
+
+    want_loss, want_grads = jax.value_and_grad(reference_loss)(params)
+    member_arrays = [scatter_to_members(case, x, np.zeros((group_size, cap), x.dtype))
+                     for x in (tokens_ref, targets_ref, weights_ref)]
+    exchange = AxisExchange(AXIS)
+
+    def member_loss(params, tokens, targets, weights, seg, pos, shared):
+        keys = group_keys(seg, pos, shared, exchange)
+        h = embed_apply(config, params[EMBED], tokens)
+        for i in range(config.num_layers):
+            h = context_parallel_layer_apply(config, params[layer_group_name(i)], h, pos, keys, exchange)
+        logits = head_apply(config, params[HEAD], h, params[EMBED])
+        return jax.lax.psum(token_nll(logits, targets, weights), AXIS)
+
+    loss_fn = jax.shard_map(member_loss, mesh=mesh_of(group_size), in_specs=(P(),) + (P(AXIS),) * 6, out_specs=P())
+    rows = [jnp.asarray(x) for x in member_arrays + [case.segment_ids, case.positions, case.shared_segment]]
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, *rows)))(params)
+    errors = {"loss": relative_error(loss, want_loss)}
+    for group in params:
+        for name in params[group]:
+            errors[f"{group}.{name}"] = relative_error(grads[group][name], want_grads[group][name])
+    record_property("relative_errors", errors)
+    print(max(errors.items(), key=lambda item: item[1]))
+    assert max(errors.values()) <= 1e-5, errors
