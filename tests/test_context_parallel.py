@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jodc.balance.zigzag import SHARED_SEGMENT, zigzag_layout, zigzag_merge, zigzag_row, zigzag_split
+from jodc.balance.zigzag import SHARED_SEGMENT, check_group_rows, zigzag_layout, zigzag_merge, zigzag_row, zigzag_split
 from jodc.models import DecoderConfig, dense_attention
 from jodc.models.attention import block_interactions
 from jodc.models.context_parallel import (
@@ -268,7 +268,7 @@ def mesh_of(group_size):
 
 
 def cp_attention_fn(case: GroupCase, impl, block_size):
-    """jit(shard_map) computing every member's attention output for member-major q, k, v [k*B, T, ...]."""
+    """shard_map computing every member's attention output for member-major q, k, v [k*B, T, ...]."""
     exchange = AxisExchange(AXIS)
 
     def member(q, k, v, seg, pos, shared):
@@ -277,7 +277,7 @@ def cp_attention_fn(case: GroupCase, impl, block_size):
 
     sharded = jax.shard_map(member, mesh=mesh_of(case.group_size), in_specs=(P(AXIS),) * 6, out_specs=P(AXIS))
     seg, pos, shared = (jnp.asarray(x) for x in (case.segment_ids, case.positions, case.shared_segment))
-    return jax.jit(lambda q, k, v: sharded(q, k, v, seg, pos, shared))
+    return lambda q, k, v: sharded(q, k, v, seg, pos, shared)
 
 
 CASES = {
@@ -312,10 +312,10 @@ def test_context_parallel_attention_equals_one_device(name, impl, block_size, re
     attend = cp_attention_fn(case, impl, block_size)
 
     def cp_loss(q, k, v):
-        return jnp.sum(attend(q, k, v) * dout_m)
+        out = attend(q, k, v)
+        return jnp.sum(out * dout_m), out
 
-    loss, grads = jax.jit(jax.value_and_grad(cp_loss, argnums=(0, 1, 2)))(q_m, k_m, v_m)
-    out = attend(q_m, k_m, v_m)
+    (loss, out), grads = jax.jit(jax.value_and_grad(cp_loss, argnums=(0, 1, 2), has_aux=True))(q_m, k_m, v_m)
     errors = {"loss": relative_error(loss, want_loss),
               "out": relative_error(gather_from_members(case, out, ref_shape),
                                     dense_attention(q_ref, k_ref, v_ref, ref_seg))}
@@ -365,6 +365,29 @@ def test_group_keys_reject_bad_shapes():
         group_keys(seg, seg, jnp.ones((2,), jnp.int32), exchange)
     with pytest.raises(ValueError, match="positions must be integers"):
         group_keys(seg, seg.astype(jnp.float32), jnp.ones((1,), jnp.int32), exchange)
+
+
+def test_check_group_rows_accepts_zigzag_rows_and_names_mistakes():
+    case = group_case(48, 4, 20, [[2], [], [3], [5]], [[6, 4], [3], [], [8, 1, 1]])
+    seg, pos, shared = (x.reshape((4, 2) + x.shape[1:]) for x in (case.segment_ids, case.positions,
+                                                                   case.shared_segment))
+    check_group_rows(seg, pos, shared)
+    bad_shared = shared.copy()
+    bad_shared[2, 0] = 0
+    with pytest.raises(ValueError, match=r"row 0: members \[0, 1, 3\] hold a split sequence"):
+        check_group_rows(seg, pos, bad_shared)
+    bad_pos = pos.copy()
+    bad_pos[1, 0, :12] = np.arange(12)  # member 1 claims member 0's positions
+    with pytest.raises(ValueError, match="row 0: the split sequence has position"):
+        check_group_rows(seg, bad_pos, shared)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        check_group_rows(-seg, pos, shared)
+    with pytest.raises(ValueError, match="too large"):
+        check_group_rows(seg + 2**29, pos, shared)
+    with pytest.raises(ValueError, match="must be integers"):
+        check_group_rows(seg.astype(float), pos, shared)
+    with pytest.raises(ValueError, match=r"must be \[k, B, T\]"):
+        check_group_rows(seg[0], pos, shared)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -33,7 +33,15 @@ from jodc.balance.exact import ExactResult, exact_partition
 from jodc.balance.planners import EXACT_PLANNERS, PLANNERS, get_planner, lb_micro, lb_mini, lb_mini_exact, local_sort
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import improve_by_search
-from jodc.balance.zigzag import ZigzagLayout, ZigzagRow, zigzag_layout, zigzag_merge, zigzag_row, zigzag_split
+from jodc.balance.zigzag import (
+    ZigzagLayout,
+    ZigzagRow,
+    check_group_rows,
+    zigzag_layout,
+    zigzag_merge,
+    zigzag_row,
+    zigzag_split,
+)
 
 __all__ = [
     "COST_MODEL_NAMES",
@@ -54,6 +62,7 @@ __all__ = [
     "ZigzagLayout",
     "ZigzagRow",
     "balance_pairs",
+    "check_group_rows",
     "complete_bins",
     "descend",
     "equal_count_bound",

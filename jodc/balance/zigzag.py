@@ -169,3 +169,40 @@ def zigzag_row(layout: ZigzagLayout, device: int, token_cap: int, short_lengths:
         column += n
     return ZigzagRow(segment_ids=segment_ids, positions=positions, shared_segment=SHARED_SEGMENT,
                      short_starts=tuple(starts))
+
+
+def check_group_rows(segment_ids, positions, shared_segment) -> None:
+    """Host-side check of a context-parallel group's rows before they run; ValueError naming the first problem.
+
+    segment_ids, positions: int [k, B, T] (member, row, column); shared_segment: int [k, B], the id of the split
+    sequence in each row (0: none). Checks what the attention cannot check on device: a row's split sequence is the
+    same sequence on every member (all members' row ``b`` have a shared segment, or none has), its global positions
+    are distinct over the whole group (a duplicate would let two tokens see each other), and segment ids are
+    non-negative and small enough for the group-wide ids (< 2^31 / (k + 1)).
+    """
+    seg, pos, shared = np.asarray(segment_ids), np.asarray(positions), np.asarray(shared_segment)
+    if seg.ndim != 3 or pos.shape != seg.shape or shared.shape != seg.shape[:2]:
+        raise ValueError(f"segment_ids and positions must be [k, B, T] and shared_segment [k, B]; got "
+                         f"{seg.shape}, {pos.shape}, {shared.shape}")
+    for name, array in (("segment_ids", seg), ("positions", pos), ("shared_segment", shared)):
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be integers, got dtype {array.dtype}")
+    k = seg.shape[0]
+    if seg.min(initial=0) < 0 or shared.min(initial=0) < 0:
+        raise ValueError("segment ids must be >= 0 (0 is padding)")
+    limit = (2**31 - 1) // (k + 1)
+    if seg.max(initial=0) >= limit:
+        raise ValueError(f"segment id {int(seg.max())} is too large for a group of {k} (ids must be < {limit})")
+    for b in range(seg.shape[1]):
+        has_shared = shared[:, b] > 0
+        if has_shared.any() and not has_shared.all():
+            raise ValueError(f"row {b}: members {np.flatnonzero(has_shared).tolist()} hold a split sequence and "
+                             f"members {np.flatnonzero(~has_shared).tolist()} do not; every member's row {b} must "
+                             f"hold a piece of the same one")
+        if not has_shared.any():
+            continue
+        tokens = seg[:, b] == shared[:, b, None]
+        values, counts = np.unique(pos[:, b][tokens], return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"row {b}: the split sequence has position {int(values[counts > 1][0])} on more than "
+                             f"one token of the group; its positions must be its global positions (zigzag_layout)")
