@@ -33,6 +33,15 @@ from jodc.balance.exact import ExactResult, exact_partition
 from jodc.balance.planners import EXACT_PLANNERS, PLANNERS, get_planner, lb_micro, lb_mini, lb_mini_exact, local_sort
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import improve_by_search
+from jodc.balance.zigzag import (
+    ZigzagLayout,
+    ZigzagRow,
+    check_group_rows,
+    zigzag_layout,
+    zigzag_merge,
+    zigzag_row,
+    zigzag_split,
+)
 
 __all__ = [
     "COST_MODEL_NAMES",
@@ -50,7 +59,10 @@ __all__ = [
     "Plan",
     "PlanMetrics",
     "QuadraticCost",
+    "ZigzagLayout",
+    "ZigzagRow",
     "balance_pairs",
+    "check_group_rows",
     "complete_bins",
     "descend",
     "equal_count_bound",
@@ -85,4 +97,8 @@ __all__ = [
     "run_lengths",
     "sequence_costs",
     "try_pack",
+    "zigzag_layout",
+    "zigzag_merge",
+    "zigzag_row",
+    "zigzag_split",
 ]
