@@ -43,14 +43,15 @@ from ..core import distributed
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path, mesh_devices
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run
+from .advantages import step_advantages
 from .assembly import (StepInputs, assembly_digest, extra_specs, local_sequences, pack_local_minibatch,
                        sequence_destinations)
 from .batch import plan_minibatch, split_minibatches
 from .config import RLConfig
-from .critic import critic_advantages, response_values
+from .critic import response_values
 from .evaluation import EVAL_SAMPLES, evaluate_policy
 from .layout import RolloutLayout
-from .loss import build_advantages, build_kl_controller, build_objective, kl_shaped_rewards, summarize_metrics
+from .loss import build_advantages, build_kl_controller, build_objective, summarize_metrics
 from .metrics import BAR_FIELDS, CURVES_FILE, format_summary, run_summary_fields, step_record
 from .policy_weights import held_copy, policy_weights, trainer_params
 from .reference import ShardedReference
@@ -218,28 +219,6 @@ class RLRun(Trainer):
                                                                 bucket=r.prompt_bucket, width=width))
         return StepInputs(ref_logprobs=ref_logprobs, old_logprobs=old_logprobs, values=values)
 
-    def batch_advantages(self, rewards, response_lengths, *, kl_inputs, values):
-        """(advantages: [N] or per response token arrays, returns or None, the KL-in-reward record) of the whole
-        rollout: the estimator over the rewards (shaped by the KL in the reward when `kl_inputs` = (log-probs,
-        reference log-probs) per response), or GAE over the critic's `values`; the KL controller moves."""
-        r, loss_ = self.config.rollout, self.config.loss
-        extra_record, kl_args = {}, None
-        if self.kl_controller is not None:  # KL in the reward, at the policy before this step's updates
-            beta = self.kl_controller.value
-            kl_args = (*kl_inputs, beta, loss_.kl_in_reward_estimator)
-        returns = None
-        if self.objective.critic:
-            advantages, returns, current_kl = critic_advantages(
-                rewards, values, gamma=loss_.critic_gamma, lam=loss_.critic_lam, kl=kl_args)
-        else:
-            shaped, current_kl = (kl_shaped_rewards(rewards, *kl_args[:2], beta=kl_args[2], estimator=kl_args[3])
-                                  if kl_args else (rewards, None))
-            advantages = self.advantages(shaped, r.group_size, response_lengths)
-        if self.kl_controller is not None:
-            self.kl_controller = self.kl_controller.update(current_kl, len(rewards))
-            extra_record = {"kl_in_reward": current_kl, "kl_in_reward_beta": beta}
-        return advantages, returns, extra_record
-
     def minibatches(self, step: int, scored: StepRollout, params) -> tuple[Iterator, dict]:
         """(the step's minibatches with this process's devices' rows packed, one by one as the loop asks; the
         KL-in-reward record): the passes over the responses this process holds, what the advantages need of the
@@ -252,9 +231,10 @@ class RLRun(Trainer):
                                               width=scored.width(r.prompt_bucket)),
             kl_in_reward=self.kl_controller is not None, critic=objective.critic,
             behaviour_logprobs=own.rollout.logprobs)
-        advantages, returns, extra_record = self.batch_advantages(
-            scored.rewards, scored.response_lengths, kl_inputs=(inputs.kl_logprobs_all, inputs.ref_logprobs_all),
-            values=inputs.values_all)
+        advantages, returns, self.kl_controller, extra_record = step_advantages(
+            scored.rewards, scored.response_lengths, loss=self.config.loss, group_size=r.group_size,
+            critic=objective.critic, estimator=self.advantages, kl_controller=self.kl_controller,
+            kl_inputs=(inputs.kl_logprobs_all, inputs.ref_logprobs_all), values=inputs.values_all)
         lengths = scored.sequence_lengths
         with self.timers("train"):  # planning (plan_ms), as every update's packing
             splits = split_minibatches(len(scored), run_.updates_per_step, seed=run_.seed, step=step)
