@@ -50,7 +50,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jodc import ops  # noqa: E402
-from jodc.ops import _native  # noqa: E402
+from jodc.ops.transports import registration  # noqa: E402
 from device_timing import interleaved_times  # noqa: E402 (bench/device_timing.py)
 
 
@@ -145,7 +145,7 @@ def run(devices: int | None, mib: float, repeats: int, layers: int, platform: st
     numel = int(mib * (1 << 20)) // 4
     bucket_bytes = numel * 4
     moved = devices * bucket_bytes
-    lib = _native.cpu_library()
+    lib = registration.cpu_library()
     iters = max(3, repeats // 3)
     memcpy_runs = {1: [], 2: []} if platform == "cpu" else {}  # a host memcpy says nothing about GPUs
 

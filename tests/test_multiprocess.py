@@ -11,12 +11,12 @@ import time
 import pytest
 
 from mpirun import MPIRUN, kill_session, mpi_env, mpirun_command  # tools/ (conftest puts it on the path)
-from jodc.ops import _mpi
+from jodc.ops.transports import mpi_library
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "multiprocess")
 
-needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and _mpi.available()),
+needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and mpi_library.available()),
                                reason="needs the jodc[mpi] extra (mpirun in the venv) and jodc/_ffi_mpi.so")
 
 
@@ -80,20 +80,20 @@ def _session_processes(sid: int) -> list[int]:
 
 def test_the_ucx_one_sided_probe_is_left_out_only_without_rdma_devices(tmp_path):
     env = {}
-    assert _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "^ucx"}
+    assert mpi_library.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "^ucx"}
     env = {}
-    assert _mpi.quiet_one_sided_components(env, str(tmp_path)) and env["OMPI_MCA_osc"] == "^ucx"  # empty folder
+    assert mpi_library.quiet_one_sided_components(env, str(tmp_path)) and env["OMPI_MCA_osc"] == "^ucx"  # empty folder
     (tmp_path / "mlx5_0").mkdir()
     env = {}
-    assert not _mpi.quiet_one_sided_components(env, str(tmp_path)) and env == {}  # an RDMA device: UCX's place
+    assert not mpi_library.quiet_one_sided_components(env, str(tmp_path)) and env == {}  # an RDMA device: UCX's place
     env = {"OMPI_MCA_osc": "ucx"}
-    assert not _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "ucx"}
+    assert not mpi_library.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "ucx"}
 
 
 QUIET_WINDOW = """
 import os
-from jodc.ops import _mpi
-comm = _mpi.mpi4py_comm_world()  # as jodc starts MPI (jodc-train under mpirun: train/core/distributed.py)
+from jodc.ops.transports import mpi_library
+comm = mpi_library.mpi4py_comm_world()  # as jodc starts MPI (jodc-train under mpirun: train/core/distributed.py)
 from mpi4py import MPI
 window = MPI.Win.Allocate(64, comm=comm)  # what the MPI transport's heap creates
 window.Free()
@@ -110,7 +110,7 @@ def test_a_healthy_mpirun_prints_no_error_lines_from_open_mpi(tmp_path):
     env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_osc"}  # as a user's shell has it
     rc, out = run_session(mpirun_command(2, sys.executable, "-c", QUIET_WINDOW), 120, env)
     assert rc == 0 and out.count("WINDOW") == 2, out[-3000:]
-    if not (_os.path.isdir(_mpi.RDMA_DEVICES) and _os.listdir(_mpi.RDMA_DEVICES)):
+    if not (_os.path.isdir(mpi_library.RDMA_DEVICES) and _os.listdir(mpi_library.RDMA_DEVICES)):
         assert "Error" not in out and "osc_ucx" not in out, out[-3000:]
 
 
@@ -196,7 +196,7 @@ def test_mpi_heap_without_backend_says_how_to_get_it(monkeypatch):
     import numpy as np
 
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
-    monkeypatch.setattr(_mpi, "default_path", lambda: "/nonexistent/_ffi_mpi.so")
+    monkeypatch.setattr(mpi_library, "default_path", lambda: "/nonexistent/_ffi_mpi.so")
     monkeypatch.setenv("JODC_MPICXX", "/nonexistent/mpicxx")  # nor can it be built on first use
     from jodc import ops
 

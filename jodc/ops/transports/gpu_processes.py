@@ -1,9 +1,9 @@
 """The GPU transports across processes: CUDA IPC (the processes of one node map each other's allocations, so the
-kernels keep using peer pointers; `jodc.ops._cuda_ipc`) and NVSHMEM (several nodes; `jodc.ops._nvshmem`). Both set
-up through an `Exchange` (`jodc.ops._exchange`) and register and free buckets collectively."""
+kernels keep using peer pointers; `cuda_ipc`) and NVSHMEM (several nodes; `nvshmem_library`). Both set up through
+an `Exchange` (`exchange`) and register and free buckets collectively."""
 from __future__ import annotations
 
-from jodc.ops import _cuda, _cuda_ipc, _native, _nvshmem
+from jodc.ops.transports import cuda_ipc, cuda_library, nvshmem_library, registration
 from jodc.ops.transports.base import Transport
 
 
@@ -27,10 +27,10 @@ class CudaIpcTransport(_CollectiveGpuTransport):
 
     def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
                  barrier_timeout_s: float):
-        _cuda.check_pjrt_client()
-        lib = _cuda.library()
-        _native.ensure_registered("gpu")  # CUDA IPC runs the in-process kernels over mapped peer memory
-        heap = _cuda_ipc.IpcHeap.create(lib, exchange, world, position, gpu, deterministic, barrier_timeout_s)
+        cuda_library.check_pjrt_client()
+        lib = cuda_library.library()
+        registration.ensure_registered("gpu")  # CUDA IPC runs the in-process kernels over mapped peer memory
+        heap = cuda_ipc.IpcHeap.create(lib, exchange, world, position, gpu, deterministic, barrier_timeout_s)
         super().__init__(lib, heap.heap_id, heap)
 
 
@@ -39,12 +39,12 @@ class NvshmemTransport(_CollectiveGpuTransport):
 
     def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
                  barrier_timeout_s: float):
-        _cuda.check_pjrt_client()
-        lib = _nvshmem.library()
-        _native.register_targets("nvshmem", lib, "nvshmem", "CUDA")
+        cuda_library.check_pjrt_client()
+        lib = nvshmem_library.library()
+        registration.register_targets("nvshmem", lib, "nvshmem", "CUDA")
         if exchange.size != world:
             raise ValueError(f"an NVSHMEM heap needs one process per position: {world} positions, {exchange.size} "
                              f"processes")
-        _nvshmem.initialize(lib, exchange, position, world, gpu)  # PE = position
+        nvshmem_library.initialize(lib, exchange, position, world, gpu)  # PE = position
         heap_id = lib.heap_create(deterministic, barrier_timeout_s)
-        super().__init__(lib, heap_id, _nvshmem.NvshmemHeap(lib, exchange, heap_id))
+        super().__init__(lib, heap_id, nvshmem_library.NvshmemHeap(lib, exchange, heap_id))
