@@ -22,21 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from device_timing import copy_contender, median_seconds, print_table  # noqa: E402  (bench/device_timing.py)
-from model import hf_config, run_facts, run_transformers_worker  # noqa: E402  (bench/model.py)
+from bench import harness
+from bench.device_timing import copy_contender, median_seconds, print_table
+from bench.model import hf_config, run_facts, run_transformers_worker
 
 from jodc.models import SamplingParams, generate, load_pretrained, split_params  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results", "generate_gpu.json")
+RESULTS = harness.results_path("generate_gpu.json")
 SHAPE_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")
 DEFAULTS = {
     "gpu": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=32000, batch=64, prompt=128,
@@ -107,7 +105,7 @@ def run(args) -> dict:
             "shape": shape, "device": "cuda" if args.platform == "gpu" else "cpu", "seed": 0, "weights_dir": tmp,
             "prompts": os.path.join(tmp, "prompts.npy"), "new_tokens": args.new_tokens,
             "context": args.prompt + args.new_tokens, "warmup": 1, "repeats": args.repeats,
-        }, args.worker_timeout, script=os.path.abspath(__file__))
+        }, args.worker_timeout, module="generate")
         ours = load_pretrained(tmp, dtype="bfloat16")
     config = ours.config
     params = jax.device_put(split_params(ours), device)
@@ -182,14 +180,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/generate_gpu.json on a GPU)")
     parser.add_argument("--transformers-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
-        quick = {"layers": 8, "new_tokens": 128, "repeats": 3}
-        for key, value in quick.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
-    for key, value in DEFAULTS[args.platform].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    quick = {"layers": 8, "new_tokens": 128, "repeats": 3} if args.quick else {}
+    harness.fill_unset(args, quick, DEFAULTS[args.platform])
     if args.out is None and args.platform == "gpu" and not args.transformers_worker:
         args.out = RESULTS
     if any(getattr(args, k) <= 0 for k in (*SHAPE_KEYS, "batch", "prompt", "new_tokens", "repeats")) \

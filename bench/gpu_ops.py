@@ -106,7 +106,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jodc import ops  # noqa: E402
 from jodc.ops.transports import registration, target_names  # noqa: E402
-from device_timing import copy_contender, interleaved_times, matmul_tflops, random_array  # noqa: E402
+from bench.device_timing import copy_contender, interleaved_times, matmul_tflops, random_array  # noqa: E402
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 

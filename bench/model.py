@@ -48,7 +48,8 @@ import numpy as np
 
 # torch and transformers are imported where they are used (the transformers side, in its child process on a GPU), so
 # that the tools reusing this module's step (profile_step.py, generate.py) run where torch is not installed.
-from device_timing import interleaved_times, matmul_tflops, print_table  # bench/device_timing.py (bench/ is on sys.path)
+from bench import harness
+from bench.device_timing import interleaved_times, matmul_tflops, print_table
 from jodc.models import attention, forward, layer_apply, load_pretrained, split_params
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -256,16 +257,7 @@ def step_flops(shape: dict) -> dict:
             "dense": dense, "attention": attention_flops, "total": dense + attention_flops}
 
 
-def last_json_line(text: str) -> dict:
-    """The last line of `text` that is a JSON object (how every benchmark here reports); tools/step_runner.py's
-    reader, which make gpu-check uses on the same output."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    from step_runner import last_json_object
-
-    value = last_json_object(text)
-    if value is None:
-        raise ValueError("no JSON object line in the output")
-    return value
+last_json_line = harness.last_json_line  # the reader make gpu-check uses on the same output
 
 
 def run_facts(args, theirs: dict) -> dict:
@@ -276,14 +268,14 @@ def run_facts(args, theirs: dict) -> dict:
                          "python": platform.python_version()}}
 
 
-def run_transformers_worker(spec: dict, timeout_s: float, script: str = os.path.abspath(__file__)) -> dict:
-    """Runs `script --transformers-worker SPEC` (this file's `transformers_worker`, or another benchmark's) in a child
-    process (see the module docstring for why); returns its JSON line."""
+def run_transformers_worker(spec: dict, timeout_s: float, module: str = "model") -> dict:
+    """Runs `python -m bench.<module> --transformers-worker SPEC` (this module's `transformers_worker`, or another
+    benchmark's) in a child process (see the module docstring for why); returns its JSON line."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        proc = subprocess.run([sys.executable, script, "--transformers-worker", f.name],
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(harness.module_command(module, "--transformers-worker", f.name), capture_output=True,
+                              text=True, timeout=timeout_s, env=harness.child_env())
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
@@ -447,9 +439,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.quick and args.device == "gpu" and args.layers is None:
         args.layers = QUICK_LAYERS
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    harness.fill_unset(args, DEFAULTS[args.device])
     if args.attention_impls is None:
         args.attention_impls = ["flash", "blockwise"] if args.platform == "gpu" else ["blockwise"]
     unknown = set(args.attention_impls) - {"blockwise", "flash", "dense"}

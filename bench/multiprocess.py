@@ -1,6 +1,6 @@
 """ODC across processes: the MPI transport's ops against XLA's collectives over the same processes (gloo).
 
-`python bench/multiprocess.py` is the whole command: it starts its own `mpirun -np 2` (and `-np 4` unless
+`python -m bench.multiprocess` is the whole command: it starts its own `mpirun -np 2` (and `-np 4` unless
 --nprocs says otherwise), one CPU device per process, and prints the combined table and one JSON line at the end
 (also written to bench/results/multiprocess.json unless --no-save).
 
@@ -47,8 +47,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402 (tools/mpirun.py)
+from bench import harness  # noqa: E402
+from tools.mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402
 RESULT_PREFIX = "MPBENCH "
 PROGRESS_PREFIX = "# progress: "
 E2E_TABLE_HEADING = "# end to end across "
@@ -195,8 +195,7 @@ def e2e_worker(args, hsdp: bool = False) -> None:
     jax.distributed.initialize(cluster_detection_method="mpi4py")
     import numpy as np
 
-    sys.path.insert(0, HERE)
-    import e2e
+    from bench import e2e
 
     comm = MPI.COMM_WORLD
 
@@ -244,10 +243,10 @@ def e2e_worker(args, hsdp: bool = False) -> None:
 
 # --------------------------------------------------------------------------------------------------- driver side
 def run_nprocs(nprocs: int, args, e2e: bool = False, hsdp: bool = False):
-    env = mpi_env()
+    env = harness.child_env(mpi_env())
     if not args.default_malloc:
         env.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(1 << 33))
-    cmd = mpirun_command(nprocs, sys.executable, "-m", "mpi4py", os.path.abspath(__file__))
+    cmd = mpirun_command(nprocs, sys.executable, "-m", "mpi4py", "-m", "bench.multiprocess")
     if e2e or hsdp:
         cmd += ["--worker-hsdp" if hsdp else "--worker-e2e"] + (["--quick"] if args.quick else [])
         cmd += ["--hsdp-local-devices", str(args.hsdp_local_devices)]

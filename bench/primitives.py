@@ -51,7 +51,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jodc import ops  # noqa: E402
 from jodc.ops.transports import registration  # noqa: E402
-from device_timing import interleaved_times  # noqa: E402 (bench/device_timing.py)
+from bench.device_timing import interleaved_times  # noqa: E402
 
 
 def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:

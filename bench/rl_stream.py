@@ -1,7 +1,7 @@
 """Rollouts on a long-tailed task: continuous batching over a paged KV cache vs the static batch, at equal cache
 memory.
 
-`python bench/rl_stream.py` (or `--quick`) warm-starts the RL demo's model ("small" preset) on the `expand` task
+`python -m bench.rl_stream` (or `--quick`) warm-starts the RL demo's model ("small" preset) on the `expand` task
 (run-length expansion: median response about 8 tokens, about 2% 16x that or longer; `--model DIR` samples from an
 HF checkpoint instead), then samples one response per prompt for `--prompts` held-out prompts, temperature 1, the
 same per-prompt keys in both samplers:
@@ -40,6 +40,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import harness  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "rl_stream.json")
 DEFAULTS = dict(prompts=256, batch=32, slots=64, page_size=16, chunk=8, max_new_tokens=208, repeats=3,
@@ -56,10 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small run (CI-sized)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
-    for name, value in {**DEFAULTS, **(QUICK if args.quick else {})}.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return harness.fill_unset(args, QUICK if args.quick else {}, DEFAULTS)
 
 
 def warm_started_model(args):

@@ -28,6 +28,8 @@ import os
 import subprocess
 import sys
 
+from bench import harness
+
 ENGINES = ("odc", "collective", "xla_spmd")
 
 
@@ -135,10 +137,11 @@ def main(args) -> dict:
     for name in engines:
         runs[name] = []
         for layers, hidden in sizes:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, str(layers),
-                   "--hidden", str(hidden), "--vocab", str(args.vocab), "--devices", str(args.devices),
-                   "--token-cap", str(args.token_cap), "--seqs-per-device", str(args.seqs_per_device)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            cmd = harness.module_command("step_memory", "--child", name, str(layers), "--hidden", str(hidden),
+                                         "--vocab", str(args.vocab), "--devices", str(args.devices),
+                                         "--token-cap", str(args.token_cap),
+                                         "--seqs-per-device", str(args.seqs_per_device))
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=harness.child_env()).stdout
             row = json.loads(out.strip().splitlines()[-1])
             runs[name].append(row)
             print(f"  {name} {layers}x{hidden}: {row['params'] / 1e6:.2f}M params, steady {row['steady_rss'] / 2**20:.0f}"

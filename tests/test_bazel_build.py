@@ -17,7 +17,6 @@ import pytest
 from jodc.ops.transports import registration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import sources  # noqa: E402  (ffi/sources.py: setup.py's source list)
 
 

@@ -18,7 +18,6 @@ from jodc import _ffi
 from jodc.ops.transports import cuda_library, nvshmem_library, target_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import build_cuda  # noqa: E402  (ffi/build_cuda.py: the nvcc command line setup.py uses)
 import build_nvshmem  # noqa: E402  (ffi/build_nvshmem.py: the NVSHMEM backend's)
 

@@ -15,6 +15,9 @@ from jodc.ops.transports import mpi_library
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "multiprocess")
+#: What the workers import besides jodc: their helpers (_mp, beside them) and the tests' shared models (fsdp_toy,
+#: rl_sampling_setup).
+WORKER_PATH = os.pathsep.join([WORKERS, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and mpi_library.available()),
                                reason="needs the jodc[mpi] extra (mpirun in the venv) and jodc/_ffi_mpi.so")
@@ -40,7 +43,7 @@ def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 240, mpirun_a
     """Runs `mpirun -np nprocs python -m mpi4py script args`; returns (exit status, output, seconds)."""
     cmd = mpirun_command(nprocs, *mpirun_args, sys.executable, "-m", "mpi4py", os.path.join(WORKERS, script), *args)
     t0 = time.monotonic()
-    rc, out = run_session(cmd, timeout, mpi_env())
+    rc, out = run_session(cmd, timeout, mpi_env(PYTHONPATH=WORKER_PATH))
     return rc, out, time.monotonic() - t0
 
 
@@ -229,11 +232,7 @@ def assert_bits_of_one_process(saved, cases_module: str, mesh) -> None:
 
     import numpy as np
 
-    sys.path.insert(0, WORKERS)
-    try:
-        cases = importlib.import_module(cases_module)
-    finally:
-        sys.path.remove(WORKERS)
+    cases = importlib.import_module(cases_module)  # tests/multiprocess (pyproject's pytest pythonpath)
     single = cases.single_process_run(mesh)
     mp = np.load(saved)
     assert sorted(mp.files) == sorted(single)
@@ -275,11 +274,7 @@ def test_lockstep_engines_across_processes(nprocs, local):
 
 
 def test_mpi_build_is_skipped_without_a_compiler(monkeypatch):
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ffi"))
-    try:
-        import build_mpi
-    finally:
-        sys.path.pop(0)
+    import build_mpi  # ffi/ (pyproject's pytest pythonpath)
     monkeypatch.setenv("JODC_MPICXX", "/nonexistent/mpicxx")
     assert build_mpi.find_mpicxx() is None
     with pytest.raises(RuntimeError, match=r"pip install 'jodc\[mpi\]'"):

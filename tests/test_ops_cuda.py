@@ -911,7 +911,7 @@ def test_gpu_heap_across_two_processes_on_one_gpu():
 def test_bench_primitives_runs_on_the_cuda_mesh():
     """bench/primitives.py --platform gpu measures jodc's kernels against NCCL and reports every ratio (a quick run:
     the table of docs/benchmarks.md comes from a full one)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "primitives.py"), "--platform", "gpu",
+    proc = subprocess.run([sys.executable, "-m", "bench.primitives", "--platform", "gpu",
                            "--quick", "--mib", "4", "--no-save"], capture_output=True, text=True,
                           timeout=cuda_ipc_cases.process_timeout_s(600.0),
                           cwd=ROOT, env=child_env())

@@ -32,7 +32,6 @@ import time
 import xml.etree.ElementTree as ElementTree
 from typing import Callable, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_record  # noqa: E402  (tools/test_record.py)
 
 # Below this many seconds of budget no step is started: it could not do anything useful.
