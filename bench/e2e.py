@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+from bench import harness
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,9 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="paired rounds: every row's timed pass back to back, per round")
-    p.add_argument("--quick", action="store_true", help="2 minibatches, 2 layers, 2 rounds (a smoke run)")
-    p.add_argument("--no-save", action="store_true")
-    return p.parse_args(argv)
+    return harness.add_run_flags(p, "2 minibatches, 2 layers, 2 rounds (a smoke run)").parse_args(argv)
 
 
 ARGS = parse_args() if __name__ == "__main__" else None

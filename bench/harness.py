@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Callable, Iterable, Mapping
 
+from tools.json_lines import last_json_object
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "bench", "results")
 
@@ -33,6 +35,13 @@ def fill_unset(args: argparse.Namespace, *presets: Mapping) -> argparse.Namespac
             if values.get(key) is None:
                 values[key] = value
     return args
+
+
+def add_run_flags(parser: argparse.ArgumentParser, quick: str) -> argparse.ArgumentParser:
+    """The flags every benchmark has: --quick (a smaller run; `quick` says what it changes) and --no-save."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--no-save", action="store_true", help="print only: write no results file")
+    return parser
 
 
 def median(values: Iterable[float]) -> float:
@@ -58,33 +67,32 @@ def environment() -> dict:
     return {"jax": jax.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count()}
 
 
-def report(result: dict, out: str | None, table: Callable[[], None] | None = None, **dump) -> dict:
-    """Prints the table (`table()`), then `result` as one JSON line (the last line of the output, which
-    make gpu-check and the tests read), and writes it to `out` unless that is None (--no-save). `dump`: json.dump's
-    options for the file (indent=1 unless given)."""
+def device_block(bench: str, device) -> dict:
+    """The first fields of a device benchmark's result: its name, the device's kind and platform."""
+    return {"bench": bench, "device": device.device_kind, "platform": device.platform}
+
+
+def report(result: dict, out: str | None, table: Callable[[], None] | None = None, *, indent: int | None = 1,
+           sort_keys: bool = False) -> dict:
+    """Prints the table (`table()`), then `result` as one JSON line (the last line of the output, which make
+    gpu-check and the tests read), and writes it to `out` (`indent`: None for one line) unless `out` is None
+    (--no-save). Returns `result`."""
     if table is not None:
         table()
-    print(json.dumps(result))
+    print(json.dumps(result, sort_keys=sort_keys))
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            json.dump(result, f, **({"indent": 1} | dump))
-            f.write("\n")
+            f.write(json.dumps(result, indent=indent, sort_keys=sort_keys) + "\n")
     return result
 
 
 def last_json_line(text: str) -> dict:
     """The last line of `text` that is a JSON object (how every benchmark here reports); ValueError when none is."""
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return value
-    raise ValueError("no JSON object line in the output")
+    value = last_json_object(text)
+    if value is None:
+        raise ValueError("no JSON object line in the output")
+    return value
 
 
 def module_command(module: str, *args: str, python: str = sys.executable) -> list[str]:

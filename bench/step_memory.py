@@ -56,6 +56,30 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+def capture_compiled(engine) -> dict:
+    """Makes `engine` record its compiled step and its arguments' shapes (for memory_analysis) in the dict returned,
+    each time it runs a step."""
+    import jax
+
+    captured = {}
+    cached = engine._cached
+
+    def capturing(key, build):  # records the compiled step and its arguments' shapes, for memory_analysis
+        fn = cached(key, build)
+
+        def call(*a):
+            captured["fn"] = fn
+            captured["args"] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array) and x.committed else
+                (jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x), a)
+            return fn(*a)
+        return call
+
+    engine._cached = capturing
+    return captured
+
+
 def child(args) -> dict:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}").strip()
@@ -87,22 +111,7 @@ def child(args) -> dict:
     batch = minibatch_from_plan(plan, [s[:-1] for s in seqs], [s[1:] for s in seqs],
                                 [np.ones(int(s), np.float32) for s in lengths])
 
-    captured = {}
-    cached = engine._cached
-
-    def capturing(key, build):  # records the compiled step and its arguments' shapes, for memory_analysis
-        fn = cached(key, build)
-
-        def call(*a):
-            captured["fn"] = fn
-            captured["args"] = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                if isinstance(x, jax.Array) and x.committed else
-                (jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x), a)
-            return fn(*a)
-        return call
-
-    engine._cached = capturing
+    captured = capture_compiled(engine)
     try:
         engine.step(batch)
         engine.step(batch)

@@ -22,6 +22,17 @@ ERR_ARGS = (ctypes.c_char_p, ctypes.c_int64)  # trailing (message buffer, capaci
 _MAX_OPS = 64
 
 
+def load(library_class, path: str, missing: str, broken: str):
+    """`library_class(path)`, loaded; ImportError saying `missing` (formatted with the path) when the file is not
+    there, or `broken` (with the path and the loader's error) when it does not load."""
+    if not os.path.exists(path):
+        raise ImportError(missing.format(path=path))
+    try:
+        return library_class(path)
+    except (OSError, AttributeError) as e:
+        raise ImportError(broken.format(path=path, error=e)) from e
+
+
 c_i32, c_i64, c_u64, c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
 c_ptr, c_str, P = ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER
 

@@ -246,11 +246,7 @@ def library() -> CudaLibrary:
     global _library
     with _lock:
         if _library is None:
-            path = default_path()
-            if not os.path.exists(path):
-                raise ImportError(f"jodc's CUDA library {path} is not built: {BUILD_HINT}")
-            try:
-                _library = CudaLibrary(path)
-            except (OSError, AttributeError) as e:
-                raise ImportError(f"jodc's CUDA library {path} cannot be loaded ({e}); rebuild it: {BUILD_HINT}") from e
+            _library = c_library.load(
+                CudaLibrary, default_path(), "jodc's CUDA library {path} is not built: " + BUILD_HINT,
+                "jodc's CUDA library {path} cannot be loaded ({error}); rebuild it: " + BUILD_HINT)
         return _library

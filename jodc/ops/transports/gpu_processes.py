@@ -9,11 +9,20 @@ from jodc.ops.transports.base import Transport
 
 class _CollectiveGpuTransport(Transport):
     """A heap whose processes each hold one position: `collective` is this process's side (`IpcHeap`,
-    `NvshmemHeap`), which registers buckets everywhere at once and meets the others before memory is freed."""
+    `NvshmemHeap`), which registers buckets everywhere at once and meets the others before memory is freed.
+    Subclasses open their heap in `open` (collective over `exchange`, this process at `position` on CUDA device
+    `gpu`), after the PJRT client is checked."""
 
-    def __init__(self, lib, heap_id: int, collective):
+    def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
+                 barrier_timeout_s: float):
+        cuda_library.check_pjrt_client()
+        lib, heap_id, self.collective = self.open(exchange, world, position, gpu, deterministic, barrier_timeout_s)
         super().__init__(lib, heap_id)
-        self.collective = collective
+
+    def open(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
+             barrier_timeout_s: float) -> tuple:
+        """(library, heap id, this process's collective side) of a new heap."""
+        raise NotImplementedError
 
     def register(self, numel: int, master: str, name: str, *, index: int, shape: tuple[int, ...]) -> int:
         return int(self.collective.register(numel, master, name))
@@ -25,21 +34,17 @@ class _CollectiveGpuTransport(Transport):
 class CudaIpcTransport(_CollectiveGpuTransport):
     name = "cuda_ipc"
 
-    def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
-                 barrier_timeout_s: float):
-        cuda_library.check_pjrt_client()
+    def open(self, exchange, world, position, gpu, deterministic, barrier_timeout_s):
         lib = cuda_library.library()
         registration.ensure_registered("gpu")  # CUDA IPC runs the in-process kernels over mapped peer memory
         heap = cuda_ipc.IpcHeap.create(lib, exchange, world, position, gpu, deterministic, barrier_timeout_s)
-        super().__init__(lib, heap.heap_id, heap)
+        return lib, heap.heap_id, heap
 
 
 class NvshmemTransport(_CollectiveGpuTransport):
     name = "nvshmem"
 
-    def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
-                 barrier_timeout_s: float):
-        cuda_library.check_pjrt_client()
+    def open(self, exchange, world, position, gpu, deterministic, barrier_timeout_s):
         lib = nvshmem_library.library()
         registration.register_targets("nvshmem", lib, "nvshmem", "CUDA")
         if exchange.size != world:
@@ -47,4 +52,4 @@ class NvshmemTransport(_CollectiveGpuTransport):
                              f"processes")
         nvshmem_library.initialize(lib, exchange, position, world, gpu)  # PE = position
         heap_id = lib.heap_create(deterministic, barrier_timeout_s)
-        super().__init__(lib, heap_id, nvshmem_library.NvshmemHeap(lib, exchange, heap_id))
+        return lib, heap_id, nvshmem_library.NvshmemHeap(lib, exchange, heap_id)

@@ -141,17 +141,14 @@ _initialized: tuple | None = None  # (rank, nranks) once NVSHMEM runs in this pr
 
 
 def library() -> NvshmemLibrary:
+    """The NVSHMEM backend built into the package (loaded once); ImportError with build instructions if missing."""
     global _library
     with _lock:
         if _library is None:
-            path = default_path()
-            if not os.path.exists(path):
-                raise ImportError(f"this heap needs the NVSHMEM backend (its mesh spans nodes) but {path} is not "
-                                  f"built: {BUILD_HINT}")
-            try:
-                _library = NvshmemLibrary(path)
-            except (OSError, AttributeError) as e:
-                raise ImportError(f"jodc's NVSHMEM library {path} cannot be loaded ({e}): {BUILD_HINT}") from e
+            _library = c_library.load(
+                NvshmemLibrary, default_path(),
+                "this heap needs the NVSHMEM backend (its mesh spans nodes) but {path} is not built: " + BUILD_HINT,
+                "jodc's NVSHMEM library {path} cannot be loaded ({error}): " + BUILD_HINT)
         return _library
 
 
