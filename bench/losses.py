@@ -26,9 +26,7 @@ larger of the fp32 and bf16 ones). Targets: DPPO Top-K <= 1.15x PPO; chunked <= 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -37,6 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from bench import harness
 from jodc.losses import DEFAULT_TOPK, dppo_loss, ppo_loss, token_logprobs, topk_logprobs
 
 MiB = 2**20
@@ -197,7 +196,7 @@ def print_table(results: list[dict], batch: int, seq: int, chunk_size: int) -> N
           "rows: memory only")
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 151936])
     parser.add_argument("--batch", type=int, default=4)
@@ -210,15 +209,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/losses.json, or "
                                                         "losses_gpu.json when JAX's default device is not the CPU)")
     args = parser.parse_args(argv)
-    on_cpu = jax.devices()[0].platform == "cpu"
     if args.out is None:
-        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                "losses.json" if on_cpu else "losses_gpu.json")
+        on_cpu = jax.devices()[0].platform == "cpu"
+        args.out = harness.results_path("losses.json" if on_cpu else "losses_gpu.json")
     if args.quick:
         args.repeats = 2
+    return args
 
-    results = [bench_vocab(v, args.batch, args.seq, args.topk, args.chunk_size, args.repeats) for v in args.vocab]
-    print_table(results, args.batch, args.seq, args.chunk_size)
+
+def summary_of(args, results: list[dict]) -> dict:
+    """The JSON line: the settings, the largest vocabulary's ratios (the headline), every vocabulary's numbers."""
     largest = max(results, key=lambda r: r["vocab"])
     summary = {
         "bench": "losses",
@@ -252,18 +252,16 @@ def main(argv=None) -> dict:
         "temp_mib": {str(r["vocab"]): {k: round(v["temp_mib"], 1) for k, v in r["memory"].items()}
                      for r in results},
         "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **harness.environment(),
     }
-    line = json.dumps(summary, sort_keys=False)
-    print(line)
-    if not args.no_save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
     return summary
 
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    results = [bench_vocab(v, args.batch, args.seq, args.topk, args.chunk_size, args.repeats) for v in args.vocab]
+    return harness.report(summary_of(args, results), None if args.no_save else args.out,
+                          lambda: print_table(results, args.batch, args.seq, args.chunk_size), indent=None)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -1,8 +1,8 @@
 """Host memory per process of each phase of a training run, as bytes per parameter (issue 40, DESIGN.md section 10).
 
-    python bench/memory.py                       # both layouts, 1 / 3 layers (2 checks the line): memory.json
-    python bench/memory.py --quick               # 1 process x 2 devices, 1 and 2 layers, vocabulary 512, no check
-    python bench/memory.py --layouts 2x1 --layers 2 4 --check-layers 0 --vocab 32768 --out /tmp/memory.json
+    python -m bench.memory                       # both layouts, 1 / 3 layers (2 checks the line): memory.json
+    python -m bench.memory --quick               # 1 process x 2 devices, 1 and 2 layers, vocabulary 512, no check
+    python -m bench.memory --layouts 2x1 --layers 2 4 --check-layers 0 --vocab 32768 --out /tmp/memory.json
 
 FSDP's promise is that no process ever holds the whole training state; this measures whether that holds *around*
 the step too. Each (layout, size) runs in fresh process(es): one process driving 2 simulated CPU devices (`1x2`), or
@@ -67,8 +67,9 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "tools"))
-from mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402 (tools/mpirun.py)
+
+from bench import harness  # noqa: E402
+from tools.mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402
 
 RESULT_PREFIX = "MEMBENCH "
 LAYOUTS = {"1x2": (1, 2), "2x1": (2, 1)}  # name: (processes, devices per process)
@@ -338,11 +339,11 @@ def launch(args, layout: str, layers: int) -> list[dict]:
     run_dir = tempfile.mkdtemp(prefix=f"membench_{layout}_{layers}_")
     worker_args = ["--worker", "--layout", layout, "--layers-now", str(layers), "--run-dir", run_dir,
                    *forwarded(args)]
-    script = os.path.abspath(__file__)
     if processes > 1:
-        cmd, env = mpirun_command(processes, sys.executable, "-m", "mpi4py", script, *worker_args), mpi_env()
+        cmd = mpirun_command(processes, sys.executable, "-m", "mpi4py", "-m", "bench.memory", *worker_args)
+        env = harness.child_env(mpi_env())
     else:
-        cmd, env = [sys.executable, script, *worker_args], {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd, env = harness.module_command("memory", *worker_args), harness.child_env(PYTHONUNBUFFERED="1")
     def echo(line: str) -> None:
         if line.startswith("# "):
             print(line, file=sys.stderr, flush=True)
@@ -517,9 +518,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     defaults = dict(layouts=["1x2"], layers=[1, 2], vocab=512, steps=2, check_layers=0) if args.quick else \
         dict(layouts=["1x2", "2x1"], layers=[1, 3], vocab=4096, steps=3, check_layers=2)
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    harness.fill_unset(args, defaults)
     if args.layers[0] >= args.layers[1]:
         p.error(f"--layers needs two sizes, smaller first, got {args.layers}")
     if args.check_layers in args.layers:

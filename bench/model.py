@@ -48,7 +48,8 @@ import numpy as np
 
 # torch and transformers are imported where they are used (the transformers side, in its child process on a GPU), so
 # that the tools reusing this module's step (profile_step.py, generate.py) run where torch is not installed.
-from device_timing import interleaved_times, matmul_tflops, print_table  # bench/device_timing.py (bench/ is on sys.path)
+from bench import harness
+from bench.device_timing import interleaved_times, matmul_tflops, print_table
 from jodc.models import attention, forward, layer_apply, load_pretrained, split_params
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -119,12 +120,10 @@ def our_step_fn(config):
     return step
 
 
-def cpu_benchmark(args):
+def cpu_models(args):
+    """transformers' model (seeded, float32, training mode) and ours loaded from its weights: (theirs, ours)."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(args.threads)
-    rng = np.random.default_rng(0)
 
     torch.manual_seed(0)
     theirs = AutoModelForCausalLM.from_config(hf_config(vars(args)), dtype=torch.float32)
@@ -132,27 +131,12 @@ def cpu_benchmark(args):
     with tempfile.TemporaryDirectory() as tmp:
         theirs.save_pretrained(tmp)
         ours = load_pretrained(tmp, dtype="float32")
-    config = ours.config
-    params = split_params(ours)
-    tokens = rng.integers(0, args.vocab, (args.batch, args.seq)).astype(np.int32)
-    tokens_jax, tokens_torch = jnp.asarray(tokens), torch.from_numpy(tokens.astype(np.int64))
+    return theirs, ours
 
-    # 1. training step (loss + gradients)
-    our_step = our_step_fn(config)
 
-    def run_ours():
-        jax.block_until_ready(our_step(params, tokens_jax))
-
-    def run_theirs():
-        return transformers_step(theirs, tokens_torch)
-
-    our_loss = float(our_step(params, tokens_jax)[0])
-    their_loss = float(run_theirs())
-    step, step_cpu = interleaved({"ours": run_ours, "theirs": run_theirs}, args.repeats)
-    n_tokens = args.batch * args.seq
-    ours_tps, theirs_tps = n_tokens / step["ours"], n_tokens / step["theirs"]
-
-    # 2. packed short sequences vs one long sequence
+def packed_costs(args, config, params, tokens_jax, rng) -> tuple[dict, int]:
+    """Seconds of attention, one layer and the whole model (forward + backward) over one long sequence and over
+    the same tokens packed as short ones; and how many short ones that is."""
     n_short = args.seq // args.short
     seg_long = jnp.ones((1, args.seq), jnp.int32)
     seg_packed = jnp.asarray(np.repeat(np.arange(1, n_short + 1), args.short)[None], jnp.int32)
@@ -188,6 +172,36 @@ def cpu_benchmark(args):
         "model_packed": lambda: jax.block_until_ready(model_fwd_bwd(params, seg_packed)),
     }, args.repeats)
 
+    return cost, n_short
+
+
+def cpu_benchmark(args):
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    theirs, ours = cpu_models(args)
+    config = ours.config
+    params = split_params(ours)
+    tokens = rng.integers(0, args.vocab, (args.batch, args.seq)).astype(np.int32)
+    tokens_jax, tokens_torch = jnp.asarray(tokens), torch.from_numpy(tokens.astype(np.int64))
+
+    # 1. training step (loss + gradients)
+    our_step = our_step_fn(config)
+
+    def run_ours():
+        jax.block_until_ready(our_step(params, tokens_jax))
+
+    def run_theirs():
+        return transformers_step(theirs, tokens_torch)
+
+    our_loss = float(our_step(params, tokens_jax)[0])
+    their_loss = float(run_theirs())
+    step, step_cpu = interleaved({"ours": run_ours, "theirs": run_theirs}, args.repeats)
+    n_tokens = args.batch * args.seq
+    ours_tps, theirs_tps = n_tokens / step["ours"], n_tokens / step["theirs"]
+    # 2. packed short sequences vs one long sequence
+    cost, n_short = packed_costs(args, config, params, tokens_jax, rng)
     result = {
         "bench": "model",
         "train_step_vs_transformers": round(ours_tps / theirs_tps, 3),
@@ -209,30 +223,29 @@ def cpu_benchmark(args):
         "versions": {"jax": jax.__version__, "torch": torch.__version__.split("+")[0],
                      "python": platform.python_version()},
     }
-    rows = [
-        ("train step, ours (tokens/s)", f"{ours_tps:,.0f}"),
-        ("train step, transformers (tokens/s)", f"{theirs_tps:,.0f}"),
+    print_table(None, cpu_rows(args, result, cost, n_short), value_width=15)
+    save(result, args)
+
+
+def cpu_rows(args, result: dict, cost: dict, n_short: int) -> list[tuple[str, str]]:
+    """The CPU comparison's table."""
+    return [
+        ("train step, ours (tokens/s)", f"{result['ours_tokens_per_s']:,.0f}"),
+        ("train step, transformers (tokens/s)", f"{result['transformers_tokens_per_s']:,.0f}"),
         ("train_step_vs_transformers (target >= 1.0)", f"{result['train_step_vs_transformers']:.3f}"),
         ("same, by process CPU time (theirs / ours)", f"{result['train_step_cpu_time_ratio']:.3f}"),
-        ("loss ours / transformers", f"{our_loss:.5f} / {their_loss:.5f}"),
+        ("loss ours / transformers", f"{result['loss_ours']:.5f} / {result['loss_transformers']:.5f}"),
         (f"attention fwd+bwd, 1 x {args.seq} (ms)", f"{cost['attention_long'] * 1e3:.1f}"),
         (f"attention fwd+bwd, {n_short} x {args.short} packed (ms)", f"{cost['attention_packed'] * 1e3:.1f}"),
         ("packed_short_vs_long_cost (target <= 0.35)", f"{result['packed_short_vs_long_cost']:.3f}"),
         ("same, one decoder layer", f"{result['packed_short_vs_long_layer_cost']:.3f}"),
         ("same, whole model (incl. lm_head)", f"{result['packed_short_vs_long_model_cost']:.3f}"),
     ]
-    print_table(None, rows, value_width=15)
-    save(result, args)
 
 
 def save(result: dict, args) -> None:
     """Prints the JSON line (the last line of output) and writes it to args.out unless --no-save."""
-    line = json.dumps(result, sort_keys=True)
-    print(line)
-    if not args.no_save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    harness.report(result, None if args.no_save else args.out, indent=None, sort_keys=True)
 
 
 
@@ -256,16 +269,7 @@ def step_flops(shape: dict) -> dict:
             "dense": dense, "attention": attention_flops, "total": dense + attention_flops}
 
 
-def last_json_line(text: str) -> dict:
-    """The last line of `text` that is a JSON object (how every benchmark here reports); tools/step_runner.py's
-    reader, which make gpu-check uses on the same output."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    from step_runner import last_json_object
-
-    value = last_json_object(text)
-    if value is None:
-        raise ValueError("no JSON object line in the output")
-    return value
+last_json_line = harness.last_json_line  # the reader make gpu-check uses on the same output
 
 
 def run_facts(args, theirs: dict) -> dict:
@@ -276,14 +280,14 @@ def run_facts(args, theirs: dict) -> dict:
                          "python": platform.python_version()}}
 
 
-def run_transformers_worker(spec: dict, timeout_s: float, script: str = os.path.abspath(__file__)) -> dict:
-    """Runs `script --transformers-worker SPEC` (this file's `transformers_worker`, or another benchmark's) in a child
-    process (see the module docstring for why); returns its JSON line."""
+def run_transformers_worker(spec: dict, timeout_s: float, module: str = "model") -> dict:
+    """Runs `python -m bench.<module> --transformers-worker SPEC` (this module's `transformers_worker`, or another
+    benchmark's) in a child process (see the module docstring for why); returns its JSON line."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        proc = subprocess.run([sys.executable, script, "--transformers-worker", f.name],
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(harness.module_command(module, "--transformers-worker", f.name), capture_output=True,
+                              text=True, timeout=timeout_s, env=harness.child_env())
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
@@ -325,8 +329,51 @@ def transformers_worker(spec_path: str) -> None:
     }))
 
 
-def gpu_benchmark(args) -> dict:
+def our_steps(config, params, tokens, impls, their_loss: float) -> tuple[dict, dict, dict]:
+    """Our compiled step per attention implementation in `impls`, its loss, and why any failed to compile (a first
+    GPU run: one failing leaves the others); SystemExit when none compiles or a loss is not transformers' (then the
+    two sides do not run the same model and weights)."""
+    steps, losses, failures = {}, {}, {}
+    for impl in impls:  # one implementation failing to compile (a first GPU run) leaves the others
+        try:
+            step = our_step_fn(config.replace(attention_impl=impl))
+            losses[impl] = float(step(params, tokens)[0])
+            steps[impl] = step
+        except Exception as e:  # noqa: BLE001 - reported in the JSON and the table, then the others go on
+            failures[impl] = f"{type(e).__name__}: {str(e)[:500]}"
+            print(f"our step with {impl} attention failed: {failures[impl]}", file=sys.stderr)
+    if not steps:
+        raise SystemExit(f"our step failed with every attention implementation: {failures}")
+    for impl, loss in losses.items():
+        if not abs(loss - their_loss) <= 0.02 * abs(their_loss):
+            raise SystemExit(f"losses differ: ours ({impl} attention) {loss:.5f}, transformers {their_loss:.5f}: "
+                             "not the same model or not the same weights, nothing to compare")
+    return steps, losses, failures
 
+
+def gpu_rows(args, result: dict, flops: dict, by_impl: dict, failures: dict, ceiling: dict) -> list:
+    """The GPU comparison's table."""
+    n_tokens = args.batch * args.seq
+    ours_s, theirs_s = result["ours_step_ms"] / 1e3, result["transformers_step_ms"] / 1e3
+    our_loss, their_loss = result["loss_ours"], result["loss_transformers"]
+    rows = [
+        ("model", f"{flops['params'] / 1e9:.3f}B params, {args.layers} layers, hidden {args.hidden}"),
+        ("tokens per step", f"{args.batch} x {args.seq}"),
+        *((f"train step, ours, {impl} attention (ms)", f"{t * 1e3:.1f}") for impl, t in by_impl.items()),
+        *((f"train step, ours, {impl} attention", "FAILED (see the JSON)") for impl in failures),
+        ("train step, transformers + torch SDPA (ms)", f"{theirs_s * 1e3:.1f}"),
+        ("ours (tokens/s)", f"{n_tokens / ours_s:,.0f}"),
+        ("transformers (tokens/s)", f"{n_tokens / theirs_s:,.0f}"),
+        ("gpu_train_step_vs_transformers (target >= 1.0)", f"{result['gpu_train_step_vs_transformers']:.3f}"),
+        (f"bf16 matmul ceiling {args.matmul}^3 (TFLOP/s)", f"{ceiling['tflops']:.1f}"),
+        ("MFU ours / transformers", f"{result['gpu_mfu']:.3f} / {result['transformers_mfu']:.3f}"),
+        ("loss ours / transformers", f"{our_loss:.5f} / {their_loss:.5f}"),
+    ]
+    return rows
+
+
+def gpu_benchmark(args) -> dict:
+    """Our bf16 training step (per attention implementation) against transformers' on the same GPU and weights."""
     shape = {k: getattr(args, k) for k in SHAPE_KEYS}
     if shape["hidden"] % shape["heads"]:
         raise SystemExit(f"--hidden {shape['hidden']} must be a multiple of --heads {shape['heads']}")
@@ -339,38 +386,20 @@ def gpu_benchmark(args) -> dict:
             "weights_dir": tmp, "tokens": os.path.join(tmp, "tokens.npy"), "warmup": 2, "repeats": args.repeats,
         }, args.worker_timeout)
         ours = load_pretrained(tmp, dtype="bfloat16", attention_block_size=args.attention_block_size)
-    config = ours.config
-    params = jax.device_put(split_params(ours), device)
+    config, params = ours.config, jax.device_put(split_params(ours), device)
     del ours
     tokens_dev = jax.device_put(jnp.asarray(tokens), device)
-    steps, losses, failures = {}, {}, {}
-    for impl in args.attention_impls:  # one implementation failing to compile (a first GPU run) leaves the others
-        try:
-            step = our_step_fn(config.replace(attention_impl=impl))
-            losses[impl] = float(step(params, tokens_dev)[0])
-            steps[impl] = step
-        except Exception as e:  # noqa: BLE001 - reported in the JSON and the table, then the others go on
-            failures[impl] = f"{type(e).__name__}: {str(e)[:500]}"
-            print(f"our step with {impl} attention failed: {failures[impl]}", file=sys.stderr)
-    if not steps:
-        raise SystemExit(f"our step failed with every attention implementation: {failures}")
-    for impl, loss in losses.items():
-        if not abs(loss - theirs["loss"]) <= 0.02 * abs(theirs["loss"]):
-            raise SystemExit(f"losses differ: ours ({impl} attention) {loss:.5f}, transformers {theirs['loss']:.5f}: "
-                             "not the same model or not the same weights, nothing to compare")
+    steps, losses, failures = our_steps(config, params, tokens_dev, args.attention_impls, theirs["loss"])
     times = interleaved_times({impl: (lambda step=step: step(params, tokens_dev)) for impl, step in steps.items()},
                               args.repeats, warmup=2)
-    by_impl = {impl: float(np.median(t)) for impl, t in times.items()}
+    by_impl = {impl: harness.median(t) for impl, t in times.items()}
     headline = next(iter(steps))  # the first named that ran: what `auto` picks on this backend by default
-    ours_s, our_loss = by_impl[headline], losses[headline]
-    theirs_s = float(np.median(theirs["seconds"]))
+    ours_s, our_loss, theirs_s = by_impl[headline], losses[headline], harness.median(theirs["seconds"])
     ceiling = matmul_tflops(args.matmul, 2 if args.quick else 4, args.repeats, device)
     flops = step_flops(shape)
     n_tokens = args.batch * args.seq
     result = {
-        "bench": "model_gpu",
-        "device": device.device_kind,
-        "platform": device.platform,
+        **harness.device_block("model_gpu", device),
         "gpu_train_step_vs_transformers": round(theirs_s / ours_s, 4),
         "gpu_mfu": round(flops["total"] / ours_s / (ceiling["tflops"] * 1e12), 4),
         "transformers_mfu": round(flops["total"] / theirs_s / (ceiling["tflops"] * 1e12), 4),
@@ -397,20 +426,8 @@ def gpu_benchmark(args) -> dict:
            if {"flash", "blockwise"} <= set(by_impl) else {}),
         **run_facts(args, theirs),
     }
-    rows = [
-        ("model", f"{flops['params'] / 1e9:.3f}B params, {args.layers} layers, hidden {args.hidden}"),
-        ("tokens per step", f"{args.batch} x {args.seq}"),
-        *((f"train step, ours, {impl} attention (ms)", f"{t * 1e3:.1f}") for impl, t in by_impl.items()),
-        *((f"train step, ours, {impl} attention", "FAILED (see the JSON)") for impl in failures),
-        ("train step, transformers + torch SDPA (ms)", f"{theirs_s * 1e3:.1f}"),
-        ("ours (tokens/s)", f"{n_tokens / ours_s:,.0f}"),
-        ("transformers (tokens/s)", f"{n_tokens / theirs_s:,.0f}"),
-        ("gpu_train_step_vs_transformers (target >= 1.0)", f"{result['gpu_train_step_vs_transformers']:.3f}"),
-        (f"bf16 matmul ceiling {args.matmul}^3 (TFLOP/s)", f"{ceiling['tflops']:.1f}"),
-        ("MFU ours / transformers", f"{result['gpu_mfu']:.3f} / {result['transformers_mfu']:.3f}"),
-        ("loss ours / transformers", f"{our_loss:.5f} / {theirs['loss']:.5f}"),
-    ]
-    print_table(f"training step, bf16, on {device.device_kind}", rows)
+    print_table(f"training step, bf16, on {device.device_kind}",
+                gpu_rows(args, result, flops, by_impl, failures, ceiling))
     save(result, args)
     return result
 
@@ -447,9 +464,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.quick and args.device == "gpu" and args.layers is None:
         args.layers = QUICK_LAYERS
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    harness.fill_unset(args, DEFAULTS[args.device])
     if args.attention_impls is None:
         args.attention_impls = ["flash", "blockwise"] if args.platform == "gpu" else ["blockwise"]
     unknown = set(args.attention_impls) - {"blockwise", "flash", "dense"}

@@ -1,6 +1,6 @@
 """ODC across processes: the MPI transport's ops against XLA's collectives over the same processes (gloo).
 
-`python bench/multiprocess.py` is the whole command: it starts its own `mpirun -np 2` (and `-np 4` unless
+`python -m bench.multiprocess` is the whole command: it starts its own `mpirun -np 2` (and `-np 4` unless
 --nprocs says otherwise), one CPU device per process, and prints the combined table and one JSON line at the end
 (also written to bench/results/multiprocess.json unless --no-save).
 
@@ -47,8 +47,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-from mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402 (tools/mpirun.py)
+from bench import harness  # noqa: E402
+from tools.mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402
 RESULT_PREFIX = "MPBENCH "
 PROGRESS_PREFIX = "# progress: "
 E2E_TABLE_HEADING = "# end to end across "
@@ -79,6 +79,66 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------------- worker side
+def op_bodies(heap, b, k: int, numel: int) -> dict:
+    """{op: (ODC body, XLA body)}: `k` gathers of bucket `b` against `k` all_gathers, `k` scatter-accumulates (and a
+    barrier) against `k` psum_scatters, each a shard_map body over one device's slice."""
+    from jax import lax
+
+    from jodc import ops
+
+    def odc_gather(x):
+        tok = ops.new_token()
+        acc = x[0, :1]
+        for _ in range(k):
+            # each gather waits for the previous one's consumer, as each all_gather below waits for its
+            # input: one output buffer is live at a time in both programs (without this XLA may keep all k
+            # outputs live, allocate k x the bucket afresh per call and page-fault through it)
+            tok = ops.after(tok, acc)
+            full, tok = ops.gather(b, tok)
+            acc = acc + full[:1]
+        return acc[None]
+
+    def xla_gather(x):
+        s = x[0]
+        acc = s[:1]
+        for _ in range(k):
+            full = lax.all_gather(s + acc[0] * 0, "d", tiled=True)
+            acc = acc + full[:1]
+        return acc[None]
+
+    def odc_scatter(g):
+        tok = ops.new_token()
+        for _ in range(k):
+            tok = ops.scatter_accumulate(b, g[0][:numel], tok)
+        tok = ops.barrier(heap, tok)
+        return ops.depend_on(g[0, :1], tok)[None]
+
+    def xla_scatter(g):
+        full = g[0]
+        acc = full[:1]
+        for _ in range(k):
+            part = lax.psum_scatter(full + acc[0] * 0, "d", scatter_dimension=0, tiled=True)
+            acc = acc + part[:1]
+        return acc[None]
+
+    return {"gather": (odc_gather, xla_gather), "scatter": (odc_scatter, xla_scatter)}
+
+
+def paired_times(timed, odc_fn, xla_fn, arg, rounds: int) -> tuple[list, list, list]:
+    """(ODC seconds, XLA seconds, XLA / ODC) per round, the two alternating; three untimed rounds first (compile,
+    warm up)."""
+    for _ in range(3):
+        timed(odc_fn, arg)
+        timed(xla_fn, arg)
+    t_odc, t_xla, ratios = [], [], []
+    for _ in range(rounds):
+        a, c = timed(odc_fn, arg), timed(xla_fn, arg)
+        t_odc.append(a)
+        t_xla.append(c)
+        ratios.append(c / a)
+    return t_odc, t_xla, ratios
+
+
 def worker(args) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     from mpi4py import MPI
@@ -87,7 +147,6 @@ def worker(args) -> None:
 
     jax.distributed.initialize(cluster_detection_method="mpi4py")
     import numpy as np
-    from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jodc import ops
@@ -109,67 +168,19 @@ def worker(args) -> None:
         jax.block_until_ready(fn(arg))
         return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
+    def smap(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"),), out_specs=P("d")))
+
     rows, t_start = [], time.monotonic()
     for mib in args.mib:
         numel = int(mib * 2**20) // 4
         with ops.SymmetricHeap(mesh) as heap:
             assert heap.transport == "mpi"
             b = heap.register(numel, name="bench")
-            shard = b.shard_numel
-            padded = shard * world
-
-            def smap(body, n_in):
-                return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"),) * n_in, out_specs=P("d")))
-
-            def odc_gather(x):
-                tok = ops.new_token()
-                acc = x[0, :1]
-                for _ in range(k):
-                    # each gather waits for the previous one's consumer, as each all_gather below waits for its
-                    # input: one output buffer is live at a time in both programs (without this XLA may keep all k
-                    # outputs live, allocate k x the bucket afresh per call and page-fault through it)
-                    tok = ops.after(tok, acc)
-                    full, tok = ops.gather(b, tok)
-                    acc = acc + full[:1]
-                return acc[None]
-
-            def xla_gather(x):
-                s = x[0]
-                acc = s[:1]
-                for _ in range(k):
-                    full = lax.all_gather(s + acc[0] * 0, "d", tiled=True)
-                    acc = acc + full[:1]
-                return acc[None]
-
-            def odc_scatter(g):
-                tok = ops.new_token()
-                for _ in range(k):
-                    tok = ops.scatter_accumulate(b, g[0][:numel], tok)
-                tok = ops.barrier(heap, tok)
-                return ops.depend_on(g[0, :1], tok)[None]
-
-            def xla_scatter(g):
-                full = g[0]
-                acc = full[:1]
-                for _ in range(k):
-                    part = lax.psum_scatter(full + acc[0] * 0, "d", scatter_dimension=0, tiled=True)
-                    acc = acc + part[:1]
-                return acc[None]
-
-            shards_in = per_device((shard,), 1.0)
-            grads_in = per_device((padded,), 1.0)
-            contenders = {"gather": (smap(odc_gather, 1), smap(xla_gather, 1), shards_in),
-                          "scatter": (smap(odc_scatter, 1), smap(xla_scatter, 1), grads_in)}
-            for op, (odc_fn, xla_fn, arg) in contenders.items():
-                for _ in range(3):  # compile, warm up
-                    timed(odc_fn, arg)
-                    timed(xla_fn, arg)
-                t_odc, t_xla, ratios = [], [], []
-                for _ in range(args.rounds):
-                    a, c = timed(odc_fn, arg), timed(xla_fn, arg)
-                    t_odc.append(a)
-                    t_xla.append(c)
-                    ratios.append(c / a)
+            inputs = {"gather": per_device((b.shard_numel,), 1.0),
+                      "scatter": per_device((b.shard_numel * world,), 1.0)}
+            for op, (odc_body, xla_body) in op_bodies(heap, b, k, numel).items():
+                t_odc, t_xla, ratios = paired_times(timed, smap(odc_body), smap(xla_body), inputs[op], args.rounds)
                 b.zero_accumulators()
                 rows.append({"nprocs": world, "op": op, "mib": mib, "odc_ms": float(np.median(t_odc)) * 1e3 / k,
                              "xla_ms": float(np.median(t_xla)) * 1e3 / k, "ratio": float(np.median(ratios))})
@@ -195,8 +206,7 @@ def e2e_worker(args, hsdp: bool = False) -> None:
     jax.distributed.initialize(cluster_detection_method="mpi4py")
     import numpy as np
 
-    sys.path.insert(0, HERE)
-    import e2e
+    from bench import e2e
 
     comm = MPI.COMM_WORLD
 
@@ -244,10 +254,10 @@ def e2e_worker(args, hsdp: bool = False) -> None:
 
 # --------------------------------------------------------------------------------------------------- driver side
 def run_nprocs(nprocs: int, args, e2e: bool = False, hsdp: bool = False):
-    env = mpi_env()
+    env = harness.child_env(mpi_env())
     if not args.default_malloc:
         env.update(MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(1 << 33))
-    cmd = mpirun_command(nprocs, sys.executable, "-m", "mpi4py", os.path.abspath(__file__))
+    cmd = mpirun_command(nprocs, sys.executable, "-m", "mpi4py", "-m", "bench.multiprocess")
     if e2e or hsdp:
         cmd += ["--worker-hsdp" if hsdp else "--worker-e2e"] + (["--quick"] if args.quick else [])
         cmd += ["--hsdp-local-devices", str(args.hsdp_local_devices)]

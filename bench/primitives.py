@@ -23,6 +23,8 @@ import json
 import os
 import sys
 
+from bench import harness
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,9 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--mib", type=float, default=16.0, help="bucket size in MiB (fp32)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--layers", type=int, default=8, help="buckets per program in the layer-stack mode")
-    p.add_argument("--quick", action="store_true", help="fewer repeats (for make demo)")
-    p.add_argument("--no-save", action="store_true")
-    return p.parse_args(argv)
+    return harness.add_run_flags(p, "fewer repeats (for make demo)").parse_args(argv)
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
@@ -50,13 +50,29 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jodc import ops  # noqa: E402
-from jodc.ops import _native  # noqa: E402
-from device_timing import interleaved_times  # noqa: E402 (bench/device_timing.py)
+from jodc.ops.transports import registration  # noqa: E402
+from bench.device_timing import interleaved_times  # noqa: E402
+
+
+def xla_all_gather(*shards):
+    """XLA's side of the gathers: one all_gather per layer's shard, each result consumed."""
+    acc = jnp.zeros(())
+    for s in shards:
+        acc = acc + lax.all_gather(s, "d", tiled=True)[0]
+    return acc[None]
+
+
+def xla_psum_scatter(*grads):
+    """XLA's side of the scatters: one psum_scatter per layer's gradient, each result consumed."""
+    acc = jnp.zeros(())
+    for g in grads:
+        acc = acc + lax.psum_scatter(g[0], "d", tiled=True)[0]
+    return acc[None]
 
 
 def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:
-    """Seconds per op, one entry per round, when one jitted program issues `layers` ops on `layers` different buckets (as a
-    forward pass does, one per layer); layers=1 is a single op per program."""
+    """Seconds per op, one entry per round, when one jitted program issues `layers` ops on `layers` different buckets
+    (as a forward pass does, one per layer); layers=1 is a single op per program."""
     sharding = jax.sharding.NamedSharding(mesh, P("d"))
 
     def shard_mapped(body, n_in, donate=()):
@@ -76,23 +92,11 @@ def measure(mesh, devices: int, numel: int, layers: int, repeats: int) -> dict:
                 acc = acc + full[0]  # consume the result, as a layer would
             return acc[None]
 
-        def xla_all_gather(*shards):
-            acc = jnp.zeros(())
-            for s in shards:
-                acc = acc + lax.all_gather(s, "d", tiled=True)[0]
-            return acc[None]
-
         def odc_scatter(*grads):
             token = ops.new_token()
             for b, g in zip(buckets, grads):
                 token = ops.scatter_accumulate(b, g[0], token)
             return token[None]
-
-        def xla_psum_scatter(*grads):
-            acc = jnp.zeros(())
-            for g in grads:
-                acc = acc + lax.psum_scatter(g[0], "d", tiled=True)[0]
-            return acc[None]
 
         def xla_psum_scatter_accumulate(*args):
             grads, accs = args[:layers], args[layers:]
@@ -145,7 +149,7 @@ def run(devices: int | None, mib: float, repeats: int, layers: int, platform: st
     numel = int(mib * (1 << 20)) // 4
     bucket_bytes = numel * 4
     moved = devices * bucket_bytes
-    lib = _native.cpu_library()
+    lib = registration.cpu_library()
     iters = max(3, repeats // 3)
     memcpy_runs = {1: [], 2: []} if platform == "cpu" else {}  # a host memcpy says nothing about GPUs
 

@@ -17,7 +17,6 @@ import glob
 import json
 import os
 import re
-import sys
 import tempfile
 
 import jax
@@ -25,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from model import next_token_loss  # noqa: E402  (bench/model.py: the same step)
+from bench.model import next_token_loss  # noqa: E402  (the same step)
 
 from jodc.models import DecoderConfig, forward, init_params  # noqa: E402
 

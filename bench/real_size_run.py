@@ -9,7 +9,7 @@ shard and its gradient accumulator, 8 bytes over 2, in shared memory that both p
 both) and the step's transients; the one process that resumes holds the whole state and heap (it drives both devices),
 nothing more; the export gathers one group at a time.
 
-    python bench/real_size_run.py [--steps 2 --more-steps 2 --max-length 128 --sequences 8 --out FILE]
+    python -m bench.real_size_run [--steps 2 --more-steps 2 --max-length 128 --sequences 8 --out FILE]
 
 Prints a table and one JSON line; writes bench/results/real_size_run.json (and the run under --run-dir, removed
 unless --keep). Needs the jodc[mpi] extra and about 16 GB of free memory; takes ~10-20 minutes on 2 cores.
@@ -27,8 +27,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "tools"))
-from mpirun import mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
+from tools.mpirun import mpi_env, mpirun_command  # noqa: E402
 
 HIDDEN, LAYER_PARAMS = 896, 14_912_384  # Qwen2.5-0.5B: hidden size, parameters of one decoder layer
 

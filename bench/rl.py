@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,7 @@ import time
 DEVICES = 2
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
 
+from bench import harness  # noqa: E402  (imports no JAX)
 from jodc.train.core.callbacks import Callback  # noqa: E402  (imports no JAX: the flags above still apply)
 
 #: CPU seconds per wall second of the rollout (sampler) calls, the engine updates and whole steps (steps 2..);
@@ -340,7 +340,7 @@ def warm_start(args, work: str) -> str:
     return run_warmstart(config, make_task("arithmetic", **config.task.task_options()), log=lambda _: None)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="RL steps per run (the demo's)")
     parser.add_argument("--seeds", type=int, default=5,
@@ -372,56 +372,59 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.sft_steps, args.tail, args.warmup_steps = 10, 1, 300, 3, 4
-    names = [v for v in args.variants.split(",") if v]
-    regimes = [v for v in args.regimes.split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS] + [v for v in regimes if v not in REGIMES]
+    args.names = [v for v in args.variants.split(",") if v]
+    args.regime_list = [v for v in args.regimes.split(",") if v]
+    unknown = [v for v in args.names if v not in VARIANTS] + [v for v in args.regime_list if v not in REGIMES]
     if unknown:
         parser.error(f"unknown variants/regimes {unknown}; choose from {', '.join(VARIANTS)} / {', '.join(REGIMES)}")
-    import jax
+    return args
+
+
+def run_all(args, work: str, warm_hf: str) -> tuple[dict, dict]:
+    """Every (loss, seed, regime) run: ({regime: {loss: [run, ...]}} of the runs done, {"regime loss": why the
+    config refused it}). A loss's regimes run back to back, in reversed order every other seed, so that the machine's
+    drift over the half hour (whole-run speed varies by 1.5x on this VM) cancels in the regimes' ratios."""
     from jodc.train.core.config import ConfigError
 
-    count_compiles()
-    started = time.perf_counter()
-    results: dict[str, dict[str, dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="jodc_bench_rl_") as work, ENGINES:
-        warm_hf = warm_start(args, work)
-        warm_seconds = time.perf_counter() - started
-        # every loss's regimes run back to back, in reversed order every other seed, so that the machine's
-        # drift over the half hour (whole-run speed varies by 1.5x on this VM) cancels in the regimes' ratios
-        runs: dict[str, dict[str, list[dict]]] = {regime: {name: [] for name in names} for regime in regimes}
-        refused: dict[str, str] = {}  # "regime loss" -> why the config refuses the combination
-        for name in names:
-            for seed in range(args.seeds):
-                for regime in (regimes if seed % 2 == 0 else regimes[::-1]):
-                    if f"{regime} {name}" in refused:
-                        continue
-                    try:
-                        run = run_variant(name, seed, args, work, warm_hf, regime)
-                    except ConfigError as e:
-                        refused[f"{regime} {name}"] = str(e)
-                        print(f"  {regime} {name}: refused by the config: {e}", file=sys.stderr, flush=True)
-                        continue
-                    runs[regime][name].append(run)
-                    print(f"  {regime} {name} seed {seed}: {run['wall_seconds']:.0f} s, warm step "
-                          f"{1000 * run['warm_step_seconds']:.0f} ms; CPU use rollout "
-                          f"{run['rollout_cpu_utilisation']:.2f}, train {run['train_cpu_utilisation']:.2f}, step "
-                          f"{run['step_cpu_utilisation']:.2f} of 2 cores", file=sys.stderr, flush=True)
-                    print(json.dumps({"partial": [regime, name, seed], **run}), file=sys.stderr, flush=True)
-        runs = {regime: {name: done for name, done in by_loss.items() if done} for regime, by_loss in runs.items()}
-        for regime in regimes:
-            results[regime] = {}
-            for name in runs[regime]:
-                done = runs[regime][name]
-                r = {key: round(statistics.fmean(run[key] for run in done), 4) for key in done[0]}
-                r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in done]
-                r["final_accuracy_per_seed"] = [run["final_accuracy"] for run in done]
-                r["final_sampled_reward_per_seed"] = [run["final_eval_sampled_reward"] for run in done]
-                for key in ("final_accuracy", "final_eval_sampled_reward"):
-                    se = mean_se([run[key] for run in done])[1]
-                    r[f"{key}_se"] = round(se, 4) if se == se else None
-                r["warm_step_seconds_per_seed"] = [round(run["warm_step_seconds"], 4) for run in done]
-                results[regime][name] = r
+    names, regimes = args.names, args.regime_list
+    runs: dict[str, dict[str, list[dict]]] = {regime: {name: [] for name in names} for regime in regimes}
+    refused: dict[str, str] = {}
+    for name in names:
+        for seed in range(args.seeds):
+            for regime in (regimes if seed % 2 == 0 else regimes[::-1]):
+                if f"{regime} {name}" in refused:
+                    continue
+                try:
+                    run = run_variant(name, seed, args, work, warm_hf, regime)
+                except ConfigError as e:
+                    refused[f"{regime} {name}"] = str(e)
+                    print(f"  {regime} {name}: refused by the config: {e}", file=sys.stderr, flush=True)
+                    continue
+                runs[regime][name].append(run)
+                print(f"  {regime} {name} seed {seed}: {run['wall_seconds']:.0f} s, warm step "
+                      f"{1000 * run['warm_step_seconds']:.0f} ms; CPU use rollout "
+                      f"{run['rollout_cpu_utilisation']:.2f}, train {run['train_cpu_utilisation']:.2f}, step "
+                      f"{run['step_cpu_utilisation']:.2f} of 2 cores", file=sys.stderr, flush=True)
+                print(json.dumps({"partial": [regime, name, seed], **run}), file=sys.stderr, flush=True)
+    runs = {regime: {name: done for name, done in by_loss.items() if done} for regime, by_loss in runs.items()}
+    return runs, refused
 
+
+def seed_summary(done: list[dict]) -> dict:
+    """One loss under one regime over its seeds: the means, the per-seed lists and the standard errors."""
+    r = {key: round(statistics.fmean(run[key] for run in done), 4) for key in done[0]}
+    r["unstable_steps_per_seed"] = [run["unstable_steps"] for run in done]
+    r["final_accuracy_per_seed"] = [run["final_accuracy"] for run in done]
+    r["final_sampled_reward_per_seed"] = [run["final_eval_sampled_reward"] for run in done]
+    for key in ("final_accuracy", "final_eval_sampled_reward"):
+        se = mean_se([run[key] for run in done])[1]
+        r[f"{key}_se"] = round(se, 4) if se == se else None
+    r["warm_step_seconds_per_seed"] = [round(run["warm_step_seconds"], 4) for run in done]
+    return r
+
+
+def print_results(results: dict) -> None:
+    """The table: per regime and loss, accuracy and rewards from the warm start to the end, stability, time."""
     header = (f"{'regime':<8} {'loss':<13} {'greedy acc (+-se)':>20} {'held-out reward (+-se)':>22} {'train reward':>13} "
               f"{'KL>0.1':>6} {'max KL':>7} {'masked':>7} {'mismatch':>8} {'rollout s':>9} {'train s':>8} "
               f"{'step s':>7} {'warm ms':>7} {'idle T/S':>9} {'CPU R/T/step':>14}")
@@ -439,16 +442,38 @@ def main(argv=None) -> int:
                   f"{1000 * r['warm_step_seconds']:>7.0f} "
                   f"{r['trainer_idle_fraction']:>4.2f}/{r['sampler_idle_fraction']:<4.2f} "
                   f"{r['rollout_cpu_utilisation']:>4.2f}/{r['train_cpu_utilisation']:.2f}/{r['step_cpu_utilisation']:.2f}")
-    headline = headline_comparisons(runs)
-    print(f"headline comparisons (mean over seeds of the difference +- its standard error; inside the noise: less "
-          f"than {NOISE_SES:g} standard errors from zero):")
-    for c in headline:
-        print("  " + comparison_line(c))
+
+
+def async_speedup(results: dict, sampler: str) -> dict:
+    """The sync / stale2 step-time ratios (when both regimes ran), printed and as the result's fields."""
+    if "sync" not in results or "stale2" not in results:
+        return {}
+    common = [n for n in results["sync"] if n in results["stale2"]]
+    by_loss = {n: round(statistics.fmean(a / b for a, b in zip(results["sync"][n]["warm_step_seconds_per_seed"],
+                                                               results["stale2"][n]["warm_step_seconds_per_seed"])),
+                        3) for n in common}  # per seed (runs back to back), then the mean
+    # the default loss's (DPPO's) when it ran: the others that read old / proximal log-probs pay one extra
+    # forward pass per stale rollout in the trainer, which the synchronous loop does not (docs/rl.md)
+    out = {"async_speedup": by_loss.get("dppo", round(statistics.fmean(by_loss.values()), 3)),
+           "async_speedup_by_loss": by_loss,
+           "async_speedup_mean_over_losses": round(statistics.fmean(by_loss.values()), 3),
+           "async_speedup_all_steps": round(statistics.fmean(results["sync"][n]["step_seconds"] /
+                                                             results["stale2"][n]["step_seconds"]
+                                                             for n in common), 3)}
+    print(f"async speedup (sync / stale2 step time, steps 2.. that compiled nothing; sampler {sampler}): "
+          + ", ".join(f"{n} {v:.2f}" for n, v in by_loss.items())
+          + f"; async_speedup {out['async_speedup']:.2f}, mean over losses "
+            f"{out['async_speedup_mean_over_losses']:.2f} (all steps 2..: {out['async_speedup_all_steps']:.2f})")
+    return out
+
+
+def result_line(args, results: dict, headline: list, warm_seconds: float) -> dict:
+    """The JSON line's settings and headline fields, per loss and regime (the rest is added by `main`)."""
     line = {"bench": "rl", "steps": args.steps, "seeds": args.seeds, "updates_per_step": args.updates_per_step,
             "learning_rate": args.learning_rate, "warmup_steps": args.warmup_steps, "kl_coef": args.kl_coef,
             "prompts_per_step": args.prompts, "group_size": 8,
             "unstable_kl": args.unstable_kl, "warm_start_seconds": round(warm_seconds, 1),
-            "regimes": regimes, "losses": names}
+            "regimes": args.regime_list, "losses": args.names}
     first = next(iter(next(iter(results.values())).values()))
     line["initial_sampled_reward"] = first["initial_eval_sampled_reward"]
     line["initial_accuracy"] = first["initial_accuracy"]
@@ -460,41 +485,48 @@ def main(argv=None) -> int:
         for name, r in by_loss.items():
             line[f"{name}_{regime}_final_sampled_reward"] = r["final_eval_sampled_reward"]
             line[f"{name}_{regime}_final_accuracy"] = r["final_accuracy"]
-    if "sync" in results and "stale2" in results:
-        common = [n for n in results["sync"] if n in results["stale2"]]
-        by_loss = {n: round(statistics.fmean(a / b for a, b in zip(results["sync"][n]["warm_step_seconds_per_seed"],
-                                                                   results["stale2"][n]["warm_step_seconds_per_seed"])),
-                            3) for n in common}  # per seed (runs back to back), then the mean
-        # the default loss's (DPPO's) when it ran: the others that read old / proximal log-probs pay one extra
-        # forward pass per stale rollout in the trainer, which the synchronous loop does not (docs/rl.md)
-        line["async_speedup"] = by_loss.get("dppo", round(statistics.fmean(by_loss.values()), 3))
-        line["async_speedup_by_loss"] = by_loss
-        line["async_speedup_mean_over_losses"] = round(statistics.fmean(by_loss.values()), 3)
-        line["async_speedup_all_steps"] = round(statistics.fmean(results["sync"][n]["step_seconds"] /
-                                                                 results["stale2"][n]["step_seconds"]
-                                                                 for n in common), 3)
-        print(f"async speedup (sync / stale2 step time, steps 2.. that compiled nothing; sampler {args.sampler}): "
-              + ", ".join(f"{n} {v:.2f}" for n, v in by_loss.items())
-              + f"; async_speedup {line['async_speedup']:.2f}, mean over losses "
-                f"{line['async_speedup_mean_over_losses']:.2f} (all steps 2..: {line['async_speedup_all_steps']:.2f})")
+    return line
+
+
+def save(line: dict, path: str) -> None:
+    """Writes the result, keeping the previous default settings' runs that the file holds (docs/rl.md quotes them)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = {k: v for k, v in json.load(f).items() if k == "previous_setting_runs"}
+        line.update(kept)
+    with open(path, "w") as f:
+        f.write(json.dumps(line, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    count_compiles()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="jodc_bench_rl_") as work, ENGINES:
+        warm_hf = warm_start(args, work)
+        warm_seconds = time.perf_counter() - started
+        runs, refused = run_all(args, work, warm_hf)
+    results = {regime: {name: seed_summary(done) for name, done in runs[regime].items()} for regime in args.regime_list}
+    print_results(results)
+    headline = headline_comparisons(runs)
+    print(f"headline comparisons (mean over seeds of the difference +- its standard error; inside the noise: less "
+          f"than {NOISE_SES:g} standard errors from zero):")
+    for c in headline:
+        print("  " + comparison_line(c))
+    line = result_line(args, results, headline, warm_seconds)
+    line.update(async_speedup(results, args.sampler))
     line.update(sampler=args.sampler, sampler_nice=args.sampler_nice, refused=refused)
     for combination, why in refused.items():
         print(f"not run: {combination} ({why})")
     line["by_regime"] = results
     line["by_loss"] = results.get("sync", {})
-    line.update(total_seconds=round(time.perf_counter() - started, 1), jax=jax.__version__,
-                platform=platform.platform(), cpu_count=os.cpu_count())
+    environment = harness.environment()
+    line.update(total_seconds=round(time.perf_counter() - started, 1), jax=environment["jax"],
+                platform=environment["platform"], cpu_count=environment["cpu_count"])
     print(json.dumps(line))
     if not args.no_save:
-        path = args.out
-        if os.path.exists(path):  # the runs of the previous default settings stay (docs/rl.md quotes them)
-            with open(path) as f:
-                kept = {k: v for k, v in json.load(f).items() if k == "previous_setting_runs"}
-            line.update(kept)
-        with open(path, "w") as f:
-            f.write(json.dumps(line, indent=1) + "\n")
+        save(line, args.out)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from bench import harness
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "rl_async.yaml")
 RESULTS = os.path.join(ROOT, "bench", "results", "rl_contention.json")
@@ -78,8 +80,9 @@ def background(config_path: str, overrides: list[str]) -> None:
 
 def start_background(nice: int, overrides: list[str]) -> subprocess.Popen:
     """The background sampler at `nice`, once it has compiled."""
-    proc = subprocess.Popen(["nice", "-n", str(nice), sys.executable, os.path.abspath(__file__), "--background",
-                             *overrides], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(["nice", "-n", str(nice), *harness.module_command("rl_contention", "--background",
+                                                                               *overrides)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT, env=harness.child_env())
     line = proc.stdout.readline()
     if line.strip() != "ready":
         proc.kill()

@@ -1,7 +1,7 @@
 """The RL sampler's weights per policy version: the device reshard (the trainer's sampler) against the sampler
 process's host path.
 
-`python bench/rl_sampler_weights.py [--presets small base] [--versions 5]` builds the preset's decoder (random init)
+`python -m bench.rl_sampler_weights [--presets small base] [--versions 5]` builds the preset's decoder (random init)
 on an ODC engine over 2 CPU devices and, per version, times (medians over the versions after the first):
 
 - `host_gather_s`: `engine.params()`, the fp32 policy gathered to the host (what `rollout.sampler: process` sends);

@@ -1,6 +1,6 @@
 """Rollout-phase scaling of the RL sampler: data-parallel over devices in one process, sharded across processes.
 
-`python bench/rl_sampling.py` (or `--quick`) measures the rollout phase of an RL step (`RolloutSampler`: the step's
+`python -m bench.rl_sampling` (or `--quick`) measures the rollout phase of an RL step (`RolloutSampler`: the step's
 prompts, sampling, rewards; across processes the exchange of the shares), as the trainer runs it:
 
 1. One process with 4 simulated CPU devices: the step's prompts split in whole groups over 1, 2 and 4 devices (one
@@ -44,8 +44,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "rl_sampling.json")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402 (tools/mpirun.py)
+from bench import harness  # noqa: E402
+from tools.mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402
 
 DEFAULTS = dict(preset="small", prompts=32, group=8, new_tokens=16, repeats=5, full_steps=6, full_step_pairs=2)
 QUICK = dict(preset="tiny", prompts=4, group=2, new_tokens=4, repeats=2, full_steps=3, full_step_pairs=1)
@@ -304,9 +304,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--worker", choices=("single", "mp"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    harness.fill_unset(args, QUICK if args.quick else DEFAULTS)
     if args.prompts % 4:
         parser.error("--prompts must divide by 4 (shares over 1, 2 and 4 devices, and the shard_map comparison)")
     if args.worker:
@@ -315,12 +313,11 @@ def main() -> None:
             print(json.dumps(result), flush=True)
         return
     settings = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in DEFAULTS]
-    me = os.path.abspath(__file__)
     result = {"settings": {k: getattr(args, k) for k in DEFAULTS}}
-    result.update(run_json([sys.executable, me, "--worker", "single", *settings],
-                           {**os.environ, "JAX_PLATFORMS": "cpu"}, args.timeout))
-    result.update(run_json(mpirun_command(2, sys.executable, "-m", "mpi4py", me, "--worker", "mp", *settings),
-                           mpi_env(), args.timeout))
+    result.update(run_json(harness.module_command("rl_sampling", "--worker", "single", *settings),
+                           harness.child_env(JAX_PLATFORMS="cpu"), args.timeout))
+    mp = mpirun_command(2, sys.executable, "-m", "mpi4py", "-m", "bench.rl_sampling", "--worker", "mp", *settings)
+    result.update(run_json(mp, harness.child_env(mpi_env()), args.timeout))
     if args.full_steps:
         result.update(full_steps(args))
     print(f"{'layout':<28}{'rollout s':>12}{'tokens/s':>12}")

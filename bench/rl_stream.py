@@ -1,7 +1,7 @@
 """Rollouts on a long-tailed task: continuous batching over a paged KV cache vs the static batch, at equal cache
 memory.
 
-`python bench/rl_stream.py` (or `--quick`) warm-starts the RL demo's model ("small" preset) on the `expand` task
+`python -m bench.rl_stream` (or `--quick`) warm-starts the RL demo's model ("small" preset) on the `expand` task
 (run-length expansion: median response about 8 tokens, about 2% 16x that or longer; `--model DIR` samples from an
 HF checkpoint instead), then samples one response per prompt for `--prompts` held-out prompts, temperature 1, the
 same per-prompt keys in both samplers:
@@ -22,7 +22,8 @@ Then (`--rl-steps N`, 0 to skip) whole asynchronous RL steps from the same warm 
 continuous batching with `--slots` slots, `--rl-prompts` x `--rl-group` responses per step, 2 updates per step
 at 3e-4, a KL penalty of 0.1 to the warm start),
 without and with `rollout.partial_rollouts`, one run each in its own interpreter (so that each pays its own
-compilations): `step_seconds_static_phases` / `_partial` (the median step after the first), `partial_rollout_step_speedup` (their ratio: above 1 is faster), `trainer_idle_fraction_*`
+compilations): `step_seconds_static_phases` / `_partial` (the median step after the first),
+`partial_rollout_step_speedup` (their ratio: above 1 is faster), `trainer_idle_fraction_*`
 and `sampler_idle_fraction_*`, and the held-out evaluation after the N steps (`eval_sampled_reward_*`,
 `eval_accuracy_*`), so that speed is not bought with learning.
 """
@@ -40,6 +41,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import harness  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "rl_stream.json")
 DEFAULTS = dict(prompts=256, batch=32, slots=64, page_size=16, chunk=8, max_new_tokens=208, repeats=3,
@@ -56,10 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small run (CI-sized)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
-    for name, value in {**DEFAULTS, **(QUICK if args.quick else {})}.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return harness.fill_unset(args, QUICK if args.quick else {}, DEFAULTS)
 
 
 def warm_started_model(args):

@@ -1,8 +1,8 @@
 """The SFT smoke run: `jodc-train sft` with configs/sft_gpu_smoke.yaml (ODC engine, one device, bf16 compute, 30 steps),
 then a check of its metrics file that the loss fell.
 
-    python bench/sft_smoke.py --platform gpu --out-dir DIR    # train into DIR (fresh), then check
-    python bench/sft_smoke.py --check DIR/metrics.jsonl       # only check a finished run
+    python -m bench.sft_smoke --platform gpu --out-dir DIR    # train into DIR (fresh), then check
+    python -m bench.sft_smoke --check DIR/metrics.jsonl       # only check a finished run
 
 The run is `python -m jodc.train sft --config configs/sft_gpu_smoke.yaml --run.out_dir DIR --engine.platform P`, plus,
 on the CPU (the test of this path, and `make bench` without a GPU), a smaller model and fewer steps (`CPU_OVERRIDES`);

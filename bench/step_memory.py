@@ -28,6 +28,8 @@ import os
 import subprocess
 import sys
 
+from bench import harness
+
 ENGINES = ("odc", "collective", "xla_spmd")
 
 
@@ -52,6 +54,30 @@ def _status(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def capture_compiled(engine) -> dict:
+    """Makes `engine` record its compiled step and its arguments' shapes (for memory_analysis) in the dict returned,
+    each time it runs a step."""
+    import jax
+
+    captured = {}
+    cached = engine._cached
+
+    def capturing(key, build):  # records the compiled step and its arguments' shapes, for memory_analysis
+        fn = cached(key, build)
+
+        def call(*a):
+            captured["fn"] = fn
+            captured["args"] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array) and x.committed else
+                (jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x), a)
+            return fn(*a)
+        return call
+
+    engine._cached = capturing
+    return captured
 
 
 def child(args) -> dict:
@@ -85,22 +111,7 @@ def child(args) -> dict:
     batch = minibatch_from_plan(plan, [s[:-1] for s in seqs], [s[1:] for s in seqs],
                                 [np.ones(int(s), np.float32) for s in lengths])
 
-    captured = {}
-    cached = engine._cached
-
-    def capturing(key, build):  # records the compiled step and its arguments' shapes, for memory_analysis
-        fn = cached(key, build)
-
-        def call(*a):
-            captured["fn"] = fn
-            captured["args"] = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                if isinstance(x, jax.Array) and x.committed else
-                (jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x), a)
-            return fn(*a)
-        return call
-
-    engine._cached = capturing
+    captured = capture_compiled(engine)
     try:
         engine.step(batch)
         engine.step(batch)
@@ -135,10 +146,11 @@ def main(args) -> dict:
     for name in engines:
         runs[name] = []
         for layers, hidden in sizes:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, str(layers),
-                   "--hidden", str(hidden), "--vocab", str(args.vocab), "--devices", str(args.devices),
-                   "--token-cap", str(args.token_cap), "--seqs-per-device", str(args.seqs_per_device)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            cmd = harness.module_command("step_memory", "--child", name, str(layers), "--hidden", str(hidden),
+                                         "--vocab", str(args.vocab), "--devices", str(args.devices),
+                                         "--token-cap", str(args.token_cap),
+                                         "--seqs-per-device", str(args.seqs_per_device))
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=harness.child_env()).stdout
             row = json.loads(out.strip().splitlines()[-1])
             runs[name].append(row)
             print(f"  {name} {layers}x{hidden}: {row['params'] / 1e6:.2f}M params, steady {row['steady_rss'] / 2**20:.0f}"

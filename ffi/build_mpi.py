@@ -43,7 +43,7 @@ def link_dirs(mpicxx: str) -> list[str]:
 
 
 #: What building the library needs, relative to ffi/: a wheel ships these as `jodc/_ffi_src/` (setup.py), so that a
-#: `pip install 'jodc[mpi]'`, whose isolated build has no mpicxx yet, can build it on first use (jodc/ops/_mpi_build.py).
+#: `pip install 'jodc[mpi]'`, whose isolated build has no mpicxx yet, can build it on first use (jodc/ops/transports/mpi_build.py).
 SHIPPED = ("mpi/*.cc", "mpi/*.h", "common/*.h", "cpu/*.h", "build_mpi.py", "run_compiler.py")
 
 

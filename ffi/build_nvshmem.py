@@ -3,7 +3,7 @@
 NVSHMEM comes from its PyPI wheel (``nvidia-nvshmem-cu12`` / ``-cu13``: headers, libnvshmem_host.so.3 and the static
 device library libnvshmem_device.a). Device code calls NVSHMEM, so it is compiled relocatable (-rdc=true) and
 device-linked against libnvshmem_device.a; the host library is linked by its file name (the wheel ships no
-libnvshmem_host.so link) with an rpath to the wheel's lib/ (jodc/ops/_nvshmem.py also preloads it). Like the CUDA
+libnvshmem_host.so link) with an rpath to the wheel's lib/ (jodc/ops/transports/nvshmem_library.py also preloads it). Like the CUDA
 library it needs no GPU and no driver to build, link or load. Used by setup.py (JODC_NVSHMEM=1) and `make cuda-check`.
 Like ffi/build_cuda.py (whose command lines it extends) it compiles one source per nvcc process, `--jobs` at a time,
 then links once (the device link included).

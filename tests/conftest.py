@@ -1,11 +1,8 @@
-"""Test setup: eight simulated host devices, forced before JAX is imported anywhere; tools/ (the repository's tooling
-that is not part of the library: mpirun jobs, HLO checks, the GPU report) importable by the tests."""
+"""Test setup: eight simulated host devices, forced before JAX is imported anywhere. (tools/, ffi/ and the repository
+root are on the import path by pyproject.toml's [tool.pytest.ini_options] pythonpath.)"""
 import contextlib
 import os
 import signal
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):

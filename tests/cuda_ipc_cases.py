@@ -69,15 +69,15 @@ def child_environment(base: dict, root: str = ROOT) -> dict:
     """The environment of one launched process: jodc and tests/ importable, no simulated CPU devices (XLA_FLAGS of the
     test process), and an XLA pool that grows on demand up to CHILD_POOL_FRACTION of the GPU. The fraction goes into
     whichever of jax's two variable names the base environment already uses (jax refuses both at once)."""
-    from jodc.ops import _cuda_ipc
+    from jodc.ops.transports import cuda_ipc
 
     env = dict(base)
     # first on the path, before what the base environment had (an overlay environment's site folder: keep it)
     env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests")] +
                                         [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("XLA_FLAGS", None)
-    env[_cuda_ipc.PREALLOCATE_ENV] = "false"
-    names = [n for n in _cuda_ipc.MEM_FRACTION_ENVS if n in base] or ["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+    env[cuda_ipc.PREALLOCATE_ENV] = "false"
+    names = [n for n in cuda_ipc.MEM_FRACTION_ENVS if n in base] or ["XLA_PYTHON_CLIENT_MEM_FRACTION"]
     for name in names:
         env[name] = str(CHILD_POOL_FRACTION)
     return env
@@ -322,13 +322,13 @@ def main(argv=None) -> None:
                                process_id=args.process_id, local_device_ids=[args.device_id])
     from jax._src import distributed
 
-    from jodc.ops import _exchange
+    from jodc.ops.transports import exchange
 
     devices = jax.devices()
     assert len(devices) == args.num_processes and len(jax.local_devices()) == 1, (devices, jax.local_devices())
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     # host-side rendezvous points of the fault cases (the key-value store, no collective: processes may share a GPU)
-    sync = _exchange.KeyValueExchange(distributed.global_state.client, args.process_id, args.num_processes,
+    sync = exchange.KeyValueExchange(distributed.global_state.client, args.process_id, args.num_processes,
                                       "ipc-cases", timeout_s=min(120.0, process_timeout_s()))
     lines = [check_ops(mesh, MODES[m], args.transport) for m in args.modes]
     if args.faults:

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jodc import ops
-from jodc.ops import _cuda, _native
+from jodc.ops.transports import cuda_library, registration
 from jodc.ops.heap import default_barrier_timeout_s
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
@@ -47,8 +47,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", choices=sorted(CONFIGS), default="all")
     configs = CONFIGS[parser.parse_args(argv).configs]
-    lib = _cuda.library()
-    _native.ensure_registered("gpu")
+    lib = cuda_library.library()
+    registration.ensure_registered("gpu")
     world, numel = 3, 5003
     for deterministic, master in configs:
         heap = lib.heap_create(world, deterministic, TIMEOUT_S)

@@ -261,7 +261,7 @@ import numpy as np
 from jodc.balance import _native, partition
 partition(np.arange(1.0, 30.0), 4)
 assert "jodc._ffi" not in sys.modules and _native.module() is None
-spec = importlib.util.spec_from_file_location("jodc._ffi", {str(copy)!r})  # what jodc.ops._native does
+spec = importlib.util.spec_from_file_location("jodc._ffi", {str(copy)!r})  # what jodc.ops.transports.registration does
 lib = importlib.util.module_from_spec(spec); spec.loader.exec_module(lib); sys.modules["jodc._ffi"] = lib
 assert _native.module() is lib
 print("ok")

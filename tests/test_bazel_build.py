@@ -14,10 +14,9 @@ import textwrap
 
 import pytest
 
-from jodc.ops import _native
+from jodc.ops.transports import registration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import sources  # noqa: E402  (ffi/sources.py: setup.py's source list)
 
 
@@ -80,15 +79,15 @@ def _run_loader(env_value, code):
 
 def test_loader_uses_the_library_named_by_the_environment(tmp_path):
     # A copy at a path of our own: the loader must import that file, and `from jodc import _ffi` must agree.
-    original = _native.cpu_library().__file__
+    original = registration.cpu_library().__file__
     copy = tmp_path / "_ffi.so"
     copy.write_bytes(open(original, "rb").read())
     out = _run_loader(str(copy), """
-        from jodc.ops import _native
-        lib = _native.cpu_library()
+        from jodc.ops.transports import registration
+        lib = registration.cpu_library()
         from jodc import _ffi
         assert _ffi is lib, (_ffi, lib)
-        assert _native.cpu_library() is lib
+        assert registration.cpu_library() is lib
         print(lib.__file__)
         print(lib.shard_numel(100, 4, 2))
     """)
@@ -100,8 +99,8 @@ def test_loader_uses_the_library_named_by_the_environment(tmp_path):
 
 def test_loader_names_a_missing_library():
     out = _run_loader("/nonexistent/_ffi.so", """
-        from jodc.ops import _native
-        _native.cpu_library()
+        from jodc.ops.transports import registration
+        registration.cpu_library()
     """)
     assert out.returncode != 0
     assert "JODC_FFI_LIBRARY='/nonexistent/_ffi.so' does not name a file" in out.stderr
@@ -110,13 +109,13 @@ def test_loader_names_a_missing_library():
 @pytest.mark.skipif(not glob.glob(os.path.join(ROOT, "jodc", "_ffi.*so")), reason="no setuptools build of jodc._ffi")
 def test_loader_refuses_a_second_library_after_import(tmp_path):
     copy = tmp_path / "_ffi.so"
-    copy.write_bytes(open(_native.cpu_library().__file__, "rb").read())
+    copy.write_bytes(open(registration.cpu_library().__file__, "rb").read())
     out = _run_loader(None, f"""
         import os
         from jodc import _ffi  # the setuptools build, imported first
         os.environ["JODC_FFI_LIBRARY"] = {str(copy)!r}
-        from jodc.ops import _native
-        _native.cpu_library()
+        from jodc.ops.transports import registration
+        registration.cpu_library()
     """)
     assert out.returncode != 0
     assert "was already imported from" in out.stderr
@@ -125,7 +124,7 @@ def test_loader_refuses_a_second_library_after_import(tmp_path):
 @pytest.mark.skipif(not os.environ.get("JODC_FFI_LIBRARY"), reason="JODC_FFI_LIBRARY not set")
 def test_this_run_uses_the_library_named_by_the_environment():
     """Under `make bazel-test`: the ops tests of this pytest run exercised Bazel's build, not setup.py's."""
-    lib = _native.cpu_library()
+    lib = registration.cpu_library()
     assert os.path.realpath(lib.__file__) == os.path.realpath(os.environ["JODC_FFI_LIBRARY"])
 
 

@@ -1,13 +1,10 @@
 """bench/e2e.py's measurement pieces (also used across processes by bench/multiprocess.py)."""
-import os
-import sys
 import time
 import types
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import e2e  # noqa: E402
+from bench import e2e
 
 
 def _calibrator(grad):
@@ -96,7 +93,7 @@ def test_paired_rounds_rotate_the_order_and_ratios_are_per_round_medians():
 
 
 def test_hsdp_rows_are_reported_as_ratios_and_json_keys(capsys):
-    import multiprocess
+    from bench import multiprocess
 
     def row(samples, bubble):
         return {"samples_per_s": samples, "bubble_rate": bubble}

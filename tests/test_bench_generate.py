@@ -11,8 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import generate as bench  # noqa: E402
+from bench import generate as bench
 
 
 def test_decode_bytes_count_the_weights_read_and_the_mean_kv_cache():
@@ -27,7 +26,7 @@ def test_decode_bytes_count_the_weights_read_and_the_mean_kv_cache():
 
 def test_the_benchmark_runs_on_the_cpu_at_a_tiny_shape(tmp_path):
     out = tmp_path / "generate.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "generate.py"), "--platform", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "bench.generate", "--platform", "cpu",
                            "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,14 +1,11 @@
 """bench/gpu_ops.py: its byte counts and sizes, and a tiny run on the CPU device through every code path (the
 ceilings, world 1 through jodc.ops, the simulated world through the handlers, both accumulation modes, the
 barrier, the exactness check), the same code the GPU runs."""
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import device_timing  # noqa: E402
-import gpu_ops  # noqa: E402
+from bench import device_timing
+from bench import gpu_ops
 
 
 def test_sizes_parse_with_units_and_refuse_what_is_not_fp32_elements():

@@ -1,10 +1,7 @@
 """bench/hsdp_sim.py on two nodes: every layout predicted, crossovers found, the JSON keys the docs quote present."""
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import hsdp_sim  # noqa: E402
+from bench import hsdp_sim
 
 
 def test_two_nodes_small_minibatches(capsys):

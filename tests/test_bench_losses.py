@@ -1,10 +1,7 @@
 """bench/losses.py's clocks: CPU time and wall time on the CPU, wall time only on an accelerator (where the process's
 CPU time is the dispatching thread, not the work), and the headline ratios taken on the device's clock."""
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import losses  # noqa: E402
+from bench import losses
 
 TINY = ["--vocab", "256", "--batch", "1", "--seq", "32", "--repeats", "2", "--no-save"]
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import memory  # noqa: E402
+from bench import memory
 
 
 def test_slope_recovers_a_line_and_refuses_one_size():
@@ -94,7 +93,7 @@ def test_measure_sees_a_phase_peak_that_is_freed_before_it_ends():
 @pytest.mark.slow
 def test_the_quick_run_reports_every_phase_from_two_sizes(tmp_path):
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.memory", "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,8 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import model  # noqa: E402
+from bench import model
 
 TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, batch=2, seq=128)
 
@@ -36,7 +35,7 @@ def test_last_json_line_skips_logs_and_refuses_output_without_one():
 @pytest.mark.slow
 def test_gpu_benchmark_runs_on_the_cpu_at_a_tiny_shape():
     args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "model.py"), "--device", "gpu", "--platform",
+    proc = subprocess.run([sys.executable, "-m", "bench.model", "--device", "gpu", "--platform",
                            "cpu", *args, "--repeats", "2", "--attention-block-size", "64", "--attention-impls",
                            "blockwise,dense", "--no-save"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)

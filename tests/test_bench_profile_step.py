@@ -5,8 +5,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import profile_step  # noqa: E402
+from bench import profile_step
 
 
 def test_hlo_labels_and_kinds():
@@ -21,7 +20,7 @@ def test_hlo_labels_and_kinds():
 
 
 def test_a_traced_cpu_step_reports_its_top_operations():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_step.py"), "--steps", "1",
+    proc = subprocess.run([sys.executable, "-m", "bench.profile_step", "--steps", "1",
                            "--top", "6", "--attention-impl", "blockwise"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

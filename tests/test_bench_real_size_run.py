@@ -8,12 +8,11 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(os.path.dirname(HERE), "bench", "real_size_run.py")
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+ROOT = os.path.dirname(HERE)
 
 
 def test_param_count_is_qwen25_05b():
-    from real_size_run import param_count
+    from bench.real_size_run import param_count
 
     assert param_count(24, 151936) == 494_032_768
 
@@ -25,9 +24,10 @@ def test_a_tiny_real_size_run(tmp_path):
     if not os.path.exists(MPIRUN) or not os.path.exists("/usr/bin/time"):
         pytest.skip("needs the jodc[mpi] extra and GNU time")
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, BENCH, "--layers", "1", "--vocab", "512", "--steps", "1", "--more-steps",
+    proc = subprocess.run([sys.executable, "-m", "bench.real_size_run", "--layers", "1", "--vocab", "512", "--steps", "1", "--more-steps",
                            "1", "--max-length", "32", "--sequences", "2", "--run-dir", str(tmp_path / "run"),
-                           "--timeout", "600", "--out", str(out)], capture_output=True, text=True, timeout=900)
+                           "--timeout", "600", "--out", str(out)], capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["params"] == 512 * 896 + 14_912_384 + 896

@@ -1,15 +1,12 @@
 """bench/rl.py's engine reuse (a run on a reused engine computes exactly what a run on a fresh engine does) and its
 warm step time (the steps during which the process compiled are found and left out)."""
-import os
-import sys
 
 from jodc.train.core.metrics import read_metrics
 from jodc.train.core import model, trainer
 from jodc.train.rl import loop
 from jodc.train.rl.config import load_rl_config
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import rl as bench_rl  # noqa: E402
+from bench import rl as bench_rl
 
 #: Metrics that depend only on the computation, not on timing
 EXACT_KEYS = ("reward_mean", "loss", "grad_norm", "policy_kl", "policy_kl_max", "entropy", "tokens")

@@ -1,11 +1,8 @@
 """bench/rl_contention.py's pieces: the per-step means, the summary's ratios and the background sampler's protocol."""
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import rl_contention  # noqa: E402
+from bench import rl_contention
 
 
 def _record(step, seconds):

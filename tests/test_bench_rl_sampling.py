@@ -2,11 +2,8 @@
 (the same tokens and rewards, every response scored once per call), and the shard_map contender samples the same
 tokens as per-device dispatch."""
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import rl_sampling  # noqa: E402
+from bench import rl_sampling
 
 
 def test_the_baseline_and_the_contenders_sample_the_same_rollout():

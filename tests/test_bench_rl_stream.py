@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_benchmark_compares_the_samplers_on_the_same_responses(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "rl_stream.py"), "--quick", "--warmstart-steps", "30",
+    cmd = [sys.executable, "-m", "bench.rl_stream", "--quick", "--warmstart-steps", "30",
            "--prompts", "24", "--batch", "8", "--slots", "8", "--max-new-tokens", "48", "--work", str(tmp_path),
            "--no-save"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import sft_smoke  # noqa: E402
+from bench import sft_smoke
 
 
 def records(losses, steps=None):
@@ -59,14 +58,14 @@ def test_check_only_exits_nonzero_when_the_loss_did_not_fall(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_smoke_run_on_the_cpu_trains_and_the_loss_falls(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sft_smoke.py"), "--platform", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "bench.sft_smoke", "--platform", "cpu",
                            "--out-dir", str(tmp_path / "run"), "--no-save"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["sft_loss_fell"] is True and r["platform"] == "cpu" and r["steps"] == 8
     assert os.path.exists(os.path.join(tmp_path, "run", "metrics.jsonl"))
-    again = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sft_smoke.py"), "--platform", "cpu",
+    again = subprocess.run([sys.executable, "-m", "bench.sft_smoke", "--platform", "cpu",
                             "--out-dir", str(tmp_path / "run"), "--no-save"], capture_output=True, text=True,
                            timeout=120, cwd=ROOT)
     assert again.returncode != 0 and "not empty" in again.stderr  # a rerun never "passes" on the old metrics

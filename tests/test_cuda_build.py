@@ -15,10 +15,9 @@ import tempfile
 import pytest
 
 from jodc import _ffi
-from jodc.ops import _cuda, _nvshmem, _targets
+from jodc.ops.transports import cuda_library, nvshmem_library, target_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "ffi"))
 import build_cuda  # noqa: E402  (ffi/build_cuda.py: the nvcc command line setup.py uses)
 import build_nvshmem  # noqa: E402  (ffi/build_nvshmem.py: the NVSHMEM backend's)
 
@@ -159,19 +158,19 @@ def test_reduction_check_reads_the_kept_ptx(tmp_path):
 def test_library_builds_and_exports_exactly_the_api(built_library):
     path, seconds = built_library
     assert os.path.getsize(path) > 0
-    assert_exports_exactly(path, _cuda.EXPORTED_SYMBOLS)
+    assert_exports_exactly(path, cuda_library.EXPORTED_SYMBOLS)
 
 
 def test_library_loads_and_reports_errors_without_a_gpu(built_library):
     path, _ = built_library
     try:
-        lib = _cuda.CudaLibrary(path)
+        lib = cuda_library.CudaLibrary(path)
     except OSError as e:  # the runtime is linked statically, so this should not happen; be explicit if it does
         if "libcuda" in str(e):
             pytest.skip(f"loading needs the CUDA driver here: {e}")
         raise
     handlers = lib.handlers()
-    assert sorted(handlers) == sorted(_targets.expected_targets("local"))  # ffi/common/ops.h's table
+    assert sorted(handlers) == sorted(target_names.expected_targets("local"))  # ffi/common/ops.h's table
     # the layout math is the same code as the CPU side's (ffi/common/layout.h)
     for numel, world, master_bytes in [(1, 1, 4), (1, 8, 2), (17, 3, 4), (10**6 + 1, 8, 2), (123457, 7, 4),
                                        (2**62, 4, 4), (2**63 - 1, 1, 4), (2**63 - 1, 3, 2), (0, 4, 4), (10, 4, 3)]:
@@ -226,15 +225,15 @@ def test_nvshmem_library_exports_exactly_the_api():
     if not path:
         pytest.skip(f"built and checked by `make cuda-check` ({NVSHMEM_CHECK_ENV} unset)")
     assert os.path.isfile(path), f"{NVSHMEM_CHECK_ENV}={path} does not exist: run `make cuda-check`"
-    assert_exports_exactly(path, _nvshmem.EXPORTED_SYMBOLS)
+    assert_exports_exactly(path, nvshmem_library.EXPORTED_SYMBOLS)
     # linked against the wheel's host library, resolvable through the baked-in rpath
     ldd = shutil.which("ldd")
     if ldd is not None:
         listing = subprocess.run([ldd, path], capture_output=True, text=True).stdout
         assert "libnvshmem_host.so.3 =>" in listing and "not found" not in listing.split("libnvshmem_host")[1][:80]
     # loads without a GPU or driver, and refuses use before NVSHMEM is initialised with a message
-    lib = _nvshmem.NvshmemLibrary(path)
-    assert sorted(lib.handlers()) == sorted(_targets.expected_targets("nvshmem")) and lib.live_heaps() == 0
+    lib = nvshmem_library.NvshmemLibrary(path)
+    assert sorted(lib.handlers()) == sorted(target_names.expected_targets("nvshmem")) and lib.live_heaps() == 0
     with pytest.raises(ValueError, match=r"NVSHMEM is not initialised \(jodc_nvshmem_init first\)"):
         lib.heap_create(False, 1.0)
     with pytest.raises(ValueError, match="NVSHMEM heap 12345 is not registered"):

@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from jodc.ops import _cuda
+from jodc.ops.transports import cuda_library
 from jodc.ops import heap as heap_module
 from jodc.ops.transports import local
 
@@ -51,14 +51,14 @@ class RecordingLibrary:
 @pytest.mark.parametrize("value", ["1", "2", " 1 "])
 def test_tfrt_gpu_client_is_refused_naming_the_variable(value):
     with pytest.raises(ValueError, match=r"TFRT GPU client \(XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1\).*deadlock"):
-        _cuda.check_pjrt_client({"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": value})
+        cuda_library.check_pjrt_client({"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": value})
 
 
 @pytest.mark.parametrize("environ", [{}, {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "0"},
                                      {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": ""},
                                      {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "no"}])
 def test_default_gpu_client_is_accepted(environ):
-    _cuda.check_pjrt_client(environ)  # "no" is jax's own error (int("no")), not a TFRT client
+    cuda_library.check_pjrt_client(environ)  # "no" is jax's own error (int("no")), not a TFRT client
 
 
 def test_gpu_heap_creation_checks_the_client_before_touching_the_library(monkeypatch):
@@ -82,20 +82,20 @@ def test_gpu_heap_is_created_with_its_mesh_placement(monkeypatch):
 
 def test_cpu_heap_creation_is_unchanged(monkeypatch):
     lib = RecordingLibrary()
-    monkeypatch.setattr(local._native, "cpu_library", lambda: lib)
-    monkeypatch.setattr(local._native, "ensure_registered", lambda platform: None)
+    monkeypatch.setattr(local.registration, "cpu_library", lambda: lib)
+    monkeypatch.setattr(local.registration, "ensure_registered", lambda platform: None)
     transport = local.LocalCpuTransport([types.SimpleNamespace(process_index=0)] * 3, False, 1.0)
     assert lib.calls == [(3, False, 1.0)] and transport.heap_id == 7 and transport.name == "local"
 
 
 def test_placement_refuses_shared_or_unknown_gpus():
-    assert _cuda.placement_of([fake_gpu(2), fake_gpu(0), fake_gpu(1)]) == [2, 0, 1]
+    assert cuda_library.placement_of([fake_gpu(2), fake_gpu(0), fake_gpu(1)]) == [2, 0, 1]
     with pytest.raises(ValueError, match="positions 0 and 2 of the mesh are both CUDA device 1"):
-        _cuda.placement_of([fake_gpu(1), fake_gpu(0), fake_gpu(1)])
+        cuda_library.placement_of([fake_gpu(1), fake_gpu(0), fake_gpu(1)])
     with pytest.raises(ValueError, match="no local CUDA ordinal"):
-        _cuda.placement_of([fake_gpu(0), types.SimpleNamespace(platform="gpu")])
+        cuda_library.placement_of([fake_gpu(0), types.SimpleNamespace(platform="gpu")])
     with pytest.raises(ValueError, match="no local CUDA ordinal"):
-        _cuda.placement_of([fake_gpu(-1)])
+        cuda_library.placement_of([fake_gpu(-1)])
 
 
 # ---- defect 1: meshes a GPU heap cannot serve, refused through SymmetricHeap before the library is touched --------
@@ -121,8 +121,8 @@ def gpu_backend(monkeypatch):
     """The CUDA library as a recorder, and target registration a no-op: the test sees exactly what reached them."""
     monkeypatch.delenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", raising=False)
     lib = PlacementLibrary()
-    monkeypatch.setattr(_cuda, "library", lambda: lib)
-    monkeypatch.setattr(local._native, "ensure_registered", lambda platform: lib.calls.append(("reg", platform)))
+    monkeypatch.setattr(cuda_library, "library", lambda: lib)
+    monkeypatch.setattr(local.registration, "ensure_registered", lambda platform: lib.calls.append(("reg", platform)))
     return lib
 
 
@@ -188,10 +188,10 @@ def test_every_heap_op_handler_aborts_its_heap_on_error(backend):
     """Issue 15 defect 5: a handler that fails must poison its heap (peers spinning in a barrier for that device leave
     at once): each heap op's handler runs inside RunOp or returns through AbortOnError. The GPU run checks that the
     abort releases a waiting barrier (tests/test_ops_cuda.py, test_stress_c_a_handler_error_...)."""
-    from jodc.ops import _targets
+    from jodc.ops.transports import target_names
 
     handlers = _handler_functions(backend)
-    camel = {op: "".join(w.title() for w in op.split("_")) for op in _targets.HEAP_OPS}
+    camel = {op: "".join(w.title() for w in op.split("_")) for op in target_names.HEAP_OPS}
     assert set(camel.values()) <= set(handlers), sorted(set(camel.values()) - set(handlers))
     for op, name in camel.items():
         body = handlers[name]
@@ -201,12 +201,12 @@ def test_every_heap_op_handler_aborts_its_heap_on_error(backend):
 def test_every_cuda_handler_selects_the_streams_gpu_before_launching():
     """Issue 15 defect 6: after / depend_on did not select the stream's GPU. Heap ops do it in their preamble (RunOp,
     or the barrier's Prepare); the token ops call SelectStreamDevice themselves, before any launch or copy."""
-    from jodc.ops import _targets
+    from jodc.ops.transports import target_names
 
     handlers = _handler_functions("cuda")
-    for op in _targets.ALL_OPS:
+    for op in target_names.ALL_OPS:
         body = handlers["".join(w.title() for w in op.split("_"))]
-        if op in _targets.HEAP_OPS:
+        if op in target_names.HEAP_OPS:
             assert "RunOp(" in body or "Impl(" in body, op
             continue
         select = body.find("SelectStreamDevice(")
@@ -232,14 +232,14 @@ def _exported_by_sources() -> set[str]:
 def test_python_binds_exactly_what_the_sources_export():
     """The cheap twin of `make cuda-check`'s symbol check (which reads the built library with nm): a C function added,
     renamed or removed without its ctypes signature fails here, in the CPU suite, without nvcc."""
-    assert _exported_by_sources() == set(_cuda.EXPORTED_SYMBOLS)
+    assert _exported_by_sources() == set(cuda_library.EXPORTED_SYMBOLS)
 
 
 def test_heap_create_signature_carries_the_placement():
-    restype, argtypes, fallible = _cuda._SIGNATURES["jodc_cuda_heap_create"]
+    restype, argtypes, fallible = cuda_library._SIGNATURES["jodc_cuda_heap_create"]
     # world, deterministic, timeout, placement array, placement count, out id
     assert len(argtypes) == 6 and fallible
-    assert "jodc_cuda_heap_set_placement" not in _cuda._SIGNATURES  # placement is fixed at creation
+    assert "jodc_cuda_heap_set_placement" not in cuda_library._SIGNATURES  # placement is fixed at creation
 
 
 # ---- the GPU runner's report and its check that the CUDA tests ran --------------------------------------------------
@@ -295,7 +295,7 @@ def test_junit_check_fails_when_cuda_tests_skip_for_software_reasons(tmp_path):
 
 
 def test_nvshmem_python_binds_exactly_what_its_sources_export():
-    from jodc.ops import _nvshmem
+    from jodc.ops.transports import nvshmem_library
 
     names = set()
     folder = os.path.join(ROOT, "ffi", "nvshmem")
@@ -305,4 +305,4 @@ def test_nvshmem_python_binds_exactly_what_its_sources_export():
             names.update(re.findall(r"JODC_NVSHMEM_EXPORT\s+[\w:*\s]+?\b(jodc_nvshmem_\w+)\s*\(", text))
     # the handlers stay hidden: Python reads them through the exported table
     assert "jodc_nvshmem_handlers" in names
-    assert names == set(_nvshmem.EXPORTED_SYMBOLS)
+    assert names == set(nvshmem_library.EXPORTED_SYMBOLS)

@@ -1,5 +1,5 @@
 """Multi-process GPU heaps without GPUs: the transport chosen from a mesh's process and node layout, the exchanges
-(key-value store, in-process), and the CUDA IPC protocol of jodc.ops._cuda_ipc run by several threads, each playing
+(key-value store, in-process), and the CUDA IPC protocol of jodc.ops.transports.cuda_ipc run by several threads, each playing
 one process with a fake CUDA library. The real handles are exchanged on GPU runners (tests/test_ops_cuda.py)."""
 import json
 import os
@@ -9,48 +9,49 @@ import types
 
 import pytest
 
-from jodc.ops import _cuda_ipc, _exchange
-from jodc.ops._cuda_ipc import IpcHeap, select_gpu_transport
-from jodc.ops._exchange import LocalExchange
+from jodc.ops.transports import cuda_ipc, exchange
+from jodc.ops.transports.choice import select
+from jodc.ops.transports.cuda_ipc import IpcHeap
+from jodc.ops.transports.exchange import LocalExchange
 
 
 # ---- transport selection -------------------------------------------------------------------------------------------
 
 def test_one_process_is_local_without_talking_to_anyone():
-    assert select_gpu_transport("auto", [0]) == "local"
-    assert select_gpu_transport("local", [3]) == "local"
+    assert select("gpu", "auto", [0]) == "local"
+    assert select("gpu", "local", [3]) == "local"
     for forced in ("cuda_ipc", "nvshmem"):
         with pytest.raises(ValueError, match=f"transport='{forced}' needs a mesh spanning several processes"):
-            select_gpu_transport(forced, [0])
+            select("gpu", forced, [0])
 
 
 def test_processes_on_one_node_use_cuda_ipc_and_several_nodes_nvshmem():
     one_node = {0: "a/1", 1: "a/1", 2: "a/1", 3: "a/1"}
     two_nodes = {0: "a/1", 1: "a/1", 2: "b/7", 3: "b/7"}
-    assert select_gpu_transport("auto", [0, 1, 2, 3], one_node) == "cuda_ipc"
-    assert select_gpu_transport("auto", [0, 1, 2, 3], two_nodes) == "nvshmem"
-    assert select_gpu_transport("nvshmem", [0, 1, 2, 3], one_node) == "nvshmem"  # may be forced on one node
+    assert select("gpu", "auto", [0, 1, 2, 3], one_node) == "cuda_ipc"
+    assert select("gpu", "auto", [0, 1, 2, 3], two_nodes) == "nvshmem"
+    assert select("gpu", "nvshmem", [0, 1, 2, 3], one_node) == "nvshmem"  # may be forced on one node
     with pytest.raises(ValueError, match=r"'cuda_ipc' needs every process on one node; this mesh spans 2 nodes "
                                          r"\(processes per node: \[\[0, 1\], \[2, 3\]\]\)"):
-        select_gpu_transport("cuda_ipc", [0, 1, 2, 3], two_nodes)
+        select("gpu", "cuda_ipc", [0, 1, 2, 3], two_nodes)
     with pytest.raises(ValueError, match=r"transport='local' cannot serve a mesh over processes \[0, 1\]"):
-        select_gpu_transport("local", [0, 1], one_node)
+        select("gpu", "local", [0, 1], one_node)
     with pytest.raises(ValueError, match="must be one of"):
-        select_gpu_transport("mpi", [0, 1], one_node)
+        select("gpu", "mpi", [0, 1], one_node)
     with pytest.raises(ValueError, match="node of every process is needed"):
-        select_gpu_transport("auto", [0, 1], {0: "a"})
+        select("gpu", "auto", [0, 1], {0: "a"})
 
 
 def test_one_gpu_per_process_on_the_axis():
     along = [types.SimpleNamespace(process_index=p, local_hardware_id=0) for p in (0, 1, 1)]
-    assert _cuda_ipc.local_position(along, 0) == (0, along[0])
+    assert cuda_ipc.local_position(along, 0) == (0, along[0])
     with pytest.raises(ValueError, match=r"exactly one GPU per process .* process 1 has positions \[1, 2\]"):
-        _cuda_ipc.local_position(along, 1)
+        cuda_ipc.local_position(along, 1)
 
 
 def test_node_id_names_host_and_boot():
-    host, _, boot = _exchange.node_id().partition("/")
-    assert host and _exchange.node_id() == _exchange.node_id()
+    host, _, boot = exchange.node_id().partition("/")
+    assert host and exchange.node_id() == exchange.node_id()
 
 
 # ---- exchanges -----------------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ class FakeKeyValueClient:
 
 def test_key_value_exchange_round_trips_binary_values():
     client = FakeKeyValueClient()
-    exchanges = [_exchange.KeyValueExchange(client, r, 2, "g1", timeout_s=10) for r in range(2)]
+    exchanges = [exchange.KeyValueExchange(client, r, 2, "g1", timeout_s=10) for r in range(2)]
     payload = [bytes(range(256)), b"\x00" * 192]
     results, errors = run_ranks(2, lambda r: (exchanges[r].allgather("a", payload[r]),
                                               exchanges[r].allgather("a", b"again")))
@@ -282,7 +283,7 @@ def test_barrier_waits_for_every_process():
 # ---- processes sharing one GPU --------------------------------------------------------------------------------------
 
 def test_xla_pool_fraction_reads_the_environment_like_jax():
-    fraction = _cuda_ipc.xla_pool_fraction
+    fraction = cuda_ipc.xla_pool_fraction
     assert fraction({}) == 0.75  # jax's default preallocation
     for off in ("false", "False", "0"):
         assert fraction({"XLA_PYTHON_CLIENT_PREALLOCATE": off, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) == 0.0
@@ -298,15 +299,15 @@ def _info(position, pci, pool):
 
 def test_shared_gpu_warnings_name_the_gpu_the_positions_and_the_fix():
     a, b = "0000:1b:00.0", "0000:2c:00.0"
-    assert _cuda_ipc.positions_by_gpu([_info(1, a, 0), _info(0, a, 0), _info(2, b, 0)]) == {a: [0, 1], b: [2]}
-    (message,) = _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.75), _info(1, a, 0.75)])
+    assert cuda_ipc.positions_by_gpu([_info(1, a, 0), _info(0, a, 0), _info(2, b, 0)]) == {a: [0, 1], b: [2]}
+    (message,) = cuda_ipc.shared_gpu_warnings([_info(0, a, 0.75), _info(1, a, 0.75)])
     assert message.startswith(f"GPU {a} is shared by the processes of positions [0, 1], whose XLA memory pools take "
                               "150% of it")
     assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in message and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.40" in message
-    assert _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.4), _info(1, a, 0.4)]) == []  # 20% left for the heap
-    assert _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.75), _info(1, b, 0.75)]) == []  # one process per GPU
-    assert _cuda_ipc.shared_gpu_warnings([_info(0, a, 0.0), _info(1, a, 0.0)]) == []  # pools grow on demand
-    three = _cuda_ipc.shared_gpu_warnings([_info(p, a, 0.31) for p in range(3)] + [_info(3, b, 0.75)])
+    assert cuda_ipc.shared_gpu_warnings([_info(0, a, 0.4), _info(1, a, 0.4)]) == []  # 20% left for the heap
+    assert cuda_ipc.shared_gpu_warnings([_info(0, a, 0.75), _info(1, b, 0.75)]) == []  # one process per GPU
+    assert cuda_ipc.shared_gpu_warnings([_info(0, a, 0.0), _info(1, a, 0.0)]) == []  # pools grow on demand
+    three = cuda_ipc.shared_gpu_warnings([_info(p, a, 0.31) for p in range(3)] + [_info(3, b, 0.75)])
     assert len(three) == 1 and "positions [0, 1, 2]" in three[0] and "MEM_FRACTION=0.27" in three[0]
 
 
@@ -315,7 +316,7 @@ def test_processes_on_one_gpu_share_it_with_native_atomics(monkeypatch, prealloc
     """Two processes on GPU 0: nothing to link (the other process's memory is on this GPU), so atomic mode stays;
     both know the GPU is shared, and both warn when their XLA pools leave it no room for the heap."""
     warned = []
-    monkeypatch.setattr(_cuda_ipc.warnings, "warn", lambda message, *a, **k: warned.append(message))
+    monkeypatch.setattr(cuda_ipc.warnings, "warn", lambda message, *a, **k: warned.append(message))
     environ = {} if preallocate else {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     libs, group, positions = make_group(2)
     results, errors = run_ranks(2, lambda r: IpcHeap.create(libs[r], group[r], 2, positions[r], 0, False, 5.0,
@@ -360,14 +361,14 @@ def test_launched_processes_cap_their_xla_pools():
     assert env["PYTHONPATH"].split(os.pathsep) == ["/repo", os.path.join("/repo", "tests")]
     kept = cuda_ipc_cases.child_environment({"PYTHONPATH": "/overlay/site"}, root="/repo")
     assert kept["PYTHONPATH"].split(os.pathsep) == ["/repo", os.path.join("/repo", "tests"), "/overlay/site"]
-    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and _cuda_ipc.xla_pool_fraction(env) == 0.0
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and cuda_ipc.xla_pool_fraction(env) == 0.0
     assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == cuda_ipc_cases.CHILD_POOL_FRACTION
     # jax refuses both fraction variables at once: the one the test process uses is the one set
     newer = cuda_ipc_cases.child_environment({"XLA_CLIENT_MEM_FRACTION": "0.75"})
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in newer
     assert float(newer["XLA_CLIENT_MEM_FRACTION"]) == cuda_ipc_cases.CHILD_POOL_FRACTION
-    infos = [_info(p, "0000:00:00.0", _cuda_ipc.xla_pool_fraction(env)) for p in range(2)]
-    assert _cuda_ipc.shared_gpu_warnings(infos) == []
+    infos = [_info(p, "0000:00:00.0", cuda_ipc.xla_pool_fraction(env)) for p in range(2)]
+    assert cuda_ipc.shared_gpu_warnings(infos) == []
 
 
 def test_process_timeout_comes_from_the_environment():
@@ -439,33 +440,33 @@ class FakeNvshmemLibrary:
 
 
 def test_nvshmem_processes_share_one_unique_id():
-    from jodc.ops import _nvshmem
+    from jodc.ops.transports import nvshmem_library
 
     group = LocalExchange.group(3)
     libs = [FakeNvshmemLibrary() for _ in range(3)]
-    results, errors = run_ranks(3, lambda r: _nvshmem.share_unique_id(libs[r], group[r]))
+    results, errors = run_ranks(3, lambda r: nvshmem_library.share_unique_id(libs[r], group[r]))
     assert errors == [None] * 3 and results == [libs[0].unique_id()] * 3
 
 
 def test_nvshmem_initialize_once_per_process(monkeypatch):
-    from jodc.ops import _nvshmem
+    from jodc.ops.transports import nvshmem_library
 
-    monkeypatch.setattr(_nvshmem, "_initialized", None)
+    monkeypatch.setattr(nvshmem_library, "_initialized", None)
     lib = FakeNvshmemLibrary()
     exchange = LocalExchange.group(1)[0]
-    _nvshmem.initialize(lib, exchange, 0, 1, gpu=0)
-    _nvshmem.initialize(lib, exchange, 0, 1, gpu=0)  # a second heap over the same layout reuses NVSHMEM
+    nvshmem_library.initialize(lib, exchange, 0, 1, gpu=0)
+    nvshmem_library.initialize(lib, exchange, 0, 1, gpu=0)  # a second heap over the same layout reuses NVSHMEM
     assert len(lib.inits) == 1
     with pytest.raises(ValueError, match=r"already runs here as PE 0 of 1; .* \(PE 1 of 2\)"):
-        _nvshmem.initialize(lib, exchange, 1, 2, gpu=0)
+        nvshmem_library.initialize(lib, exchange, 1, 2, gpu=0)
 
 
 def test_nvshmem_registration_is_checked_across_processes():
-    from jodc.ops import _nvshmem
+    from jodc.ops.transports import nvshmem_library
 
     group = LocalExchange.group(2)
     libs = [FakeNvshmemLibrary() for _ in range(2)]
-    heaps = [_nvshmem.NvshmemHeap(libs[r], group[r], 5) for r in range(2)]
+    heaps = [nvshmem_library.NvshmemHeap(libs[r], group[r], 5) for r in range(2)]
     results, errors = run_ranks(2, lambda r: heaps[r].register(64, "float32", "a"))
     assert errors == [None, None] and results == [1, 1]
     _, errors = run_ranks(2, lambda r: heaps[r].register(64 + r, "float32", f"b{r}"))
@@ -482,9 +483,9 @@ def test_ops_target_the_transports_handlers():
 
 
 def test_missing_nvshmem_build_names_the_wheel(monkeypatch, tmp_path):
-    from jodc.ops import _nvshmem
+    from jodc.ops.transports import nvshmem_library
 
-    monkeypatch.setattr(_nvshmem, "_library", None)
-    monkeypatch.setattr(_nvshmem, "default_path", lambda: str(tmp_path / "_ffi_nvshmem.so"))
+    monkeypatch.setattr(nvshmem_library, "_library", None)
+    monkeypatch.setattr(nvshmem_library, "default_path", lambda: str(tmp_path / "_ffi_nvshmem.so"))
     with pytest.raises(ImportError, match="NVSHMEM backend .* not built: .*nvidia-nvshmem-cu12"):
-        _nvshmem.library()
+        nvshmem_library.library()

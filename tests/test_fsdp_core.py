@@ -12,7 +12,7 @@ from jodc.fsdp import (ENGINES, CollectiveEngine, Engine, ODCEngine, OptimizerCo
                        XlaSpmdEngine, engine_class, make_engine, sharding)
 from jodc.fsdp.engine import accumulate, microbatch_loop, update_step
 from jodc.fsdp.optim import learning_rate_schedule, make_optimizer
-from jodc.ops import _native
+from jodc.ops.transports import registration
 
 OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
 
@@ -20,7 +20,7 @@ OPT = OptimizerConfig(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
 @pytest.mark.parametrize("devices", [1, 2, 3, 8])
 def test_shard_numels_are_the_native_layout(devices):
     numels = {f"g{n}": n for n in (1, 2, 15, 16, 17, 63, 64, 65, 1000, 4097, 123457)}
-    lib = _native.cpu_library()
+    lib = registration.cpu_library()
     assert sharding.shard_numels(numels, devices) == {g: int(lib.shard_numel(n, devices, 4))
                                                       for g, n in numels.items()}
 

@@ -17,7 +17,6 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_build  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_overlay  # noqa: E402
@@ -171,7 +170,6 @@ def test_sigterm_mid_step_writes_the_summary_and_ends_every_process_the_step_sta
     script = tmp_path / "runner.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys
-        sys.path.insert(0, {os.path.join(ROOT, 'tools')!r})
         from step_runner import Runner, Step
         child = ("import subprocess, sys, time; "
                  "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
@@ -179,7 +177,8 @@ def test_sigterm_mid_step_writes_the_summary_and_ends_every_process_the_step_sta
         steps = [Step("long", [sys.executable, "-c", child], 100), Step("next", [sys.executable, "-c", "pass"], 10)]
         Runner(steps, {str(tmp_path / 'out')!r}, 200).run()
     """))
-    proc = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "tools")})
     try:
         deadline = time.monotonic() + 30
         while not pid_file.exists() or not pid_file.read_text():

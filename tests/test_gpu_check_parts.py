@@ -13,7 +13,6 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bounded_pytest  # noqa: E402
 import gpu_build  # noqa: E402
 import gpu_dry_run  # noqa: E402

@@ -5,12 +5,13 @@ import pkgutil
 
 import pytest
 
-from jodc.ops import _cuda, _mpi, _nvshmem
+from jodc.ops.transports import cuda_library, mpi_library, nvshmem_library
 
 # The installed packages (setup.py maps models/ and train/ into jodc: walking jodc's own folder misses them).
 PACKAGES = ("jodc", "jodc.models", "jodc.train")
 # The plain shared libraries next to the package (loaded with ctypes, not imported): pkgutil lists them as modules.
-CTYPES_LIBRARIES = {"jodc." + backend.LIBRARY_NAME.removesuffix(".so") for backend in (_cuda, _mpi, _nvshmem)}
+CTYPES_LIBRARIES = {"jodc." + backend.LIBRARY_NAME.removesuffix(".so")
+                    for backend in (cuda_library, mpi_library, nvshmem_library)}
 
 
 def _reraise(name):

@@ -1,4 +1,4 @@
-"""The MPI library built on first use (jodc/ops/_mpi_build.py), for installs whose wheel has none."""
+"""The MPI library built on first use (jodc/ops/transports/mpi_build.py), for installs whose wheel has none."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import zipfile
 import pytest
 
 from mpirun import MPIRUN, mpi_env, mpirun_command  # tools/mpirun.py (tests/conftest.py puts tools/ on the path)
-from jodc.ops import _mpi, _mpi_build
+from jodc.ops.transports import mpi_library, mpi_build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Runs tests/multiprocess/ops_cases.py's named cases (2 devices per process) with the wheel's jodc, checked first.
@@ -22,36 +22,36 @@ runpy.run_path(os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[1], "ops_
 
 
 def test_sources_are_found_in_the_checkout():
-    folder = _mpi_build.source_dir()
+    folder = mpi_build.source_dir()
     assert folder is not None and os.path.isfile(os.path.join(folder, "build_mpi.py"))
-    shipped = _mpi_build.build_script(folder).shipped_files(folder)
+    shipped = mpi_build.build_script(folder).shipped_files(folder)
     assert "build_mpi.py" in shipped and "run_compiler.py" in shipped
     assert any(f.startswith("mpi/") and f.endswith(".cc") for f in shipped)
 
 
 def test_cache_entry_depends_on_jax_and_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("JODC_CACHE_DIR", str(tmp_path))
-    folder = _mpi_build.source_dir()
-    a = _mpi_build.cached_path(folder, "/usr/bin/mpicxx", "0.10.2")
-    assert a.startswith(str(tmp_path)) and a.endswith(_mpi.LIBRARY_NAME)
-    assert a == _mpi_build.cached_path(folder, "/usr/bin/mpicxx", "0.10.2")
-    assert a != _mpi_build.cached_path(folder, "/usr/bin/mpicxx", "0.11.2")
-    assert a != _mpi_build.cached_path(folder, "/opt/mpi/bin/mpicxx", "0.10.2")
+    folder = mpi_build.source_dir()
+    a = mpi_build.cached_path(folder, "/usr/bin/mpicxx", "0.10.2")
+    assert a.startswith(str(tmp_path)) and a.endswith(mpi_library.LIBRARY_NAME)
+    assert a == mpi_build.cached_path(folder, "/usr/bin/mpicxx", "0.10.2")
+    assert a != mpi_build.cached_path(folder, "/usr/bin/mpicxx", "0.11.2")
+    assert a != mpi_build.cached_path(folder, "/opt/mpi/bin/mpicxx", "0.10.2")
 
 
 def test_without_a_compiler_it_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("JODC_MPICXX", "/nonexistent/mpicxx")
     monkeypatch.setenv("JODC_CACHE_DIR", str(tmp_path))
-    assert "no MPI C++ compiler" in _mpi_build.why_not_buildable()
+    assert "no MPI C++ compiler" in mpi_build.why_not_buildable()
     with pytest.raises(RuntimeError, match="cannot be built here: no MPI C\\+\\+ compiler"):
-        _mpi_build.ensure_built()
-    monkeypatch.setattr(_mpi, "default_path", lambda: str(tmp_path / "absent.so"))
-    assert "is not built and no MPI C++ compiler" in _mpi.why_missing()
-    assert not _mpi.available()
+        mpi_build.ensure_built()
+    monkeypatch.setattr(mpi_library, "default_path", lambda: str(tmp_path / "absent.so"))
+    assert "is not built and no MPI C++ compiler" in mpi_library.why_missing()
+    assert not mpi_library.available()
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and _mpi_build.why_not_buildable() is None),
+@pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and mpi_build.why_not_buildable() is None),
                     reason="needs the jodc[mpi] extra (mpirun and mpicxx in the venv)")
 def test_a_wheel_without_the_library_builds_it_on_first_use(tmp_path):
     """What `pip install 'jodc[mpi]'` gives: a wheel built where no mpicxx was (pip's isolated build) ships the
@@ -64,9 +64,9 @@ def test_a_wheel_without_the_library_builds_it_on_first_use(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         z.extractall(unpacked)
-    assert not any(n.endswith(_mpi.LIBRARY_NAME) for n in names), names
-    assert {f"jodc/_ffi_src/{rel}" for rel in _mpi_build.build_script(
-        _mpi_build.source_dir()).shipped_files(_mpi_build.source_dir())} <= set(names)
+    assert not any(n.endswith(mpi_library.LIBRARY_NAME) for n in names), names
+    assert {f"jodc/_ffi_src/{rel}" for rel in mpi_build.build_script(
+        mpi_build.source_dir()).shipped_files(mpi_build.source_dir())} <= set(names)
 
     env = mpi_env(PYTHONPATH=f"{unpacked}{os.pathsep}{os.path.join(ROOT, 'tests', 'multiprocess')}",
                   JODC_CACHE_DIR=str(cache))
@@ -78,5 +78,5 @@ def test_a_wheel_without_the_library_builds_it_on_first_use(tmp_path):
     for case in ["the wheel's jodc", *cases]:
         assert f"PASS {case}" in out, out[-6000:]
     assert out.count("building the MPI library") == 1, out[-6000:]
-    (built,) = cache.glob(f"mpi-*/{_mpi.LIBRARY_NAME}")
-    assert sorted(p.name for p in built.parent.iterdir()) == [_mpi.LIBRARY_NAME, _mpi.LIBRARY_NAME + ".lock"]
+    (built,) = cache.glob(f"mpi-*/{mpi_library.LIBRARY_NAME}")
+    assert sorted(p.name for p in built.parent.iterdir()) == [mpi_library.LIBRARY_NAME, mpi_library.LIBRARY_NAME + ".lock"]

@@ -11,12 +11,15 @@ import time
 import pytest
 
 from mpirun import MPIRUN, kill_session, mpi_env, mpirun_command  # tools/ (conftest puts it on the path)
-from jodc.ops import _mpi
+from jodc.ops.transports import mpi_library
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "multiprocess")
+#: What the workers import besides jodc: their helpers (_mp, beside them) and the tests' shared models (fsdp_toy,
+#: rl_sampling_setup).
+WORKER_PATH = os.pathsep.join([WORKERS, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
-needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and _mpi.available()),
+needs_mpi = pytest.mark.skipif(not (os.access(MPIRUN, os.X_OK) and mpi_library.available()),
                                reason="needs the jodc[mpi] extra (mpirun in the venv) and jodc/_ffi_mpi.so")
 
 
@@ -40,7 +43,7 @@ def run_mpi(nprocs: int, script: str, *args: str, timeout: float = 240, mpirun_a
     """Runs `mpirun -np nprocs python -m mpi4py script args`; returns (exit status, output, seconds)."""
     cmd = mpirun_command(nprocs, *mpirun_args, sys.executable, "-m", "mpi4py", os.path.join(WORKERS, script), *args)
     t0 = time.monotonic()
-    rc, out = run_session(cmd, timeout, mpi_env())
+    rc, out = run_session(cmd, timeout, mpi_env(PYTHONPATH=WORKER_PATH))
     return rc, out, time.monotonic() - t0
 
 
@@ -80,20 +83,20 @@ def _session_processes(sid: int) -> list[int]:
 
 def test_the_ucx_one_sided_probe_is_left_out_only_without_rdma_devices(tmp_path):
     env = {}
-    assert _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "^ucx"}
+    assert mpi_library.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "^ucx"}
     env = {}
-    assert _mpi.quiet_one_sided_components(env, str(tmp_path)) and env["OMPI_MCA_osc"] == "^ucx"  # empty folder
+    assert mpi_library.quiet_one_sided_components(env, str(tmp_path)) and env["OMPI_MCA_osc"] == "^ucx"  # empty folder
     (tmp_path / "mlx5_0").mkdir()
     env = {}
-    assert not _mpi.quiet_one_sided_components(env, str(tmp_path)) and env == {}  # an RDMA device: UCX's place
+    assert not mpi_library.quiet_one_sided_components(env, str(tmp_path)) and env == {}  # an RDMA device: UCX's place
     env = {"OMPI_MCA_osc": "ucx"}
-    assert not _mpi.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "ucx"}
+    assert not mpi_library.quiet_one_sided_components(env, str(tmp_path / "absent")) and env == {"OMPI_MCA_osc": "ucx"}
 
 
 QUIET_WINDOW = """
 import os
-from jodc.ops import _mpi
-comm = _mpi.mpi4py_comm_world()  # as jodc starts MPI (jodc-train under mpirun: train/core/distributed.py)
+from jodc.ops.transports import mpi_library
+comm = mpi_library.mpi4py_comm_world()  # as jodc starts MPI (jodc-train under mpirun: train/core/distributed.py)
 from mpi4py import MPI
 window = MPI.Win.Allocate(64, comm=comm)  # what the MPI transport's heap creates
 window.Free()
@@ -110,7 +113,7 @@ def test_a_healthy_mpirun_prints_no_error_lines_from_open_mpi(tmp_path):
     env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_osc"}  # as a user's shell has it
     rc, out = run_session(mpirun_command(2, sys.executable, "-c", QUIET_WINDOW), 120, env)
     assert rc == 0 and out.count("WINDOW") == 2, out[-3000:]
-    if not (_os.path.isdir(_mpi.RDMA_DEVICES) and _os.listdir(_mpi.RDMA_DEVICES)):
+    if not (_os.path.isdir(mpi_library.RDMA_DEVICES) and _os.listdir(mpi_library.RDMA_DEVICES)):
         assert "Error" not in out and "osc_ucx" not in out, out[-3000:]
 
 
@@ -196,7 +199,7 @@ def test_mpi_heap_without_backend_says_how_to_get_it(monkeypatch):
     import numpy as np
 
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
-    monkeypatch.setattr(_mpi, "default_path", lambda: "/nonexistent/_ffi_mpi.so")
+    monkeypatch.setattr(mpi_library, "default_path", lambda: "/nonexistent/_ffi_mpi.so")
     monkeypatch.setenv("JODC_MPICXX", "/nonexistent/mpicxx")  # nor can it be built on first use
     from jodc import ops
 
@@ -229,11 +232,7 @@ def assert_bits_of_one_process(saved, cases_module: str, mesh) -> None:
 
     import numpy as np
 
-    sys.path.insert(0, WORKERS)
-    try:
-        cases = importlib.import_module(cases_module)
-    finally:
-        sys.path.remove(WORKERS)
+    cases = importlib.import_module(cases_module)  # tests/multiprocess (pyproject's pytest pythonpath)
     single = cases.single_process_run(mesh)
     mp = np.load(saved)
     assert sorted(mp.files) == sorted(single)
@@ -275,11 +274,7 @@ def test_lockstep_engines_across_processes(nprocs, local):
 
 
 def test_mpi_build_is_skipped_without_a_compiler(monkeypatch):
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ffi"))
-    try:
-        import build_mpi
-    finally:
-        sys.path.pop(0)
+    import build_mpi  # ffi/ (pyproject's pytest pythonpath)
     monkeypatch.setenv("JODC_MPICXX", "/nonexistent/mpicxx")
     assert build_mpi.find_mpicxx() is None
     with pytest.raises(RuntimeError, match=r"pip install 'jodc\[mpi\]'"):

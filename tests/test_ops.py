@@ -10,7 +10,7 @@ from jax import lax
 import ops_checks
 from conftest import cpu_mesh, spmd
 from jodc import ops
-from jodc.ops import _native
+from jodc.ops.transports import registration
 
 WORLDS = [1, 2, 4, 8]
 
@@ -120,7 +120,7 @@ def test_barrier_timeout_names_missing_devices():
 
 
 def test_heaps_are_released():
-    lib = _native.cpu_library()
+    lib = registration.cpu_library()
     mesh = cpu_mesh(4)
     base_bytes = lib.live_bytes()
     ops_checks.check_heaps_are_released(mesh, lib, 20)
@@ -137,7 +137,7 @@ def test_heaps_are_released():
 @pytest.mark.parametrize("numel,world,master_bytes", [(1, 1, 4), (1, 8, 2), (17, 3, 4), (10**6 + 1, 8, 2),
                                                       (123457, 7, 4)])
 def test_layout_pads_and_aligns(numel, world, master_bytes):
-    shard = _native.cpu_library().shard_numel(numel, world, master_bytes)
+    shard = registration.cpu_library().shard_numel(numel, world, master_bytes)
     assert shard * world >= numel
     assert (shard * master_bytes) % 64 == 0 and (shard * 4) % 64 == 0
     assert shard * (world - 1) < numel + world * 32 or numel < 32 * world  # padding stays below one quantum

@@ -29,7 +29,7 @@ import cuda_ipc_cases
 import ops_checks
 from conftest import cpu_mesh, spmd
 from jodc import ops
-from jodc.ops import _native
+from jodc.ops.transports import registration
 from jodc.ops.heap import _settle_ops_before_free, default_barrier_timeout_s
 
 # Marks split the module into `make gpu-check`'s steps (tools/gpu_check.py; every test is in exactly one, checked
@@ -60,9 +60,9 @@ GPUS = _gpus()
 if not GPUS:
     _unavailable("needs a CUDA device (jax.devices('gpu') is empty)")
 try:
-    from jodc.ops import _cuda
+    from jodc.ops.transports import cuda_library
 
-    LIB = _cuda.library()
+    LIB = cuda_library.library()
 except ImportError as e:
     _unavailable(f"the CUDA build of jodc is missing: {e}")
 
@@ -177,7 +177,7 @@ class RawHeap:
     """A heap made through the library itself, for calling the handlers with explicit device indices."""
 
     def __init__(self, world, *, deterministic=False, timeout_s=None):
-        _native.ensure_registered("gpu")  # the key SymmetricHeap uses for GPU meshes
+        registration.ensure_registered("gpu")  # the key SymmetricHeap uses for GPU meshes
         self.world = world
         self.id = LIB.heap_create(world, deterministic, default_barrier_timeout_s() if timeout_s is None else timeout_s)
 
@@ -371,11 +371,11 @@ def test_heap_touches_only_its_own_gpus_and_leaves_no_context_current():
     GPU 0). Without JAX in the process, a heap on the last GPU must leave GPU 0 untouched and no context current."""
     out = run_python("""
         import importlib.util, threading
-        # load jodc/ops/_cuda.py alone: importing the jodc.ops package imports JAX, which must not run here
-        spec = importlib.util.spec_from_file_location("cuda_alone", "jodc/ops/_cuda.py")
+        # load jodc/ops/transports/cuda_library.py alone: importing the jodc.ops package imports JAX, which must not run here
+        spec = importlib.util.spec_from_file_location("cuda_alone", "jodc/ops/transports/cuda_library.py")
         _cuda = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_cuda)
-        lib = _cuda.library()
+        spec.loader.exec_module(cuda_library)
+        lib = cuda_library.library()
         last = lib.device_count() - 1
         result = {}
         def work():
@@ -911,7 +911,7 @@ def test_gpu_heap_across_two_processes_on_one_gpu():
 def test_bench_primitives_runs_on_the_cuda_mesh():
     """bench/primitives.py --platform gpu measures jodc's kernels against NCCL and reports every ratio (a quick run:
     the table of docs/benchmarks.md comes from a full one)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "primitives.py"), "--platform", "gpu",
+    proc = subprocess.run([sys.executable, "-m", "bench.primitives", "--platform", "gpu",
                            "--quick", "--mib", "4", "--no-save"], capture_output=True, text=True,
                           timeout=cuda_ipc_cases.process_timeout_s(600.0),
                           cwd=ROOT, env=child_env())

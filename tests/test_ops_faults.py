@@ -24,9 +24,10 @@ import fsdp_toy
 from conftest import cpu_mesh
 from jodc import ops
 from jodc.fsdp import ODCEngine, OptimizerConfig
-from jodc.ops import _native, layout
+from jodc.ops import layout
+from jodc.ops.transports import registration
 
-LIB = _native.cpu_library()
+LIB = registration.cpu_library()
 INT64_MAX = 2**63 - 1
 
 

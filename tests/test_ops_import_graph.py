@@ -74,5 +74,21 @@ def test_find_cycle_finds_one():
 
 def test_jodc_ops_has_no_import_circle():
     graph = import_graph()
-    assert "jodc.ops.transports.mpi" in graph and "jodc.ops._native" in graph["jodc.ops.transports.local"]
+    assert "jodc.ops.transports.mpi" in graph
+    assert "jodc.ops.transports.registration" in graph["jodc.ops.transports.local"]
     assert find_cycle(graph) == []
+
+
+def test_native_loaders_and_the_transport_choice_live_in_the_transport_wing():
+    """The ops root holds the public ops (and their shared front half, `_call`); the libraries' loaders and the one
+    choice of transport (`jodc.ops.transports.select`) sit under jodc/ops/transports/."""
+    root = sorted(f for f in os.listdir(OPS_DIR) if f.endswith(".py"))
+    assert [f for f in root if f.startswith("_") and f not in ("__init__.py", "_call.py")] == []
+    defined = {}
+    for name, path in module_files().items():
+        with open(path) as f:
+            for node in ast.parse(f.read()).body:
+                if isinstance(node, ast.FunctionDef):
+                    defined.setdefault(node.name, []).append(name)
+    assert defined["select"] == ["jodc.ops.transports.choice"]
+    assert defined["mesh_processes"] == ["jodc.ops.transports.choice"]

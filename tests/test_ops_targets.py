@@ -1,11 +1,11 @@
 """One list of FFI targets: ffi/common/ops.h (the C++ X-macro every backend generates its handlers from), the Python
-names (jodc/ops/_targets.py) and each built library's handler table must agree; a difference fails here."""
+names (jodc/ops/transports/target_names.py) and each built library's handler table must agree; a difference fails here."""
 import os
 import re
 
 import pytest
 
-from jodc.ops import _mpi, _native, _targets
+from jodc.ops.transports import mpi_library, registration, target_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,8 +19,8 @@ def header_ops(macro: str) -> tuple[str, ...]:
 
 
 def test_python_names_are_the_headers():
-    assert _targets.HEAP_OPS == header_ops("JODC_HEAP_OPS")
-    assert _targets.TOKEN_OPS == header_ops("JODC_TOKEN_OPS")
+    assert target_names.HEAP_OPS == header_ops("JODC_HEAP_OPS")
+    assert target_names.TOKEN_OPS == header_ops("JODC_TOKEN_OPS")
 
 
 def test_every_op_module_calls_a_listed_target():
@@ -34,39 +34,39 @@ def test_every_op_module_calls_a_listed_target():
             called |= set(re.findall(r"""target(?:_name)?\([^"']*["'](\w+)["']\)""", src))
             called |= set(re.findall(r"""\bnative\(\w+, ["'](\w+)["']""", src))  # _call.native(owner, "op", ...)
             assert not re.search(r"""ffi_call\(\s*["']""", src), f"{name} hard-codes an FFI target name"
-    assert called == set(_targets.ALL_OPS)
+    assert called == set(target_names.ALL_OPS)
 
 
 def test_cpu_library_exports_exactly_the_targets():
-    assert sorted(_native.cpu_library().handlers()) == sorted(_targets.expected_targets("local"))
+    assert sorted(registration.cpu_library().handlers()) == sorted(target_names.expected_targets("local"))
 
 
-@pytest.mark.skipif(not _mpi.available(), reason="the MPI backend is not built")
+@pytest.mark.skipif(not mpi_library.available(), reason="the MPI backend is not built")
 def test_mpi_library_exports_exactly_the_heap_targets():
-    lib = _mpi.library()
-    assert sorted(lib.handler_pointers()) == sorted(_targets.expected_targets("mpi"))
+    lib = mpi_library.library()
+    assert sorted(lib.handler_pointers()) == sorted(target_names.expected_targets("mpi"))
     assert all(ptr for ptr in lib.handler_pointers().values())
 
 
 def test_target_names():
-    assert _targets.target_name("gather") == "jodc_gather"
-    assert _targets.target_name("gather", "mpi") == "jodc_mpi_gather"
+    assert target_names.target_name("gather") == "jodc_gather"
+    assert target_names.target_name("gather", "mpi") == "jodc_mpi_gather"
     # CUDA IPC heaps run the in-process CUDA kernels; NVSHMEM has its own heap ops (and uses CUDA's token ops)
-    assert _targets.target_name("after", "cuda_ipc") == "jodc_after"
-    assert _targets.target_name("barrier", "nvshmem") == "jodc_nvshmem_barrier"
-    assert _targets.expected_targets("nvshmem") == tuple("jodc_nvshmem_" + op for op in _targets.HEAP_OPS)
+    assert target_names.target_name("after", "cuda_ipc") == "jodc_after"
+    assert target_names.target_name("barrier", "nvshmem") == "jodc_nvshmem_barrier"
+    assert target_names.expected_targets("nvshmem") == tuple("jodc_nvshmem_" + op for op in target_names.HEAP_OPS)
     with pytest.raises(ValueError, match="no nvshmem FFI op 'depend_on'"):
-        _targets.target_name("depend_on", "nvshmem")
+        target_names.target_name("depend_on", "nvshmem")
     with pytest.raises(ValueError, match="no mpi FFI op 'after'"):
-        _targets.target_name("after", "mpi")
+        target_names.target_name("after", "mpi")
     with pytest.raises(ValueError, match="no local FFI op 'gathr'"):
-        _targets.target_name("gathr")
+        target_names.target_name("gathr")
 
 
 def test_a_library_out_of_step_is_refused_naming_the_difference():
-    table = {name: object() for name in _targets.expected_targets("local")}
-    _targets.check_handlers(table, "local", "lib")
+    table = {name: object() for name in target_names.expected_targets("local")}
+    target_names.check_handlers(table, "local", "lib")
     del table["jodc_after"]
     table["jodc_extra"] = object()
     with pytest.raises(RuntimeError, match=r"missing \['jodc_after'\], unexpected \['jodc_extra'\]"):
-        _targets.check_handlers(table, "local", "lib")
+        target_names.check_handlers(table, "local", "lib")

@@ -21,7 +21,6 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 import test_record  # noqa: E402  (tools/test_record.py)
 
 

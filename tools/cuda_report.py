@@ -84,10 +84,10 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jodc.ops import _cuda
+    from jodc.ops.transports import cuda_library
     from jodc.ops.heap import SymmetricHeap
 
-    lib = _cuda.library()
+    lib = cuda_library.library()
     devices = jax.devices("gpu")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, platform version "
           f"{devices[0].client.platform_version!r}")

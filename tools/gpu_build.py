@@ -132,7 +132,7 @@ def find_reusable(python: str, archs: str, nvshmem: bool, prebuilt: str | None =
 
 def load_error(python: str, folder: str = os.path.join(ROOT, "jodc")) -> str | None:
     """None if the build in place loads in `python` (the CPU extension imports, the CUDA library opens), else why."""
-    code = ("import jodc._ffi; from jodc.ops import _cuda; _cuda.CudaLibrary("
+    code = ("import jodc._ffi; from jodc.ops import _cuda; cuda_library.CudaLibrary("
             f"{os.path.join(folder, CUDA_LIBRARY)!r}); print('loaded')")
     try:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=180, cwd="/")

@@ -50,7 +50,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 import gpu_build  # noqa: E402  (tools/gpu_build.py)
 import gpu_dry_run  # noqa: E402
 import gpu_environment  # noqa: E402
@@ -135,12 +134,12 @@ def plan(python: str, base_python: str, work_dir: str, env_dir: str, wheels: str
              "single-GPU op tests: raw handlers, then the ops through jax, then issue 15's stress tests",
              needs=("heap",), tests=True,
              env={**test_env, "JODC_TEST_PROCESS_TIMEOUT_S": f"{PROCESS_TIMEOUT_S['ops']:g}"}),
-        Step("bench_ops", [python, "bench/gpu_ops.py", "--platform", "gpu", "--quick", "--out",
+        Step("bench_ops", [python, "-m", "bench.gpu_ops", "--platform", "gpu", "--quick", "--out",
                            os.path.join(bench, "gpu_ops.json")], 35,
              "ODC ops vs the copy ceiling, barrier round trip", needs=("heap",), json_line=True),
         # the flash attention only (the headline; the blockwise comparison costs a second compile): a second call or
         # a later run with the whole benchmark compares them
-        Step("bench_model", [python, "bench/model.py", "--device", "gpu", "--quick", "--layers", "4",
+        Step("bench_model", [python, "-m", "bench.model", "--device", "gpu", "--quick", "--layers", "4",
                              "--attention-impls", "flash", "--worker-timeout", "35", "--out",
                              os.path.join(bench, "model_gpu.json")], 50,
              "bf16 train step (4 layers, flash attention) vs transformers + torch, MFU", needs=("build",),
@@ -148,7 +147,7 @@ def plan(python: str, base_python: str, work_dir: str, env_dir: str, wheels: str
         Step("memcheck", sanitize("memcheck"), 35, "compute-sanitizer memcheck over every jodc kernel (2 heaps)",
              needs=("heap",), env=sanitize_env, facts=facts),
         # a fresh run folder each time (the smoke refuses a used one: a rerun must not pass on old metrics)
-        Step("sft_smoke", lambda: [python, "bench/sft_smoke.py", "--platform", "gpu", "--out-dir",
+        Step("sft_smoke", lambda: [python, "-m", "bench.sft_smoke", "--platform", "gpu", "--out-dir",
                                    os.path.join(work_dir, "sft_smoke", time.strftime("%Y%m%d_%H%M%S")),
                                    "--out", os.path.join(bench, "sft_smoke.json"), "--",
                                    "--engine.barrier_timeout_s", f"{BARRIER_TIMEOUT_S:g}"],
@@ -165,7 +164,7 @@ def plan(python: str, base_python: str, work_dir: str, env_dir: str, wheels: str
              # fp32 references in fp32 (XLA's GPU dots default to TF32); the Triton kernel's TF32 has its tolerance
              needs=("prepare",), optional=True, tests=True,
              env={**test_env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}),
-        Step("bench_generate", [python, "bench/generate.py", "--platform", "gpu", "--quick", "--out",
+        Step("bench_generate", [python, "-m", "bench.generate", "--platform", "gpu", "--quick", "--out",
                                 os.path.join(bench, "generate_gpu.json")], 120,
              "sampling tokens/s vs transformers generate and the decode roofline",
              needs=("build",), optional=True, json_line=True),

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_overlay import PURE_PYTHON_NEEDS  # noqa: E402  (tools/gpu_overlay.py)
 
 DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "flax", "optax",

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cuda_report  # noqa: E402  (tools/cuda_report.py)
 import gpu_environment  # noqa: E402
 import log_archive  # noqa: E402

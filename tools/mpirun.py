@@ -20,9 +20,10 @@ def mpirun_command(nprocs: int, *args: str) -> list[str]:
 def mpi_env(environ=os.environ, **extra: str) -> dict[str, str]:
     """The environment of a CPU mpirun job: `environ` without XLA_FLAGS (each worker picks its own device count),
     root allowed (containers), JAX on CPU, unbuffered output (read as it comes), Open MPI's UCX one-sided component
-    left out where it would only print an error (no RDMA devices: `jodc.ops._mpi.quiet_one_sided_components`; the
+    left out where it would only print an error (no RDMA devices:
+    `jodc.ops.transports.mpi_library.quiet_one_sided_components`; the
     workers run `python -m mpi4py`, which starts MPI before jodc could), plus `extra`."""
-    from jodc.ops._mpi import quiet_one_sided_components
+    from jodc.ops.transports.mpi_library import quiet_one_sided_components
 
     env = {k: v for k, v in environ.items() if k != "XLA_FLAGS"}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",

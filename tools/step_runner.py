@@ -32,8 +32,8 @@ import time
 import xml.etree.ElementTree as ElementTree
 from typing import Callable, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_record  # noqa: E402  (tools/test_record.py)
+from json_lines import last_json_object  # noqa: E402, F401  (tools/json_lines.py; step_runner.last_json_object)
 
 # Below this many seconds of budget no step is started: it could not do anything useful.
 MIN_STEP_S = 5.0
@@ -99,20 +99,6 @@ def select(steps: Sequence[Step], only: Sequence[str] | None) -> list[Step]:
         raise ValueError(f"unknown step(s) {unknown}; the steps are: {', '.join(s.name for s in steps)}")
     chosen = set(only)
     return [dataclasses.replace(s, needs=tuple(n for n in s.needs if n in chosen)) for s in steps if s.name in chosen]
-
-
-def last_json_object(text: str) -> dict | None:
-    """The last line of `text` that parses as a JSON object, or None."""
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return value
-    return None
 
 
 def junit_counts(path: str) -> dict[str, int] | None:

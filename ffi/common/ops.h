@@ -1,6 +1,6 @@
 // The one list of jodc's FFI ops. Every backend's handler declarations, the table of handlers each library hands to
 // Python (ffi/module.cc, ffi/mpi/capi.cc, ffi/cuda/management.cu) and the CUDA fault codes are generated from it;
-// jodc/ops/_targets.py spells the same names for the Python side, and tests/test_ops_targets.py fails when the two
+// jodc/ops/transports/target_names.py spells the same names for the Python side, and tests/test_ops_targets.py fails when the two
 // (or a built library's table) diverge. Adding an op: one X(...) line here, one op file per backend, one Python file.
 //
 // X(op, Camel): the FFI target is "jodc_<op>" ("jodc_mpi_<op>" for the MPI transport); the backend's handler symbol

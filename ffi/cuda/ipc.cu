@@ -1,7 +1,7 @@
 // CUDA IPC: one heap shared by several processes of one node (the common launch: one process per GPU). The kernels
 // are the in-process ones: every position's memory is still a peer pointer, only some of them come from other
 // processes through cudaIpcGetMemHandle / cudaIpcOpenMemHandle. Each process owns exactly one position; the handles
-// travel through jodc/ops/_cuda_ipc.py (the jax.distributed key-value store or MPI).
+// travel through jodc/ops/transports/cuda_ipc.py (the jax.distributed key-value store or MPI).
 //
 // The control block (barrier arrivals, abort flag, fault word) is a POSIX shared-memory segment that every process of
 // the heap maps and registers with CUDA as mapped memory: the barrier kernels of all processes read and write the same

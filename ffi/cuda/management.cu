@@ -1,4 +1,4 @@
-// The C API that jodc/ops/_cuda.py calls through ctypes: heap and bucket lifetime, host access to shards and
+// The C API that jodc/ops/transports/cuda_library.py calls through ctypes: heap and bucket lifetime, host access to shards and
 // accumulators (initialisation, checkpoints, tests), barrier state, and the process-wide tallies. It mirrors the CPU
 // extension's functions (ffi/module.cc) one for one.
 //

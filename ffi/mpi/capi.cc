@@ -1,4 +1,4 @@
-// The library's C API for Python (jodc/ops/_mpi.py, ctypes): heap and bucket management and host access to any
+// The library's C API for Python (jodc/ops/transports/mpi_library.py, ctypes): heap and bucket management and host access to any
 // device's shard or accumulator (remote ones through the window). Fallible functions follow common/c_api.h (0 on
 // success, else the message in (err, err_cap)). Collective functions (create, register, free) must be called by every
 // process of the communicator in the same order.

@@ -13,7 +13,7 @@
 // so everything else (accumulates, atomic reads, host access) goes through MPI as before. Heaps spanning nodes keep
 // MPI_Win_allocate; JODC_MPI_SHARED_MEMORY=0 in the environment forces that path on one node too.
 //
-// Built into its own shared library (jodc/_ffi_mpi.so, linked against libmpi) and loaded by jodc/ops/_mpi.py only
+// Built into its own shared library (jodc/_ffi_mpi.so, linked against libmpi) and loaded by jodc/ops/transports/mpi_library.py only
 // when a heap spans processes: the CPU extension never depends on MPI.
 #ifndef JODC_FFI_MPI_HEAP_H_
 #define JODC_FFI_MPI_HEAP_H_

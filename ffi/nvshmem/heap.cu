@@ -1,4 +1,4 @@
-// The NVSHMEM backend's registry and C API (called by jodc/ops/_nvshmem.py through ctypes): initialisation from a
+// The NVSHMEM backend's registry and C API (called by jodc/ops/transports/nvshmem_library.py through ctypes): initialisation from a
 // unique id exchanged by the processes, heaps and buckets in the symmetric heap (collective: every PE makes the same
 // calls in the same order), host access to this PE's own memory, poisoning, and the handler table. Conventions as
 // ffi/cuda/management.cu (common/c_api.h): 0 on success, 1 with a message in `err` (2: out of memory).
@@ -42,7 +42,7 @@ ErrorOr<void*> SymmetricZeros(size_t bytes) {
 }  // namespace
 
 SymBucket::~SymBucket() {
-  // Collective like the allocation: every PE frees its buckets in the same order (jodc/ops/_nvshmem.py).
+  // Collective like the allocation: every PE frees its buckets in the same order (jodc/ops/transports/nvshmem_library.py).
   if (view.shard != nullptr) nvshmem_free(view.shard);
   if (view.accumulator != nullptr) nvshmem_free(view.accumulator);
   if (view.landing != nullptr) nvshmem_free(view.landing);
@@ -122,7 +122,7 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_handlers(const char** names, void** han
   return jodc::CopyOpHandlers(kTable, names, handlers, capacity);
 }
 
-// Writes a fresh unique id (PE 0 calls this; the bytes go to every process through jodc/ops/_nvshmem.py).
+// Writes a fresh unique id (PE 0 calls this; the bytes go to every process through jodc/ops/transports/nvshmem_library.py).
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_unique_id(char* out, int64_t capacity, int64_t* length, char* err,
                                                    int64_t err_capacity) {
   nvshmemx_uniqueid_t id;
@@ -195,7 +195,7 @@ JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_create(int32_t deterministic, doub
   return 0;
 }
 
-// Collective: every PE frees the heap (after its last op; jodc/ops/_nvshmem.py synchronises first).
+// Collective: every PE frees the heap (after its last op; jodc/ops/transports/nvshmem_library.py synchronises first).
 JODC_NVSHMEM_EXPORT int32_t jodc_nvshmem_heap_free(int64_t heap_id, char* err, int64_t err_capacity) {
   auto removed = Heaps().Remove(heap_id, "(already freed?)");
   if (!removed.has_value()) return Report(removed.error(), err, err_capacity);

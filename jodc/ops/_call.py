@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from jodc import dtypes
-from jodc.ops import _targets
+from jodc.ops.transports import target_names
 from jodc.ops.heap import MASTER_DTYPE_NAMES, Bucket, SymmetricHeap
 from jodc.ops.replicated_heap import ReplicatedBucket, ReplicatedHeap
 from jodc.ops.token import TOKEN_TYPE, as_varying, check_token  # noqa: F401 (TOKEN_TYPE re-exported)
@@ -61,7 +61,7 @@ def device_index(heap: SymmetricHeap | ReplicatedHeap, op: str) -> jax.Array:
 def target(heap: SymmetricHeap, op: str) -> str:
     """The FFI target of `op` for the heap's transport: jodc_<op> in-process (and over CUDA IPC, whose kernels are the
     in-process ones), jodc_mpi_<op> / jodc_nvshmem_<op> for the MPI and NVSHMEM transports."""
-    return _targets.target_name(op, getattr(heap, "transport", "local"))
+    return target_names.target_name(op, getattr(heap, "transport", "local"))
 
 
 def native(owner, op: str, results, *operands):

@@ -106,10 +106,11 @@ class SymmetricHeap(FreedOnExit):
         says otherwise. A device that fails (rather than never arriving) aborts the heap at once: see ``abort`` and
         ``block_until_ready``.
       transport: 'auto' (default: 'mpi' when the mesh holds devices of several processes, else 'local'), 'local'
-        (in-process memory) or 'mpi' (MPI one-sided windows, see ``jodc.ops._mpi``; needs the ``jodc[mpi]`` extra).
+        (in-process memory) or 'mpi' (MPI one-sided windows, see
+        ``jodc.ops.transports.mpi_library``; needs the ``jodc[mpi]`` extra).
         GPU meshes: 'local' (one process: peer pointers), 'cuda_ipc' (several processes on one node, one GPU each:
         CUDA IPC handles), 'nvshmem' (several nodes); 'auto' picks by the mesh's process and node layout
-        (``jodc.ops._cuda_ipc``).
+        (``jodc.ops.transports.cuda_ipc``).
         The choice is ``heap.transport``. An MPI heap is created, registered and freed collectively by every
         process of ``MPI.COMM_WORLD``.
       progress_thread: MPI transport only: run a thread that enters MPI every ~50 us so peers' one-sided operations

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jodc.ops.heap import Bucket, FreedOnExit, SymmetricHeap
+from jodc.ops.transports import mesh_processes
 
 
 def replica_groups(mesh: jax.sharding.Mesh, axis_name: str, replica_axis: str) -> np.ndarray:
@@ -48,7 +49,7 @@ def local_replicas(groups: np.ndarray, process: int) -> list[int]:
     groups' heaps), or every group spread over the same processes (shards across processes, replicas inside: every
     process creates every group's heap, in order, each an MPI heap, collective over those processes). ValueError
     for any other layout, naming the groups' processes."""
-    spans = [sorted({int(d.process_index) for d in row}) for row in groups]
+    spans = [mesh_processes(row) for row in groups]
     if all(len(s) == 1 for s in spans):
         local = [r for r, s in enumerate(spans) if s == [process]]
         if not local:
@@ -90,7 +91,7 @@ class ReplicatedHeap(FreedOnExit):
             # r * world + d; in-process, or MPI when the groups span processes (CPU). GPUs of several processes
             # have no transport for it (CUDA IPC and NVSHMEM serve one GPU per process): None there
             everyone = groups.reshape(-1)
-            several = len({int(d.process_index) for d in everyone}) > 1
+            several = len(mesh_processes(everyone)) > 1
             if self.members()[0].platform == "cpu" or not several:
                 self.world_heap = SymmetricHeap(jax.sharding.Mesh(everyone, (axis_name,)), axis_name,
                                                 barrier_timeout_s=barrier_timeout_s,

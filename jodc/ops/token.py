@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc.ops import _native, _targets
+from jodc.ops.transports import registration, target_names
 
 TOKEN_TYPE = jax.ShapeDtypeStruct((), jnp.int32)
 
@@ -53,7 +53,7 @@ def _float_leaves(tree) -> list:
 
 
 def _register() -> None:
-    _native.ensure_token_ops()
+    registration.ensure_token_ops()
 
 
 def after(token, *values):
@@ -62,7 +62,7 @@ def after(token, *values):
     token = check_token(token, "after")
     leaves = [lax.stop_gradient(x) for x in _float_leaves(values) if x.size > 0]
     _register()
-    (out,) = jax.ffi.ffi_call(_targets.target_name("after"), (TOKEN_TYPE,), has_side_effect=True)(token, *leaves)
+    (out,) = jax.ffi.ffi_call(target_names.target_name("after"), (TOKEN_TYPE,), has_side_effect=True)(token, *leaves)
     axes = set(varying_axes(token))
     for leaf in leaves:
         axes |= varying_axes(leaf)
@@ -73,7 +73,7 @@ def after(token, *values):
 def _depend_leaves(leaves: tuple, token):
     _register()
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-    outs = jax.ffi.ffi_call(_targets.target_name("depend_on"), results, has_side_effect=True,
+    outs = jax.ffi.ffi_call(target_names.target_name("depend_on"), results, has_side_effect=True,
                             input_output_aliases={i + 1: i for i in range(len(leaves))})(token, *leaves)
     return tuple(as_varying(o, varying_axes(x)) for o, x in zip(outs, leaves))
 

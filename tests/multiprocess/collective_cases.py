@@ -8,12 +8,8 @@ partitioner). Each runs uneven per-device microbatch counts (the engines run in 
 length buckets, then checks losses and parameters against the reference engine (1e-5), and that a state dict saved
 across processes loads back into a fresh engine and gives the same next step.
 """
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # tests/: fsdp_toy
 
 import _mp  # noqa: E402
 

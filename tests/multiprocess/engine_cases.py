@@ -14,7 +14,6 @@ import sys
 
 import numpy as np  # no JAX: the device count is set first (main)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 OPT_SETTINGS = dict(learning_rate=3e-2, max_grad_norm=0.5, weight_decay=0.01)
 UNEVEN = {2: [[3, 1], [0, 2], [2, 2]], 4: [[3, 1, 0, 2], [1, 1, 2, 3], [2, 0, 1, 1]]}
 
@@ -82,6 +81,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.dirname(HERE))  # tests/: fsdp_toy
     main()

@@ -5,7 +5,6 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _mp  # noqa: E402
 
 L, TIMEOUT_S = int(sys.argv[1]), float(sys.argv[2])

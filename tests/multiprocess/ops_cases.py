@@ -8,7 +8,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _mp  # noqa: E402
 
 SPEC = sys.argv[1]

@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 3.0  # the hanging reward's phase: process 0 names process 1 within it
 STARTUP_TIMEOUT_S = 120.0  # the other phases (the first compiles its programs)
 
@@ -192,6 +191,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.dirname(HERE))  # tests/: rl_sampling_setup
     main()

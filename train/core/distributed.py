@@ -39,7 +39,7 @@ def initialize() -> None:
     """jax.distributed over the processes of MPI_COMM_WORLD (idempotent); needs the jodc[mpi] extra."""
     if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
         return
-    from jodc.ops._mpi import quiet_one_sided_components
+    from jodc.ops.transports.mpi_library import quiet_one_sided_components
 
     quiet_one_sided_components()  # before MPI starts: no error-looking lines from Open MPI's UCX probe
     try:

@@ -1,4 +1,5 @@
-"""The transports of a symmetric heap, behind one small interface (`Transport`), chosen once from the mesh.
+"""The transports of a symmetric heap, behind one small interface (`Transport`), chosen once from the mesh
+(`select`, in `choice`), with the native libraries each one loads (`*_library`, `registration`, `target_names`).
 
 =============  =========================  =====================================================================
 transport      class                      serves
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from jodc.ops import _cuda_ipc, _mpi
+from jodc.ops.transports import cuda_ipc
 from jodc.ops.transports.base import Transport, check_single_process
+from jodc.ops.transports.choice import gpu_exchange, mesh_processes, select
 from jodc.ops.transports.gpu_processes import CudaIpcTransport, NvshmemTransport
 from jodc.ops.transports.local import CudaLocalTransport, LocalCpuTransport
 from jodc.ops.transports.mpi import MpiTransport
 
 __all__ = ["CudaIpcTransport", "CudaLocalTransport", "LocalCpuTransport", "MpiTransport", "NvshmemTransport",
-           "Transport", "check_single_process", "open_transport"]
+           "Transport", "check_single_process", "mesh_processes", "open_transport", "select"]
 
 
 def along_axis(mesh, axis_name: str) -> np.ndarray:
@@ -32,17 +34,17 @@ def along_axis(mesh, axis_name: str) -> np.ndarray:
 
 def open_transport(mesh, axis_name: str, platform: str, requested: str, *, deterministic: bool,
                    barrier_timeout_s: float, progress_thread: bool | None) -> Transport:
-    """Picks the transport of a heap over `mesh` (devices of `platform`) and opens the heap there.
-
-    `requested`: 'auto' picks by the mesh's processes (and, on GPUs, their nodes); or a transport's name. CPU: 'local'
-    or 'mpi' (`jodc.ops._mpi.select_transport`); GPUs: 'local', 'cuda_ipc' or 'nvshmem'
-    (`jodc.ops._cuda_ipc.select_for_mesh`, collective across the mesh's processes)."""
+    """Opens the heap over `mesh` (devices of `platform`) on the transport `select` chooses for `requested` ('auto' or
+    a transport's name: `jodc.ops.transports.choice`). On GPUs across processes this is collective: the processes
+    exchange their nodes first, and the heap sets up through the same exchange."""
     devices = along_axis(mesh, axis_name)
+    processes = mesh_processes(mesh.devices.flat)
     if platform == "cpu":
-        if _mpi.select_transport(mesh, requested) == "mpi":
+        if select(platform, requested, processes) == "mpi":
             return MpiTransport(mesh, axis_name, deterministic, barrier_timeout_s, progress_thread)
         return LocalCpuTransport(devices, deterministic, barrier_timeout_s)
-    name, exchange = _cuda_ipc.select_for_mesh(mesh, requested)
+    exchange, nodes = gpu_exchange(processes, requested)
+    name = select(platform, requested, processes, nodes)
     if name == "local":
         check_single_process(devices)
         if platform not in ("cuda", "gpu"):
@@ -50,6 +52,6 @@ def open_transport(mesh, axis_name: str, platform: str, requested: str, *, deter
         return CudaLocalTransport(devices, deterministic, barrier_timeout_s)
     import jax
 
-    position, device = _cuda_ipc.local_position(devices, jax.process_index())
+    position, device = cuda_ipc.local_position(devices, jax.process_index())
     opened = CudaIpcTransport if name == "cuda_ipc" else NvshmemTransport
     return opened(exchange, len(devices), position, int(device.local_hardware_id), deterministic, barrier_timeout_s)

@@ -15,7 +15,8 @@ class Transport:
     host access, barrier state) and `heap_id`. Subclasses open the heap in `__init__` and override the hooks where
     their heap is collective across processes."""
 
-    name = "local"  # what `SymmetricHeap.transport` says; picks the FFI targets the ops call (`jodc.ops._targets`)
+    # what `SymmetricHeap.transport` says; picks the FFI targets the ops call (`target_names`)
+    name = "local"
     host_memory = False  # the heap lives in host memory (checked against the machine's before a bucket is allocated)
 
     def __init__(self, lib: Any, heap_id: int):

@@ -1,19 +1,28 @@
 """The GPU transports across processes: CUDA IPC (the processes of one node map each other's allocations, so the
-kernels keep using peer pointers; `jodc.ops._cuda_ipc`) and NVSHMEM (several nodes; `jodc.ops._nvshmem`). Both set
-up through an `Exchange` (`jodc.ops._exchange`) and register and free buckets collectively."""
+kernels keep using peer pointers; `cuda_ipc`) and NVSHMEM (several nodes; `nvshmem_library`). Both set up through
+an `Exchange` (`exchange`) and register and free buckets collectively."""
 from __future__ import annotations
 
-from jodc.ops import _cuda, _cuda_ipc, _native, _nvshmem
+from jodc.ops.transports import cuda_ipc, cuda_library, nvshmem_library, registration
 from jodc.ops.transports.base import Transport
 
 
 class _CollectiveGpuTransport(Transport):
     """A heap whose processes each hold one position: `collective` is this process's side (`IpcHeap`,
-    `NvshmemHeap`), which registers buckets everywhere at once and meets the others before memory is freed."""
+    `NvshmemHeap`), which registers buckets everywhere at once and meets the others before memory is freed.
+    Subclasses open their heap in `open` (collective over `exchange`, this process at `position` on CUDA device
+    `gpu`), after the PJRT client is checked."""
 
-    def __init__(self, lib, heap_id: int, collective):
+    def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
+                 barrier_timeout_s: float):
+        cuda_library.check_pjrt_client()
+        lib, heap_id, self.collective = self.open(exchange, world, position, gpu, deterministic, barrier_timeout_s)
         super().__init__(lib, heap_id)
-        self.collective = collective
+
+    def open(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
+             barrier_timeout_s: float) -> tuple:
+        """(library, heap id, this process's collective side) of a new heap."""
+        raise NotImplementedError
 
     def register(self, numel: int, master: str, name: str, *, index: int, shape: tuple[int, ...]) -> int:
         return int(self.collective.register(numel, master, name))
@@ -25,26 +34,22 @@ class _CollectiveGpuTransport(Transport):
 class CudaIpcTransport(_CollectiveGpuTransport):
     name = "cuda_ipc"
 
-    def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
-                 barrier_timeout_s: float):
-        _cuda.check_pjrt_client()
-        lib = _cuda.library()
-        _native.ensure_registered("gpu")  # CUDA IPC runs the in-process kernels over mapped peer memory
-        heap = _cuda_ipc.IpcHeap.create(lib, exchange, world, position, gpu, deterministic, barrier_timeout_s)
-        super().__init__(lib, heap.heap_id, heap)
+    def open(self, exchange, world, position, gpu, deterministic, barrier_timeout_s):
+        lib = cuda_library.library()
+        registration.ensure_registered("gpu")  # CUDA IPC runs the in-process kernels over mapped peer memory
+        heap = cuda_ipc.IpcHeap.create(lib, exchange, world, position, gpu, deterministic, barrier_timeout_s)
+        return lib, heap.heap_id, heap
 
 
 class NvshmemTransport(_CollectiveGpuTransport):
     name = "nvshmem"
 
-    def __init__(self, exchange, world: int, position: int, gpu: int, deterministic: bool,
-                 barrier_timeout_s: float):
-        _cuda.check_pjrt_client()
-        lib = _nvshmem.library()
-        _native.register_targets("nvshmem", lib, "nvshmem", "CUDA")
+    def open(self, exchange, world, position, gpu, deterministic, barrier_timeout_s):
+        lib = nvshmem_library.library()
+        registration.register_targets("nvshmem", lib, "nvshmem", "CUDA")
         if exchange.size != world:
             raise ValueError(f"an NVSHMEM heap needs one process per position: {world} positions, {exchange.size} "
                              f"processes")
-        _nvshmem.initialize(lib, exchange, position, world, gpu)  # PE = position
+        nvshmem_library.initialize(lib, exchange, position, world, gpu)  # PE = position
         heap_id = lib.heap_create(deterministic, barrier_timeout_s)
-        super().__init__(lib, heap_id, _nvshmem.NvshmemHeap(lib, exchange, heap_id))
+        return lib, heap_id, nvshmem_library.NvshmemHeap(lib, exchange, heap_id)

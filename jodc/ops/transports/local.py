@@ -2,7 +2,7 @@
 pointers (GPUs of one process)."""
 from __future__ import annotations
 
-from jodc.ops import _cuda, _native
+from jodc.ops.transports import cuda_library, registration
 from jodc.ops.transports.base import Transport, check_single_process
 
 
@@ -13,8 +13,8 @@ class LocalCpuTransport(Transport):
 
     def __init__(self, along_axis, deterministic: bool, barrier_timeout_s: float):
         check_single_process(along_axis)
-        lib = _native.cpu_library()
-        _native.ensure_registered("cpu")
+        lib = registration.cpu_library()
+        registration.ensure_registered("cpu")
         super().__init__(lib, int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s)))
 
 
@@ -24,8 +24,8 @@ class CudaLocalTransport(Transport):
 
     def __init__(self, along_axis, deterministic: bool, barrier_timeout_s: float):
         check_single_process(along_axis)
-        lib = _cuda.library()
-        _native.ensure_registered("gpu")
+        lib = cuda_library.library()
+        registration.ensure_registered("gpu")
         super().__init__(lib, create_gpu_heap(lib, along_axis, deterministic, barrier_timeout_s))
 
 
@@ -33,6 +33,6 @@ def create_gpu_heap(lib, along_axis, deterministic: bool, barrier_timeout_s: flo
     """Creates an in-process GPU heap: refuses PJRT clients the barrier cannot serve, and places position p's memory
     on the GPU that runs position p (meshes need not follow jax.devices()) at creation, so the library touches only
     the mesh's GPUs (peer access, pinned blocks, contexts)."""
-    _cuda.check_pjrt_client()
-    placement = _cuda.placement_of(along_axis)
+    cuda_library.check_pjrt_client()
+    placement = cuda_library.placement_of(along_axis)
     return int(lib.heap_create(len(along_axis), deterministic, barrier_timeout_s, placement))

@@ -1,9 +1,9 @@
 """The MPI transport: CPU devices of several processes share a heap through MPI-3 one-sided windows
-(``jodc/_ffi_mpi.so``, bound in `jodc.ops._mpi`). Creation, registration and freeing are collective over
+(``jodc/_ffi_mpi.so``, bound in `mpi_library`). Creation, registration and freeing are collective over
 ``MPI.COMM_WORLD``."""
 from __future__ import annotations
 
-from jodc.ops import _mpi, _native
+from jodc.ops.transports import mpi_library, registration
 from jodc.ops.transports.base import Transport
 
 
@@ -13,15 +13,15 @@ class MpiTransport(Transport):
 
     def __init__(self, mesh, axis_name: str, deterministic: bool, barrier_timeout_s: float,
                  progress_thread: bool | None):
-        lib = _mpi.library()
-        _native.register_targets("mpi", lib, "mpi", "cpu")
-        super().__init__(lib, _mpi.create_heap(lib, mesh, axis_name, deterministic, barrier_timeout_s,
+        lib = mpi_library.library()
+        registration.register_targets("mpi", lib, "mpi", "cpu")
+        super().__init__(lib, mpi_library.create_heap(lib, mesh, axis_name, deterministic, barrier_timeout_s,
                                                progress_thread))
 
     def register(self, numel: int, master: str, name: str, *, index: int, shape: tuple[int, ...]) -> int:
         # collective: every process registers the same bucket here, or all raise
-        _mpi.check_registration(self.heap_id, index, name, shape, master)
+        mpi_library.check_registration(self.heap_id, index, name, shape, master)
         return super().register(numel, master, name, index=index, shape=shape)
 
     def after_free(self) -> None:
-        _mpi.forget(self.heap_id)
+        mpi_library.forget(self.heap_id)

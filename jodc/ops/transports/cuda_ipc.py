@@ -1,4 +1,4 @@
-"""GPU heaps across processes: which transport a mesh needs, and the CUDA IPC handle exchange.
+"""GPU heaps across the processes of one node: the CUDA IPC handle exchange (the choice of transport: `choice`).
 
 A GPU mesh of one process uses the in-process heap (peer pointers, ``transport='local'``). A mesh spanning several
 processes on one node (the common launch: one process per GPU) uses CUDA IPC (``'cuda_ipc'``): every process
@@ -6,7 +6,7 @@ allocates its own position's memory, exports CUDA IPC handles, and maps everyone
 peer pointers (ffi/cuda/ipc.cu). Processes may also share one GPU (CUDA maps another process's allocation on the same
 device; the GPU time-slices between them, so this serves tests, not speed): their XLA memory pools must then leave
 room for the heap (see :func:`shared_gpu_warnings`). A mesh spanning several nodes needs NVSHMEM (``'nvshmem'``,
-jodc/ops/_nvshmem.py).
+jodc/ops/transports/nvshmem_library.py).
 
 The processes talk through an :class:`Exchange`: the ``jax.distributed`` key-value store when JAX was initialised for
 several processes, else MPI (``mpi4py``). The protocol is collective (every process of the heap makes the same calls
@@ -20,41 +20,9 @@ import secrets
 import warnings
 from typing import Sequence
 
-from jodc.ops._exchange import Exchange, all_or_raise, default_exchange, node_id
+from jodc.ops.transports.exchange import Exchange, all_or_raise, node_id
 
-GPU_TRANSPORTS = ("auto", "local", "cuda_ipc", "nvshmem")
 HANDLE_BYTES = 64 * 3  # per position and bucket: shard, accumulator, landing slots (ffi/cuda/ipc.cu)
-
-
-def mesh_processes(devices) -> list[int]:
-    """The sorted JAX process indices owning `devices`."""
-    return sorted({int(d.process_index) for d in devices})
-
-
-def select_gpu_transport(requested: str, processes: Sequence[int], nodes: dict[int, str] | None = None) -> str:
-    """'local', 'cuda_ipc' or 'nvshmem' for a GPU heap over `processes` (their node ids in `nodes`; needed only when
-    there are several processes). 'auto': one process -> local; one node -> cuda_ipc; several nodes -> nvshmem."""
-    if requested not in GPU_TRANSPORTS:
-        raise ValueError(f"transport for GPU meshes must be one of {GPU_TRANSPORTS}, got {requested!r}")
-    processes = list(processes)
-    if len(processes) <= 1:
-        if requested in ("auto", "local"):
-            return "local"
-        raise ValueError(f"transport={requested!r} needs a mesh spanning several processes (this one lives in process "
-                         f"{processes}); one process uses 'local' (peer pointers)")
-    if requested == "local":
-        raise ValueError(f"transport='local' cannot serve a mesh over processes {processes}: use 'cuda_ipc' (one "
-                         f"node), 'nvshmem' (several nodes) or 'auto'")
-    if nodes is None or set(nodes) != set(processes):
-        raise ValueError(f"the node of every process is needed to pick a GPU transport (got {nodes})")
-    distinct = sorted(set(nodes.values()))
-    if requested == "auto":
-        return "cuda_ipc" if len(distinct) == 1 else "nvshmem"
-    if requested == "cuda_ipc" and len(distinct) > 1:
-        by_node = {n: [p for p in processes if nodes[p] == n] for n in distinct}
-        raise ValueError(f"transport='cuda_ipc' needs every process on one node; this mesh spans {len(distinct)} "
-                         f"nodes (processes per node: {list(by_node.values())}): use 'nvshmem' or 'auto'")
-    return requested
 
 
 # The environment variables that size a JAX process's XLA memory pool on its GPU (read by jax's CUDA plugin).
@@ -238,23 +206,7 @@ class IpcHeap:
         self.exchange.allgather(f"ipc-barrier-{key}", b"")
 
 
-# ---- SymmetricHeap's entry points ---------------------------------------------------------------------------------
-
-_heaps_opened = 0  # multi-process GPU heaps this process opened: the same sequence in every process (collective)
-
-
-def select_for_mesh(mesh, requested: str = "auto") -> tuple[str, Exchange | None]:
-    """(transport, exchange) for a heap over GPU `mesh`. One process: ('local', None) without any communication.
-    Several: collective (every process of the mesh calls it): exchanges node ids to choose, and returns the exchange
-    the heap then uses."""
-    global _heaps_opened
-    processes = mesh_processes(mesh.devices.flat)
-    if len(processes) <= 1 or requested == "local" or requested not in GPU_TRANSPORTS:
-        return select_gpu_transport(requested, processes), None
-    _heaps_opened += 1
-    exchange = default_exchange(processes, group=f"gpu-heap-{_heaps_opened}")
-    nodes = {p: n.decode() for p, n in zip(processes, exchange.allgather("node", node_id().encode()))}
-    return select_gpu_transport(requested, processes, nodes), exchange
+# ---- SymmetricHeap's entry point --------------------------------------------------------------------------------
 
 
 def local_position(along_axis, process: int) -> tuple[int, object]:

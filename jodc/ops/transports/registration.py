@@ -8,7 +8,7 @@ import threading
 
 import jax
 
-from jodc.ops import _cuda, _targets
+from jodc.ops.transports import cuda_library, target_names
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -62,12 +62,12 @@ def register_targets(key: str, library, transport: str, xla_platform: str) -> No
     registered twice).
 
     The targets are the library's own handler table (generated from ffi/common/ops.h), checked against the names
-    jodc.ops calls (jodc/ops/_targets.py) before any is registered."""
+    jodc.ops calls (jodc/ops/transports/target_names.py) before any is registered."""
     with _lock:
         if key in _registered:
             return
         handlers = library.handlers()
-        _targets.check_handlers(handlers, transport, f"jodc's {key} library")
+        target_names.check_handlers(handlers, transport, f"jodc's {key} library")
         for name, capsule in handlers.items():
             jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
         _registered.add(key)
@@ -80,7 +80,7 @@ def ensure_registered(platform: str) -> None:
     if platform == "cpu":
         register_targets("cpu", cpu_library(), "local", "cpu")
     elif platform in ("cuda", "gpu"):
-        register_targets("cuda", _cuda.library(), "local", "CUDA")
+        register_targets("cuda", cuda_library.library(), "local", "CUDA")
     else:
         raise ValueError(f"jodc ops support the cpu and cuda platforms, not {platform!r}")
 

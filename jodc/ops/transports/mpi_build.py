@@ -22,7 +22,7 @@ import sys
 import tempfile
 from types import ModuleType
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jodc/
 #: Where the sources are: a wheel's copy inside the package, or the checkout's ffi/ beside it.
 SOURCE_DIRS = (os.path.join(_PACKAGE_DIR, "_ffi_src"), os.path.join(os.path.dirname(_PACKAGE_DIR), "ffi"))
 

@@ -1,7 +1,8 @@
 """The NVSHMEM backend: GPU heaps across nodes (``jodc/_ffi_nvshmem.so``, built from ``ffi/nvshmem/*.cu``).
 
 One process per GPU, one NVSHMEM PE per process, PE p = mesh position p. NVSHMEM is initialised from a unique id that
-process 0 creates and the others receive through the heap's :class:`jodc.ops._exchange.Exchange` (the jax.distributed
+process 0 creates and the others receive through the heap's
+:class:`jodc.ops.transports.exchange.Exchange` (the jax.distributed
 key-value store or MPI), so no NVSHMEM launcher is needed. Buckets live in NVSHMEM's symmetric heap; registering and
 freeing are collective (every process, same order). The ops are registered as ``jodc_nvshmem_<op>`` for platform CUDA
 and take the same operands as the other backends; ``jodc.ops._call.target`` picks them for ``transport='nvshmem'``.
@@ -17,9 +18,9 @@ import threading
 
 import numpy as np
 
-from jodc.ops import _clib
-from jodc.ops._clib import P, c_dbl, c_i32, c_i64, c_ptr, c_str, c_u64
-from jodc.ops._exchange import all_or_raise
+from jodc.ops.transports import c_library
+from jodc.ops.transports.c_library import P, c_dbl, c_i32, c_i64, c_ptr, c_str, c_u64
+from jodc.ops.transports.exchange import all_or_raise
 
 LIBRARY_NAME = "_ffi_nvshmem.so"
 BUILD_HINT = ("build it with `JODC_CUDA=1 JODC_NVSHMEM=1 pip install -e .` after `pip install nvidia-nvshmem-cu12` "
@@ -46,7 +47,7 @@ EXPORTED_SYMBOLS = tuple(sorted({"jodc_nvshmem_handlers", *_SIGNATURES}))
 
 
 def default_path() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LIBRARY_NAME)
+    return os.path.join(c_library.PACKAGE_DIR, LIBRARY_NAME)
 
 
 def _preload_host_library() -> None:
@@ -61,7 +62,7 @@ def _preload_host_library() -> None:
             return
 
 
-class NvshmemLibrary(_clib.CLibrary):
+class NvshmemLibrary(c_library.CLibrary):
     """The NVSHMEM library's C API behind the method names SymmetricHeap and Bucket use (host access reaches only
     this process's own position: the others live in other processes)."""
 
@@ -96,9 +97,9 @@ class NvshmemLibrary(_clib.CLibrary):
     def _state(self, heap_id: int):
         world, me, landing = c_i32(), c_i32(), c_i32()
         gens = (c_u64 * self.max_world)()
-        poisoned = ctypes.create_string_buffer(_clib.ERR_CAPACITY)
+        poisoned = ctypes.create_string_buffer(c_library.ERR_CAPACITY)
         self._call("jodc_nvshmem_heap_state", int(heap_id), ctypes.byref(world), ctypes.byref(me),
-                   ctypes.byref(landing), gens, poisoned, _clib.ERR_CAPACITY)
+                   ctypes.byref(landing), gens, poisoned, c_library.ERR_CAPACITY)
         return world.value, me.value, bool(landing.value), [int(gens[p]) for p in range(world.value)], \
             poisoned.value.decode("utf-8", "replace")
 
@@ -140,17 +141,14 @@ _initialized: tuple | None = None  # (rank, nranks) once NVSHMEM runs in this pr
 
 
 def library() -> NvshmemLibrary:
+    """The NVSHMEM backend built into the package (loaded once); ImportError with build instructions if missing."""
     global _library
     with _lock:
         if _library is None:
-            path = default_path()
-            if not os.path.exists(path):
-                raise ImportError(f"this heap needs the NVSHMEM backend (its mesh spans nodes) but {path} is not "
-                                  f"built: {BUILD_HINT}")
-            try:
-                _library = NvshmemLibrary(path)
-            except (OSError, AttributeError) as e:
-                raise ImportError(f"jodc's NVSHMEM library {path} cannot be loaded ({e}): {BUILD_HINT}") from e
+            _library = c_library.load(
+                NvshmemLibrary, default_path(),
+                "this heap needs the NVSHMEM backend (its mesh spans nodes) but {path} is not built: " + BUILD_HINT,
+                "jodc's NVSHMEM library {path} cannot be loaded ({error}): " + BUILD_HINT)
         return _library
 
 
