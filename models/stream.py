@@ -231,7 +231,8 @@ def _decode(config: DecoderConfig, sampling: SamplingParams, page_size: int, chu
             done=done, tokens=record(st.tokens, token), logprobs=record(st.logprobs, token_logprob),
             versions=record(st.versions, jnp.broadcast_to(version, token.shape)))
         if sampling.top_k_logprobs:
-            st = st._replace(topk_ids=record(st.topk_ids, top_ids), topk_logprobs=record(st.topk_logprobs, top_logprobs))
+            st = st._replace(topk_ids=record(st.topk_ids, top_ids),
+                             topk_logprobs=record(st.topk_logprobs, top_logprobs))
         return i + 1, st
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
