@@ -17,11 +17,12 @@ so a run is reproducible; but the streams then idle while the thread waits for t
 `engine.deterministic` they keep generating meanwhile (`keep_generating`: the rows under way carry on under the
 weights of their phase, which keeps the bound), so a response's split between its two versions depends on timing.
 
-The thread delivers rollout s at the end of phase s + 1, one phase later than without partial rollouts (`lag = 1`: it needs version s + 1 - k, so k >= 1). A checkpoint after step d holds the complete
-rollouts d .. d + k - 2 and the stream as phase d + k - 1 left it (`state`: the rows under way and waiting, the
-responses of later steps already finished); a resumed run restores it under version d, where the uninterrupted run
-carries its rows on under the same version, so it continues bit for bit (with `engine.deterministic`). Across
-processes every process's streams go into the checkpoint and each resumed process takes its own.
+The thread delivers rollout s at the end of phase s + 1, one phase later than without partial rollouts (`lag = 1`:
+it needs version s + 1 - k, so k >= 1). A checkpoint after step d holds the complete rollouts d .. d + k - 2 and the
+stream as phase d + k - 1 left it (`state`: the rows under way and waiting, the responses of later steps already
+finished); a resumed run restores it under version d, where the uninterrupted run carries its rows on under the same
+version, so it continues bit for bit (with `engine.deterministic`). Across processes every process's streams go into
+the checkpoint and each resumed process takes its own.
 """
 from __future__ import annotations
 
