@@ -41,6 +41,8 @@ def test_the_floor_setuptools_builds_the_metadata(tmp_path):
         pytest.skip(f"setuptools=={floor} could not be fetched (no package index here?): {got.stderr[-500:]}")
     source = tmp_path / "src"
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    if not tracked:  # a copy outside the checkout (CI's Python 3.12 run works on one): the 3.11 run checks this
+        pytest.skip(f"{ROOT} is not a git checkout's root: no tracked files to build from")
     for name in filter(None, tracked.decode().split("\0")):
         if os.path.isfile(os.path.join(ROOT, name)):
             os.makedirs(source / os.path.dirname(name), exist_ok=True)

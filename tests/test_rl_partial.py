@@ -12,15 +12,15 @@ from jodc.train.core.metrics import read_metrics
 from jodc.train.rl.config import load_rl_config
 from jodc.train.rl.loop import run_rl
 
-K, STEPS = 2, 5
+K, STEPS = 2, 4
 EXACT_KEYS = ("reward_mean", "accuracy", "response_length", "loss", "grad_norm", "policy_kl", "tokens",
               "microbatches", "partial_response_fraction", "policy_version", "newest_policy_version")
 
 
 def args(out_dir, steps, *extra):
     return ["--preset", "tiny", "--attention_block_size", "16", "--token_cap", "64", "--prompt_bucket", "8",
-            "--task.name", "expand", "--task.max_runs", "4", "--task.max_count", "4", "--max_new_tokens", "24",
-            "--sft_steps", "200", "--sft_examples", "1024", "--prompts_per_step", "8", "--group_size", "4",
+            "--task.name", "expand", "--task.max_runs", "4", "--task.max_count", "4", "--max_new_tokens", "16",
+            "--sft_steps", "150", "--sft_examples", "1024", "--prompts_per_step", "8", "--group_size", "4",
             "--updates_per_step", "2", "--learning_rate", "3e-4", "--steps", str(steps), "--devices", "2",
             "--deterministic", "--no-progress", "--save_every", "3", "--keep_checkpoints", "3", "--eval_every", "0",
             "--rollout.max_staleness", str(K), "--rollout.batching", "continuous", "--rollout.slots", "6",

@@ -121,7 +121,7 @@ def test_continuous_batching_over_two_devices_samples_the_static_rollout(params,
                             key=jax.random.PRNGKey(3), devices=devices, prompt_width=12)
     streamed = sample_rollout(CONFIG, params, TOKENIZER, PROMPTS, group_size=GROUP, sampling=sampling,
                               key=jax.random.PRNGKey(3), devices=devices, prompt_width=12,
-                              stream=StreamShape(slots=3, page_size=4, chunk=2, prefill_rows=2))
+                              stream=StreamShape(slots=3, page_size=16, chunk=3, prefill_rows=2))
     assert [r.tolist() for r in streamed.response_ids] == [r.tolist() for r in static.response_ids] == \
         [r.tolist() for r in rollout.response_ids]  # and the one-device rollout's
     assert streamed.responses == static.responses and (streamed.finished == static.finished).all()
