@@ -235,18 +235,8 @@ def generate(
     device: where to run (default: JAX's default device); `params` already on it are used there without a copy.
       The call returns without waiting (async dispatch), so calls on several devices run concurrently.
     """
-    if isinstance(model, Decoder):
-        if params is not None:
-            raise ValueError("generate: pass params only together with a DecoderConfig, not with a Decoder")
-        config, params = model.config, split_params(model)
-    elif isinstance(model, DecoderConfig):
-        if params is None:
-            raise ValueError("generate: a DecoderConfig needs params= (the group arrays)")
-        config = model
-    else:
-        raise TypeError(f"generate: model must be a Decoder or DecoderConfig, got {type(model).__name__}")
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"generate: sampling must be SamplingParams, got {type(sampling).__name__}")
+    config, params = model_and_params(model, params, "generate")
+    check_sampling(config, sampling, "generate")
     if prompt_lengths is not None:
         array = np.asarray(prompts)
         lengths = np.asarray(prompt_lengths)
@@ -261,15 +251,34 @@ def generate(
     bad = np.unique(tokens[real & ((tokens < 0) | (tokens >= config.vocab_size))])
     if bad.size:
         raise ValueError(f"generate: prompt token ids {bad.tolist()} are outside [0, {config.vocab_size})")
-    if not 0 <= sampling.pad_token_id < config.vocab_size:
-        raise ValueError(f"generate: pad_token_id {sampling.pad_token_id} is outside [0, {config.vocab_size})")
-    if sampling.top_k_logprobs > config.vocab_size:
-        raise ValueError(f"generate: top_k_logprobs={sampling.top_k_logprobs} exceeds vocab_size {config.vocab_size}")
     keys = per_row_keys(key, len(tokens))
     if device is None:
         return _generate_jit(config, sampling, params, jnp.asarray(tokens), jnp.asarray(lengths), keys)
     placed = jax.device_put((tokens, lengths, keys), device)
     return _generate_jit(config, sampling, on_device(params, device), *placed)
+
+
+def model_and_params(model, params, where: str):
+    """(config, group params) of a `Decoder`, or of a `DecoderConfig` with `params`; `where` names the caller."""
+    if isinstance(model, Decoder):
+        if params is not None:
+            raise ValueError(f"{where}: pass params only together with a DecoderConfig, not with a Decoder")
+        return model.config, split_params(model)
+    if isinstance(model, DecoderConfig):
+        if params is None:
+            raise ValueError(f"{where}: a DecoderConfig needs params= (the group arrays)")
+        return model, params
+    raise TypeError(f"{where}: model must be a Decoder or DecoderConfig, got {type(model).__name__}")
+
+
+def check_sampling(config: DecoderConfig, sampling, where: str) -> None:
+    """TypeError / ValueError for `sampling` that is not `SamplingParams` or names ids outside the vocabulary."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"{where}: sampling must be SamplingParams, got {type(sampling).__name__}")
+    if not 0 <= sampling.pad_token_id < config.vocab_size:
+        raise ValueError(f"{where}: pad_token_id {sampling.pad_token_id} is outside [0, {config.vocab_size})")
+    if sampling.top_k_logprobs > config.vocab_size:
+        raise ValueError(f"{where}: top_k_logprobs={sampling.top_k_logprobs} exceeds vocab_size {config.vocab_size}")
 
 
 def on_device(params, device: jax.Device):

@@ -36,8 +36,8 @@ import numpy as np
 
 from .attention import masked_attention
 from .config import DecoderConfig
-from .decoder import Decoder, split_params
-from .generate import Generation, SamplingParams, left_pad_prompts, on_device, per_row_keys, prefill, sample_tokens
+from .decoder import Decoder
+from .generate import Generation, SamplingParams, check_sampling, left_pad_prompts, model_and_params, on_device, per_row_keys, prefill, sample_tokens
 from .layerwise import EMBED, HEAD, attention_inputs, embed_apply, head_apply, layer_group_name, layer_output
 from .paged_cache import SCRATCH_PAGE, PagePool, pages_for
 
@@ -248,7 +248,6 @@ _decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 class _Request:
     prompt: np.ndarray  # int32 [L]
     key: jax.Array
-    slot: int = -1
 
 
 class ContinuousSampler:
@@ -261,24 +260,10 @@ class ContinuousSampler:
 
     def __init__(self, model: Decoder | DecoderConfig, sampling: SamplingParams, shape: StreamShape, *,
                  max_prompt_tokens: int, params=None, version: int = 0, device: jax.Device | None = None):
-        if isinstance(model, Decoder):
-            if params is not None:
-                raise ValueError("ContinuousSampler: pass params only together with a DecoderConfig")
-            config, params = model.config, split_params(model)
-        elif isinstance(model, DecoderConfig):
-            if params is None:
-                raise ValueError("ContinuousSampler: a DecoderConfig needs params= (the group arrays)")
-            config = model
-        else:
-            raise TypeError(f"ContinuousSampler: model must be a Decoder or DecoderConfig, got {type(model).__name__}")
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"ContinuousSampler: sampling must be SamplingParams, got {type(sampling).__name__}")
+        config, params = model_and_params(model, params, "ContinuousSampler")
+        check_sampling(config, sampling, "ContinuousSampler")
         if not isinstance(shape, StreamShape):
             raise TypeError(f"ContinuousSampler: shape must be a StreamShape, got {type(shape).__name__}")
-        if sampling.top_k_logprobs > config.vocab_size:
-            raise ValueError(f"top_k_logprobs={sampling.top_k_logprobs} exceeds vocab_size {config.vocab_size}")
-        if not 0 <= sampling.pad_token_id < config.vocab_size:
-            raise ValueError(f"pad_token_id {sampling.pad_token_id} is outside [0, {config.vocab_size})")
         self.config, self.sampling, self.shape, self.device = config, sampling, shape, device
         # prompts are prefilled left-padded to this bucketed width, so every shape (prefill, page table, pool) is a
         # function of the bucket: samplers made for prompts of nearby lengths share their compiled programs
@@ -408,7 +393,7 @@ class ContinuousSampler:
         if self._slot_request[slot] >= 0 or not self.pool.grow(slot, int(row["pages"]) * self.shape.page_size):
             raise ValueError(f"ContinuousSampler.restore: slot {slot} (or its {row['pages']} pages) is not free; "
                              "the snapshot is of another stream shape")
-        request.slot, self._slot_request[slot], self._host_step[slot] = slot, request_id, n
+        self._slot_request[slot], self._host_step[slot] = request_id, n
         self._admitted_order.append(slot)
         k_top = self.sampling.top_k_logprobs
         st = self._state
@@ -515,7 +500,6 @@ class ContinuousSampler:
                 break
             self.pool.grow(slot, len(request.prompt))
             request_id = self._waiting.popleft()
-            request.slot = slot
             self._slot_request[slot] = request_id
             self._host_step[slot] = 0
             self._admitted_order.append(slot)
@@ -562,7 +546,6 @@ class ContinuousSampler:
     def _preempt(self, slot: int) -> None:
         request_id = self._slot_request[slot]
         self._release(slot)
-        self._requests[request_id].slot = -1
         self._waiting.appendleft(request_id)
         self.stats.preempted += 1
         # the slot's device state is stale, not harmful: its `done` flag is set again at its next admission

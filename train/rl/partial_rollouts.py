@@ -64,9 +64,9 @@ class PartialRollouts:
         with self._lock:
             self._carry_on(config, weights, version)
             if self.submitted is None:  # a fresh run: step `step`'s own prompts first (phase `step` merged in)
-                self._submit(step, version)
+                self._submit(step)
             for later in range(self.submitted + 1, step + 2):
-                self._submit(later, version)
+                self._submit(later)
             while len(self.finished[step]) < self.expected[step]:
                 if not self._round():
                     raise RuntimeError(f"partial rollouts: step {step + 1}'s responses are missing from the streams")
@@ -102,7 +102,7 @@ class PartialRollouts:
             return max(len(ids) for ids in encode_prompts(s.tokenizer, [p.prompt for p in s.pool]))
         return s.task.max_prompt_chars + 1
 
-    def _submit(self, step: int, version: int) -> None:
+    def _submit(self, step: int) -> None:
         """Queue this process's share of step `step`'s prompts, each device its own part, with their keys."""
         prompts, mine, devices, _ = self.sampler.step_prompts(step)
         g = self.sampler.rollout.group_size
