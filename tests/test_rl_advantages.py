@@ -4,10 +4,9 @@ import dataclasses
 
 import numpy as np
 
-from jodc.train.rl.advantages import step_advantages
+from jodc.train.rl.advantages import critic_advantages, kl_shaped_rewards, step_advantages
 from jodc.train.rl.config import LossConfig
-from jodc.train.rl.critic import critic_advantages
-from jodc.train.rl.loss import build_advantages, build_kl_controller, kl_shaped_rewards
+from jodc.train.rl.loss import build_advantages, build_kl_controller
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
 LENGTHS = np.array([2, 3, 1, 2, 2, 3])

@@ -8,9 +8,9 @@ import pytest
 
 from jodc.balance import LinearCost, get_planner
 from jodc.fsdp.batch import minibatch_from_plan
-from jodc.train.rl.assembly import (StepInputs, assembly_digest, extra_specs, local_sequences, pack_local_minibatch,
-                                    sequence_destinations)
-from jodc.train.rl.batch import pack_minibatch, plan_minibatch, split_minibatches, training_sequences
+from jodc.train.rl.assembly import StepInputs, sequence_destinations
+from jodc.train.rl.batch import (extra_specs, local_sequences, pack_local_minibatch, pack_minibatch, plan_minibatch,
+                                 split_minibatches, step_digest, training_sequences)
 from jodc.train.rl.rollout import Rollout
 from jodc.train.rl.rollout_exchange import RolloutShareError, bytes_received, exchange
 from jodc.train.rl.scored import ScoredRollout, ShareMeta, StepRollout
@@ -103,11 +103,12 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
     plans = [plan_minibatch(view.sequence_lengths[i], planner=planner, num_devices=devices, token_cap=T,
                             cost_model=LinearCost(), skip_empty_microbatches=planner_name == "lb_mini") for i in splits]
     destinations = sequence_destinations(plans, splits, device_processes, N)
-    specs = extra_specs(with_topk=True, top_k=K, with_ref=True, with_old=True, critic=False)
+    specs = extra_specs(["behaviour_logprobs", "advantages", "topk_ids", "topk_logprobs", "ref_logprobs",
+                         "trainer_logprobs"], K)
     for process in (0, 1):
         placed = np.flatnonzero(destinations == process)
         received = {int(i): {"prompt_ids": whole.rollout.prompt_ids[i], "response_ids": whole.rollout.response_ids[i],
-                             "logprobs": whole.rollout.logprobs[i], "topk_ids": whole.rollout.topk_ids[i],
+                             "behaviour_logprobs": whole.rollout.logprobs[i], "topk_ids": whole.rollout.topk_ids[i],
                              "topk_logprobs": whole.rollout.topk_logprobs[i], "ref_logprobs": ref[i],
                              "trainer_logprobs": whole.trainer_logprobs[i]} for i in placed}
         ids, local = local_sequences(received, advantages)
@@ -128,8 +129,24 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
                 assert rows.dtype == want.as_dict()[name].dtype and rows.shape == want.as_dict()[name].shape
                 np.testing.assert_array_equal(rows[mine], want.as_dict()[name][mine], err_msg=name)
                 assert not rows[others].any(), name
-    digest = assembly_digest(view, advantages, splits, plans)
-    assert digest.shape == (4,) and not np.array_equal(digest, assembly_digest(view, advantages[::-1], splits, plans))
+    digest = step_digest(view, advantages, splits, plans)
+    assert digest.shape == (4,) and not np.array_equal(digest, step_digest(view, advantages[::-1], splits, plans))
+
+
+def test_the_objectives_extras_decide_what_travels_and_the_placeholders():
+    """`EXTRA_FIELDS` is the one description of the extras: the objective's names decide what travels (never the
+    advantages, returns or old values, computed in every process) and the placeholders' dtypes and shapes."""
+    from jodc.train.rl.batch import EXTRA_FIELDS, sequences_from_arrays, travelling_fields
+
+    names = ["behaviour_logprobs", "advantages", "topk_ids", "topk_logprobs", "returns", "old_values"]
+    assert travelling_fields(names) == ("prompt_ids", "response_ids", "behaviour_logprobs", "topk_ids",
+                                        "topk_logprobs")
+    specs = extra_specs(names, 5)
+    assert specs["topk_ids"] == (np.int32, (5,)) and specs["returns"] == (np.float32, ())
+    assert set(extra_specs(list(EXTRA_FIELDS), 1)) == set(EXTRA_FIELDS)
+    with pytest.raises(ValueError, match="unknown minibatch extras"):  # the rollout's name, not the extra's
+        sequences_from_arrays([np.ones(2, np.int32)], [np.ones(1, np.int32)], np.zeros(1, np.float32),
+                              {"logprobs": [np.zeros(1)]})
 
 
 def test_sequences_nobody_plans_and_empty_local_sets():
@@ -165,9 +182,10 @@ def test_sequences_travel_packed_and_arrive_bit_for_bit():
     from jodc.train.rl.assembly import _packed, _unpacked
 
     whole = whole_rollout()
-    fields = ("prompt_ids", "response_ids", "logprobs", "topk_ids")
+    fields = ("prompt_ids", "response_ids", "behaviour_logprobs", "topk_ids")
     sent = [(i, {"prompt_ids": whole.rollout.prompt_ids[i], "response_ids": whole.rollout.response_ids[i],
-                 "logprobs": whole.rollout.logprobs[i], "topk_ids": whole.rollout.topk_ids[i]}) for i in (7, 2, 9)]
+                 "behaviour_logprobs": whole.rollout.logprobs[i], "topk_ids": whole.rollout.topk_ids[i]})
+            for i in (7, 2, 9)]
     got = _unpacked(pickle.loads(pickle.dumps(_packed(sent, fields))))
     assert list(got) == [7, 2, 9]
     for i, arrays in sent:

@@ -20,8 +20,9 @@ from jodc.losses import (AdaptiveKLController, FixedKLController, clipped_value_
 from jodc.train.core.config import ConfigError
 from jodc.train.core.metrics import read_metrics
 from jodc.train.rl.config import load_rl_config
+from jodc.train.rl.advantages import critic_advantages, kl_shaped_rewards
 from jodc.train.rl.loop import CHECKPOINT_DIR, run_rl
-from jodc.train.rl.loss import build_advantages, build_kl_controller, kl_shaped_rewards, summarize_metrics
+from jodc.train.rl.loss import build_advantages, build_kl_controller, summarize_metrics
 
 
 def test_entropy_bonus_is_added_to_the_policy_loss_with_its_gradient():
@@ -92,7 +93,6 @@ def test_critic_head_loss_adds_the_value_loss():
 def test_the_staged_decoder_values_and_the_rollout_advantages():
     from jodc.train.core.staged_decoder import decoder_staged_model
     from jodc.models import VALUE_HEAD, values_forward
-    from jodc.train.rl.critic import critic_advantages
     from test_models import tiny_config
 
     config = tiny_config(num_layers=1, attention_impl="dense")  # eager stages: keep it small
@@ -129,7 +129,6 @@ def test_critic_advantages_compile_once_per_shape():
     """The RL loop calls GAE eagerly once per step: a second rollout of the same shapes (new scores, values and
     log-probs) compiles nothing. (An eager `lax.scan` over a fresh closure compiled again at every call: critic
     PPO paid a backend compilation every RL step.)"""
-    from jodc.train.rl.critic import critic_advantages
 
     rng = np.random.default_rng(0)
 

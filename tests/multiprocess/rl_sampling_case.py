@@ -75,10 +75,10 @@ def assemble(jax, rank, scored, whole, params):
 
     from jodc.balance import LinearCost, get_planner
     from jodc.losses import grpo_advantages
-    from jodc.train.rl.assembly import (StepInputs, exchange_step_inputs, extra_specs, local_sequences,
-                                        pack_local_minibatch, send_sequences, sequence_destinations)
-    from jodc.train.rl.batch import pack_minibatch, plan_minibatch, split_minibatches, training_sequences
-    from jodc.train.rl.loss import kl_shaped_rewards
+    from jodc.train.rl.assembly import StepInputs, exchange_step_inputs, send_sequences, sequence_destinations
+    from jodc.train.rl.batch import (extra_specs, local_sequences, pack_local_minibatch, pack_minibatch,
+                                     plan_minibatch, split_minibatches, training_sequences, travelling_fields)
+    from jodc.train.rl.advantages import kl_shaped_rewards
     from rl_sampling_setup import GROUP
 
     planner, updates, token_cap, k = get_planner("lb_mini"), 2, 64, 4
@@ -102,11 +102,11 @@ def assemble(jax, rank, scored, whole, params):
     plans = [plan_minibatch(lengths[i], planner=planner, num_devices=len(device_processes), token_cap=token_cap,
                             cost_model=LinearCost()) for i in splits]
     destinations = sequence_destinations(plans, splits, device_processes, len(scored))
-    flags = dict(with_topk=True, with_ref=True, with_old=True)
+    extras = ["behaviour_logprobs", "advantages", "topk_ids", "topk_logprobs", "ref_logprobs", "trainer_logprobs"]
     received = send_sequences(3, scored, destinations, inputs, process=rank, processes=len(set(device_processes)),
-                              timeout_s=STARTUP_TIMEOUT_S, **flags)
+                              fields=travelling_fields(extras), timeout_s=STARTUP_TIMEOUT_S)
     ids, sequences = local_sequences(received, advantages)
-    specs = extra_specs(top_k=k, critic=False, **flags)
+    specs = extra_specs(extras, k)
     mine = set(scored.held)
     placed = {int(i) for i in np.flatnonzero(destinations == rank)}
     foreign = sorted(set(received) - mine)

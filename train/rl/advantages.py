@@ -7,9 +7,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jodc.losses import gae_advantages, kl_reward, last_token_rewards
+
 from .config import LossConfig
-from .critic import critic_advantages
-from .loss import kl_shaped_rewards
 
 
 def step_advantages(rewards: np.ndarray, response_lengths: np.ndarray, *, loss: LossConfig, group_size: int,
@@ -35,3 +35,48 @@ def step_advantages(rewards: np.ndarray, response_lengths: np.ndarray, *, loss: 
         return advantages, returns, None, {}
     return (advantages, returns, kl_controller.update(current_kl, len(rewards)),
             {"kl_in_reward": current_kl, "kl_in_reward_beta": beta})
+
+
+def kl_shaped_rewards(scores, logprobs, ref_logprobs, *, beta: float, estimator: str) -> tuple[np.ndarray, float]:
+    """(per response the sum of its token rewards [N], the batch's KL): `scores` [N] minus beta times the
+    per-token KL (`jodc.losses.kl_reward`) of `logprobs` (per response, the sampling policy's log-probs of its
+    tokens) to `ref_logprobs`, summed over the response, which is what the trainer's per-response estimators
+    see (as verl's GRPO sums its token-level rewards). The KL is the controller's `current_kl`."""
+    n = len(scores)
+    width = max([len(x) for x in logprobs] + [1])
+    lp_nt, ref_nt, mask_nt = (np.zeros((n, width), np.float32) for _ in range(3))
+    for i, (lp, ref) in enumerate(zip(logprobs, ref_logprobs)):
+        lp_nt[i, :len(lp)], ref_nt[i, :len(ref)], mask_nt[i, :len(lp)] = lp, ref, 1.0
+    # scores added on the host: an empty response (no token to place it on) keeps its score
+    penalty_nt, current_kl = kl_reward(np.zeros(n, np.float32), lp_nt, ref_nt, mask_nt, beta=beta,
+                                       estimator=estimator)
+    return np.asarray(scores, np.float32) + np.asarray(penalty_nt).sum(axis=1), float(current_kl)
+
+
+def _padded(arrays: Sequence[np.ndarray], width: int) -> np.ndarray:
+    out = np.zeros((len(arrays), width), np.float32)
+    for i, a in enumerate(arrays):
+        out[i, :len(a)] = a
+    return out
+
+
+def critic_advantages(scores, values: Sequence[np.ndarray], *, gamma: float, lam: float, kl=None
+                      ) -> tuple[list[np.ndarray], list[np.ndarray], float | None]:
+    """(per response advantages [n_i], returns [n_i], the batch's KL or None) by GAE over token rewards: each
+    response's score on its last token, minus beta x the per-token KL when `kl` = (logprobs, ref_logprobs, beta,
+    estimator) is given (per response arrays). Advantages are whitened over the rollout's tokens (verl)."""
+    lengths = [len(v) for v in values]
+    width = max(lengths + [1])
+    mask = _padded([np.ones(n) for n in lengths], width)
+    current_kl = None
+    if kl is None:
+        rewards = last_token_rewards(np.asarray(scores, np.float32), mask)
+    else:
+        logprobs, ref_logprobs, beta, estimator = kl
+        rewards, current_kl = kl_reward(np.asarray(scores, np.float32), _padded(logprobs, width),
+                                        _padded(ref_logprobs, width), mask, beta=beta, estimator=estimator)
+        current_kl = float(current_kl)
+    adv, ret = gae_advantages(rewards, _padded(values, width), mask, gamma=gamma, lam=lam)
+    adv, ret = np.asarray(adv), np.asarray(ret)
+    return ([adv[i, :n].astype(np.float32) for i, n in enumerate(lengths)],
+            [ret[i, :n].astype(np.float32) for i, n in enumerate(lengths)], current_kl)

@@ -17,16 +17,16 @@ whole rollout), the processes exchange three things:
    over the whole rollout). Every process then computes the advantages (and returns) of the whole rollout from the
    same numbers as one process does, bit for bit.
 3. `send_sequences`, after the minibatch plans, which every process computes identically from the global metadata
-   (`split_minibatches`, then the planner over the lengths): each sequence's arrays (tokens, behaviour log-probs
-   and top-k, reference / recomputed log-probs) go point-to-point to the one process whose device the plan puts it
-   on; a process builds the training sequences of its devices only and packs only its devices' rows of each
-   minibatch (`pack_local_minibatch`: the others' rows are zero placeholders, which the engines never read:
-   `jodc.fsdp.batch`, `sharding.put_per_device`).
+   (`batch.plan_step`): each sequence's arrays (tokens, behaviour log-probs and top-k, reference / recomputed
+   log-probs: `batch.travelling_fields`) go point-to-point to the one process whose device the plan puts it on
+   (`sequence_destinations`); a process builds the training sequences of its devices only and packs only its
+   devices' rows of each minibatch (`batch.pack_local_minibatch`: the others' rows are zero placeholders, which the
+   engines never read: `jodc.fsdp.batch`, `sharding.put_per_device`).
 
 Every exchange has `rollout_exchange`'s semantics (MPI point-to-point, non-blocking, polled: a process that fails
 sends its error, one that sends nothing within the timeout is named; every process raises `RolloutShareError`).
 Before the first update the processes compare a digest of what they computed from the exchanged metadata
-(rewards, lengths, advantages, plans): `assembly_digest`.
+(rewards, lengths, advantages, plans): `batch.plan_step`.
 """
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jodc.fsdp import MinibatchArrays
-from jodc.fsdp.batch import minibatch_from_plan
-
-from ..core.distributed import digest
-from .batch import TrainingSequences, minibatch_normalizer, sequences_from_arrays
 from .rollout_exchange import ASSEMBLY_TAGS, exchange, gather_shares
 from .scored import ScoredRollout, ShareMeta, StepRollout
 
@@ -114,25 +109,16 @@ def sequence_destinations(plans: Sequence, minibatches: Sequence[np.ndarray], de
     return out
 
 
-def _travelling_fields(with_topk: bool, with_ref: bool, with_old: bool) -> tuple[str, ...]:
-    """The per response arrays a sequence travels with: those the objective reads (advantages, returns and old
-    values are computed in every process from the exchanged inputs and never travel)."""
-    return (("prompt_ids", "response_ids", "logprobs") + (("topk_ids", "topk_logprobs") if with_topk else ())
-            + (("ref_logprobs",) if with_ref else ()) + (("trainer_logprobs",) if with_old else ()))
-
-
 def send_sequences(step: int, scored: StepRollout, destinations: np.ndarray, inputs: StepInputs, *, process: int,
-                   processes: int, with_topk: bool, with_ref: bool, with_old: bool, timeout_s: float | None
-                   ) -> dict[int, dict[str, np.ndarray]]:
-    """{response index: its arrays} of every response the plans put on process `process`'s devices (`destinations`:
-    each response's process): those it holds without a copy; unless it holds them all (one process, or
-    replicated), it sends each of its responses to the process `destinations` names (point-to-point, nothing to a
-    process that trains none of them) and receives the others'. `with_*`: the behaviour top-k, the reference's and
-    the recomputed log-probs travel too."""
-    fields = _travelling_fields(with_topk, with_ref, with_old)
+                   processes: int, fields: Sequence[str], timeout_s: float | None) -> dict[int, dict[str, np.ndarray]]:
+    """{response index: its arrays `fields`} of every response the plans put on process `process`'s devices
+    (`destinations`: each response's process): those it holds without a copy; unless it holds them all (one process,
+    or replicated), it sends each of its responses to the process `destinations` names (point-to-point, nothing to
+    a process that trains none of them) and receives the others'. `fields`: the tokens and the extras the objective
+    reads that travel (`batch.travelling_fields`)."""
     held = scored.held
     r = scored.own.rollout
-    per_field = {"prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "logprobs": r.logprobs,
+    per_field = {"prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "behaviour_logprobs": r.logprobs,
                  "topk_ids": r.topk_ids, "topk_logprobs": r.topk_logprobs, "ref_logprobs": inputs.ref_logprobs,
                  "trainer_logprobs": inputs.old_logprobs}
 
@@ -171,72 +157,3 @@ def _unpacked(message: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]
     fields = [f for f in message if f != "ids" and not f.endswith("/lengths")]
     split = {f: np.split(message[f], np.cumsum(message[f"{f}/lengths"])[:-1]) for f in fields}
     return {int(i): {f: split[f][n] for f in fields} for n, i in enumerate(message["ids"])}
-
-
-def local_sequences(received: dict[int, dict[str, np.ndarray]], advantages, *, returns=None, old_values=None
-                    ) -> tuple[list[int], TrainingSequences]:
-    """(the response indices, ascending; their training sequences) of the responses this process trains on.
-    `advantages` [N] (or per response token arrays), `returns` and `old_values` (per response, critic PPO) are the
-    whole rollout's."""
-    ids = sorted(received)
-    if not ids:
-        return ids, sequences_from_arrays([], [], [], np.zeros(0, np.float32))
-
-    def field(name):
-        return [received[i][name] for i in ids] if name in received[ids[0]] else None
-
-    def of_all(values):
-        return None if values is None else [values[i] for i in ids]
-
-    adv = [advantages[i] for i in ids] if isinstance(advantages, (list, tuple)) else np.asarray(advantages)[ids]
-    return ids, sequences_from_arrays(field("prompt_ids"), field("response_ids"), field("logprobs"), adv,
-                                      topk_ids=field("topk_ids"), topk_logprobs=field("topk_logprobs"),
-                                      ref_logprobs=field("ref_logprobs"), trainer_logprobs=field("trainer_logprobs"),
-                                      returns=of_all(returns), old_values=of_all(old_values))
-
-
-def extra_specs(*, with_topk: bool, top_k: int, with_ref: bool, with_old: bool, critic: bool
-                ) -> dict[str, tuple[Any, tuple[int, ...]]]:
-    """{extra: (dtype, trailing shape)} of the minibatch extras `training_sequences` makes for this objective (the
-    placeholders of sequences packed elsewhere take them)."""
-    names = ["behaviour_logprobs", "advantages"] + (["returns", "old_values"] if critic else [])
-    specs = {n: (np.float32, ()) for n in names}
-    if with_topk:
-        specs.update(topk_ids=(np.int32, (top_k,)), topk_logprobs=(np.float32, (top_k,)))
-    if with_ref:
-        specs["ref_logprobs"] = (np.float32, ())
-    if with_old:
-        specs["trainer_logprobs"] = (np.float32, ())
-    return specs
-
-
-def pack_local_minibatch(plan, indices: np.ndarray, ids: list[int], sequences: TrainingSequences, *,
-                         sequence_lengths: np.ndarray, response_lengths: np.ndarray, local_devices: Sequence[int],
-                         specs: dict[str, tuple[Any, tuple[int, ...]]], aggregation: str) -> MinibatchArrays:
-    """The minibatch of responses `indices` (global) packed by `plan`, only the rows of `local_devices` filled from
-    `sequences` (responses `ids`); the normaliser from the global response lengths (`minibatch_normalizer`)."""
-    where = {i: k for k, i in enumerate(ids)}
-    lengths = [int(sequence_lengths[i]) for i in indices]
-
-    def per_position(values, dtype, trailing=()):
-        return [values[where[i]] if i in where else np.broadcast_to(np.zeros((), dtype), (n,) + trailing)
-                for i, n in zip(indices, lengths)]
-
-    masks_total = minibatch_normalizer([response_lengths[i] for i in indices], aggregation)
-    extras = {name: per_position(sequences.extras.get(name, {}), dtype, trailing)
-              for name, (dtype, trailing) in specs.items()}
-    return minibatch_from_plan(plan, per_position(sequences.inputs, np.int32),
-                               per_position(sequences.targets, np.int32),
-                               per_position(sequences.loss_masks, np.float32),
-                               extras=extras, normalizer=masks_total, devices=local_devices)
-
-
-def assembly_digest(scored: StepRollout, advantages, minibatches: Sequence[np.ndarray], plans: Sequence
-                    ) -> np.ndarray:
-    """A digest of what every process computes from the exchanged metadata (rewards, lengths, versions, advantages,
-    the minibatch split and the plans' placement): the agreement check of a sharded step."""
-    adv = list(advantages) if isinstance(advantages, (list, tuple)) else [np.asarray(advantages)]
-    placement = [np.array([(d, m, i) for d, device in enumerate(plan.devices) for m, mb in enumerate(device)
-                           for i in mb.seq_indices], np.int64) for plan in plans]
-    return digest([scored.rewards, scored.prompt_lengths, scored.response_lengths, scored.versions, *adv,
-                   *minibatches, *placement])

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .assembly import StepInputs, exchange_rollout, exchange_step_inputs, send_sequences
+from .assembly import StepInputs, exchange_rollout, exchange_step_inputs, send_sequences, sequence_destinations
 from .rollout import device_shares
 from .rollout_exchange import CHECKPOINT_TAGS, SHARE_TAGS, gather_shares
 from .scored import ScoredRollout, StepRollout
@@ -124,13 +124,15 @@ class RolloutLayout:
         return exchange_step_inputs(step, passes, kl_in_reward=kl_in_reward, critic=critic,
                                     behaviour_logprobs=behaviour_logprobs, timeout_s=self.timeout_s)
 
-    def training_arrays(self, step: int, scored: StepRollout, destinations: np.ndarray, inputs: StepInputs, *,
-                        with_topk: bool, with_ref: bool, with_old: bool) -> dict[int, dict[str, np.ndarray]]:
-        """{response: its arrays} of every response the plans put on this process's devices (`destinations`: the
-        process of each response): taken from the held ones, or sent point-to-point (sharded)."""
+    def training_arrays(self, step: int, scored: StepRollout, plans: Sequence, minibatches: Sequence[np.ndarray],
+                        device_processes: Sequence[int], inputs: StepInputs, *, fields: Sequence[str]
+                        ) -> dict[int, dict[str, np.ndarray]]:
+        """{response: its arrays `fields`} of every response the `plans` (of `minibatches`) put on this process's
+        devices (`device_processes`: each engine device's process): taken from the held ones, or sent
+        point-to-point (sharded)."""
+        destinations = sequence_destinations(plans, minibatches, device_processes, len(scored))
         return send_sequences(step, scored, destinations, inputs, process=self.process, processes=self.processes,
-                              with_topk=with_topk, with_ref=with_ref, with_old=with_old,
-                              timeout_s=None if self.whole_here else self.timeout_s)
+                              fields=fields, timeout_s=None if self.whole_here else self.timeout_s)
 
     def whole(self, scored: StepRollout) -> ScoredRollout:
         """The whole `ScoredRollout` of `scored` (sharded: every process's share all-gathered, a collective): what a

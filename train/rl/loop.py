@@ -39,14 +39,12 @@ from jodc.losses import kl_controller_from_state
 from jodc.models.tokenizer import load_tokenizer
 from jodc.models.layerwise import param_groups
 
-from ..core import distributed
 from ..core.metrics import read_metrics
 from ..core.model import hf_tokenizer_path, mesh_devices
 from ..core.trainer import CHECKPOINT_DIR, Trainer, run
 from .advantages import step_advantages
-from .assembly import (StepInputs, assembly_digest, extra_specs, local_sequences, pack_local_minibatch,
-                       sequence_destinations)
-from .batch import plan_minibatch, split_minibatches
+from .assembly import StepInputs
+from .batch import extra_specs, local_sequences, pack_local_minibatch, plan_step, travelling_fields
 from .config import RLConfig
 from .critic import response_values
 from .evaluation import EVAL_SAMPLES, evaluate_policy
@@ -235,24 +233,19 @@ class RLRun(Trainer):
             scored.rewards, scored.response_lengths, loss=self.config.loss, group_size=r.group_size,
             critic=objective.critic, estimator=self.advantages, kl_controller=self.kl_controller,
             kl_inputs=(inputs.kl_logprobs_all, inputs.ref_logprobs_all), values=inputs.values_all)
-        lengths = scored.sequence_lengths
         with self.timers("train"):  # planning (plan_ms), as every update's packing
-            splits = split_minibatches(len(scored), run_.updates_per_step, seed=run_.seed, step=step)
-            plans = [plan_minibatch(lengths[indices], planner=self.planner, num_devices=e.devices,
-                                    token_cap=e.token_cap, cost_model=self.cost_model,
-                                    skip_empty_microbatches=not self.engine.lockstep) for indices in splits]
-        distributed.check_agreement(f"step {step + 1}'s rewards, lengths, advantages and plans",
-                                    lambda: assembly_digest(scored, advantages, splits, plans))
-        flags = dict(with_topk=objective.uses_topk, with_ref=bool(objective.kl_coef), with_old=objective.recompute)
-        destinations = sequence_destinations(plans, splits, self.device_processes, len(scored))
-        received = self.layout.training_arrays(step, scored, destinations, inputs, **flags)
+            splits, plans = plan_step(scored, advantages, updates=run_.updates_per_step, seed=run_.seed, step=step,
+                                      planner=self.planner, num_devices=e.devices, token_cap=e.token_cap,
+                                      cost_model=self.cost_model, skip_empty_microbatches=not self.engine.lockstep)
+        received = self.layout.training_arrays(step, scored, plans, splits, self.device_processes, inputs,
+                                               fields=travelling_fields(objective.extras))
         ids, sequences = local_sequences(received, advantages, returns=returns, old_values=inputs.values_all)
-        specs = extra_specs(top_k=self.sampling.top_k_logprobs, critic=objective.critic, **flags)
+        specs = extra_specs(objective.extras, self.sampling.top_k_logprobs)
         local_devices = [d for d, p in enumerate(self.device_processes) if p == jax.process_index()]
 
         def packed():
             for indices, plan in zip(splits, plans):
-                yield pack_local_minibatch(plan, indices, ids, sequences, sequence_lengths=lengths,
+                yield pack_local_minibatch(plan, indices, ids, sequences, sequence_lengths=scored.sequence_lengths,
                                            response_lengths=scored.response_lengths, local_devices=local_devices,
                                            specs=specs, aggregation=objective.aggregation)
 

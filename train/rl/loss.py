@@ -44,11 +44,11 @@ from jodc.losses import (
     get_policy_loss,
     kl_controller,
     kl_penalty,
-    kl_reward,
     token_logprobs,
 )
 
 from ..core.config import ConfigError
+from .batch import EXTRA_FIELDS, extra_specs
 from .config import LossConfig, RolloutConfig
 
 #: Per-token arrays a loss may ask for (its anchor or extras) that the trainer fills with the behaviour log-probs
@@ -105,7 +105,9 @@ class PolicyObjective:
 
     @property
     def extras(self) -> tuple[str, ...]:
-        """Per-token minibatch extras the head reads."""
+        """The per-token minibatch extras the head reads (names of `batch.EXTRA_FIELDS`): the one statement of them,
+        which the training sequences, the placeholders of rows packed elsewhere and the arrays sent between
+        processes follow."""
         names = ("behaviour_logprobs", "advantages")
         if self.uses_topk:
             names += ("topk_ids", "topk_logprobs")
@@ -267,34 +269,16 @@ def build_kl_controller(loss: LossConfig):
                          horizon=loss.kl_in_reward_horizon)
 
 
-def kl_shaped_rewards(scores, logprobs, ref_logprobs, *, beta: float, estimator: str) -> tuple[np.ndarray, float]:
-    """(per response the sum of its token rewards [N], the batch's KL): `scores` [N] minus beta times the
-    per-token KL (`jodc.losses.kl_reward`) of `logprobs` (per response, the sampling policy's log-probs of its
-    tokens) to `ref_logprobs`, summed over the response, which is what the trainer's per-response estimators
-    see (as verl's GRPO sums its token-level rewards). The KL is the controller's `current_kl`."""
-    n = len(scores)
-    width = max([len(x) for x in logprobs] + [1])
-    lp_nt, ref_nt, mask_nt = (np.zeros((n, width), np.float32) for _ in range(3))
-    for i, (lp, ref) in enumerate(zip(logprobs, ref_logprobs)):
-        lp_nt[i, :len(lp)], ref_nt[i, :len(ref)], mask_nt[i, :len(lp)] = lp, ref, 1.0
-    # scores added on the host: an empty response (no token to place it on) keeps its score
-    penalty_nt, current_kl = kl_reward(np.zeros(n, np.float32), lp_nt, ref_nt, mask_nt, beta=beta,
-                                       estimator=estimator)
-    return np.asarray(scores, np.float32) + np.asarray(penalty_nt).sum(axis=1), float(current_kl)
-
-
 def _dummy_microbatch(rollout: RolloutConfig) -> dict[str, Any]:
-    """Shapes of a one-row microbatch of 4 tokens over a vocabulary of 8 (for tracing the loss only)."""
+    """Shapes of a one-row microbatch of 4 tokens over a vocabulary of 8 with every extra (for tracing the loss
+    only)."""
     b, t, k, v = 1, 4, min(rollout.top_k, 8), 8
-
-    def spec(shape, dtype=jnp.float32):
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-    return {"logits": spec((b, t, v)), "targets": spec((b, t), jnp.int32), "loss_mask": spec((b, t)),
-            "segment_ids": spec((b, t), jnp.int32), "normalizer": spec(()), "behaviour_logprobs": spec((b, t)),
-            "advantages": spec((b, t)), "topk_ids": spec((b, t, k), jnp.int32), "topk_logprobs": spec((b, t, k)),
-            "ref_logprobs": spec((b, t)), "trainer_logprobs": spec((b, t)), "returns": spec((b, t)),
-            "old_values": spec((b, t))}
+    extras = {name: jax.ShapeDtypeStruct((b, t) + trailing, dtype)
+              for name, (dtype, trailing) in extra_specs(list(EXTRA_FIELDS), k).items()}
+    return {"logits": jax.ShapeDtypeStruct((b, t, v), jnp.float32), "targets": jax.ShapeDtypeStruct((b, t), jnp.int32),
+            "loss_mask": jax.ShapeDtypeStruct((b, t), jnp.float32),
+            "segment_ids": jax.ShapeDtypeStruct((b, t), jnp.int32), "normalizer": jax.ShapeDtypeStruct((), jnp.float32),
+            **extras}
 
 
 def summarize_metrics(sums: dict[str, float], objective: PolicyObjective) -> dict[str, float]:
