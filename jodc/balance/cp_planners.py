@@ -1,0 +1,238 @@
+"""Planners for minibatches with sequences longer than the token cap: context-parallel (CP) groups.
+
+Signature, as for every planner: ``planner(lengths, num_devices, token_cap, *, cost_model=None) -> CPPlan``, with
+``cost_model`` a :class:`~jodc.balance.cp_cost.ContextParallelCost` (default: DeepSeek-R1-Distill-Qwen-1.5B on an
+A100, :func:`default_cp_cost`). A sequence of at most ``token_cap`` tokens is *short*; a longer one is *long* and
+split (zigzag, :mod:`jodc.balance.zigzag`) over a group of at least ``min_group_size(L, token_cap)`` devices. A
+sequence no group of the world can hold (its piece would exceed the cap even over every device) is refused before
+anything runs (:func:`jodc.balance.validation.lengths_within_world`).
+
+* :func:`lb_mini_cp` -- data-aware, for ODC. Long sequences, heaviest first, each get the group size (from the
+  smallest that fits up to ``GROUP_SCALE`` times it) and the members (the devices whose CP work ends earliest, i.e.
+  the most lightly loaded) that minimise a bound on the step: ``max(group end, (all work placed + left) /
+  devices)``. Short sequences are then balanced around those loads (:mod:`jodc.balance.preloaded`) and packed per
+  device as LB-Mini does. Each device runs its CP rows in group order (the deadlock-free rule of
+  :mod:`jodc.balance.cp_plan`) and fills the wait before a group with its own short microbatches where they fit.
+  Microbatch counts differ across devices.
+* :func:`lockstep_cp` -- lock-step dynamic CP (the baseline collective FSDP allows): the same kind of groups, each
+  of the smallest size, run in *waves* of disjoint groups; every device runs the same number of steps, step ``i``
+  of all devices together. Devices outside a wave's groups run a short microbatch in that step (as long as the wave
+  lasts, for free); the remaining short sequences follow in LB-Micro steps.
+* :func:`fixed_cp` -- the fixed layout of MaxText / Megatron context parallelism: every sequence split over all
+  devices, sequences packed into rows (each member's pieces within the cap), one group per row, all devices in
+  every group.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from jodc.balance.cp_cost import ContextParallelCost
+from jodc.balance.cp_plan import CPGroup, CPMicrobatch, CPPlan
+from jodc.balance.model_shape import DEEPSEEK_R1_DISTILL_QWEN_1_5B
+from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
+from jodc.balance.partition import partition
+from jodc.balance.plan import Microbatch
+from jodc.balance.preloaded import balance_around_loads
+from jodc.balance.validation import lengths_within_world, min_group_size, positive_int, sequence_lengths
+from jodc.balance.zigzag import zigzag_layout
+
+CPPlanner = Callable[..., CPPlan]
+
+#: Largest group :func:`lb_mini_cp` considers, as a multiple of the smallest that fits: a bigger group costs more
+#: exchange and padding than it saves once its pieces are a small share of a device's work.
+GROUP_SCALE = 8
+
+
+def default_cp_cost() -> ContextParallelCost:
+    """DeepSeek-R1-Distill-Qwen-1.5B on an A100 SXM in an NVSwitch node (:meth:`ContextParallelCost.from_shape`)."""
+    return ContextParallelCost.from_shape(DEEPSEEK_R1_DISTILL_QWEN_1_5B)
+
+
+def _inputs(lengths, num_devices, token_cap, cost_model):
+    lengths = sequence_lengths(lengths)
+    world = positive_int(num_devices, "num_devices")
+    cap = positive_int(token_cap, "token_cap")
+    lengths_within_world(lengths, world, cap)
+    cost = default_cp_cost() if cost_model is None else cost_model
+    if not isinstance(cost, ContextParallelCost):
+        raise ValueError(f"the CP planners need a ContextParallelCost (it prices the exchanges), got "
+                         f"{type(cost).__name__}")
+    return lengths, world, cap, cost
+
+
+def _microbatch(indices, lengths: np.ndarray, costs: np.ndarray) -> Microbatch:
+    ordered = sorted(int(i) for i in indices)
+    return Microbatch(tuple(ordered), tuple(int(lengths[i]) for i in ordered), math.fsum(costs[ordered]))
+
+
+def _packed(share: list[int], lengths: np.ndarray, costs: np.ndarray, cap: int) -> list[Microbatch]:
+    """A device's short sequences (global indices) packed into the fewest microbatches, heaviest first."""
+    if not share:
+        return []
+    packed = pack_microbatches(lengths[share], costs[share], cap, search_nodes=0)
+    return [_microbatch([share[p] for p in part], lengths, costs) for part in packed]
+
+
+def _group(group_id: int, members, seqs, lengths: np.ndarray, cost: ContextParallelCost) -> CPGroup:
+    seqs = [int(i) for i in seqs]
+    split = [int(lengths[i]) for i in seqs]
+    members = tuple(int(d) for d in members)
+    return CPGroup(group_id, members, tuple(seqs), tuple(split), cost.group_time(split, members))
+
+
+def _choose_group(length: int, ready: np.ndarray, cap: int, cost: ContextParallelCost, work_left: float):
+    """(members, end time) of the group for one long sequence, given each device's CP finish time ``ready``."""
+    world = ready.size
+    order = np.argsort(ready, kind="stable")  # most lightly loaded first, ties by device index
+    smallest = min_group_size(length, cap)
+    node = cost.devices_per_node
+    best = None
+    for k in range(smallest, min(world, GROUP_SCALE * smallest) + 1):
+        candidates = [order[:k]]  # the k most lightly loaded devices anywhere
+        if 0 < node and k <= node:  # or the k most lightly loaded of one node (a faster exchange)
+            candidates += [n + np.argsort(ready[n:n + node], kind="stable")[:k] for n in range(0, world - k + 1, node)
+                           if n + node <= world]
+        for members in candidates:
+            members = sorted(int(d) for d in members)
+            end = float(ready[members].max()) + cost.group_time([length], members)
+            placed = float(ready.sum() - ready[members].sum()) + k * end
+            score = max(end, (placed + work_left) / world)
+            if best is None or score < best[0] * (1 - 1e-12):
+                best = (score, members, end)
+    return best[1], best[2]
+
+
+def lb_mini_cp(lengths, num_devices: int, token_cap: int, *, cost_model: ContextParallelCost | None = None
+               ) -> CPPlan:
+    """Data-aware CP for ODC: groups on lightly loaded devices, short sequences balanced around them."""
+    lengths, world, cap, cost = _inputs(lengths, num_devices, token_cap, cost_model)
+    costs = cost(lengths)
+    long = sorted(np.flatnonzero(lengths > cap).tolist(), key=lambda i: (-costs[i], i))
+    short = np.flatnonzero(lengths <= cap)
+    ready = np.zeros(world)
+    work_left = math.fsum(costs)
+    groups, spans = [], []
+    for i in long:
+        work_left -= costs[i]
+        members, end = _choose_group(int(lengths[i]), ready, cap, cost, work_left)
+        group = _group(len(groups), members, [i], lengths, cost)
+        spans.append((end - group.cost, end))
+        ready[members] = end
+        groups.append(group)
+    shares = balance_around_loads(costs[short], ready)
+    devices = []
+    for d in range(world):
+        own = _packed([int(short[p]) for p in shares[d]], lengths, costs, cap)
+        devices.append(_order_device(d, groups, spans, own, cost))
+    return CPPlan(tuple(devices), tuple(groups), cap, planner="lb_mini_cp", cost_model=cost.name)
+
+
+def _order_device(device: int, groups: list[CPGroup], spans, own: list[Microbatch], cost: ContextParallelCost):
+    """Device ``device``'s items: its CP rows in group order, each preceded by those of its own microbatches that
+    fit in the wait before the group starts (largest first); the rest at the end."""
+    items, clock, left = [], 0.0, list(own)
+    for group, (start, end) in zip(groups, spans):
+        if device not in group.members:
+            continue
+        for mb in sorted(left, key=lambda mb: -mb.cost):
+            took = cost.microbatch_time(mb.seq_lengths)
+            if clock + took <= start:
+                items.append(mb)
+                left.remove(mb)
+                clock += took
+        items.append(CPMicrobatch(group, group.member_index(device)))
+        clock = end
+    return tuple(items + left)
+
+
+def lockstep_cp(lengths, num_devices: int, token_cap: int, *, cost_model: ContextParallelCost | None = None
+                ) -> CPPlan:
+    """Lock-step dynamic CP: smallest groups in waves of disjoint groups, every device the same step count."""
+    lengths, world, cap, cost = _inputs(lengths, num_devices, token_cap, cost_model)
+    costs = cost(lengths)
+    long = sorted(np.flatnonzero(lengths > cap).tolist(), key=lambda i: (-costs[i], i))
+    node = cost.devices_per_node
+    waves: list[list] = []  # per wave: [next free device, [(sequence, first member, group size), ...]]
+    for i in long:
+        k = min_group_size(int(lengths[i]), cap)
+        for wave in waves + [None]:
+            if wave is None:
+                waves.append(wave := [0, []])
+            first = wave[0]
+            if 0 < node and k <= node and first % node + k > node:  # keep a group inside a node when it fits one
+                first += node - first % node
+            if first + k <= world:
+                wave[1].append((i, first, k))
+                wave[0] = first + k
+                break
+    steps: list[list] = []  # steps[s][d]
+    groups: list[CPGroup] = []
+    free_slots: list[tuple[int, int, float]] = []  # (step, device, wave time) where a device has no group
+    for s, (_, wave) in enumerate(waves):
+        row = [None] * world
+        for i, first, k in wave:
+            group = _group(len(groups), range(first, first + k), [i], lengths, cost)
+            groups.append(group)
+            for m in range(k):
+                row[first + m] = CPMicrobatch(group, m)
+        wave_time = max(groups[-1 - j].cost for j in range(len(wave)))
+        free_slots += [(s, d, wave_time) for d in range(world) if row[d] is None]
+        steps.append(row)
+    shorts = sorted(np.flatnonzero(lengths <= cap).tolist(), key=lambda i: (-costs[i], i))
+    for s, d, wave_time in free_slots:  # a short microbatch no longer than the wave runs for free beside it
+        chosen, tokens, took = [], 0, cost.microbatch_seconds
+        for i in shorts:
+            if tokens + lengths[i] <= cap and took + costs[i] <= wave_time:
+                chosen.append(i)
+                tokens += int(lengths[i])
+                took += costs[i]
+        if chosen:
+            steps[s][d] = _microbatch(chosen, lengths, costs)
+            shorts = [i for i in shorts if i not in set(chosen)]
+    steps += _lockstep_steps(sorted(shorts), lengths, costs, world, cap)
+    devices = tuple(tuple(step[d] if step[d] is not None else Microbatch.empty() for step in steps)
+                    for d in range(world))
+    return CPPlan(devices, tuple(groups), cap, planner="lockstep_cp", cost_model=cost.name)
+
+
+def _lockstep_steps(indices: list[int], lengths, costs, world: int, cap: int) -> list[list]:
+    """LB-Micro's layout of the sequences ``indices``: equal counts per device, the same number of steps."""
+    if not indices:
+        return []
+    ids = np.asarray(indices)
+    shares = [[int(ids[p]) for p in part] for part in partition(costs[ids], world, equal_sizes=True)]
+    count = max(min_microbatches(lengths[share], cap) for share in shares)
+    while True:
+        packings = [try_pack(lengths[share], costs[share], cap, count) if share else [[]] * count for share in shares]
+        if all(p is not None for p in packings):
+            break
+        count += 1
+    steps = [[None] * world for _ in range(count)]
+    for d, (share, packed) in enumerate(zip(shares, packings)):
+        for s, part in enumerate(packed):
+            if part:
+                steps[s][d] = _microbatch([share[p] for p in part], lengths, costs)
+    return steps
+
+
+def fixed_cp(lengths, num_devices: int, token_cap: int, *, cost_model: ContextParallelCost | None = None) -> CPPlan:
+    """Every sequence split over all devices; rows packed first fit, longest first, one group per row."""
+    lengths, world, cap, cost = _inputs(lengths, num_devices, token_cap, cost_model)
+    rows: list[list] = []  # [sequences, columns used]
+    for i in sorted(range(lengths.size), key=lambda i: (-lengths[i], i)):
+        columns = zigzag_layout(int(lengths[i]), world).piece_length
+        row = next((r for r in rows if r[1] + columns <= cap), None)
+        if row is None:
+            rows.append([[i], columns])
+        else:
+            row[0].append(i)
+            row[1] += columns
+    groups = tuple(_group(g, range(world), seqs, lengths, cost) for g, (seqs, _) in enumerate(rows))
+    devices = tuple(tuple(CPMicrobatch(group, d) for group in groups) for d in range(world))
+    return CPPlan(devices, groups, cap, planner="fixed_cp", cost_model=cost.name)
+
+
+CP_PLANNERS: dict[str, CPPlanner] = {"lb_mini_cp": lb_mini_cp, "lockstep_cp": lockstep_cp, "fixed_cp": fixed_cp}
