@@ -187,6 +187,18 @@ def simulate_cp_lockstep(plan: CPPlan, cost: ContextParallelCost | None = None) 
     return _result("lockstep", plan, clock, busy, segments)
 
 
+def timeline_events(result: CPStepResult) -> list[dict]:
+    """The predicted step as timeline events (:mod:`jodc.fsdp.timeline_analysis`: ``plot_timeline`` draws them);
+    CP rows carry ``group`` and ``members``."""
+    events = []
+    for seg in result.timeline:
+        event = {"device": seg.device, "start": seg.start, "end": seg.end, "kind": seg.kind, "label": seg.label}
+        if seg.group >= 0:
+            event.update(group=seg.group, members=list(seg.members))
+        events.append(event)
+    return events
+
+
 @dataclasses.dataclass(frozen=True)
 class CPWhatIf:
     """The three CP layouts on the same minibatches (means over them; times in seconds)."""
