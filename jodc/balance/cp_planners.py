@@ -44,6 +44,8 @@ CPPlanner = Callable[..., CPPlan]
 #: Largest group :func:`lb_mini_cp` considers, as a multiple of the smallest that fits: a bigger group costs more
 #: exchange and padding than it saves once its pieces are a small share of a device's work.
 GROUP_SCALE = 8
+#: Group sizes :func:`lockstep_cp` tries, as multiples of the smallest that fits (None: every device).
+LOCKSTEP_GROUP_SCALES = (1, 2, 4, None)
 
 
 def default_cp_cost() -> ContextParallelCost:
@@ -150,14 +152,31 @@ def _order_device(device: int, groups: list[CPGroup], spans, own: list[Microbatc
 
 def lockstep_cp(lengths, num_devices: int, token_cap: int, *, cost_model: ContextParallelCost | None = None
                 ) -> CPPlan:
-    """Lock-step dynamic CP: smallest groups in waves of disjoint groups, every device the same step count."""
+    """Lock-step dynamic CP: groups in waves of disjoint groups, every device the same step count. Group sizes are
+    the smallest that fit times a scale (``LOCKSTEP_GROUP_SCALES``, or the whole world), the one whose plan has the
+    shortest lock-step step (sum over steps of the slowest device) by the cost model."""
     lengths, world, cap, cost = _inputs(lengths, num_devices, token_cap, cost_model)
+    plans = [_lockstep_plan(lengths, world, cap, cost, scale) for scale in LOCKSTEP_GROUP_SCALES]
+    return min(plans, key=lambda plan: _lockstep_estimate(plan, cost))
+
+
+def _lockstep_estimate(plan: CPPlan, cost: ContextParallelCost) -> float:
+    """Sum over steps of the slowest device's item (a lock-step step lasts as long as its slowest device)."""
+    def took(item) -> float:
+        if isinstance(item, CPMicrobatch):
+            return item.group.cost
+        return cost.microbatch_time(item.seq_lengths) if not item.is_empty else cost.microbatch_seconds
+    return math.fsum(max(took(device[s]) for device in plan.devices) for s in range(plan.microbatch_counts()[0]))
+
+
+def _lockstep_plan(lengths, world: int, cap: int, cost: ContextParallelCost, scale: int | None) -> CPPlan:
+    """The lock-step plan with groups of ``scale`` x the smallest size (None: the whole world)."""
     costs = cost(lengths)
     long = sorted(np.flatnonzero(lengths > cap).tolist(), key=lambda i: (-costs[i], i))
     node = cost.devices_per_node
     waves: list[list] = []  # per wave: [next free device, [(sequence, first member, group size), ...]]
     for i in long:
-        k = min_group_size(int(lengths[i]), cap)
+        k = world if scale is None else min(world, scale * min_group_size(int(lengths[i]), cap))
         for wave in waves + [None]:
             if wave is None:
                 waves.append(wave := [0, []])

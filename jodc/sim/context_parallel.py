@@ -73,22 +73,18 @@ class CPStepResult:
     timeline: tuple[CPSegment, ...]
 
 
-def _member_busy(item: CPMicrobatch, cost: ContextParallelCost) -> float:
-    """A member's own work in its CP row: the microbatch's fixed cost, its pieces and short sequences, the exchange."""
-    split, k = item.group.seq_lengths, item.group.size
-    own = float(cost.member_compute(split, k)[item.member]) + float(np.sum(cost(np.asarray(item.short.seq_lengths))))
-    return cost.microbatch_seconds + own + cost.exchange_time(split, item.group.members)
-
-
-def _group_time(plan: CPPlan, g: int, cost: ContextParallelCost) -> float:
-    """The group microbatch's duration: its slowest member (with the short sequences each packs) + exchanges."""
+def _group_costs(plan: CPPlan, g: int, cost: ContextParallelCost) -> tuple[float, np.ndarray]:
+    """(duration, busy time of each member) of group ``g``'s microbatch. A member is busy for the microbatch's fixed
+    cost, its pieces, the short sequences it packs beside them and the exchange; the microbatch lasts as long as
+    the slowest member's compute plus the exchange (members meet at every exchange)."""
     group = plan.groups[g]
-    shorts = [()] * group.size
+    compute = cost.member_compute(group.seq_lengths, group.size)
     for d in group.members:
         for item in plan.devices[d]:
             if isinstance(item, CPMicrobatch) and item.group.group_id == g:
-                shorts[item.member] = item.short.seq_lengths
-    return cost.group_time(group.seq_lengths, group.members, shorts)
+                compute[item.member] += float(np.sum(cost(np.asarray(item.short.seq_lengths, dtype=np.int64))))
+    fixed = cost.microbatch_seconds + cost.exchange_time(group.seq_lengths, group.members)
+    return fixed + float(compute.max()), fixed + compute
 
 
 def _result(schedule: str, plan: CPPlan, wall: float, busy: np.ndarray, segments) -> CPStepResult:
@@ -143,10 +139,10 @@ def _run_group(plan, g, arrivals, cost, clock, busy, pos, segments) -> None:
     """Runs group ``g`` once all its members have arrived: advances their clocks past it."""
     group = plan.groups[g]
     start = max(arrivals.values())
-    end = start + _group_time(plan, g, cost)
+    duration, member_busy = _group_costs(plan, g, cost)
+    end = start + duration
     for d in group.members:
-        item = plan.devices[d][pos[d]]
-        own = _member_busy(item, cost)
+        own = float(member_busy[plan.devices[d][pos[d]].member])
         if start > arrivals[d]:
             segments.append(CPSegment(d, arrivals[d], start, "wait", f"cp{g} members"))
         segments.append(CPSegment(d, start, start + own, "busy", f"cp{g}", g, group.members))
@@ -165,13 +161,14 @@ def simulate_cp_lockstep(plan: CPPlan, cost: ContextParallelCost | None = None) 
                          "same step on all its members")
     world = plan.num_devices
     busy, clock, segments = np.zeros(world), 0.0, []
-    group_times = {g: _group_time(plan, g, cost) for g in range(len(plan.groups))}
+    group_costs = [_group_costs(plan, g, cost) for g in range(len(plan.groups))]
     for step in range(plan.microbatch_counts()[0]):
         took, own = np.zeros(world), np.zeros(world)
         for d in range(world):
             item = plan.devices[d][step]
             if isinstance(item, CPMicrobatch):
-                took[d], own[d] = group_times[item.group.group_id], _member_busy(item, cost)
+                duration, member_busy = group_costs[item.group.group_id]
+                took[d], own[d] = duration, member_busy[item.member]
             else:  # an empty step still gathers the parameters with everyone
                 took[d] = own[d] = cost.microbatch_time(item.seq_lengths) if not item.is_empty else cost.microbatch_seconds
         length = float(took.max())
