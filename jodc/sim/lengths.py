@@ -23,6 +23,9 @@ Presets, and where each constant comes from:
   is a common response cap for reasoning RL at this model size, ``mean = 4096`` and ``sigma = 0.8`` give a
   shorter tail than the SFT sets and about 2% of rollouts truncated at the cap; ``min_len = 256`` is a short
   prompt with a short answer.
+* ``LONGALIGN_LONG_TAIL`` (:class:`LongTailLengths`, for context parallelism): ``LONGALIGN_SFT`` with 1.5% of
+  sequences drawn log-uniformly from 4-8x a 64K token cap (256K-512K tokens). Assumed: long documents or agent
+  trajectories beyond one device's memory, rare enough that splitting every sequence (fixed CP) wastes the rest.
 """
 from __future__ import annotations
 
