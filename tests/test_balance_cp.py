@@ -201,3 +201,20 @@ def test_plan_refuses_broken_invariants():
         CPPlan(((CPMicrobatch(g0, 0), Microbatch((0,), (150,), 1.0)), (CPMicrobatch(g0, 1),)), (g0,), 200)
     with pytest.raises(ValueError, match="is member 1"):
         CPPlan(((CPMicrobatch(g0, 1),), (CPMicrobatch(g0, 0),)), (g0,), 100)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_minibatches_give_valid_plans_that_run(seed):
+    from jodc.sim import simulate_cp_lockstep, simulate_cp_odc
+
+    rng = np.random.default_rng(seed)
+    world, cap = int(rng.integers(2, 9)), 64
+    lengths = rng.integers(1, cap + 1, int(rng.integers(1, 30))).tolist()
+    lengths += rng.integers(cap + 1, world * cap // 2 + 2, int(rng.integers(0, 4))).tolist()
+    plan = lb_mini_cp(lengths, world, cap, cost_model=HAND)
+    _check_lb_mini_cp_plan(plan, lengths, cap)
+    simulate_cp_odc(plan, HAND)  # raises if the groups deadlock
+    for baseline in (lockstep_cp, fixed_cp):
+        other = baseline(lengths, world, cap, cost_model=HAND)
+        assert other.sequence_lengths().tolist() == lengths and other.is_lockstep
+        simulate_cp_lockstep(other, HAND)

@@ -77,3 +77,11 @@ def test_lb_mini_cp_plans_run_without_deadlock_at_scale():
     plan = lb_mini_cp(lengths, 64, 65536, cost_model=cost)
     result = simulate_cp_odc(plan, cost)
     assert result.step_time >= cost(lengths).sum() / 64  # never below the perfectly balanced compute
+
+
+def test_a_rendered_timeline_shows_the_groups(tmp_path):
+    from jodc.fsdp.timeline_analysis import plot_timeline
+
+    path = tmp_path / "cp.png"
+    rate = plot_timeline(timeline_events(simulate_cp_odc(_one_group_plan(), HAND)), str(path), num_devices=3)
+    assert path.stat().st_size > 0 and 0 < rate < 1

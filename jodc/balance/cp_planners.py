@@ -44,6 +44,9 @@ CPPlanner = Callable[..., CPPlan]
 #: Largest group :func:`lb_mini_cp` considers, as a multiple of the smallest that fits: a bigger group costs more
 #: exchange and padding than it saves once its pieces are a small share of a device's work.
 GROUP_SCALE = 8
+#: Load levels (groups of devices that finish their CP work together) whose devices :func:`_choose_group` tries as a
+#: group, lightest first: heavier levels end later, so a few bound the planning time at no cost in balance.
+LOAD_LEVELS = 8
 #: Group sizes :func:`lockstep_cp` tries, as multiples of the smallest that fits (None: every device).
 LOCKSTEP_GROUP_SCALES = (1, 2, 4, None)
 
@@ -85,33 +88,58 @@ def _group(group_id: int, members, seqs, lengths: np.ndarray, cost: ContextParal
     return CPGroup(group_id, members, tuple(seqs), tuple(split), cost.group_time(split, members))
 
 
-def _choose_group(length: int, ready: np.ndarray, cap: int, cost: ContextParallelCost, work_left: float):
-    """(members, end time) of the group for one long sequence, given each device's CP finish time ``ready``."""
+def _choose_group(length: int, ready: np.ndarray, cap: int, cost: ContextParallelCost, work_left: float, *,
+                  levels: bool = True):
+    """(members, end time) of the group for one long sequence, given each device's CP finish time ``ready``.
+
+    Candidates for each size ``k``: the ``k`` most lightly loaded devices; with ``levels``, the ``k`` next ones from
+    each level of load (devices that finish together wait less for each other); the ``k`` most lightly loaded of each node (a
+    faster exchange). The score is a bound on the step, ``max(group end, (work placed + work left) / devices)``, in
+    which a member's wait for the others counts as placed work."""
     world = ready.size
     order = np.argsort(ready, kind="stable")  # most lightly loaded first, ties by device index
+    level_starts = [0] + [j for j in range(1, world) if levels and ready[order[j]] != ready[order[j - 1]]]
+    level_starts = level_starts[:LOAD_LEVELS]
     smallest = min_group_size(length, cap)
     node = cost.devices_per_node
+    total = float(ready.sum())
+    times: dict[tuple[int, bool], float] = {}
     best = None
     for k in range(smallest, min(world, GROUP_SCALE * smallest) + 1):
-        candidates = [order[:k]]  # the k most lightly loaded devices anywhere
-        if 0 < node and k <= node:  # or the k most lightly loaded of one node (a faster exchange)
-            candidates += [n + np.argsort(ready[n:n + node], kind="stable")[:k] for n in range(0, world - k + 1, node)
-                           if n + node <= world]
+        candidates = [order[j:j + k] for j in level_starts if j + k <= world]
+        if 0 < node and k <= node:
+            candidates += [n + np.argsort(ready[n:n + node], kind="stable")[:k] for n in range(0, world, node)
+                           if min(n + node, world) - n >= k]
         for members in candidates:
             members = sorted(int(d) for d in members)
-            end = float(ready[members].max()) + cost.group_time([length], members)
-            placed = float(ready.sum() - ready[members].sum()) + k * end
+            key = (k, cost.spans_nodes(members))
+            if key not in times:
+                times[key] = cost.group_time([length], members)
+            end = float(ready[members].max()) + times[key]
+            placed = total - float(ready[members].sum()) + k * end
             score = max(end, (placed + work_left) / world)
-            if best is None or score < best[0] * (1 - 1e-12):
+            # lower bound first; on a tie, the earlier end (e.g. a group inside a node over one across nodes)
+            if best is None or score < best[0] * (1 - 1e-12) or (score <= best[0] * (1 + 1e-12) and
+                                                                 end < best[2] * (1 - 1e-12)):
                 best = (score, members, end)
     return best[1], best[2]
 
 
 def lb_mini_cp(lengths, num_devices: int, token_cap: int, *, cost_model: ContextParallelCost | None = None
                ) -> CPPlan:
-    """Data-aware CP for ODC: groups on lightly loaded devices, short sequences balanced around them."""
+    """Data-aware CP for ODC: groups on lightly loaded devices, short sequences balanced around them. Two greedy
+    placements of the groups (with and without the load-level candidates of :func:`_choose_group`) are planned and
+    the one whose last device finishes first (:func:`_planned_finish`) is returned."""
     lengths, world, cap, cost = _inputs(lengths, num_devices, token_cap, cost_model)
     costs = cost(lengths)
+    plans = [_lb_mini_cp_plan(lengths, costs, world, cap, cost, levels) for levels in (True, False)]
+    if not plans[0][1]:  # no long sequence: both are the same plan
+        return plans[0][0]
+    return min(plans, key=lambda plan_spans: _planned_finish(*plan_spans, cost))[0]
+
+
+def _lb_mini_cp_plan(lengths, costs, world: int, cap: int, cost: ContextParallelCost, levels: bool):
+    """(plan, planned (start, end) of each group) for one greedy placement of the groups."""
     long = sorted(np.flatnonzero(lengths > cap).tolist(), key=lambda i: (-costs[i], i))
     short = np.flatnonzero(lengths <= cap)
     ready = np.zeros(world)
@@ -119,35 +147,52 @@ def lb_mini_cp(lengths, num_devices: int, token_cap: int, *, cost_model: Context
     groups, spans = [], []
     for i in long:
         work_left -= costs[i]
-        members, end = _choose_group(int(lengths[i]), ready, cap, cost, work_left)
+        members, end = _choose_group(int(lengths[i]), ready, cap, cost, work_left, levels=levels)
         group = _group(len(groups), members, [i], lengths, cost)
         spans.append((end - group.cost, end))
         ready[members] = end
         groups.append(group)
     shares = balance_around_loads(costs[short], ready)
-    devices = []
-    for d in range(world):
-        own = _packed([int(short[p]) for p in shares[d]], lengths, costs, cap)
-        devices.append(_order_device(d, groups, spans, own, cost))
-    return CPPlan(tuple(devices), tuple(groups), cap, planner="lb_mini_cp", cost_model=cost.name)
+    devices = [_order_device(d, groups, spans, [int(short[p]) for p in shares[d]], lengths, costs, cap, cost)
+               for d in range(world)]
+    return CPPlan(tuple(devices), tuple(groups), cap, planner="lb_mini_cp", cost_model=cost.name), spans
 
 
-def _order_device(device: int, groups: list[CPGroup], spans, own: list[Microbatch], cost: ContextParallelCost):
-    """Device ``device``'s items: its CP rows in group order, each preceded by those of its own microbatches that
-    fit in the wait before the group starts (largest first); the rest at the end."""
-    items, clock, left = [], 0.0, list(own)
+def _planned_finish(plan: CPPlan, spans, cost: ContextParallelCost) -> float:
+    """When the last device finishes if every group runs at its planned span (the wait-filling microbatches are
+    chosen to end before their group starts, so members arrive on time)."""
+    finish = 0.0
+    for device in plan.devices:
+        clock = 0.0
+        for item in device:
+            if isinstance(item, CPMicrobatch):
+                clock = max(clock, spans[item.group.group_id][0]) + item.group.cost
+            else:
+                clock += cost.microbatch_time(item.seq_lengths)
+        finish = max(finish, clock)
+    return finish
+
+
+def _order_device(device: int, groups: list[CPGroup], spans, share: list[int], lengths: np.ndarray,
+                  costs: np.ndarray, cap: int, cost: ContextParallelCost):
+    """Device ``device``'s items: its CP rows in group order, each preceded by microbatches of its own short
+    sequences (``share``) that fill the wait before the group starts (largest first, as long as they fit); the rest
+    packed at the end."""
+    items, clock, left = [], 0.0, sorted(share, key=lambda i: (-costs[i], i))
     for group, (start, end) in zip(groups, spans):
         if device not in group.members:
             continue
-        for mb in sorted(left, key=lambda mb: -mb.cost):
-            took = cost.microbatch_time(mb.seq_lengths)
-            if clock + took <= start:
-                items.append(mb)
-                left.remove(mb)
-                clock += took
+        room, chosen = start - clock - cost.microbatch_seconds, []
+        for i in left:
+            if costs[i] + cost.microbatch_seconds * (len(chosen) > 0) <= room:  # a microbatch more at worst
+                chosen.append(i)
+                room -= costs[i] + cost.microbatch_seconds * (len(chosen) > 1)
+        if chosen:
+            left = [i for i in left if i not in set(chosen)]
+            items += _packed(chosen, lengths, costs, cap)
         items.append(CPMicrobatch(group, group.member_index(device)))
         clock = end
-    return tuple(items + left)
+    return tuple(items + _packed(left, lengths, costs, cap))
 
 
 def lockstep_cp(lengths, num_devices: int, token_cap: int, *, cost_model: ContextParallelCost | None = None
