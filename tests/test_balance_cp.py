@@ -218,3 +218,12 @@ def test_random_minibatches_give_valid_plans_that_run(seed):
         other = baseline(lengths, world, cap, cost_model=HAND)
         assert other.sequence_lengths().tolist() == lengths and other.is_lockstep
         simulate_cp_lockstep(other, HAND)
+
+
+def test_short_sequences_balance_around_the_groups_loads():
+    from jodc.balance.preloaded import balance_around_loads
+
+    shares = balance_around_loads([4.0, 3.0, 3.0, 2.0], [10.0, 0.0, 0.0])
+    totals = [load + sum([4.0, 3.0, 3.0, 2.0][i] for i in share) for load, share in zip([10.0, 0.0, 0.0], shares)]
+    assert shares[0] == [] and max(totals) == 10.0
+    assert sorted(i for share in shares for i in share) == [0, 1, 2, 3]
