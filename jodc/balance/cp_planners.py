@@ -188,7 +188,8 @@ def _order_device(device: int, groups: list[CPGroup], spans, share: list[int], l
                 chosen.append(i)
                 room -= costs[i] + cost.microbatch_seconds * (len(chosen) > 1)
         if chosen:
-            left = [i for i in left if i not in set(chosen)]
+            taken = set(chosen)
+            left = [i for i in left if i not in taken]
             items += _packed(chosen, lengths, costs, cap)
         items.append(CPMicrobatch(group, group.member_index(device)))
         clock = end
@@ -255,7 +256,8 @@ def _lockstep_plan(lengths, world: int, cap: int, cost: ContextParallelCost, sca
                 took += costs[i]
         if chosen:
             steps[s][d] = _microbatch(chosen, lengths, costs)
-            shorts = [i for i in shorts if i not in set(chosen)]
+            taken = set(chosen)
+            shorts = [i for i in shorts if i not in taken]
     steps += _lockstep_steps(sorted(shorts), lengths, costs, world, cap)
     devices = tuple(tuple(step[d] if step[d] is not None else Microbatch.empty() for step in steps)
                     for d in range(world))
