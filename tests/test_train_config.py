@@ -200,6 +200,26 @@ def test_configs_and_checkpoints_in_the_old_trainer_layout_are_refused_naming_th
         C.resume_mismatches(saved, C.load_config())
 
 
+def test_context_parallel_is_an_explicit_setting_refused_until_an_engine_runs_it():
+    with pytest.raises(C.ConfigError, match="splits them over devices, with an engine that supports it"):
+        C.SFTConfig(engine=C.EngineConfig(token_cap=64))
+    with pytest.raises(C.ConfigError, match="the odc engine does not run context-parallel microbatches yet"):
+        C.SFTConfig(engine=C.EngineConfig(token_cap=256, context_parallel=True))
+
+
+def test_context_parallel_allows_max_length_up_to_the_world_capacity(monkeypatch):
+    from jodc.fsdp.odc_engine import ODCEngine
+
+    monkeypatch.setattr(ODCEngine, "supports_context_parallel", True, raising=False)
+    cfg = C.SFTConfig(engine=C.EngineConfig(devices=4, token_cap=256, context_parallel=True),
+                      data=C.DataConfig(max_length=1024))
+    assert cfg.token_cap == 256 and cfg.data.max_length == 4 * 256
+    with pytest.raises(C.ConfigError, match=r"data.max_length=1025 exceeds the world's capacity, engine.devices=4 x "
+                                            r"token_cap=256 = 1024 tokens"):
+        C.SFTConfig(engine=C.EngineConfig(devices=4, token_cap=256, context_parallel=True),
+                    data=C.DataConfig(max_length=1025))
+
+
 def test_sections_check_themselves_when_built_in_code():
     with pytest.raises(ValueError, match="unknown engine 'mpi'; engines are odc, collective, xla_spmd, reference"):
         C.EngineConfig(name="mpi")  # jodc.fsdp.engine_class's error

@@ -117,6 +117,14 @@ def test_overlong_sequences_are_truncated_or_dropped_and_reported(tmp_path):
         D.load_records(records[2:], TOK, max_length=12, overlong="drop", source="s")
 
 
+def test_loader_counts_the_sequences_for_context_parallel_groups():
+    records = [{"prompt": "p" * 5, "completion": "c" * 5},     # 12 tokens: within the cap of 12
+               {"prompt": "p" * 5, "completion": "c" * 20}]    # 27 tokens: longer than the cap, within max_length
+    kept, report = D.load_records(records, TOK, max_length=32, overlong="truncate", source="s", token_cap=12)
+    assert [e.length for e in kept] == [12, 27] and (report.truncated, report.context_parallel) == (0, 1)
+    assert "1 longer than engine.token_cap, split over context-parallel groups" in report.summary()
+
+
 def test_example_rejects_a_trained_first_token():
     with pytest.raises(ValueError, match="first token"):
         D.Example(np.array([1, 2], np.int32), np.array([True, False]))

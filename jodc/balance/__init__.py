@@ -21,6 +21,9 @@ from jodc.balance.cost import (
     make_cost_model,
     sequence_costs,
 )
+from jodc.balance.cp_cost import ContextParallelCost, causal_pairs, piece_pairs
+from jodc.balance.cp_plan import CPGroup, CPMicrobatch, CPPlan
+from jodc.balance.cp_planners import CP_PLANNERS, default_cp_cost, fixed_cp, lb_mini_cp, lockstep_cp
 from jodc.balance.metrics import PlanMetrics, imbalance_ratio, microbatch_cost_table, plan_metrics
 from jodc.balance.model_shape import DEEPSEEK_R1_DISTILL_QWEN_1_5B, ModelShape
 from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
@@ -30,7 +33,7 @@ from jodc.balance.completion import complete_bins, optimal_partition
 from jodc.balance.descent import balance_pairs, descend, equal_count_bound, lower_bound, resplit_heaviest
 from jodc.balance.fill import fill_parts
 from jodc.balance.exact import ExactResult, exact_partition
-from jodc.balance.planners import EXACT_PLANNERS, PLANNERS, get_planner, lb_micro, lb_mini, lb_mini_exact, local_sort
+from jodc.balance.planners import ALL_PLANNERS, EXACT_PLANNERS, PLANNERS, get_planner, lb_micro, lb_mini, lb_mini_exact, local_sort
 from jodc.balance.refine import refine_by_swaps
 from jodc.balance.search import improve_by_search
 from jodc.balance.zigzag import (
@@ -44,6 +47,18 @@ from jodc.balance.zigzag import (
 )
 
 __all__ = [
+    "ALL_PLANNERS",
+    "CPGroup",
+    "CPMicrobatch",
+    "CPPlan",
+    "CP_PLANNERS",
+    "ContextParallelCost",
+    "causal_pairs",
+    "default_cp_cost",
+    "fixed_cp",
+    "lb_mini_cp",
+    "lockstep_cp",
+    "piece_pairs",
     "COST_MODEL_NAMES",
     "CostModel",
     "DEEPSEEK_R1_DISTILL_QWEN_1_5B",

@@ -25,6 +25,7 @@ import numpy as np
 
 from jodc.balance.buckets import PaddedMicrobatchCost, rebalance_for_buckets
 from jodc.balance.cost import CostModel, LinearCost, sequence_costs
+from jodc.balance.cp_planners import CP_PLANNERS
 from jodc.balance.exact import DEFAULT_NODE_LIMIT, exact_partition
 from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
 from jodc.balance.partition import partition
@@ -121,10 +122,14 @@ PLANNERS: dict[str, Planner] = {"local_sort": local_sort, "lb_micro": lb_micro, 
 EXACT_PLANNERS: dict[str, Planner] = {"lb_mini_exact": lb_mini_exact}
 
 
+# Context parallelism (sequences longer than the cap split over groups; they return a CPPlan, which no engine runs
+# yet): reachable through get_planner, not among the planners the trainer offers.
+ALL_PLANNERS: dict[str, Planner] = {**PLANNERS, **EXACT_PLANNERS, **CP_PLANNERS}
+
+
 def get_planner(name: str) -> Planner:
-    """The planner called ``name``: one of ``local_sort``, ``lb_micro``, ``lb_mini`` (or ``lb_mini_exact``)."""
-    if name in EXACT_PLANNERS:
-        return EXACT_PLANNERS[name]
-    if name not in PLANNERS:
-        raise ValueError(f"unknown planner {name!r}; choose one of {', '.join([*PLANNERS, *EXACT_PLANNERS])}")
-    return PLANNERS[name]
+    """The planner called ``name``: one of ``local_sort``, ``lb_micro``, ``lb_mini`` (or ``lb_mini_exact``; or a
+    context-parallel planner of :data:`CP_PLANNERS`: ``lb_mini_cp``, ``lockstep_cp``, ``fixed_cp``)."""
+    if name not in ALL_PLANNERS:
+        raise ValueError(f"unknown planner {name!r}; choose one of {', '.join(ALL_PLANNERS)}")
+    return ALL_PLANNERS[name]

@@ -60,6 +60,36 @@ def lengths_within_cap(lengths: np.ndarray, token_cap: int) -> None:
         )
 
 
+def min_group_size(length: int, token_cap: int) -> int | None:
+    """The fewest devices whose zigzag pieces of a sequence of ``length`` tokens fit in ``token_cap`` columns each
+    (a piece is ``2 ceil(L / 2k)`` columns, so ``ceil(L / cap)`` may need one more); 1 when the sequence fits
+    whole; None when no group can hold it (a cap of one column holds no two-chunk piece)."""
+    if length <= token_cap:
+        return 1
+    if token_cap < 2:
+        return None
+    k = -(-length // token_cap)
+    while 2 * -(-length // (2 * k)) > token_cap:
+        k += 1
+    return k
+
+
+def lengths_within_world(lengths: np.ndarray, num_devices: int, token_cap: int) -> None:
+    """``ValueError`` naming the first sequence that no context-parallel group of the ``num_devices`` devices can
+    hold (its zigzag piece over all of them would exceed ``token_cap``): refused before anything runs."""
+    capacity = num_devices * token_cap
+    too_long = [i for i, n in enumerate(lengths.tolist())
+                if n > token_cap and (min_group_size(n, token_cap) or num_devices + 1) > num_devices]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"sequence {i} has {int(lengths[i])} tokens, more than the world's capacity of {num_devices} devices x "
+            f"token_cap={token_cap} = {capacity} tokens can hold (its zigzag piece over every device would not "
+            f"fit in a row); {len(too_long)} sequence(s) too long: truncate or drop them (data.max_length <= {capacity}) or "
+            f"add devices"
+        )
+
+
 def planner_inputs(lengths, num_devices, token_cap) -> tuple[np.ndarray, int, int]:
     """Validate a planner's three positional arguments together; returns (lengths, num_devices, token_cap)."""
     devices = positive_int(num_devices, "num_devices")

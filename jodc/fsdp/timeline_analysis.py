@@ -3,7 +3,9 @@ device. Library code: any engine user who asks `Engine.step(batch, record_timeli
 these (the trainer draws them every `logging.timeline_every` steps).
 
 An event is `{"device": int, "start": s, "end": s, "kind": "busy" | "wait", "label": str}` (times in seconds,
-any origin). The engines record them when asked (`Engine.step(batch, record_timeline=True)`); when an engine
+any origin); an event of a context-parallel microbatch also has `"group"` (the CP group's id) and `"members"` (its
+devices), and the plot draws it in its own colour, outlined, with the group id written on it
+(`jodc.sim.context_parallel.timeline_events` makes such events from a predicted step). The engines record them when asked (`Engine.step(batch, record_timeline=True)`); when an engine
 cannot, `events_from_plan` estimates them from the planner's cost model and the measured step time.
 
 The bubble rate is `1 - sum(busy) / (devices x wall)`, wall = last end - first start over all devices: the
@@ -104,8 +106,11 @@ def plot_timeline(events: Sequence[dict], path: str, *, num_devices: int | None 
     for e in events:
         start, width = e["start"] - t0, e["end"] - e["start"]
         if e["kind"] == "busy":
+            cp = e.get("group", -1) >= 0
             ax.broken_barh([(start, width)], (e["device"] - 0.4, 0.8), facecolors=colours[_label_group(e["label"])],
-                           edgecolor="white", linewidth=0.3)
+                           edgecolor="black" if cp else "white", linewidth=1.0 if cp else 0.3)
+            if cp:
+                ax.text(start + width / 2, e["device"], f"g{e['group']}", ha="center", va="center", fontsize="x-small")
         else:
             ax.broken_barh([(start, width)], (e["device"] - 0.4, 0.8), facecolors="#dddddd", hatch="//",
                            edgecolor="#999999", linewidth=0.3)
@@ -125,7 +130,10 @@ def plot_timeline(events: Sequence[dict], path: str, *, num_devices: int | None 
 
 
 def _label_group(label: str) -> str:
-    """Colour key of a busy label: engine labels 'mb3 layer_1 fwd' -> 'fwd'; plan estimates 'mb3' -> 'compute'."""
+    """Colour key of a busy label: engine labels 'mb3 layer_1 fwd' -> 'fwd'; plan estimates 'mb3' -> 'compute';
+    context-parallel rows 'cp4' -> 'context parallel'."""
+    if label.startswith("cp") and label[2:3].isdigit():
+        return "context parallel"
     last = label.split()[-1] if label else ""
     return last if last in ("fwd", "bwd", "optimizer", "input", "tail") else "compute"
 

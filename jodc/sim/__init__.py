@@ -9,10 +9,21 @@ Pure Python + numpy. Also holds synthetic length generators shaped like publishe
     plan = get_planner("lb_mini")(lengths, 8, 65536, cost_model=FlopsCost(MODEL))
     result = compare_schedules(plan, MODEL, A100_SXM_80GB)   # .collective, .odc, .speedup
 
-Multi-node layouts (flat vs hybrid sharding, ODC vs collective) are in :mod:`jodc.sim.hsdp`. See docs/balance.md for
+Multi-node layouts (flat vs hybrid sharding, ODC vs collective) are in :mod:`jodc.sim.hsdp`; plans with
+context-parallel groups and the three CP layouts in :mod:`jodc.sim.context_parallel`. See docs/balance.md for
 the model and the sources of every constant.
 """
 from jodc.sim.cluster import ClusterWhatIf, cluster_what_if
+from jodc.sim.context_parallel import (
+    CPSegment,
+    CPStepResult,
+    CPWhatIf,
+    cp_cost_for,
+    cp_layouts_what_if,
+    simulate_cp_lockstep,
+    simulate_cp_odc,
+    timeline_events,
+)
 from jodc.sim.hardware import A100_SXM_80GB, HardwareSpec
 from jodc.sim.hsdp import (
     A100_NODES_400G,
@@ -34,7 +45,10 @@ from jodc.sim.hsdp import (
 from jodc.sim.lengths import (
     AGENT_TRAJECTORIES,
     LENGTH_DISTRIBUTIONS,
+    LONG_TAIL_DISTRIBUTIONS,
+    LONGALIGN_LONG_TAIL,
     LONGALIGN_SFT,
+    LongTailLengths,
     RL_RESPONSES,
     LengthDistribution,
     get_length_distribution,
@@ -52,6 +66,17 @@ from jodc.sim.schedule import (
 from jodc.sim.step_model import BucketSteps, StepConfig, bucket_steps, communication_times, compute_times, transfer_time
 
 __all__ = [
+    "CPSegment",
+    "CPStepResult",
+    "CPWhatIf",
+    "LONGALIGN_LONG_TAIL",
+    "LONG_TAIL_DISTRIBUTIONS",
+    "LongTailLengths",
+    "cp_cost_for",
+    "cp_layouts_what_if",
+    "simulate_cp_lockstep",
+    "simulate_cp_odc",
+    "timeline_events",
     "A100_NODES_400G",
     "A100_SXM_80GB",
     "AGENT_TRAJECTORIES",

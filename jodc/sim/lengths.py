@@ -23,6 +23,9 @@ Presets, and where each constant comes from:
   is a common response cap for reasoning RL at this model size, ``mean = 4096`` and ``sigma = 0.8`` give a
   shorter tail than the SFT sets and about 2% of rollouts truncated at the cap; ``min_len = 256`` is a short
   prompt with a short answer.
+* ``LONGALIGN_LONG_TAIL`` (:class:`LongTailLengths`, for context parallelism): ``LONGALIGN_SFT`` with 1.5% of
+  sequences drawn log-uniformly from 4-8x a 64K token cap (256K-512K tokens). Assumed: long documents or agent
+  trajectories beyond one device's memory, rare enough that splitting every sequence (fixed CP) wastes the rest.
 """
 from __future__ import annotations
 
@@ -180,8 +183,59 @@ RL_RESPONSES = LengthDistribution(
 LENGTH_DISTRIBUTIONS = {d.name: d for d in (LONGALIGN_SFT, AGENT_TRAJECTORIES, RL_RESPONSES)}
 
 
-def get_length_distribution(name: str) -> LengthDistribution:
-    """A preset by name: ``longalign_sft``, ``agent_trajectories`` or ``rl_responses``."""
-    if name not in LENGTH_DISTRIBUTIONS:
-        raise ValueError(f"unknown length distribution {name!r}; choose one of {', '.join(LENGTH_DISTRIBUTIONS)}")
-    return LENGTH_DISTRIBUTIONS[name]
+@dataclasses.dataclass(frozen=True)
+class LongTailLengths:
+    """A body distribution plus a rare tail of much longer sequences (what context parallelism is for).
+
+    Each sequence is, with probability ``tail_fraction``, drawn log-uniformly from ``[tail_min, tail_max]``, else
+    from ``body``. Sampling is reproducible from the seed.
+    """
+
+    name: str
+    body: LengthDistribution
+    tail_min: int
+    tail_max: int
+    tail_fraction: float
+    source: str = ""
+
+    def __post_init__(self):
+        positive_int(self.tail_min, "tail_min")
+        positive_int(self.tail_max, "tail_max")
+        if not self.tail_min <= self.tail_max:
+            raise ValueError(f"tail_min={self.tail_min} must be at most tail_max={self.tail_max}")
+        if isinstance(self.tail_fraction, bool) or not 0 <= self.tail_fraction <= 1:
+            raise ValueError(f"tail_fraction must be in [0, 1], got {self.tail_fraction!r}")
+
+    @property
+    def min_len(self) -> int:
+        return min(self.body.min_len, self.tail_min)
+
+    @property
+    def max_len(self) -> int:
+        return max(self.body.max_len, self.tail_max)
+
+    def sample(self, n: int, seed: int = 0) -> np.ndarray:
+        """``n`` integer lengths (int64), reproducible from ``seed``."""
+        lengths = self.body.sample(n, seed=seed)
+        rng = np.random.default_rng([seed, 1])
+        tail = rng.random(lengths.size) < self.tail_fraction
+        log_lengths = rng.uniform(math.log(self.tail_min), math.log(self.tail_max), int(tail.sum()))
+        lengths[tail] = np.clip(np.rint(np.exp(log_lengths)), self.tail_min, self.tail_max).astype(np.int64)
+        return lengths
+
+
+LONGALIGN_LONG_TAIL = LongTailLengths(
+    name="longalign_long_tail", body=LONGALIGN_SFT, tail_min=4 * 65536, tail_max=8 * 65536, tail_fraction=0.015,
+    source="LONGALIGN_SFT with 1.5% of sequences 4-8x a 64K token cap (256K-512K): assumed, the case context "
+           "parallelism serves (long documents or agent trajectories beyond one device's memory)")
+
+#: Mixtures with a long tail, for the context-parallel what-ifs (jodc.sim.context_parallel).
+LONG_TAIL_DISTRIBUTIONS = {d.name: d for d in (LONGALIGN_LONG_TAIL,)}
+
+
+def get_length_distribution(name: str) -> LengthDistribution | LongTailLengths:
+    """A preset by name: ``longalign_sft``, ``agent_trajectories``, ``rl_responses`` or ``longalign_long_tail``."""
+    presets = {**LENGTH_DISTRIBUTIONS, **LONG_TAIL_DISTRIBUTIONS}
+    if name not in presets:
+        raise ValueError(f"unknown length distribution {name!r}; choose one of {', '.join(presets)}")
+    return presets[name]

@@ -118,6 +118,9 @@ class EngineConfig(Section):
     planner: Literal["lb_mini", "lb_micro", "local_sort"] | None = None
     cost_model: Literal["flops", "linear"] = "flops"  # how the planner weighs a sequence
     token_cap: int | None = None  # tokens per microbatch buffer; SFT's default: data.max_length
+    # split sequences longer than token_cap over groups of devices (context parallelism, jodc.balance.cp_planners):
+    # data.max_length may then reach devices x token_cap; needs an engine that runs CP microbatches (none yet)
+    context_parallel: bool = False
     # shorter buffer lengths a microbatch may run at, comma-separated ('256,512'): it runs at the smallest that
     # holds it; use multiples of the attention block size; LB-Mini then plans for the padded lengths
     length_buckets: str | None = None
@@ -250,9 +253,20 @@ class SFTConfig(TrainingConfig):
         return self.engine.token_cap or self.data.max_length
 
     def check(self) -> None:
-        if self.token_cap < self.data.max_length:
+        engine, capacity = self.engine, self.engine.devices * self.token_cap
+        if engine.context_parallel and not getattr(engine_class(engine.name), "supports_context_parallel", False):
+            raise ConfigError(f"engine.context_parallel=true: the {engine.name} engine does not run context-parallel "
+                              "microbatches yet (the planners jodc.balance.CP_PLANNERS make such plans; the engines' "
+                              "group exchange comes later); set it to false and keep data.max_length <= "
+                              "engine.token_cap")
+        if self.token_cap < self.data.max_length and not engine.context_parallel:
             raise ConfigError(f"engine.token_cap={self.token_cap} is below data.max_length={self.data.max_length}: "
-                              "the longest sequences would not fit in a microbatch")
+                              "the longest sequences would not fit in a microbatch (engine.context_parallel=true "
+                              "splits them over devices, with an engine that supports it)")
+        if self.data.max_length > capacity:
+            raise ConfigError(f"data.max_length={self.data.max_length} exceeds the world's capacity, engine.devices="
+                              f"{engine.devices} x token_cap={self.token_cap} = {capacity} tokens: a longer sequence "
+                              "fits no context-parallel group")
         if self.engine.length_buckets is not None:
             buckets = parse_length_buckets(self.engine.length_buckets)
             if any(b > self.token_cap for b in buckets):

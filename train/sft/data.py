@@ -10,7 +10,10 @@ Two record shapes are accepted, one JSON object per line of a `.jsonl` file:
 
 `Example.loss_mask[i]` says whether token `i` is *predicted* by the loss (it is the target of position `i - 1`);
 the first token never is. Sequences longer than `max_length` are truncated or dropped (`overlong`), and examples
-left without a trained token are dropped; `LoadReport` counts both so the trainer can say what happened.
+left without a trained token are dropped; `LoadReport` counts both so the trainer can say what happened. With
+context parallelism (`engine.context_parallel`) `max_length` may exceed the engine's token cap, up to the world's
+capacity (devices x cap); `LoadReport.context_parallel` counts the kept sequences longer than the cap, which the
+planner splits over groups of devices.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ class LoadReport:
     truncated: int = 0
     dropped_overlong: int = 0
     dropped_no_loss_tokens: int = 0
+    context_parallel: int = 0  # kept sequences longer than the token cap: the planner splits them over groups
 
     def summary(self) -> str:
         parts = [f"{self.kept} examples from {self.source}"]
@@ -68,6 +72,8 @@ class LoadReport:
             parts.append(f"{self.dropped_overlong} dropped as longer than max_length")
         if self.dropped_no_loss_tokens:
             parts.append(f"{self.dropped_no_loss_tokens} dropped with no completion token left")
+        if self.context_parallel:
+            parts.append(f"{self.context_parallel} longer than engine.token_cap, split over context-parallel groups")
         return "; ".join(parts)
 
 
@@ -171,9 +177,10 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def fit_to_length(encoded: Iterable[tuple[np.ndarray, np.ndarray]], max_length: int, overlong: str,
-                  report: LoadReport) -> list[Example]:
+                  report: LoadReport, token_cap: int | None = None) -> list[Example]:
     """Applies the length policy ('truncate' keeps the first max_length tokens, 'drop' drops the sequence) and
-    drops sequences with no loss token left; counts what happened in `report`."""
+    drops sequences with no loss token left; counts what happened in `report`, including (given the engine's
+    `token_cap`) the kept sequences longer than it, which context parallelism splits over groups of devices."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     examples = []
@@ -188,24 +195,27 @@ def fit_to_length(encoded: Iterable[tuple[np.ndarray, np.ndarray]], max_length: 
             report.dropped_no_loss_tokens += 1
             continue
         examples.append(Example(tokens, mask))
+        report.context_parallel += token_cap is not None and tokens.size > token_cap
     report.kept = len(examples)
     return examples
 
 
 def load_records(records: Sequence[dict], tokenizer: Tokenizer, *, max_length: int, overlong: str,
-                 source: str) -> tuple[list[Example], LoadReport]:
-    """Tokenises checked records and applies the length policy."""
+                 source: str, token_cap: int | None = None) -> tuple[list[Example], LoadReport]:
+    """Tokenises checked records and applies the length policy (`token_cap`: count the context-parallel ones)."""
     report = LoadReport(source)
-    examples = fit_to_length((encode_record(tokenizer, r) for r in records), max_length, overlong, report)
+    examples = fit_to_length((encode_record(tokenizer, r) for r in records), max_length, overlong, report,
+                             token_cap)
     if not examples:
         raise ValueError(f"{source}: no usable example ({report.summary()})")
     return examples, report
 
 
-def load_jsonl(path: str, tokenizer: Tokenizer, *, max_length: int, overlong: str = "truncate"
-               ) -> tuple[list[Example], LoadReport]:
+def load_jsonl(path: str, tokenizer: Tokenizer, *, max_length: int, overlong: str = "truncate",
+               token_cap: int | None = None) -> tuple[list[Example], LoadReport]:
     """Examples of a JSONL file (see the module docstring for the record shapes)."""
-    return load_records(read_jsonl(path), tokenizer, max_length=max_length, overlong=overlong, source=path)
+    return load_records(read_jsonl(path), tokenizer, max_length=max_length, overlong=overlong, source=path,
+                        token_cap=token_cap)
 
 
 def fingerprint_examples(examples: Sequence[Example]) -> dict:

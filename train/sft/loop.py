@@ -44,11 +44,11 @@ class SFTRun(Trainer):
         if data.path == EMBEDDED:
             records = generate_records(data.embedded_examples, seed=data.embedded_seed)
             self.examples, report = load_records(records, self.tokenizer, max_length=data.max_length,
-                                                 overlong=data.overlong,
+                                                 overlong=data.overlong, token_cap=self.config.token_cap,
                                                  source=f"the embedded dataset (seed {data.embedded_seed})")
         else:
             self.examples, report = load_jsonl(data.path, self.tokenizer, max_length=data.max_length,
-                                               overlong=data.overlong)
+                                               overlong=data.overlong, token_cap=self.config.token_cap)
         self.log(f"data: {report.summary()}")
         return fingerprint_examples(self.examples)
 
