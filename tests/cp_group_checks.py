@@ -26,7 +26,7 @@ from test_context_parallel import gather_from_members, group_case, relative_erro
 TOKEN_CAP = 20
 CONFIG = DecoderConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                        num_kv_heads=2, attention_impl="blockwise", attention_block_size=4)
-LAYERS = 2  # the layer applied twice: two K/V exchanges per direction (the slots alternate)
+LAYERS = 2  # the layer applied twice by default: two K/V exchanges per direction (the slots alternate)
 #: short sequences packed beside each member's piece, by group size
 SHORTS = {1: [[3, 2]], 2: [[3, 2], [5]], 4: [[4], [2, 3], [], [6]]}
 
@@ -47,7 +47,7 @@ def params():
     return init_group_params(CONFIG, "layer_0", jax.random.key(3), init_std=0.2)
 
 
-def size_case(group_size: int, layer_params) -> SizeCase:
+def size_case(group_size: int, layer_params, layers: int = LAYERS) -> SizeCase:
     case = group_case(6 * group_size + 1, group_size, TOKEN_CAP, SHORTS[group_size])
     rng = np.random.default_rng(group_size)
     ref_seg = jnp.asarray(case.reference_segment_ids)
@@ -58,7 +58,7 @@ def size_case(group_size: int, layer_params) -> SizeCase:
     ct_ref[case.reference_segment_ids == 0] = 0
 
     def reference_loss(p, h):
-        for _ in range(LAYERS):
+        for _ in range(layers):
             h = layer_apply(CONFIG, p, h, ref_pos, ref_seg)
         return jnp.sum(h * ct_ref)
 
@@ -68,7 +68,7 @@ def size_case(group_size: int, layer_params) -> SizeCase:
     return SizeCase(case, h_m, ct_m, float(loss), jax.tree.map(np.asarray, dparams), np.asarray(dh))
 
 
-def member_step(slots: ExchangeSlots, group_size: int):
+def member_step(slots: ExchangeSlots, group_size: int, layers: int = LAYERS):
     """(params, h, ct, seg, pos, shared, members) -> (loss, dparams, dh, token) on one member of a group of
     `group_size` (members[:group_size] is the list)."""
 
@@ -79,7 +79,7 @@ def member_step(slots: ExchangeSlots, group_size: int):
             exchange = OdcGroupExchange(slots, members)
             keys = group_keys(seg[None], pos[None], shared[None], exchange)
             out = h[None]
-            for _ in range(LAYERS):
+            for _ in range(layers):
                 out = context_parallel_layer_apply(CONFIG, p, out, pos[None], keys, exchange)
             return jnp.sum(out[0] * ct), exchange.token
 
@@ -96,7 +96,7 @@ def idle_step(p, h, ct, seg, pos, shared, members):
     return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p), jnp.zeros_like(h), ops.new_token("d")
 
 
-def group_program(slots: ExchangeSlots, sizes: tuple[int, ...]):
+def group_program(slots: ExchangeSlots, sizes: tuple[int, ...], layers: int = LAYERS):
     """The per-device program for shard_map over the heap's axis (every input and output with a leading device axis
     of 1 there): branch i runs a member of a group of sizes[i], the last branch idles."""
     axis = slots.heap.axis_name
@@ -104,7 +104,7 @@ def group_program(slots: ExchangeSlots, sizes: tuple[int, ...]):
     def per_device(step):  # every branch's outputs typed as varying over the axis, as switch requires
         return lambda *a: jax.tree.map(lambda o: as_varying(o, {axis}), step(*a))
 
-    branches = [per_device(member_step(slots, k)) for k in sizes] + [per_device(idle_step)]
+    branches = [per_device(member_step(slots, k, layers)) for k in sizes] + [per_device(idle_step)]
 
     def program(*inputs):
         role, *rest = (jax.tree.map(lambda x: x[0], a) for a in inputs)
