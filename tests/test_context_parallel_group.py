@@ -22,12 +22,11 @@ GROUPINGS = [
 ]
 
 
-@pytest.mark.parametrize("deterministic", [False])
-def test_groups_chosen_at_run_time_give_the_one_device_loss_and_gradients(deterministic, record_property):
+def test_groups_chosen_at_run_time_give_the_one_device_loss_and_gradients(record_property):
     mesh = cpu_mesh(WORLD)
     layer_params = checks.params()
     cases = {k: checks.size_case(k, layer_params) for k in SIZES}
-    with ops.SymmetricHeap(mesh, deterministic=deterministic, barrier_timeout_s=60) as heap:
+    with ops.SymmetricHeap(mesh, barrier_timeout_s=60) as heap:
         slots = ExchangeSlots.for_microbatch(heap, 1, checks.TOKEN_CAP, checks.CONFIG.num_kv_heads,
                                              checks.CONFIG.head_dim)
         program = jax.jit(jax.shard_map(checks.group_program(slots, SIZES), mesh=mesh, in_specs=(P("d"),) * 8,
@@ -48,3 +47,20 @@ def test_groups_chosen_at_run_time_give_the_one_device_loss_and_gradients(determ
     record_property("seconds_per_call", seconds)
     print(f"max relative error {worst:.2e}; seconds per call (first compiles) {seconds}")
     assert worst <= 1e-5, {k: v for k, v in all_errors.items() if v > 1e-5}
+
+
+def test_exchange_refuses_what_does_not_fit_or_is_not_a_member_list():
+    mesh = cpu_mesh(2)
+    with ops.SymmetricHeap(mesh, barrier_timeout_s=60) as heap:
+        with pytest.raises(ValueError, match="slot_numel must be a positive int"):
+            ExchangeSlots(heap, 0)
+        slots = ExchangeSlots(heap, 10)
+        assert slots.float_buckets[0].shard_numel >= 10
+        with pytest.raises(ValueError, match=r"members must be an int32 \[k\] array, got float32\[2\]"):
+            OdcGroupExchange(slots, jnp.array([0.0, 1.0]))
+
+        def gather_too_much(_):
+            return OdcGroupExchange(slots, jnp.array([0, 1], jnp.int32)).all_gather(jnp.zeros(11))
+
+        with pytest.raises(ValueError, match="an array of 11 elements .* does not fit the slots of 10"):
+            jax.jit(jax.shard_map(gather_too_much, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).trace(jnp.zeros(2))
