@@ -62,7 +62,18 @@ class ExchangeSlots:
 class OdcGroupExchange:
     """`all_gather` among the devices of `members` (int32 [k]: heap positions, this device among them; every member
     passes the same list) through `slots`. Create one per traced CP microbatch, inside ``shard_map`` over the heap's
-    axis; `token` orders its ops after earlier ones (default: a fresh token). `token` holds the latest token."""
+    axis; `token` orders its ops after earlier ones (default: a fresh token). `token` holds the latest token.
+
+    Under ``jax.grad`` (taken inside shard_map, each device its own loss), create the exchange inside the loss
+    function, return its `token` as auxiliary output, then close the group once the gradients exist::
+
+        def loss(p, h):
+            exchange = OdcGroupExchange(slots, members)
+            ...
+            return value, exchange.token
+        (value, token), grads = jax.value_and_grad(loss, has_aux=True)(p, h)
+        token = OdcGroupExchange(slots, members, ops.after(token, grads)).close()
+    """
 
     def __init__(self, slots: ExchangeSlots, members, token=None):
         self.slots, self.heap = slots, slots.heap
