@@ -16,9 +16,10 @@ from jodc.ops.transports import target_names
 
 def check_group_platform(heap: SymmetricHeap | ReplicatedHeap, op: str) -> None:
     """The group ops exist for CPU heaps (in-process and MPI) only: a clear error for others."""
-    if heap.platform not in target_names.GROUP_OP_PLATFORMS:
+    platform = heap.platform if isinstance(heap, SymmetricHeap) else heap.members()[0].platform
+    if platform not in target_names.GROUP_OP_PLATFORMS:
         raise ValueError(f"jodc.ops.{op}: group ops run on CPU heaps (in-process or MPI) only; this heap is on "
-                         f"{heap.platform!r} devices ({heap.transport} transport)")
+                         f"{platform!r} devices ({heap.transport} transport)")
 
 
 def check_members(members, heap: SymmetricHeap | ReplicatedHeap, op: str) -> jax.Array:
