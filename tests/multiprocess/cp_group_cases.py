@@ -76,6 +76,44 @@ def case_exchange_gives_the_one_device_loss_and_gradients():
             print(f"cp_group {WORLD} devices: max relative error {worst:.2e}", flush=True)
 
 
+def case_group_barrier_timeout_names_missing_member():
+    """Device 0 waits in a group barrier for the last device (of the other process), which never comes."""
+    import time
+
+    import jax.numpy as jnp
+    from jax import lax
+
+    heap = ops.SymmetricHeap(mesh, barrier_timeout_s=1.0)
+    last = WORLD - 1
+    members = jnp.array([0, last], jnp.int32)
+
+    def fn(dev):
+        wait = dev.astype(jnp.int32) == 0
+        return lax.cond(wait, lambda t: ops.group_barrier(heap, members, t), lambda t: t, ops.new_token())
+
+    devs = np.arange(WORLD, dtype=np.float32)
+    if RANK == 0:
+        t0 = time.monotonic()
+        try:
+            _mp.spmd(jax, mesh, fn, devs)
+            raise AssertionError("the group barrier did not fail")
+        except Exception as e:  # noqa: BLE001
+            text = str(e)
+        for fragment in ("group_barrier timed out after 1 s", f"member(s) [{last}] of group [0, {last}]",
+                         "held by process(es) [1]"):
+            assert fragment in text, text
+        assert time.monotonic() - t0 < 11, time.monotonic() - t0
+    else:
+        _mp.spmd(jax, mesh, fn, devs)  # no barrier here: returns at once
+    comm.Barrier()
+    try:  # the failure reached the other process too: its heap is poisoned with the waiter's message
+        heap.check_alive()
+        raise AssertionError("the heap is still healthy")
+    except RuntimeError as e:
+        assert "never arrived" in str(e), e
+    heap.free()
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
