@@ -13,9 +13,7 @@ from jodc.ops.accumulator import read_accumulator, zero_accumulator
 from jodc.ops.barrier import barrier
 from jodc.ops.failure import DeviceFailed, block_until_ready
 from jodc.ops.gather import gather
-from jodc.ops.group_barrier import group_barrier
-from jodc.ops.group_gather import group_gather
-from jodc.ops.group_scatter_accumulate import group_scatter_accumulate
+from jodc.ops.group import group_barrier, group_gather, group_scatter_accumulate
 from jodc.ops.heap import Bucket, SymmetricHeap
 from jodc.ops.layer import odc_layer
 from jodc.ops.publish import publish

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 
 from jodc.ops._call import TOKEN_TYPE, float_dtype, native, per_device, prepare
-from jodc.ops._members import check_members
+from jodc.ops.group.members import check_members
 from jodc.ops.heap import Bucket
 from jodc.ops.replicated_heap import ReplicatedBucket
 

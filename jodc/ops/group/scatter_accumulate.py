@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jodc.ops._call import TOKEN_TYPE, float_dtype, native, prepare
-from jodc.ops._members import check_members
+from jodc.ops.group.members import check_members
 from jodc.ops.heap import Bucket
 from jodc.ops.replicated_heap import ReplicatedBucket
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 
 from jodc.ops._call import HEAP_TYPES, TOKEN_TYPE, device_index, native
-from jodc.ops._members import check_members
+from jodc.ops.group.members import check_members
 from jodc.ops.heap import SymmetricHeap
 from jodc.ops.replicated_heap import ReplicatedHeap
 from jodc.ops.token import check_token
