@@ -1,6 +1,7 @@
 """What every benchmark shares: the output flags, presets that fill the flags a user left unset, repeat-and-median
 timing, the environment block, and the report (a table, then one JSON line, written to bench/results/ unless
---no-save). A benchmark's `main` is: parse its arguments -> measure rows -> `report`.
+--no-save: `output` names the file, `report(saved=...)` lets it hold more than the line, `previous` reads what it held).
+A benchmark's `main` is: parse its arguments -> measure rows -> `report`.
 
 The benchmarks run as modules from the repository root (``python -m bench.<name>``); the children they start (their
 own workers, under mpirun or not) run the same way, with the root on PYTHONPATH (`module_command`, `child_env`)."""
