@@ -25,13 +25,13 @@ JSON to bench/results/balance.json, the table to bench/results/balance_table.md,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import time
 
 import numpy as np
 
+from bench import harness
 from jodc.balance import (
     DEEPSEEK_R1_DISTILL_QWEN_1_5B,
     FlopsCost,
@@ -346,12 +346,10 @@ def result_of(args, rows: list[dict], golden: dict, planning: dict, exact: dict,
     return result
 
 
-def save(args, result: dict, text: str, rows: list[dict]) -> None:
-    """bench/results/balance.json and balance_table.md, and the docs' plots unless --no-plots."""
-    results = ROOT / "bench" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "balance.json").write_text(json.dumps(result, indent=1) + "\n")
-    (results / "balance_table.md").write_text(text + "\n")
+def save_extras(args, text: str, rows: list[dict]) -> None:
+    """bench/results/balance_table.md (the rows' table), and the docs' plots unless --no-plots."""
+    with open(harness.results_path("balance_table.md"), "w") as f:
+        f.write(text + "\n")
     if not args.no_plots:
         plot_speedups(rows, ROOT / "docs" / "balance_speedup.png")
         plot_timelines(args.devices, args.token_cap, args.seed, ROOT / "docs" / "balance_timeline.png")
@@ -366,18 +364,18 @@ def main(argv=None) -> None:
     print(f"LongAlign-like lengths ({LONGALIGN_SFT.min_len}-{LONGALIGN_SFT.max_len} tokens, mean "
           f"{LONGALIGN_SFT.mean:.0f}), {DEEPSEEK_R1_DISTILL_QWEN_1_5B.name}, {args.devices} x {A100_SXM_80GB.name}, "
           f"T = {args.token_cap}, FLOP cost model, {args.minibatches} minibatches per row (simulated)")
-    print(text)
+    print(text)  # now: the planning times and the exact subset take a while
     golden = next(row for row in rows if row["seqs_per_device"] == GOLDEN_SEQS_PER_DEVICE)
     planning = planning_times(args, golden)
     exact = {}
     if args.exact:
         exact = exact_gaps(GOLDEN_SEQS_PER_DEVICE, args.devices, args.token_cap, min(args.exact, args.minibatches),
                            args.seed, args.milp, args.exact_nodes, args.milp_nodes)
-    print_summary(rows, planning, exact)
     result = result_of(args, rows, golden, planning, exact, start, load_before)
-    print(json.dumps(result, sort_keys=False))
-    if not args.no_save:
-        save(args, result, text, rows)
+    out = harness.output(args, "balance.json")
+    harness.report(result, out, lambda: print_summary(rows, planning, exact))
+    if out:
+        save_extras(args, text, rows)
 
 if __name__ == "__main__":
     main()

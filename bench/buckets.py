@@ -11,13 +11,12 @@ Prints a table, then one JSON line (also written to bench/results/buckets.json u
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import time
 
 import numpy as np
 
+from bench import harness
 from jodc.balance import PaddedMicrobatchCost, QuadraticCost, lb_micro, lb_mini
 from jodc.sim.lengths import get_length_distribution
 
@@ -60,24 +59,22 @@ def run(minibatches: int) -> list[dict]:
     return rows
 
 
+def print_table(rows: list[dict]) -> None:
+    print("LB-Micro lock-step rounds / LB-Mini busiest device, padded microbatch costs (modelled)")
+    print(f"{'devices':>8}{'seqs/dev':>10}{'sequence costs':>16}{'bucket-aware':>14}{'plan s (max)':>14}")
+    for r in rows:
+        print(f"{r['devices']:>8}{r['seqs_per_device']:>10}{r['bound_sequence_costs']:>16.3f}"
+              f"{r['bound_bucket_aware']:>14.3f}{r['plan_seconds_max']:>14.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minibatches", type=int, default=10)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     rows = run(args.minibatches)
-    print("LB-Micro lock-step rounds / LB-Mini busiest device, padded microbatch costs (modelled)")
-    print(f"{'devices':>8}{'seqs/dev':>10}{'sequence costs':>16}{'bucket-aware':>14}{'plan s (max)':>14}")
-    for r in rows:
-        print(f"{r['devices']:>8}{r['seqs_per_device']:>10}{r['bound_sequence_costs']:>16.3f}"
-              f"{r['bound_bucket_aware']:>14.3f}{r['plan_seconds_max']:>14.3f}")
-    line = {"benchmark": "buckets", "minibatches": args.minibatches, "rows": rows}
-    print(json.dumps(line))
-    if not args.no_save:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "buckets.json")
-        with open(out, "w") as f:
-            json.dump(line, f, indent=1)
-
+    harness.report({"benchmark": "buckets", "minibatches": args.minibatches, "rows": rows},
+                   harness.output(args, "buckets.json"), lambda: print_table(rows))
 
 if __name__ == "__main__":
     main()

@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import pathlib
 
+from bench import harness
 from jodc.sim import cluster_what_if
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+def measure(args) -> list[dict]:
+    """One row per device count, printed as a table row as soon as it is done."""
+    print("| devices | ODC / collective, same plan | ODC+lb_mini / collective+local_sort | lb_mini / bound | "
+          "plan ms CPU (wall) | plan CPU / ODC step |")
+    print("|" + "---:|" * 6)
+    rows = []
+    for devices in args.devices:
+        result = cluster_what_if(devices, seqs_per_device=args.seqs_per_device, minibatches=args.minibatches,
+                                 seed=args.seed)
+        rows.append({**dataclasses.asdict(result), "plan_fraction_of_step": result.plan_fraction_of_step})
+        print(f"| {devices} | {result.odc_gain_same_plan:.3f} | {result.odc_gain_over_local_sort:.3f} | "
+              f"{result.lb_mini_gap_to_bound:.6f} | {result.plan_cpu_ms_lb_mini:.0f} ({result.plan_ms_lb_mini:.0f}) | "
+              f"{result.plan_fraction_of_step:.2%} |",
+              flush=True)
+    return rows
 
 
 def main() -> None:
@@ -25,26 +39,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
-    rows = []
-    print("| devices | ODC / collective, same plan | ODC+lb_mini / collective+local_sort | lb_mini / bound | "
-          "plan ms CPU (wall) | plan CPU / ODC step |")
-    print("|" + "---:|" * 6)
-    for devices in args.devices:
-        result = cluster_what_if(devices, seqs_per_device=args.seqs_per_device, minibatches=args.minibatches,
-                                 seed=args.seed)
-        row = {**dataclasses.asdict(result), "plan_fraction_of_step": result.plan_fraction_of_step}
-        rows.append(row)
-        print(f"| {devices} | {result.odc_gain_same_plan:.3f} | {result.odc_gain_over_local_sort:.3f} | "
-              f"{result.lb_mini_gap_to_bound:.6f} | {result.plan_cpu_ms_lb_mini:.0f} ({result.plan_ms_lb_mini:.0f}) | "
-              f"{result.plan_fraction_of_step:.2%} |",
-              flush=True)
-    line = json.dumps({"benchmark": "cluster", "rows": rows})
-    print(line)
-    if not args.no_save:
-        out = ROOT / "bench" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "cluster.json").write_text(json.dumps(rows, indent=1) + "\n")
-
+    rows = measure(args)
+    # the file holds the rows alone (a list), the line names the benchmark
+    harness.report({"benchmark": "cluster", "rows": rows}, harness.output(args, "cluster.json"), saved=rows)
 
 if __name__ == "__main__":
     main()

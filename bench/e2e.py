@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -422,9 +421,8 @@ def print_table(r: dict) -> None:
     print("effic. = ideal (busy / devices) / wall; sched. = the schedule's compute-only wall / measured wall")
 
 
-def main(args) -> dict:
-    r = run(args)
-    print_table(r)
+def summary_line(r: dict) -> dict:
+    """The JSON line: the headline ratios, and per scenario and engine samples/s and the bubble rate."""
     line = {"odc_speedup_imbalanced": round(r["odc_speedup_imbalanced"], 4),
             "odc_speedup_balanced": round(r["odc_speedup_balanced"], 4),
             "balance_bound_imbalanced": round(r["balance_bound_imbalanced"], 4),
@@ -435,14 +433,15 @@ def main(args) -> dict:
         for name, row in r[scenario]["engines"].items():
             line[f"{scenario}_{name}_samples_per_s"] = round(row["samples_per_s"], 3)
             line[f"{scenario}_{name}_bubble_rate"] = round(row["bubble_rate"], 4)
-    print(json.dumps(line))
-    if not args.no_save:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump({"summary": line, "details": r}, f, indent=1)
-    return r
+    return line
 
+
+def main(args) -> dict:
+    r = run(args)
+    line = summary_line(r)
+    harness.report(line, harness.output(args, "e2e.json"), lambda: print_table(r),
+                   saved={"summary": line, "details": r})
+    return r
 
 if __name__ == "__main__":
     main(ARGS)

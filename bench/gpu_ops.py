@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -106,6 +105,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jodc import ops  # noqa: E402
 from jodc.ops.transports import registration, target_names  # noqa: E402
+from bench import harness  # noqa: E402
 from bench.device_timing import copy_contender, interleaved_times, matmul_tflops, random_array  # noqa: E402
 
 TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
@@ -516,14 +516,8 @@ def main(args) -> dict:
     budget = parse_size(args.budget or defaults["budget"])
     r = run(platform, sizes, args.repeats, args.sim_world, args.matmul or defaults["matmul"],
             2 if args.quick else 4, budget, args.barriers)
-    print_table(r)
-    print(json.dumps(r))
-    if not args.no_save:
-        name = "gpu_ops.json" if platform == "gpu" else "gpu_ops_cpu.json"
-        out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(r, f, indent=1)
+    harness.report(r, harness.output(args, "gpu_ops.json" if platform == "gpu" else "gpu_ops_cpu.json"),
+                   lambda: print_table(r))
     if not all(r["gather_exact"].values()):
         raise SystemExit("gather did not return the published masters: the figures above are not trustworthy")
     return r

@@ -1,6 +1,7 @@
 """What every benchmark shares: the output flags, presets that fill the flags a user left unset, repeat-and-median
 timing, the environment block, and the report (a table, then one JSON line, written to bench/results/ unless
---no-save). A benchmark's `main` is: parse its arguments -> measure rows -> `report`.
+--no-save: `output` names the file, `report(saved=...)` lets it hold more than the line, `previous` reads what it held).
+A benchmark's `main` is: parse its arguments -> measure rows -> `report`.
 
 The benchmarks run as modules from the repository root (``python -m bench.<name>``); the children they start (their
 own workers, under mpirun or not) run the same way, with the root on PYTHONPATH (`module_command`, `child_env`)."""
@@ -24,6 +25,23 @@ RESULTS_DIR = os.path.join(ROOT, "bench", "results")
 def results_path(name: str) -> str:
     """bench/results/`name` (the file a benchmark keeps its latest JSON in)."""
     return os.path.join(RESULTS_DIR, name)
+
+
+def output(args: argparse.Namespace, name: str) -> str | None:
+    """Where `report` writes: None under --no-save, else --out where the benchmark has that flag and it is set, else
+    bench/results/`name`."""
+    if getattr(args, "no_save", False):
+        return None
+    return getattr(args, "out", None) or results_path(name)
+
+
+def previous(path: str) -> dict:
+    """The JSON object the results file at `path` holds now ({} when there is none): for a benchmark whose file keeps
+    records from earlier runs beside the new one."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def fill_unset(args: argparse.Namespace, *presets: Mapping) -> argparse.Namespace:
@@ -72,18 +90,20 @@ def device_block(bench: str, device) -> dict:
     return {"bench": bench, "device": device.device_kind, "platform": device.platform}
 
 
-def report(result: dict, out: str | None, table: Callable[[], None] | None = None, *, indent: int | None = 1,
-           sort_keys: bool = False) -> dict:
-    """Prints the table (`table()`), then `result` as one JSON line (the last line of the output, which make
-    gpu-check and the tests read), and writes it to `out` (`indent`: None for one line) unless `out` is None
-    (--no-save). Returns `result`."""
+def report(result: dict, out: str | None, table: Callable[[], None] | None = None, *, saved: object = None,
+           indent: int | None = 1, sort_keys: bool = False) -> dict:
+    """Prints the table (`table()`; one function that prints them all where there are several), then `result` as
+    one JSON line (the last line of the output, which make gpu-check and the tests read), and writes the results
+    file `out` unless it is None (--no-save; see `output`). The file holds `saved` where that is given (the line
+    with its details, say ``{"summary": result, "rows": rows}``), else `result`; `indent`: None for one line.
+    Returns `result`."""
     if table is not None:
         table()
     print(json.dumps(result, sort_keys=sort_keys))
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            f.write(json.dumps(result, indent=indent, sort_keys=sort_keys) + "\n")
+            f.write(json.dumps(result if saved is None else saved, indent=indent, sort_keys=sort_keys) + "\n")
     return result
 
 

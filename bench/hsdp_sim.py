@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import pathlib
 
+from bench import harness
 from jodc.balance import FlopsCost, get_planner
 from jodc.balance.model_shape import DEEPSEEK_R1_DISTILL_QWEN_1_5B
 from jodc.sim import (
@@ -28,7 +27,6 @@ from jodc.sim import (
     inter_bandwidth_crossover,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTINGS = {"sft": (LONGALIGN_SFT, 65536), "rl": (RL_RESPONSES, 16384)}
 SHAPE = DEEPSEEK_R1_DISTILL_QWEN_1_5B
 
@@ -76,7 +74,7 @@ def minibatch_sweep(setting: str, devices: int, sizes: list[int], minibatches: i
             "hsdp_odc_wins_from_seqs_per_device": min(wins) if wins else None}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--seqs-per-device", type=int, default=16)
@@ -85,44 +83,51 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-sizes", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16, 32])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-save", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def measure_setting(setting: str, args) -> tuple[list[dict], list[dict], dict]:
+    """One setting's layout rows, crossovers and minibatch sweep, each printed as soon as it is done."""
+    print(f"\n{setting}: step seconds (bubble) per layout, {args.seqs_per_device} sequences per device, "
+          f"{args.minibatches} minibatches")
+    print("| devices | flat ODC | HSDP-ODC (8) | HSDP-collective (8) | flat collective | winner | "
+          "HSDP-ODC vs best collective |")
+    print("|---:|---:|---:|---:|---:|---|---:|")
+    rows, crossovers = [], []
+    for row in layout_rows(setting, args.devices, args.seqs_per_device, args.minibatches, args.seed):
+        rows.append(row)
+        cells = " | ".join(f"{r['step_time']:.2f} ({r['bubble_rate']:.0%})" for r in row["layouts"])
+        print(f"| {row['devices']} | {cells} | {row['winner']} | {row['hsdp_odc_vs_best_collective']:.3f} |",
+              flush=True)
+    for n in args.devices:
+        c = crossover(setting, n, args.seqs_per_device, args.seed)
+        crossovers.append(c)
+        if c["effective_p2p_GBps"] is None:
+            print(f"  {n} GPUs: flat ODC never catches HSDP-ODC below 10 TB/s per GPU")
+        else:
+            print(f"  {n} GPUs: flat ODC matches HSDP-ODC at {c['flat_odc_matches_hsdp_odc_at_GBps']:.0f} GB/s per "
+                  f"GPU across nodes ({c['effective_p2p_GBps']:.0f} GB/s effective point to point, "
+                  f"{c['times_a_400Gbps_port']:.1f}x a 400 Gb/s port)")
+    sweep = minibatch_sweep(setting, args.sweep_devices, args.sweep_sizes, args.minibatches, args.seed)
+    gains = ", ".join(f"{s}: {g:.3f}" for s, g in sweep["hsdp_odc_vs_best_collective_by_seqs_per_device"].items())
+    print(f"  {args.sweep_devices} GPUs, HSDP-ODC vs best collective by sequences per device: {gains}; "
+          f"HSDP-ODC wins from {sweep['hsdp_odc_wins_from_seqs_per_device']}")
+    return rows, crossovers, sweep
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     rows, crossovers, sweeps = [], [], []
     for setting in SETTINGS:
-        print(f"\n{setting}: step seconds (bubble) per layout, {args.seqs_per_device} sequences per device, "
-              f"{args.minibatches} minibatches")
-        print("| devices | flat ODC | HSDP-ODC (8) | HSDP-collective (8) | flat collective | winner | "
-              "HSDP-ODC vs best collective |")
-        print("|---:|---:|---:|---:|---:|---|---:|")
-        for row in layout_rows(setting, args.devices, args.seqs_per_device, args.minibatches, args.seed):
-            rows.append(row)
-            cells = " | ".join(f"{r['step_time']:.2f} ({r['bubble_rate']:.0%})" for r in row["layouts"])
-            print(f"| {row['devices']} | {cells} | {row['winner']} | {row['hsdp_odc_vs_best_collective']:.3f} |",
-                  flush=True)
-        for n in args.devices:
-            c = crossover(setting, n, args.seqs_per_device, args.seed)
-            crossovers.append(c)
-            if c["effective_p2p_GBps"] is None:
-                print(f"  {n} GPUs: flat ODC never catches HSDP-ODC below 10 TB/s per GPU")
-            else:
-                print(f"  {n} GPUs: flat ODC matches HSDP-ODC at {c['flat_odc_matches_hsdp_odc_at_GBps']:.0f} GB/s per "
-                      f"GPU across nodes ({c['effective_p2p_GBps']:.0f} GB/s effective point to point, "
-                      f"{c['times_a_400Gbps_port']:.1f}x a 400 Gb/s port)")
-        sweep = minibatch_sweep(setting, args.sweep_devices, args.sweep_sizes, args.minibatches, args.seed)
+        setting_rows, setting_crossovers, sweep = measure_setting(setting, args)
+        rows += setting_rows
+        crossovers += setting_crossovers
         sweeps.append(sweep)
-        gains = ", ".join(f"{s}: {g:.3f}" for s, g in sweep["hsdp_odc_vs_best_collective_by_seqs_per_device"].items())
-        print(f"  {args.sweep_devices} GPUs, HSDP-ODC vs best collective by sequences per device: {gains}; "
-              f"HSDP-ODC wins from {sweep['hsdp_odc_wins_from_seqs_per_device']}")
     summary = {f"sim_{r['setting']}_{r['devices']}_{k}": r[k] for r in rows
                for k in ("winner", "hsdp_odc_vs_flat_odc", "hsdp_odc_vs_best_collective")}
     record = {"benchmark": "hsdp_sim", "topology": A100_NODES_400G.name, "model": SHAPE.name, **summary,
               "rows": rows, "crossovers": crossovers, "sweeps": sweeps}
-    print(json.dumps(record))
-    if not args.no_save:
-        out = ROOT / "bench" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "hsdp_sim.json").write_text(json.dumps(record, indent=1) + "\n")
-    return record
-
+    return harness.report(record, harness.output(args, "hsdp_sim.json"))
 
 if __name__ == "__main__":
     main()

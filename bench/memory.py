@@ -491,6 +491,11 @@ def print_table(a: dict) -> None:
               f"({a['check_params'] / 1e6:.1f}M parameters); steady: {a['steady_fit_error']:.1%}")
 
 
+def print_tables(analyses: list[dict]) -> None:
+    for a in analyses:
+        print_table(a)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=None,
@@ -538,20 +543,14 @@ def main(argv=None) -> dict:
         runs[layout] = sizes
         analyses.append(analyse(layout, *sizes))
         print(f"# {layout}: {time.monotonic() - started:.0f} s so far", file=sys.stderr, flush=True)
-    for a in analyses:
-        print_table(a)
     summary = {"bench": "memory", "quick": bool(args.quick), "preset": PRESET, "layers": args.layers,
                "check_layers": args.check_layers or None,
                "vocab": args.vocab, "sft_steps": args.steps, "seconds": round(time.monotonic() - started, 1)}
     for a in analyses:
         summary.update(summary_keys(a))
-    print(json.dumps(summary))
-    if not args.no_save:
-        out = args.out or os.path.join(HERE, "results", f"memory{'_quick' if args.quick else ''}.json")
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump({"summary": summary, "layouts": analyses, "runs": runs}, f, indent=1)
-    return summary
+    return harness.report(summary, harness.output(args, f"memory{'_quick' if args.quick else ''}.json"),
+                          lambda: print_tables(analyses),
+                          saved={"summary": summary, "layouts": analyses, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 from bench import harness  # noqa: E402
 from tools.mpirun import mpi_env, mpirun_command, stream_session  # noqa: E402
 RESULT_PREFIX = "MPBENCH "
@@ -284,8 +283,9 @@ def run_nprocs(nprocs: int, args, e2e: bool = False, hsdp: bool = False):
     raise RuntimeError(f"mpirun -np {nprocs} {why}:\n{tail}")
 
 
-def main(args) -> dict:
-    rows, summary, e2e, hsdp = [], {"nprocs": min(args.nprocs), "malloc_tuned": not args.default_malloc}, None, None
+def measure(args) -> tuple[list[dict], dict | None, dict | None]:
+    """The op rows of every --nprocs, the end-to-end run and the HSDP run (None where skipped)."""
+    rows, e2e, hsdp = [], None, None
     for n in [] if args.skip_ops else args.nprocs:
         t0 = time.monotonic()
         rows += run_nprocs(n, args)
@@ -298,20 +298,23 @@ def main(args) -> dict:
         t0 = time.monotonic()
         hsdp = run_nprocs(2, args, hsdp=True)
         print(f"# mpirun -np 2 (HSDP): {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return rows, e2e, hsdp
+
+
+def main(args) -> dict:
+    rows, e2e, hsdp = measure(args)
+    summary = {"nprocs": min(args.nprocs), "malloc_tuned": not args.default_malloc}
+    # each table prints itself and gives its JSON keys
     if rows:
         summary.update(op_table(rows, args))
     if e2e is not None:
         summary.update(e2e_table(e2e, args))
     if hsdp is not None:
         summary.update(hsdp_table(hsdp, args))
-    print(json.dumps(summary))
-    if not args.no_save:
-        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        only_hsdp = args.hsdp and args.skip_ops and args.skip_e2e  # a run of its own: keep the full run's file
-        name = f"multiprocess{'_hsdp' if only_hsdp else ''}{'_quick' if args.quick else ''}.json"
-        with open(os.path.join(HERE, "results", name), "w") as f:
-            json.dump({"summary": summary, "rows": rows, "e2e": e2e, "hsdp": hsdp}, f, indent=1)
-    return summary
+    only_hsdp = args.hsdp and args.skip_ops and args.skip_e2e  # a run of its own: keep the full run's file
+    name = f"multiprocess{'_hsdp' if only_hsdp else ''}{'_quick' if args.quick else ''}.json"
+    return harness.report(summary, harness.output(args, name),
+                          saved={"summary": summary, "rows": rows, "e2e": e2e, "hsdp": hsdp})
 
 
 def e2e_table(r: dict, args) -> dict:

@@ -19,7 +19,6 @@ Prints a table, then one JSON line (also written to bench/results/primitives.jso
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -204,10 +203,8 @@ def print_table(r: dict) -> None:
               + (f"  gather/memcpy(2 thr) {mode['gather_vs_memcpy']:.2f}" if "gather_vs_memcpy" in mode else ""))
 
 
-def main(args) -> dict:
-    repeats = 8 if args.quick else args.repeats
-    r = run(args.devices, args.mib, repeats, 2 if args.quick else args.layers, getattr(args, "platform", "cpu"))
-    print_table(r)
+def summary_line(r: dict) -> dict:
+    """The JSON line: the headline figures, then each mode's (single op, layer stack) with the mode as prefix."""
     line = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "modes"}
     for mode, values in r["modes"].items():
         for k, v in values.items():
@@ -215,15 +212,15 @@ def main(args) -> dict:
                 line.update({f"{mode}_{name}_{k}": round(x, 3) for name, x in v.items()})
             else:
                 line[f"{mode}_{k}"] = round(v, 4)
-    print(json.dumps(line))
-    if not args.no_save:
-        name = "primitives_gpu.json" if r.get("platform") == "gpu" else "primitives.json"
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(line, f, indent=1)
-    return r
+    return line
 
+
+def main(args) -> dict:
+    repeats = 8 if args.quick else args.repeats
+    r = run(args.devices, args.mib, repeats, 2 if args.quick else args.layers, getattr(args, "platform", "cpu"))
+    harness.report(summary_line(r), harness.output(args, "primitives_gpu.json" if r.get("platform") == "gpu"
+                                                   else "primitives.json"), lambda: print_table(r))
+    return r
 
 if __name__ == "__main__":
     main(ARGS)

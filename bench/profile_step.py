@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import json
 import os
 import re
 import tempfile
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench import harness  # noqa: E402
 from bench.model import next_token_loss  # noqa: E402  (the same step)
 
 from jodc.models import DecoderConfig, forward, init_params  # noqa: E402
@@ -123,13 +122,15 @@ def profile(args) -> dict:
                      "share": round(s / total, 4)} for name, s in top],
         "by_kind": {kind: round(s / total, 4) for kind, s in by_kind.most_common(args.top)},
     }
-    print(f"top XLA operations of a training step ({args.attention_impl} attention, {device.device_kind}), "
+    return harness.report(result, None, lambda: print_table(result), sort_keys=True)  # printed only: no file
+
+
+def print_table(result: dict) -> None:
+    print(f"top XLA operations of a training step ({result['attention_impl']} attention, {result['device']}), "
           f"{result['op_ms_per_step_total']:.1f} ms of operations per step")
     for row in result["top_ops"]:
         print(f"{row['share']:7.1%}  {row['ms_per_step']:9.3f} ms  {row['op'][:28]:<28}  {row['jax_op'][-110:]}")
     print("by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in result["by_kind"].items()))
-    print(json.dumps(result, sort_keys=True))
-    return result
 
 
 def parse_args(argv=None):

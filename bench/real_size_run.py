@@ -25,9 +25,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-from tools.mpirun import mpi_env, mpirun_command  # noqa: E402
+from bench import harness
+from tools.mpirun import mpi_env, mpirun_command
 
 HIDDEN, LAYER_PARAMS = 896, 14_912_384  # Qwen2.5-0.5B: hidden size, parameters of one decoder layer
 
@@ -63,7 +62,7 @@ def peaks(out: str) -> list[float]:
     return [int(kb) * 1024 / 1e9 for kb in MAXRSS.findall(out)]
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="SFT steps under mpirun, then a checkpoint")
     parser.add_argument("--more-steps", type=int, default=2, help="steps after the resume, then the HF export")
@@ -74,11 +73,13 @@ def main() -> None:
     parser.add_argument("--run-dir", default="/tmp/jodc_real_size_run")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "real_size_run.json"))
-    args = parser.parse_args()
-    params = param_count(args.layers, args.vocab)
-    shutil.rmtree(args.run_dir, ignore_errors=True)
-    out_dir = os.path.join(args.run_dir, "run")
+    parser.add_argument("--out", default=harness.results_path("real_size_run.json"))
+    return parser.parse_args(argv)
+
+
+def run_phases(args, out_dir: str) -> list[dict]:
+    """Train and save under mpirun (2 x 1 device), then resume, train, save and export in 1 process x 2 devices:
+    each phase's every process's peak RSS and its wall seconds."""
     timed = [TIME, "-f", "JODC_MAXRSS_KB %M"]
     env = mpi_env()
     env.pop("XLA_FLAGS", None)
@@ -95,30 +96,45 @@ def main() -> None:
         raise RuntimeError(f"the single process did not resume from step {args.steps}:\n{out2[-3000:]}")
     phases.append({"phase": f"1 process x 2 devices: resume, {args.more_steps} steps, save, HF export",
                    "peak_gb_per_process": peaks(out2), "seconds": seconds})
+    return phases
+
+
+def exported(out_dir: str) -> tuple[dict | None, int, list[float]]:
+    """The HF export's index (None for one file) and bytes, and the run's losses."""
     hf = os.path.join(out_dir, "hf")
     index = json.load(open(os.path.join(hf, "model.safetensors.index.json"))) if os.path.exists(
         os.path.join(hf, "model.safetensors.index.json")) else None
     export_bytes = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf) if f.endswith(".safetensors"))
     losses = [json.loads(line)["loss"] for line in open(os.path.join(out_dir, "metrics.jsonl")) if line.strip()]
-    print(f"Qwen2.5-0.5B-shaped decoder, {args.layers} layers, vocabulary {args.vocab}, {params / 1e6:.0f}M "
+    return index, export_bytes, losses
+
+
+def print_table(result: dict, index: dict | None) -> None:
+    params, phases = result["params"], result["phases"]
+    print(f"Qwen2.5-0.5B-shaped decoder, {result['layers']} layers, vocabulary {result['vocab']}, {params / 1e6:.0f}M "
           f"parameters; state 12 B/param = {12 * params / 1e9:.1f} GB, ODC heap 8 B/param = {8 * params / 1e9:.1f} GB")
     print(f"{'phase':<62} {'peak GB per process':>22} {'s':>7}")
     for p in phases:
         print(f"{p['phase']:<62} {', '.join(f'{g:.2f}' for g in p['peak_gb_per_process']):>22} {p['seconds']:>7.0f}")
-    print(f"losses {[round(x, 4) for x in losses]}; HF export {export_bytes / 1e9:.2f} GB (bf16), "
+    print(f"losses {[round(x, 4) for x in result['losses']]}; HF export {result['export_bytes'] / 1e9:.2f} GB (bf16), "
           f"{len(index['weight_map']) if index else 'one file'}")
-    result = {"bench": "real_size_run", "params": params, "layers": args.layers, "vocab": args.vocab, "phases": phases, "losses": losses,
-              "export_bytes": export_bytes, "steps": args.steps, "more_steps": args.more_steps,
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    params = param_count(args.layers, args.vocab)
+    shutil.rmtree(args.run_dir, ignore_errors=True)
+    out_dir = os.path.join(args.run_dir, "run")
+    phases = run_phases(args, out_dir)
+    index, export_bytes, losses = exported(out_dir)
+    result = {"bench": "real_size_run", "params": params, "layers": args.layers, "vocab": args.vocab, "phases": phases,
+              "losses": losses, "export_bytes": export_bytes, "steps": args.steps, "more_steps": args.more_steps,
               "max_length": args.max_length, "sequences": args.sequences,
               "real_size_peak_gb_per_process_mpirun": max(phases[0]["peak_gb_per_process"]),
               "real_size_peak_gb_single_process": max(phases[1]["peak_gb_per_process"])}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result))
+    harness.report(result, args.out, lambda: print_table(result, index))
     if not args.keep:
         shutil.rmtree(args.run_dir, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

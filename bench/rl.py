@@ -488,14 +488,11 @@ def result_line(args, results: dict, headline: list, warm_seconds: float) -> dic
     return line
 
 
-def save(line: dict, path: str) -> None:
-    """Writes the result, keeping the previous default settings' runs that the file holds (docs/rl.md quotes them)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = {k: v for k, v in json.load(f).items() if k == "previous_setting_runs"}
-        line.update(kept)
-    with open(path, "w") as f:
-        f.write(json.dumps(line, indent=1) + "\n")
+def kept_records(path: str | None) -> dict:
+    """The previous default settings' runs that the results file holds (docs/rl.md quotes them): a rerun keeps them."""
+    if path is None:
+        return {}
+    return {k: v for k, v in harness.previous(path).items() if k == "previous_setting_runs"}
 
 
 def main(argv=None) -> int:
@@ -523,9 +520,8 @@ def main(argv=None) -> int:
     environment = harness.environment()
     line.update(total_seconds=round(time.perf_counter() - started, 1), jax=environment["jax"],
                 platform=environment["platform"], cpu_count=environment["cpu_count"])
-    print(json.dumps(line))
-    if not args.no_save:
-        save(line, args.out)
+    out = harness.output(args, "rl.json")
+    harness.report(line, out, saved={**line, **kept_records(out)})
     return 0
 
 if __name__ == "__main__":

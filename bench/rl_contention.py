@@ -36,7 +36,6 @@ from bench import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "rl_async.yaml")
-RESULTS = os.path.join(ROOT, "bench", "results", "rl_contention.json")
 #: The trainer's settings for every run: a synchronous fp32 sampler, a short warm start, nothing but the steps
 SYNC = ["--rollout.max_staleness", "0", "--rollout.dtype", "float32", "--warmstart.sft_steps", "10",
         "--run.eval_every", "0", "--checkpoint.save_every", "0", "--no-export_hf", "--no-progress"]
@@ -128,7 +127,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="trainer steps per run")
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the means (compilation)")
@@ -137,8 +136,12 @@ def main(argv=None) -> int:
     args, overrides = parser.parse_known_args(argv)  # overrides: jodc-train rl's, for trainer and sampler alike
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} leaves no step of --steps {args.steps}")
+    return args, overrides
+
+
+def alternated_runs(args, overrides: list[str]) -> dict[str, list[dict]]:
+    """--repeats trainer runs per mode, the modes alternated, each with its background sampler (if any)."""
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jodc_rl_contention_") as work:
         for repeat in range(args.repeats):
             for mode, nice in MODES.items():
@@ -150,7 +153,10 @@ def main(argv=None) -> int:
                 runs[mode].append({**result, **({"background": used} if used else {})})
                 print(f"  {mode} {repeat + 1}/{args.repeats}: step {result['step_seconds']:.3f} s, update phase "
                       f"{result['train_seconds']:.3f} s", flush=True)
-    summary = summarize(runs)
+    return runs
+
+
+def print_table(summary: dict, args) -> None:
     print(f"\nSynchronous trainer ({CONFIG}, fp32 sampler, {args.steps} steps, means over steps {args.skip + 1}..; "
           f"{args.repeats} runs per mode, alternated)")
     print(f"{'mode':<8} {'step s':>8} {'update s':>9} {'rollout s':>10} {'step x':>7} {'background CPU':>15}")
@@ -159,16 +165,20 @@ def main(argv=None) -> int:
         cpu = summary.get(f"background_cpu_{mode}")
         print(f"{mode:<8} {summary[f'{mode}_step_seconds']:8.3f} {summary[f'{mode}_train_seconds']:9.3f} "
               f"{summary[f'{mode}_rollout_seconds']:10.3f} {ratio:7.2f} {'-' if cpu is None else f'{cpu:.2f}':>15}")
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(argv)
+    started = time.perf_counter()
+    runs = alternated_runs(args, overrides)
+    summary = summarize(runs)
     result = {"bench": "rl_contention", "steps": args.steps, "skip": args.skip, "repeats": args.repeats,
               "overrides": overrides, **summary, "runs": runs, "total_seconds": round(time.perf_counter() - started),
               "jax": importlib.metadata.version("jax"), "platform": platform.platform(), "cpu_count": os.cpu_count()}
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
-    if not args.no_save:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
-            json.dump(result, f, indent=1)
+    # the line leaves the runs out; the file keeps them
+    harness.report({k: v for k, v in result.items() if k != "runs"}, harness.output(args, "rl_contention.json"),
+                   lambda: print_table(summary, args), saved=result)
     return 0
-
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--background"]:

@@ -43,7 +43,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results", "rl_sampling.json")
 from bench import harness  # noqa: E402
 from tools.mpirun import kill_session, mpi_env, mpirun_command  # noqa: E402
 
@@ -295,7 +294,7 @@ def run_json(cmd: list[str], env: dict, timeout: float) -> dict:
     raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode} and no result:\n{out[-3000:]}")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"tiny settings: {QUICK}")
     for key, value in DEFAULTS.items():
@@ -303,15 +302,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per worker (killed on expiry)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--worker", choices=("single", "mp"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     harness.fill_unset(args, QUICK if args.quick else DEFAULTS)
     if args.prompts % 4:
         parser.error("--prompts must divide by 4 (shares over 1, 2 and 4 devices, and the shard_map comparison)")
-    if args.worker:
-        result = single_worker(args) if args.worker == "single" else mp_worker(args)
-        if result is not None:
-            print(json.dumps(result), flush=True)
-        return
+    return args
+
+
+def measure(args) -> dict:
+    """The settings, the one-process and two-process workers' figures, and the whole steps' (--full-steps)."""
     settings = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in DEFAULTS]
     result = {"settings": {k: getattr(args, k) for k in DEFAULTS}}
     result.update(run_json(harness.module_command("rl_sampling", "--worker", "single", *settings),
@@ -320,6 +319,10 @@ def main() -> None:
     result.update(run_json(mp, harness.child_env(mpi_env()), args.timeout))
     if args.full_steps:
         result.update(full_steps(args))
+    return result
+
+
+def print_table(result: dict, full_steps: bool) -> None:
     print(f"{'layout':<28}{'rollout s':>12}{'tokens/s':>12}")
     for name, seconds, rate in [(f"1 process, {d} device(s)", result[f"rollout_seconds_{d}dev"],
                                  result[f"tokens_per_s_{d}dev"]) for d in (1, 2, 4)] + [
@@ -332,23 +335,34 @@ def main() -> None:
     print(f"sharded / replicated (2 processes): {result['rollout_sharded_vs_replicated_2proc']:.3f}; reward calls "
           f"per response {result['reward_calls_per_response']:.2f} (replicated "
           f"{result['reward_calls_per_response_replicated']:.2f})")
-    if args.full_steps:
-        for name, label in (("1proc_2dev", "1 process x 2 devices"), ("2proc", "2 processes x 1 device, sharded"),
-                            ("2proc_replicated", "2 processes x 1 device, replicated")):
-            received = (f", process 0 received {result[f'bytes_received_per_step_{name}'] / 1e3:.1f} kB/step"
-                        if name != "1proc_2dev" else "")
-            print(f"whole RL step, {label}: {result[f'step_seconds_{name}']:.3f} s (rollout "
-                  f"{result[f'step_rollout_seconds_{name}']:.3f} s, parameters gathered "
-                  f"{result[f'step_params_seconds_{name}']:.4f} s = {result[f'params_vs_rollout_{name}']:.3f} of "
-                  f"the rollout), {result[f'step_samples_per_s_{name}']:.1f} samples/s{received}")
-        print(f"whole step, sharded / replicated assembly (2 processes): samples/s x"
-              f"{result['step_sharded_vs_replicated_2proc']:.3f}, bytes received x"
-              f"{result['bytes_sharded_vs_replicated_2proc']:.3f}")
-    if not args.no_save:
-        with open(RESULTS, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-    print(json.dumps(result, sort_keys=True))
+    if full_steps:
+        print_full_steps(result)
 
+
+def print_full_steps(result: dict) -> None:
+    for name, label in (("1proc_2dev", "1 process x 2 devices"), ("2proc", "2 processes x 1 device, sharded"),
+                        ("2proc_replicated", "2 processes x 1 device, replicated")):
+        received = (f", process 0 received {result[f'bytes_received_per_step_{name}'] / 1e3:.1f} kB/step"
+                    if name != "1proc_2dev" else "")
+        print(f"whole RL step, {label}: {result[f'step_seconds_{name}']:.3f} s (rollout "
+              f"{result[f'step_rollout_seconds_{name}']:.3f} s, parameters gathered "
+              f"{result[f'step_params_seconds_{name}']:.4f} s = {result[f'params_vs_rollout_{name}']:.3f} of "
+              f"the rollout), {result[f'step_samples_per_s_{name}']:.1f} samples/s{received}")
+    print(f"whole step, sharded / replicated assembly (2 processes): samples/s x"
+          f"{result['step_sharded_vs_replicated_2proc']:.3f}, bytes received x"
+          f"{result['bytes_sharded_vs_replicated_2proc']:.3f}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        result = single_worker(args) if args.worker == "single" else mp_worker(args)
+        if result is not None:
+            print(json.dumps(result), flush=True)
+        return
+    result = measure(args)
+    harness.report(result, harness.output(args, "rl_sampling.json"), lambda: print_table(result, args.full_steps),
+                   sort_keys=True)
 
 if __name__ == "__main__":
     main()

@@ -43,8 +43,6 @@ import numpy as np  # noqa: E402
 
 from bench import harness  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results", "rl_stream.json")
 DEFAULTS = dict(prompts=256, batch=32, slots=64, page_size=16, chunk=8, max_new_tokens=208, repeats=3,
                 warmstart_steps=400, rl_steps=20, rl_prompts=16, rl_group=4)
 QUICK = dict(prompts=96, batch=16, slots=32, repeats=1, warmstart_steps=100, rl_steps=0)
@@ -238,10 +236,7 @@ def main(argv=None) -> int:
     if args.rl_steps and not args.model:
         result.update(measure_rl(args))
         print_rl_table(result)
-    print(json.dumps(result))
-    if not args.no_save:
-        with open(RESULTS, "w") as f:
-            json.dump(result, f, indent=1)
+    harness.report(result, harness.output(args, "rl_stream.json"))
     return 0
 
 

@@ -15,13 +15,14 @@ writes it to bench/results/sft_smoke[_cpu].json unless --no-save, and exits 1 un
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+from bench import harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "sft_gpu_smoke.yaml")
@@ -127,14 +128,8 @@ def main(argv=None) -> dict:
     verdict = check_losses(read_metrics(metrics), window=args.window, min_drop=args.min_drop)
     r = {"bench": "sft_smoke", "sft_loss_fell": verdict.pop("fell"), "platform": platform,
          "metrics": os.path.abspath(metrics), "run_seconds": run_seconds, **verdict}
-    print_table(r)
-    print(json.dumps(r))
-    if not args.no_save:
-        out = args.out or os.path.join(REPO, "bench", "results",
-                                       "sft_smoke_cpu.json" if platform == "cpu" else "sft_smoke.json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(r, f, indent=1)
+    harness.report(r, harness.output(args, "sft_smoke_cpu.json" if platform == "cpu" else "sft_smoke.json"),
+                   lambda: print_table(r))
     if not r["sft_loss_fell"]:
         raise SystemExit(1)
     return r

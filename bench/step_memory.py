@@ -139,9 +139,8 @@ def slope(rows, key):
     return (key(b) - key(a)) / (b["params"] - a["params"])
 
 
-def main(args) -> dict:
-    engines = args.engines.split(",")
-    sizes = [tuple(int(v) for v in x.split("x")) for x in args.sizes.split(",")]
+def measure(args, engines: list[str], sizes: list[tuple[int, int]]) -> dict[str, list[dict]]:
+    """Per engine, one child process per size: its row (parameters, resident memory, XLA's program memory)."""
     runs = {}
     for name in engines:
         runs[name] = []
@@ -156,6 +155,11 @@ def main(args) -> dict:
             print(f"  {name} {layers}x{hidden}: {row['params'] / 1e6:.2f}M params, steady {row['steady_rss'] / 2**20:.0f}"
                   f" MiB, step peak {row['step_hwm'] / 2**20:.0f} MiB, XLA program peak "
                   f"{row['xla']['peak'] / 2**20:.0f} MiB (temp {row['xla']['temp'] / 2**20:.0f})", file=sys.stderr)
+    return runs
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Bytes per parameter (the slope between the sizes) per engine, and each engine's step peak over ODC's."""
     summary = {}
     for name, rows in runs.items():
         summary[f"{name}_step_peak_bytes_per_param"] = round(slope(rows, lambda r: r["step_hwm"]), 2)
@@ -167,28 +171,30 @@ def main(args) -> dict:
             if name != "odc":
                 summary[f"{name}_step_peak_over_odc"] = round(
                     summary[f"{name}_step_peak_bytes_per_param"] / summary["odc_step_peak_bytes_per_param"], 3)
+    return summary
+
+
+def print_table(summary: dict, engines: list[str], args) -> None:
     print(f"Step memory per process ({args.devices} CPU devices), bytes per parameter (slope between the sizes "
           f"{args.sizes}, layers x hidden):")
     print(f"{'engine':<12}{'step peak':>11}{'steady':>9}{'XLA peak':>10}{'XLA temp':>10}{'peak/ODC':>10}")
-    for name in runs:
+    for name in engines:
         ratio = summary.get(f"{name}_step_peak_over_odc", 1.0 if name == "odc" else float("nan"))
         print(f"{name:<12}{summary[f'{name}_step_peak_bytes_per_param']:>11.1f}"
               f"{summary[f'{name}_steady_bytes_per_param']:>9.1f}{summary[f'{name}_xla_peak_bytes_per_param']:>10.1f}"
               f"{summary[f'{name}_xla_temp_bytes_per_param']:>10.1f}{ratio:>10.2f}")
-    print(json.dumps(summary))
-    if args.save:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_memory.json")
-        saved = {}
-        if os.path.exists(out):
-            with open(out) as f:
-                saved = json.load(f)
-        config = {k: getattr(args, k) for k in ("sizes", "vocab", "devices", "token_cap",
-                                                 "seqs_per_device")}
-        saved[args.save] = {"summary": summary, "config": config, "runs": runs}
-        with open(out, "w") as f:
-            json.dump(saved, f, indent=1)
-    return summary
 
+
+def main(args) -> dict:
+    engines = args.engines.split(",")
+    sizes = [tuple(int(v) for v in x.split("x")) for x in args.sizes.split(",")]
+    runs = measure(args, engines, sizes)
+    summary = summarize(runs)
+    # --save LABEL: the file keeps every label's run, this one's under LABEL
+    out = harness.results_path("step_memory.json") if args.save else None
+    config = {k: getattr(args, k) for k in ("sizes", "vocab", "devices", "token_cap", "seqs_per_device")}
+    saved = {**harness.previous(out), args.save: {"summary": summary, "config": config, "runs": runs}} if out else None
+    return harness.report(summary, out, lambda: print_table(summary, list(runs), args), saved=saved)
 
 if __name__ == "__main__":
     ARGS = parse_args()

@@ -86,6 +86,7 @@ CUDA_TESTS = os.path.join("tests", "test_ops_cuda.py")
 # every step: no persistent compilation cache (tests/conftest.py's and jax's), seconds-long barriers, unbuffered output
 COMMON_ENV = {"JODC_TEST_COMPILATION_CACHE": "0", "JAX_ENABLE_COMPILATION_CACHE": "false",
               "JODC_BARRIER_TIMEOUT_S": f"{BARRIER_TIMEOUT_S:g}", "PYTHONUNBUFFERED": "1"}
+SANITIZE_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the compute-sanitizer steps'
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -96,41 +97,64 @@ def plan(python: str, base_python: str, work_dir: str, env_dir: str, wheels: str
     """The GPU runner's steps, by value. `python` is the overlay's interpreter (made by the first step);
     `build_reusable`: a build with a matching stamp exists (gpu_build.find_reusable), so the build step's limit is
     BUILD_REUSE_S instead of BUILD_S."""
-    me = [base_python, os.path.abspath(__file__)]
-    sanitizer = shutil.which("compute-sanitizer") or "compute-sanitizer"
-    test_env = {"JODC_REQUIRE_GPU": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                "JODC_CUDA_CHECK_LIBRARY": os.path.join(ROOT, "jodc", gpu_build.CUDA_LIBRARY)}
-    if nvshmem:
-        test_env["JODC_NVSHMEM_CHECK_LIBRARY"] = os.path.join(ROOT, "jodc", gpu_build.NVSHMEM_LIBRARY)
-    bench = os.path.join(work_dir, "bench")
-
-    def tests(name: str, args: list[str], order: str = "") -> list[str]:
-        return [python, os.path.join(HERE, "bounded_pytest.py"), "--record", "{record}", "--limit-s",
-                f"{TEST_LIMITS_S[name]:g}"] + (["--order", order] if order else []) + ["--", *PYTEST_FLAGS, *args]
-
-    def sanitize(tool: str) -> list[str]:
-        # --report-api-errors no: XLA provokes (and handles) CUDA API errors itself; kernels are still checked
-        return [sanitizer, "--tool", tool, "--error-exitcode", "97", "--kernel-name", "kns=jodc",
-                "--report-api-errors", "no", python, os.path.join("tests", "cuda_sanitize_cases.py"), "--configs",
-                "quick"]
-
     build_args = ["--python", python, "--archs", archs, "--jobs", str(jobs)] + (["--nvshmem"] if nvshmem else []) + (
         ["--prebuilt", prebuilt] if prebuilt else []) + (["--rebuild"] if rebuild else [])
-    sanitize_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    facts = gpu_results.sanitizer_facts
+    build_s = BUILD_REUSE_S if build_reusable and not rebuild else BUILD_S
+    test_env = _test_env(nvshmem)
+    return (_setup_steps(python, base_python, env_dir, wheels, build_args, build_s)
+            + _required_checks(python, work_dir, test_env) + _optional_checks(python, work_dir, test_env))
+
+
+def _test_env(nvshmem: bool) -> dict[str, str]:
+    """The environment of the test steps: a GPU required, no preallocation, the built libraries to check."""
+    env = {"JODC_REQUIRE_GPU": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "JODC_CUDA_CHECK_LIBRARY": os.path.join(ROOT, "jodc", gpu_build.CUDA_LIBRARY)}
+    if nvshmem:
+        env["JODC_NVSHMEM_CHECK_LIBRARY"] = os.path.join(ROOT, "jodc", gpu_build.NVSHMEM_LIBRARY)
+    return env
+
+
+def _pytest_command(python: str, name: str, args: list[str], order: str = "") -> list[str]:
+    """pytest over `args` through tools/bounded_pytest.py, each test under TEST_LIMITS_S[`name`]."""
+    return [python, os.path.join(HERE, "bounded_pytest.py"), "--record", "{record}", "--limit-s",
+            f"{TEST_LIMITS_S[name]:g}"] + (["--order", order] if order else []) + ["--", *PYTEST_FLAGS, *args]
+
+
+def _sanitize_command(python: str, tool: str) -> list[str]:
+    """compute-sanitizer's `tool` over tests/cuda_sanitize_cases.py (every jodc kernel, the quick configs)."""
+    sanitizer = shutil.which("compute-sanitizer") or "compute-sanitizer"
+    # --report-api-errors no: XLA provokes (and handles) CUDA API errors itself; kernels are still checked
+    return [sanitizer, "--tool", tool, "--error-exitcode", "97", "--kernel-name", "kns=jodc",
+            "--report-api-errors", "no", python, os.path.join("tests", "cuda_sanitize_cases.py"), "--configs",
+            "quick"]
+
+
+def _setup_steps(python: str, base_python: str, env_dir: str, wheels: str | None, build_args: list[str],
+                 build_s: float) -> list[Step]:
+    """prepare, env, build and heap: what every other step needs."""
+    me = [base_python, os.path.abspath(__file__)]
     return [
         Step("prepare", me + ["_prepare", "--env-dir", env_dir] + (["--wheels", wheels] if wheels else []), 15,
              "overlay environment on the runner's Python: jodc from the checkout, missing wheels from --wheels"),
         Step("env", [python, os.path.join(HERE, "gpu_environment.py")], 15,
              "GPU, driver, toolkit, Python and package versions, jax devices", needs=("prepare",), json_line=True),
-        Step("build", me + ["_build"] + build_args, BUILD_REUSE_S if build_reusable and not rebuild else BUILD_S,
+        Step("build", me + ["_build"] + build_args, build_s,
              "CPU extension + CUDA library: reused if its sources match, else compiled in parallel",
              needs=("prepare",)),
         Step("heap", [python, os.path.join(HERE, "cuda_report.py")], 15,
              "first heap on the GPU: versions, GPUs, peer access, transport", needs=("build",)),
-        Step("host", tests("host", ["tests/test_cuda_host.py", "tests/test_cuda_hlo.py", "tests/test_cuda_build.py"]),
+    ]
+
+
+def _required_checks(python: str, work_dir: str, test_env: dict[str, str]) -> list[Step]:
+    """The required tests and benchmarks after the setup, by value."""
+    bench = os.path.join(work_dir, "bench")
+    return [
+        Step("host", _pytest_command(python, "host", ["tests/test_cuda_host.py", "tests/test_cuda_hlo.py",
+                                                      "tests/test_cuda_build.py"]),
              30, "host-side CUDA tests against the built library", needs=("build",), tests=True, env=test_env),
-        Step("ops", tests("ops", [CUDA_TESTS, "-m", "not (processes or sanitizer)"], "raw_handlers,*,stress"), 80,
+        Step("ops", _pytest_command(python, "ops", [CUDA_TESTS, "-m", "not (processes or sanitizer)"],
+                                    "raw_handlers,*,stress"), 80,
              "single-GPU op tests: raw handlers, then the ops through jax, then issue 15's stress tests",
              needs=("heap",), tests=True,
              env={**test_env, "JODC_TEST_PROCESS_TIMEOUT_S": f"{PROCESS_TIMEOUT_S['ops']:g}"}),
@@ -144,8 +168,9 @@ def plan(python: str, base_python: str, work_dir: str, env_dir: str, wheels: str
                              os.path.join(bench, "model_gpu.json")], 50,
              "bf16 train step (4 layers, flash attention) vs transformers + torch, MFU", needs=("build",),
              json_line=True),
-        Step("memcheck", sanitize("memcheck"), 35, "compute-sanitizer memcheck over every jodc kernel (2 heaps)",
-             needs=("heap",), env=sanitize_env, facts=facts),
+        Step("memcheck", _sanitize_command(python, "memcheck"), 35,
+             "compute-sanitizer memcheck over every jodc kernel (2 heaps)",
+             needs=("heap",), env=SANITIZE_ENV, facts=gpu_results.sanitizer_facts),
         # a fresh run folder each time (the smoke refuses a used one: a rerun must not pass on old metrics)
         Step("sft_smoke", lambda: [python, "-m", "bench.sft_smoke", "--platform", "gpu", "--out-dir",
                                    os.path.join(work_dir, "sft_smoke", time.strftime("%Y%m%d_%H%M%S")),
@@ -153,19 +178,25 @@ def plan(python: str, base_python: str, work_dir: str, env_dir: str, wheels: str
                                    "--engine.barrier_timeout_s", f"{BARRIER_TIMEOUT_S:g}"],
              40, "jodc-train sft on the GPU: ODC, 1 device, bf16, 30 steps, the loss falls", needs=("build",),
              json_line=True),
-        Step("ipc", tests("ipc", [CUDA_TESTS, "-m", "processes"]), 105,
+        Step("ipc", _pytest_command(python, "ipc", [CUDA_TESTS, "-m", "processes"]), 105,
              "two processes sharing the GPU through CUDA IPC (jax.distributed)", needs=("heap",), tests=True,
              env={**test_env, "JODC_TEST_PROCESS_TIMEOUT_S": f"{PROCESS_TIMEOUT_S['ipc']:g}"}),
-        Step("racecheck", sanitize("racecheck"), 40, "compute-sanitizer racecheck",
-             needs=("heap",), optional=True, env=sanitize_env, facts=facts),
-        Step("attention", tests("attention", ["tests/test_models_flash_attention.py",
-                                              "tests/test_models_attention.py"]), 90,
+    ]
+
+
+def _optional_checks(python: str, work_dir: str, test_env: dict[str, str]) -> list[Step]:
+    """The steps run if time is left after the required ones."""
+    return [
+        Step("racecheck", _sanitize_command(python, "racecheck"), 40, "compute-sanitizer racecheck",
+             needs=("heap",), optional=True, env=SANITIZE_ENV, facts=gpu_results.sanitizer_facts),
+        Step("attention", _pytest_command(python, "attention", ["tests/test_models_flash_attention.py",
+                                                                "tests/test_models_attention.py"]), 90,
              "the Pallas attention compiled for the GPU against the dense reference",
              # fp32 references in fp32 (XLA's GPU dots default to TF32); the Triton kernel's TF32 has its tolerance
              needs=("prepare",), optional=True, tests=True,
              env={**test_env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}),
         Step("bench_generate", [python, "-m", "bench.generate", "--platform", "gpu", "--quick", "--out",
-                                os.path.join(bench, "generate_gpu.json")], 120,
+                                os.path.join(work_dir, "bench", "generate_gpu.json")], 120,
              "sampling tokens/s vs transformers generate and the decode roofline",
              needs=("build",), optional=True, json_line=True),
     ]
@@ -273,13 +304,7 @@ def second_call(summary: dict, budget_s: float = SECOND_BUDGET_S) -> dict:
     return gpu_results.second_call(summary, limits, ALWAYS, budget_s, "python3 tools/gpu_check.py --out $OUT")
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    subcommands = {"env": lambda rest: gpu_environment.main(), "_prepare": _sub_prepare, "_build": _sub_build,
-                   "prebuild": _sub_prebuild, "second-call": _sub_second_call}
-    if argv[:1] and argv[0] in subcommands:
-        return subcommands[argv[0]](argv[1:])
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=DEFAULT_OUT, help="the few result files (default build/gpu-check)")
     p.add_argument("--work-dir", default=DEFAULT_WORK, help="logs, records, bench JSON (default build/gpu-check-work)")
@@ -300,7 +325,11 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="no GPU: stand-ins for every step (tools/gpu_dry_run.py)")
     p.add_argument("--dry-faults", default="", help="dry run: faults to inject, e.g. ops=hang_test,bench_model=hang")
     p.add_argument("--time-scale", type=float, default=1.0, help="dry run: every limit and the budget times this")
-    a = p.parse_args(argv)
+    return p
+
+
+def _folders(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[str, str, str]:
+    """--out, --work-dir and --env-dir made absolute, after refusing contradicting flags and nested folders."""
     if a.rebuild and a.reuse_build:
         p.error("--rebuild and --reuse-build contradict each other")
     if a.time_scale != 1.0 and not a.dry_run:
@@ -309,6 +338,12 @@ def main(argv=None) -> int:
     for x, y in ((out_dir, work_dir), (work_dir, out_dir)):
         if x == y or x.startswith(y + os.sep):
             p.error(f"--out and --work-dir must be separate folders ({out_dir}, {work_dir})")
+    return out_dir, work_dir, env_dir
+
+
+def _chosen_steps(p: argparse.ArgumentParser, a: argparse.Namespace, work_dir: str, env_dir: str,
+                  only: list[str]) -> tuple[list[Step], str | None]:
+    """The steps this call runs (stand-ins under --dry-run), and the reusable build found (None: none)."""
     wheels = os.path.abspath(a.wheels) if a.wheels else None
     prebuilt = os.path.abspath(a.prebuilt) if a.prebuilt else None
     python = gpu_overlay.env_python(env_dir)
@@ -317,17 +352,18 @@ def main(argv=None) -> int:
                                                                             prebuilt)
     steps = with_common_env(plan(python, sys.executable, work_dir, env_dir, wheels, a.archs, a.jobs, a.nvshmem,
                                  prebuilt, a.rebuild, build_reusable=reusable is not None))
-    only = [s for s in a.only.replace(" ", ",").split(",") if s]
     try:
         chosen = choose(steps, only)
         if a.dry_run:
             chosen = dry_plan(chosen, sys.executable, work_dir, gpu_dry_run.parse_faults(a.dry_faults), a.time_scale)
     except ValueError as e:
         p.error(str(e))
-    budget = a.budget_s * (a.time_scale if a.dry_run else 1.0)
-    if a.list:
-        print(describe_plan(chosen, budget))
-        return 0
+    return chosen, reusable
+
+
+def _run(chosen: list[Step], a: argparse.Namespace, argv: list[str], out_dir: str, work_dir: str, budget: float,
+         only: list[str], reusable: str | None) -> dict:
+    """Runs the steps, publishing summary.json, junit.xml and logs.tar.gz to `out_dir` as it goes; the summary."""
     os.makedirs(work_dir, exist_ok=True)
     limits = {s.name: s.timeout_s for s in chosen}
     optional = {s.name for s in chosen if s.optional}
@@ -349,7 +385,11 @@ def main(argv=None) -> int:
         print(f"note: {out_dir} also holds {others} (not this run's)")
     runner.publish = publisher
     print(describe_plan(chosen, budget), flush=True)
-    summary = runner.run()
+    return runner.run()
+
+
+def _print_outcome(summary: dict, out_dir: str) -> None:
+    """The steps' table, each benchmark's JSON line (cut at 1500 characters), the CUDA tests and the second call."""
     print(step_runner.table(summary))
     with open(os.path.join(out_dir, "summary.json")) as f:
         published = json.load(f)
@@ -358,8 +398,26 @@ def main(argv=None) -> int:
     print(f"cuda tests: {published['cuda_tests']['message']}")
     if published["second_call"]["command"]:
         print(f"second call: {published['second_call']['command']}")
-    return 0 if summary["status"] == "passed" else 1
 
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    subcommands = {"env": lambda rest: gpu_environment.main(), "_prepare": _sub_prepare, "_build": _sub_build,
+                   "prebuild": _sub_prebuild, "second-call": _sub_second_call}
+    if argv[:1] and argv[0] in subcommands:
+        return subcommands[argv[0]](argv[1:])
+    p = _parser()
+    a = p.parse_args(argv)
+    out_dir, work_dir, env_dir = _folders(p, a)
+    only = [s for s in a.only.replace(" ", ",").split(",") if s]
+    chosen, reusable = _chosen_steps(p, a, work_dir, env_dir, only)
+    budget = a.budget_s * (a.time_scale if a.dry_run else 1.0)
+    if a.list:
+        print(describe_plan(chosen, budget))
+        return 0
+    summary = _run(chosen, a, argv, out_dir, work_dir, budget, only, reusable)
+    _print_outcome(summary, out_dir)
+    return 0 if summary["status"] == "passed" else 1
 
 if __name__ == "__main__":
     sys.exit(main())
