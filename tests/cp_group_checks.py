@@ -19,9 +19,10 @@ from jodc import ops
 from jodc.models import DecoderConfig
 from jodc.ops.token import as_varying
 from jodc.models.context_parallel import context_parallel_layer_apply, group_keys
-from jodc.models.layerwise import init_group_params, layer_apply, positions_from_segment_ids
+from jodc.models.layerwise import init_group_params, layer_apply
 from jodc.models.odc_exchange import ExchangeSlots, OdcGroupExchange
-from test_context_parallel import gather_from_members, group_case, relative_error, scatter_to_members
+from test_context_parallel import (gather_from_members, group_case, reference_layer_inputs, relative_error,
+                                   scatter_to_members)
 
 TOKEN_CAP = 20
 CONFIG = DecoderConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
@@ -49,13 +50,7 @@ def params():
 
 def size_case(group_size: int, layer_params, layers: int = LAYERS) -> SizeCase:
     case = group_case(6 * group_size + 1, group_size, TOKEN_CAP, SHORTS[group_size])
-    rng = np.random.default_rng(group_size)
-    ref_seg = jnp.asarray(case.reference_segment_ids)
-    ref_pos = positions_from_segment_ids(ref_seg)
-    h_ref = rng.standard_normal(case.reference_segment_ids.shape + (CONFIG.hidden_size,)).astype(np.float32)
-    ct_ref = rng.standard_normal(h_ref.shape).astype(np.float32)
-    h_ref[case.reference_segment_ids == 0] = 0
-    ct_ref[case.reference_segment_ids == 0] = 0
+    ref_seg, ref_pos, h_ref, ct_ref = reference_layer_inputs(case, CONFIG.hidden_size, seed=group_size)
 
     def reference_loss(p, h):
         for _ in range(layers):

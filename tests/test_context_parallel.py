@@ -395,6 +395,18 @@ def test_check_group_rows_accepts_zigzag_rows_and_names_mistakes():
 # Through a decoder layer: parameter gradients
 # ----------------------------------------------------------------------------------------------------------
 
+def reference_layer_inputs(case, hidden_size: int, *, seed: int):
+    """(segment ids, positions, hidden states, output cotangent) of `case`'s one-device reference rows: random
+    states and cotangents, zero on padding."""
+    rng = np.random.default_rng(seed)
+    ref_seg = jnp.asarray(case.reference_segment_ids)
+    ref_pos = positions_from_segment_ids(ref_seg)
+    h_ref = rng.standard_normal(case.reference_segment_ids.shape + (hidden_size,)).astype(np.float32)
+    ct_ref = rng.standard_normal(h_ref.shape).astype(np.float32)
+    h_ref[case.reference_segment_ids == 0] = 0
+    ct_ref[case.reference_segment_ids == 0] = 0
+    return ref_seg, ref_pos, h_ref, ct_ref
+
 
 @pytest.mark.parametrize("group_size", [2, 4, 8])
 def test_decoder_layer_parameter_gradients_equal_one_device(group_size, record_property):
@@ -402,14 +414,8 @@ def test_decoder_layer_parameter_gradients_equal_one_device(group_size, record_p
                            num_kv_heads=2, attention_impl="blockwise", attention_block_size=4)
     shorts = [[3, 2], [5], [], [4], [1, 1], [], [6], [2]][:group_size]
     case = group_case(8 * group_size - 3, group_size, 20, shorts)
-    rng = np.random.default_rng(group_size)
     params = init_group_params(config, "layer_0", jax.random.key(group_size), init_std=0.2)
-    ref_seg = jnp.asarray(case.reference_segment_ids)
-    ref_pos = positions_from_segment_ids(ref_seg)
-    h_ref = rng.standard_normal(case.reference_segment_ids.shape + (config.hidden_size,)).astype(np.float32)
-    ct_ref = rng.standard_normal(h_ref.shape).astype(np.float32)
-    h_ref[case.reference_segment_ids == 0] = 0
-    ct_ref[case.reference_segment_ids == 0] = 0
+    ref_seg, ref_pos, h_ref, ct_ref = reference_layer_inputs(case, config.hidden_size, seed=group_size)
 
     def reference_loss(params, h):
         return jnp.sum(layer_apply(config, params, h, ref_pos, ref_seg) * ct_ref)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from jodc.balance import ContextParallelCost, CPGroup, CPMicrobatch, CPPlan, Microbatch, lb_mini_cp
+from jodc.balance import CPGroup, CPMicrobatch, CPPlan, Microbatch, lb_mini_cp
 from jodc.fsdp.timeline_analysis import bubble_rate, check_events
 from jodc.sim import (
     LONGALIGN_LONG_TAIL,
@@ -14,9 +14,7 @@ from jodc.sim import (
     timeline_events,
 )
 
-HAND = ContextParallelCost(num_layers=2, seconds_per_token=1.0, seconds_per_pair=0.01, exchange_bytes_per_token=300.0,
-                           exchanges_per_layer=3, link_bandwidth=100.0, link_latency=0.5, layer_sync_seconds=0.25,
-                           microbatch_seconds=2.0)
+from test_balance_cp import HAND  # round numbers, checked by hand there
 
 
 def _one_group_plan():
