@@ -85,18 +85,9 @@ def test_context_parallel_group_exchange_across_processes():
 
 @needs_mpi
 def test_group_ops_on_the_mpi_transport():
-    """tests/test_ops_group.py again, every heap on the MPI transport (one process: all ops through MPI windows).
-
-    jaxlib 0.11 (Python 3.12's pinned jax 0.11.2) crashes with a segfault while compiling this file's round-trip
-    program with the MPI targets, inside XLA's Shardy canonicalizer (`ManualComputationUnusedInputsPattern`, seen
-    with gdb); jax 0.10.2 compiles it, and with `JAX_USE_SHARDY_PARTITIONER=false` jaxlib 0.11 does too, so there it
-    runs with that setting (docs/context_parallel.md, "Known issues")."""
-    import jax
-
+    """tests/test_ops_group.py again, every heap on the MPI transport (one process: all ops through MPI windows)."""
     env = mpi_env()
     env["JODC_TEST_TRANSPORT"] = "mpi"
-    if jax.__version_info__[:2] == (0, 11):
-        env["JAX_USE_SHARDY_PARTITIONER"] = "false"
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(HERE, "test_ops_group.py")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

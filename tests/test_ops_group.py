@@ -20,6 +20,22 @@ WORLD, WIDTH = 8, 4
 SLOT = 37  # elements published per device (the shard is padded to a multiple of 16)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def without_shardy_on_jaxlib_0_11():
+    """jaxlib 0.11 segfaults compiling the round-trip program below inside XLA's Shardy canonicalizer
+    (`ManualComputationUnusedInputsPattern`, seen with gdb; jax 0.10.2 compiles it): there this module compiles with
+    Shardy off (docs/context_parallel.md, "Known issues"), and puts the setting back after."""
+    if jax.__version_info__[:2] != (0, 11):
+        yield
+        return
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)
+
+
 def group_round_trip(heap, bucket, sizes):
     """Per device: publish its slot, group_barrier, group_gather (forward); group_scatter_accumulate its slices,
     group_barrier, read and zero its accumulator (backward). Branch i: a member of a group of sizes[i] (its list is
