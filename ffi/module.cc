@@ -82,10 +82,11 @@ PYBIND11_MODULE(_ffi, m) {
         py::dict d;
 #define JODC_ADD_CPU_HANDLER(op, Camel) d["jodc_" #op] = Capsule(Jodc##Camel##Cpu);
         JODC_ALL_OPS(JODC_ADD_CPU_HANDLER)
+        JODC_GROUP_OPS(JODC_ADD_CPU_HANDLER)
 #undef JODC_ADD_CPU_HANDLER
         return d;
       },
-      "FFI target name (jodc_<op>) -> capsule of its CPU handler, for every op of ffi/common/ops.h.");
+      "FFI target name (jodc_<op>) -> capsule of its CPU handler, for every op of ffi/common/ops.h (group ops included).");
 
   m.def("shard_numel", &ShardNumel, py::arg("numel"), py::arg("world"), py::arg("master_bytes"),
         "Padded elements per shard (the layout the native ops use); -1 for invalid arguments or on overflow.");

@@ -8,7 +8,8 @@
 - Segment-aware attention (attention.py): `attention`, `blockwise_attention`, `dense_attention`.
 - Context parallelism (context_parallel.py, over keyed_attention.py): one sequence's attention split over a group of
   devices in the zigzag layout of `jodc.balance.zigzag`: `group_keys`, `context_parallel_attention`,
-  `context_parallel_layer_apply`, the exchange `AxisExchange` (docs/context_parallel.md).
+  `context_parallel_layer_apply`, the exchange `AxisExchange`; over ODC among devices chosen at run time:
+  odc_exchange.py's `OdcGroupExchange` (docs/context_parallel.md).
 - HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`, `HFGroupSource` (a checkpoint read by group
   slices, for sharded init); tokenizers (tokenizer.py): `load_tokenizer`,
   `save_tokenizer`, the built-in `byte_level_tokenizer`.

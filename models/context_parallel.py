@@ -22,8 +22,8 @@ skips, and the split sequence's blocks skip by position (causal).
 The exchange is pluggable (`GroupExchange`): anything that gives this member's index in the group and stacks an
 array from every member, differentiably (its transpose must return to each member the sum of the cotangents of its
 slice). `AxisExchange` does it with `jax.lax.all_gather` over a shard_map mesh axis (its backward is the
-reduce-scatter of dK/dV). The ODC exchange (groups chosen per minibatch, not a mesh axis) is the plan of
-docs/context_parallel.md. The whole group's K/V are held at once (all-gather context parallelism, as Llama 3's
+reduce-scatter of dK/dV). `odc_exchange.OdcGroupExchange` does it over ODC's group ops among devices chosen at run
+time (not a mesh axis): docs/context_parallel.md. The whole group's K/V are held at once (all-gather context parallelism, as Llama 3's
 training did); a ring exchange that holds one member's K/V at a time is the memory-lean alternative.
 
 Backward: JAX autodiff through the exchange and the keyed kernel's own `custom_vjp`; exact up to fp32

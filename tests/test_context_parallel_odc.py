@@ -3,9 +3,10 @@
 Each member publishes what it exchanges into its own shard (slot) of a heap bucket, meets the others at a barrier and
 `gather`s the slots; in the backward pass it pushes the cotangent of every slot to its owner with
 `scatter_accumulate`, meets them again and reads (then zeroes) its accumulator: the reduce-scatter of dK/dV, point to
-point. Here the group is the heap's whole axis and the barrier the heap's (world-wide); the library version needs a
-group gather / scatter over a run-time member list and a group barrier (docs/context_parallel.md). The attention code
-is unchanged: the exchange only has to provide `member_index` and `all_gather`.
+point. Here the group is the heap's whole axis and the barrier the heap's (world-wide); the library version over a
+run-time member list and a group barrier is `jodc.models.odc_exchange.OdcGroupExchange`
+(tests/test_context_parallel_group.py). The attention code is unchanged: the exchange only has to provide
+`member_index` and `all_gather`.
 """
 import numpy as np
 

@@ -170,7 +170,7 @@ def test_library_loads_and_reports_errors_without_a_gpu(built_library):
             pytest.skip(f"loading needs the CUDA driver here: {e}")
         raise
     handlers = lib.handlers()
-    assert sorted(handlers) == sorted(target_names.expected_targets("local"))  # ffi/common/ops.h's table
+    assert sorted(handlers) == sorted(target_names.expected_targets("local", "cuda"))  # ffi/common/ops.h's table
     # the layout math is the same code as the CPU side's (ffi/common/layout.h)
     for numel, world, master_bytes in [(1, 1, 4), (1, 8, 2), (17, 3, 4), (10**6 + 1, 8, 2), (123457, 7, 4),
                                        (2**62, 4, 4), (2**63 - 1, 1, 4), (2**63 - 1, 3, 2), (0, 4, 4), (10, 4, 3)]:

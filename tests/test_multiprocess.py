@@ -69,6 +69,30 @@ def test_ops_across_processes(nprocs, local):
     check_cases(out, rc, OPS_CASES)
 
 
+
+CP_GROUP_CASES = ["transport_is_mpi", "exchange_gives_the_one_device_loss_and_gradients",
+                  "group_barrier_timeout_names_missing_member"]
+
+
+@needs_mpi
+def test_context_parallel_group_exchange_across_processes():
+    """OdcGroupExchange on 2 processes of 2 devices, two groups at once, each spanning both processes
+    (tests/multiprocess/cp_group_cases.py): the one-device loss and gradients, the groups changing between calls of
+    one program; a group barrier whose member in the other process never comes fails naming it and its process."""
+    rc, out, _ = run_mpi(2, "cp_group_cases.py", "2", *CP_GROUP_CASES, timeout=120)
+    check_cases(out, rc, CP_GROUP_CASES)
+
+
+@needs_mpi
+def test_group_ops_on_the_mpi_transport():
+    """tests/test_ops_group.py again, every heap on the MPI transport (one process: all ops through MPI windows)."""
+    env = mpi_env()
+    env["JODC_TEST_TRANSPORT"] = "mpi"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(HERE, "test_ops_group.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
 def _session_processes(sid: int) -> list[int]:
     out = []
     for entry in filter(str.isdigit, os.listdir("/proc")):

@@ -21,6 +21,7 @@ def header_ops(macro: str) -> tuple[str, ...]:
 def test_python_names_are_the_headers():
     assert target_names.HEAP_OPS == header_ops("JODC_HEAP_OPS")
     assert target_names.TOKEN_OPS == header_ops("JODC_TOKEN_OPS")
+    assert target_names.GROUP_OPS == header_ops("JODC_GROUP_OPS")
 
 
 def test_every_op_module_calls_a_listed_target():
@@ -34,7 +35,7 @@ def test_every_op_module_calls_a_listed_target():
             called |= set(re.findall(r"""target(?:_name)?\([^"']*["'](\w+)["']\)""", src))
             called |= set(re.findall(r"""\bnative\(\w+, ["'](\w+)["']""", src))  # _call.native(owner, "op", ...)
             assert not re.search(r"""ffi_call\(\s*["']""", src), f"{name} hard-codes an FFI target name"
-    assert called == set(target_names.ALL_OPS)
+    assert called == set(target_names.ALL_OPS + target_names.GROUP_OPS)
 
 
 def test_cpu_library_exports_exactly_the_targets():
@@ -61,6 +62,12 @@ def test_target_names():
         target_names.target_name("after", "mpi")
     with pytest.raises(ValueError, match="no local FFI op 'gathr'"):
         target_names.target_name("gathr")
+    # the group ops: CPU and MPI libraries, not (yet) CUDA's or NVSHMEM's
+    assert target_names.target_name("group_gather", "mpi") == "jodc_mpi_group_gather"
+    assert "jodc_group_barrier" in target_names.expected_targets("local", "cpu")
+    assert "jodc_group_barrier" not in target_names.expected_targets("local", "cuda")
+    with pytest.raises(ValueError, match="no nvshmem FFI op 'group_gather'"):
+        target_names.target_name("group_gather", "nvshmem")
 
 
 def test_a_library_out_of_step_is_refused_naming_the_difference():

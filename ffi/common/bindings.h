@@ -68,6 +68,25 @@ template <typename B>
 auto Barrier(B&& b) {
   return HeapAttr(std::move(b).template Arg<Scalar>().template Arg<Scalar>().template Ret<Scalar>());
 }
+// Group ops (the member list an int32 [k] operand after the device): (device, members, token) -> (R, token) of a
+// bucket: group_gather (R = [k, shard] in the compute dtype).
+template <typename B>
+auto GroupGather(B&& b) {
+  return BucketAttrs(std::move(b).template Arg<Scalar>().template Arg<Scalar>().template Arg<Scalar>()
+                         .template Ret<ffi::AnyBuffer>().template Ret<Scalar>());
+}
+// (device, members, slices [k, shard], token) -> token of a bucket.
+template <typename B>
+auto GroupScatterAccumulate(B&& b) {
+  return BucketAttrs(std::move(b).template Arg<Scalar>().template Arg<Scalar>().template Arg<ffi::AnyBuffer>()
+                         .template Arg<Scalar>().template Ret<Scalar>());
+}
+// (device, members, token) -> token of a heap.
+template <typename B>
+auto GroupBarrier(B&& b) {
+  return HeapAttr(std::move(b).template Arg<Scalar>().template Arg<Scalar>().template Arg<Scalar>()
+                      .template Ret<Scalar>());
+}
 // (token, values to wait for...) -> token.
 template <typename B>
 auto After(B&& b) {

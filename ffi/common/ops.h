@@ -25,6 +25,14 @@
 
 #define JODC_ALL_OPS(X) JODC_HEAP_OPS(X) JODC_TOKEN_OPS(X)
 
+// Ops on a group of a heap's devices, the member list a run-time int32 operand (context parallelism: the group is
+// chosen per minibatch): one slot (a shard of a bucket) per member. The host backends (CPU, MPI) have them; the CUDA
+// and NVSHMEM backends do not yet.
+#define JODC_GROUP_OPS(X)                            \
+  X(group_gather, GroupGather)                       \
+  X(group_scatter_accumulate, GroupScatterAccumulate) \
+  X(group_barrier, GroupBarrier)
+
 #include <cstdint>
 
 namespace jodc {

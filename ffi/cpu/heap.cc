@@ -67,6 +67,7 @@ ErrorOr<int64_t> CreateHeap(int32_t world, bool deterministic, double barrier_ti
   heap->deterministic = deterministic;
   heap->barrier_timeout_s = barrier_timeout_s;
   heap->arrivals.assign(world, 0);
+  heap->pair_arrivals.assign(static_cast<size_t>(world) * world, 0);
   return Heaps().Add(heap);
 }
 

@@ -69,6 +69,9 @@ struct Heap {
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
   std::condition_variable barrier_cv;
   std::vector<uint64_t> arrivals;  // per device: how many barriers it has entered (its generation)
+  // Group barriers: [d * world + m] counts the group barriers device d has entered with m among the members (a
+  // generation per pair of devices: groups may change between barriers; disjoint groups never touch each other's).
+  std::vector<uint64_t> pair_arrivals;
   std::string poisoned;            // non-empty once a barrier timed out or the heap was aborted: every later op
                                    // fails with this
 };

@@ -25,10 +25,10 @@ auto Lookup(int64_t heap_id, int64_t bucket_id, int32_t device) {
 
 extern "C" {
 
-// The handler of every heap op (ffi/common/ops.h): names[i] / handlers[i] for i < capacity; returns how many there are.
+// The handler of every heap op and group op (ffi/common/ops.h): names[i] / handlers[i] for i < capacity; returns how many there are.
 JODC_MPI_EXPORT int32_t jodc_mpi_handlers(const char** names, void** handlers, int32_t capacity) {
 #define JODC_MPI_HANDLER_ENTRY(op, Camel) {#op, reinterpret_cast<void*>(&Jodc##Camel##Mpi)},
-  static const OpHandler kTable[] = {JODC_HEAP_OPS(JODC_MPI_HANDLER_ENTRY)};
+  static const OpHandler kTable[] = {JODC_HEAP_OPS(JODC_MPI_HANDLER_ENTRY) JODC_GROUP_OPS(JODC_MPI_HANDLER_ENTRY)};
 #undef JODC_MPI_HANDLER_ENTRY
   return CopyOpHandlers(kTable, names, handlers, capacity);
 }

@@ -301,6 +301,7 @@ ErrorOr<int64_t> CreateHeap(MPI_Comm user_comm, int32_t world, bool deterministi
     h->shared_memory = all == 1;
   }
   h->arrivals.assign(world, 0);
+  h->pair_arrivals.assign(static_cast<size_t>(world) * world, 0);
   h->seen.assign(h->ctl_words(), 0);
   char* base = nullptr;
   const int64_t ctl_bytes = h->ctl_words() * 8 + int64_t{h->nprocs} * kAbortMessageBytes;

@@ -74,18 +74,24 @@ struct Heap {
   std::vector<int32_t> rank_devices;        // per process: how many devices of the heap it holds
   bool shared_memory = false;               // all processes on one node: bucket windows are shared memory
 
-  // Control window: int64 words [abort][arrivals: world][freeing: nprocs], then nprocs abort messages.
+  // Control window: int64 words [abort][arrivals: world][freeing: nprocs][pair arrivals: world * world], then nprocs
+  // abort messages. Pair word (from, to) is the number of group barriers device `from` has entered with `to` among
+  // the members, written by `from` into the window of `to`'s process (group_barrier.cc).
   MPI_Win ctl = MPI_WIN_NULL;
   int64_t* ctl_base = nullptr;
-  int64_t ctl_words() const { return 1 + world + nprocs; }
+  int64_t ctl_words() const { return 1 + world + nprocs + static_cast<int64_t>(world) * world; }
   int64_t arrivals_disp(int32_t device) const { return (1 + device) * 8; }
   int64_t freeing_disp(int32_t r) const { return (1 + world + r) * 8; }
+  int64_t pair_word(int32_t from, int32_t to) const {
+    return 1 + world + nprocs + static_cast<int64_t>(from) * world + to;
+  }
   int64_t message_disp(int32_t r) const { return ctl_words() * 8 + r * kAbortMessageBytes; }
 
   std::mutex mu;  // guards everything below
   std::condition_variable cv;
   std::map<int64_t, std::shared_ptr<Bucket>> buckets;
   std::vector<uint64_t> arrivals;  // per global device (only this process's are counted here)
+  std::vector<uint64_t> pair_arrivals;  // [from * world + to]: group barriers entered, rows of this process's devices
   std::vector<int64_t> seen;       // last polled control words (abort, arrivals, freeing)
   bool polling = false;            // one thread at a time polls the control window
   std::string poisoned;            // non-empty after a failure: every later op fails with it

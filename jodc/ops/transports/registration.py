@@ -67,7 +67,7 @@ def register_targets(key: str, library, transport: str, xla_platform: str) -> No
         if key in _registered:
             return
         handlers = library.handlers()
-        target_names.check_handlers(handlers, transport, f"jodc's {key} library")
+        target_names.check_handlers(handlers, transport, f"jodc's {key} library", xla_platform)
         for name, capsule in handlers.items():
             jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
         _registered.add(key)

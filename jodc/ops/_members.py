@@ -1,0 +1,51 @@
+"""The member list of the group ops (group_gather, group_scatter_accumulate, group_barrier): an int32 [k] array of
+positions along the heap's axis, passed to the native op as a run-time operand, so one compiled program serves every
+grouping. Checked here as far as can be without running: its dtype, shape and size always; its entries (in range, no
+repeats) when the list is a concrete array rather than a traced value. The native ops check every list when they run
+(the calling device must be one of the members) and fail with an error, never a crash."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodc.ops.heap import SymmetricHeap
+from jodc.ops.replicated_heap import ReplicatedHeap
+from jodc.ops.transports import target_names
+
+
+def check_group_platform(heap: SymmetricHeap | ReplicatedHeap, op: str) -> None:
+    """The group ops exist for CPU heaps (in-process and MPI) only: a clear error for others."""
+    platform = heap.platform if isinstance(heap, SymmetricHeap) else heap.members()[0].platform
+    if platform not in target_names.GROUP_OP_PLATFORMS:
+        raise ValueError(f"jodc.ops.{op}: group ops run on CPU heaps (in-process or MPI) only; this heap is on "
+                         f"{platform!r} devices ({heap.transport} transport)")
+
+
+def check_members(members, heap: SymmetricHeap | ReplicatedHeap, op: str) -> jax.Array:
+    """`members` as an int32 [k] array, 1 <= k <= heap.world; for a concrete list also every entry in [0, world) and
+    none twice. ValueError naming the op and the fault otherwise."""
+    check_group_platform(heap, op)
+    members = jnp.asarray(members) if not isinstance(members, jax.Array) else members
+    if members.dtype != jnp.int32:
+        raise ValueError(f"jodc.ops.{op}: the member list must be int32, got {members.dtype}")
+    if members.ndim != 1:
+        raise ValueError(f"jodc.ops.{op}: the member list must be one-dimensional [k], got shape "
+                         f"{tuple(members.shape)}")
+    k = int(members.shape[0])
+    if not 1 <= k <= heap.world:
+        raise ValueError(f"jodc.ops.{op}: the member list has {k} entries, expected 1 to {heap.world} (the heap's "
+                         f"devices)")
+    try:
+        values = np.asarray(members)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return members  # traced: the native op checks the entries when it runs
+    outside = [int(m) for m in values if not 0 <= m < heap.world]
+    if outside:
+        raise ValueError(f"jodc.ops.{op}: member list {values.tolist()} has entries {outside} outside "
+                         f"[0, {heap.world})")
+    unique, counts = np.unique(values, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"jodc.ops.{op}: member list {values.tolist()} names device(s) "
+                         f"{unique[counts > 1].tolist()} more than once")
+    return members
