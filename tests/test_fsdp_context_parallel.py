@@ -11,8 +11,8 @@ from conftest import cpu_mesh
 from jodc.balance import get_planner
 from jodc.balance.cp_cost import ContextParallelCost
 from jodc.balance.cp_plan import CPGroup, CPMicrobatch, CPPlan
-from jodc.balance.cp_planners import lb_mini_cp
-from jodc.fsdp import ODCEngine, OptimizerConfig, ReferenceEngine
+from jodc.balance.cp_planners import lb_mini_cp, lockstep_cp
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
 from jodc.fsdp.batch import minibatch_from_plan
 from jodc.models.config import DecoderConfig
 from jodc.train.core.staged_decoder import decoder_staged_model
@@ -103,6 +103,43 @@ def test_odc_engine_runs_cp_groups_like_the_reference(record_property):
         np.testing.assert_allclose(params[g], v, rtol=1e-5, atol=1e-6, err_msg=g)
 
 
+# lock-step CP (lockstep_cp): two groups of 2 at once, then a group of 2 beside two devices' plain rows
+LOCKSTEP_LENGTHS = [[27, 25, 13, 6, 15, 8, 4, 10], [27, 13, 6, 15, 8, 4, 10, 16, 12]]
+
+
+def test_collective_engine_runs_lockstep_cp_like_the_reference(record_property):
+    model, groups = decoder_staged_model(CONFIG, seed=3)
+    batches, ref_batches, layouts = [], [], []
+    for step, lengths in enumerate(LOCKSTEP_LENGTHS):
+        inputs, targets, masks = sequences(lengths, step + 5)
+        plan = lockstep_cp(lengths, WORLD, TOKEN_CAP, cost_model=COST)
+        assert plan.is_lockstep and plan.num_cp_sequences == sum(s > TOKEN_CAP for s in lengths)
+        layouts.append([g.members for g in plan.groups])
+        batches.append(minibatch_from_plan(plan, inputs, targets, masks))
+        ref_batches.append(minibatch_from_plan(get_planner("lb_mini")(lengths, 1, max(lengths)), inputs, targets,
+                                               masks))
+    assert layouts == [[(0, 1), (2, 3)], [(0, 1)]], layouts
+    ref = ReferenceEngine(model, groups, optimizer=OPT)
+    ref_results = [ref.step(b) for b in ref_batches]
+    ref_params = ref.flat_params()
+    engine = CollectiveEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT)
+    results = [engine.step(b) for b in batches]
+    params = engine.flat_params()
+    start = model.flatten_groups(groups)
+    errors = {"loss": max(relative(r.loss, q.loss) for r, q in zip(results, ref_results)),
+              "grad_norm": max(relative(r.grad_norm, q.grad_norm) for r, q in zip(results, ref_results))}
+    errors.update({f"params.{g}": relative(params[g] - start[g], ref_params[g] - start[g]) for g in ref_params})
+    record_property("relative_errors", errors)
+    print(f"lock-step groups {layouts}; relative errors {errors}")
+    assert max(errors.values()) <= 1e-5, errors
+    # a plan whose group meets at different steps on its members (device 0 runs a short microbatch first)
+    lengths = LOCKSTEP_LENGTHS[1]
+    plan = lockstep_cp(lengths, WORLD, TOKEN_CAP, cost_model=COST)
+    skewed = CPPlan((plan.devices[0][::-1],) + plan.devices[1:], plan.groups, plan.token_cap)
+    with pytest.raises(ValueError, match="runs lock-step plans only"):
+        engine.step(minibatch_from_plan(skewed, *sequences(lengths, 6)))
+
+
 def test_a_sequence_over_the_worlds_capacity_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="capacity|cannot|no group"):
         lb_mini_cp([WORLD * TOKEN_CAP + 1, 5], WORLD, TOKEN_CAP)
@@ -112,6 +149,7 @@ def test_engines_without_context_parallel_refuse_cp_minibatches():
     model, groups = decoder_staged_model(CONFIG, seed=3)
     inputs, targets, masks = sequences(LENGTHS[0], 0)
     batch = minibatch_from_plan(lb_mini_cp(LENGTHS[0], WORLD, TOKEN_CAP), inputs, targets, masks)
-    assert not ReferenceEngine.supports_context_parallel and ODCEngine.supports_context_parallel
+    assert not ReferenceEngine.supports_context_parallel and not XlaSpmdEngine.supports_context_parallel
+    assert ODCEngine.supports_context_parallel and CollectiveEngine.supports_context_parallel
     with pytest.raises(ValueError, match="the reference engine does not run them"):
         ReferenceEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT).step(batch)

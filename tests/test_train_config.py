@@ -203,11 +203,12 @@ def test_configs_and_checkpoints_in_the_old_trainer_layout_are_refused_naming_th
 def test_context_parallel_is_an_explicit_setting_refused_for_engines_that_do_not_run_it():
     with pytest.raises(C.ConfigError, match="splits them over devices, with an engine that supports it"):
         C.SFTConfig(engine=C.EngineConfig(token_cap=64))
-    for name in ("collective", "xla_spmd", "reference"):
+    for name in ("xla_spmd", "reference"):
         with pytest.raises(C.ConfigError, match=f"the {name} engine does not run context-parallel microbatches "
-                                                r"\(the odc engine does\)"):
+                                                r"\(odc and collective do\)"):
             C.SFTConfig(engine=C.EngineConfig(name=name, token_cap=256, context_parallel=True))
-    C.SFTConfig(engine=C.EngineConfig(token_cap=256, context_parallel=True))  # odc (the default engine) runs them
+    for name in ("odc", "collective"):
+        C.SFTConfig(engine=C.EngineConfig(name=name, token_cap=256, context_parallel=True))
 
 
 def test_context_parallel_allows_max_length_up_to_the_world_capacity():

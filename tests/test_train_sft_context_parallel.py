@@ -1,6 +1,7 @@
 """The SFT trainer with context parallelism on the ODC engine: `data.max_length` above `engine.token_cap`, the
 longer sequences planned by `lb_mini_cp` over groups of devices and counted per step (`cp_sequences`); a stopped and
-resumed deterministic run equals the uninterrupted one bit for bit."""
+resumed deterministic run equals the uninterrupted one bit for bit. On the collective engine the trainer plans
+lock-step groups (`lockstep_cp`)."""
 import os
 
 import jax
@@ -16,12 +17,12 @@ from test_train_sft import engine_state_template
 STEPS = 4
 
 
-def overrides(out_dir):
+def overrides(out_dir, *extra):
     return ["--preset", "tiny", "--max_length", "128", "--token_cap", "80", "--context_parallel", "true",
             "--embedded_examples", "64", "--devices", "2", "--sequences_per_minibatch", "8", "--steps", str(STEPS),
             "--learning_rate", "1e-2", "--schedule", "constant", "--warmup_steps", "0", "--deterministic",
             "--no-progress", "--save_every", "2", "--keep_checkpoints", "2", "--timeline_every", "0",
-            "--out_dir", str(out_dir)]
+            "--out_dir", str(out_dir), *extra]
 
 
 def final_state(out_dir):
@@ -51,3 +52,12 @@ def test_sft_with_context_parallel_groups_runs_and_resumes_exactly(tmp_path, rec
     a, b = final_state(str(straight)), final_state(str(resumed))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_sft_with_context_parallel_on_the_collective_engine_plans_lockstep_groups(tmp_path):
+    summary = run_sft(load_config(None, overrides(tmp_path, "--engine", "collective", "--no-deterministic", "--steps",
+                                                  "2")), log=lambda _: None)
+    records = read_metrics(summary["metrics"])
+    assert [r["step"] for r in records] == [1, 2] and all(np.isfinite(r["loss"]) for r in records)
+    assert sum(r["cp_sequences"] for r in records) > 0
+    assert len(set(records[0]["microbatches"])) == 1  # lock-step: every device the same count

@@ -119,7 +119,7 @@ class EngineConfig(Section):
     cost_model: Literal["flops", "linear"] = "flops"  # how the planner weighs a sequence
     token_cap: int | None = None  # tokens per microbatch buffer; SFT's default: data.max_length
     # split sequences longer than token_cap over groups of devices (context parallelism, jodc.balance.cp_planners):
-    # data.max_length may then reach devices x token_cap; planned by lb_mini_cp, run by the odc engine only
+    # data.max_length may then reach devices x token_cap; planned by lb_mini_cp for odc, lockstep_cp for collective
     context_parallel: bool = False
     # shorter buffer lengths a microbatch may run at, comma-separated ('256,512'): it runs at the smallest that
     # holds it; use multiples of the attention block size; LB-Mini then plans for the padded lengths
@@ -256,7 +256,7 @@ class SFTConfig(TrainingConfig):
         engine, capacity = self.engine, self.engine.devices * self.token_cap
         if engine.context_parallel and not getattr(engine_class(engine.name), "supports_context_parallel", False):
             raise ConfigError(f"engine.context_parallel=true: the {engine.name} engine does not run context-parallel "
-                              "microbatches (the odc engine does); use engine.name=odc, or set it to false and keep "
+                              "microbatches (odc and collective do); use one of them, or set it to false and keep "
                               "data.max_length <= engine.token_cap")
         if self.token_cap < self.data.max_length and not engine.context_parallel:
             raise ConfigError(f"engine.token_cap={self.token_cap} is below data.max_length={self.data.max_length}: "
