@@ -80,6 +80,29 @@ class AxisExchange:
         return jax.lax.all_gather(x, self.axis_name)
 
 
+@dataclasses.dataclass(frozen=True)
+class MemberAxisExchange:
+    """A group named at run time among the devices of a shard_map mesh axis, for lock-step engines: every device of
+    the axis calls `all_gather` together (one `jax.lax.all_gather` over the whole axis, backward `psum_scatter`), and
+    each keeps the slices of its own group. `members`: int32 [W] (W, static, at most the axis size), the group's
+    axis positions in member order, then -1; a -1 slot stacks zeros (padding: segment 0 in the group keys, so it is
+    never attended to). Devices outside any group pass ``[self, -1, ...]``: their rows attend within themselves."""
+
+    axis_name: str
+    members: jax.Array
+
+    def member_index(self) -> jax.Array:
+        me = jax.lax.axis_index(self.axis_name)
+        return jnp.argmax(self.members == me).astype(jnp.int32)
+
+    def all_gather(self, x: jax.Array) -> jax.Array:
+        gathered = jax.lax.all_gather(x, self.axis_name)
+        valid = self.members >= 0
+        picked = gathered[jnp.where(valid, self.members, 0)]
+        mask = valid.reshape((-1,) + (1,) * x.ndim)
+        return jnp.where(mask, picked, jnp.zeros_like(picked))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupKeys:

@@ -75,14 +75,16 @@ class OdcGroupExchange:
         token = OdcGroupExchange(slots, members, ops.after(token, grads)).close()
     """
 
-    def __init__(self, slots: ExchangeSlots, members, token=None):
+    def __init__(self, slots: ExchangeSlots, members, token=None, *, first_float: int = 0):
         self.slots, self.heap = slots, slots.heap
         self.members = jnp.asarray(members)
         if self.members.dtype != jnp.int32 or self.members.ndim != 1:
             raise ValueError(f"members must be an int32 [k] array, got {self.members.dtype}"
                              f"{list(self.members.shape)}")
         self.token = ops.new_token(self.heap.axis_name) if token is None else token
-        self._exchanges = {"float": 0, "int": 0}
+        # `first_float`: which float bucket the first floating exchange uses (its parity): a caller that makes one
+        # exchange per object (the ODC engine, one per layer call) alternates the buckets itself
+        self._exchanges = {"float": int(first_float), "int": 0}
 
     @property
     def group_size(self) -> int:

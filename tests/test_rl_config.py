@@ -104,5 +104,6 @@ def test_what_the_rl_trainer_does_not_support_is_refused():
     assert C.load_rl_config(None, ["--engine", "xla_spmd"]).engine.name == "xla_spmd"  # every engine trains RL
     with pytest.raises(ConfigError, match="does not support .*logging.timeline_every"):
         C.load_rl_config(None, ["--timeline_every", "5"])
-    with pytest.raises(ConfigError, match="does not support engine.context_parallel"):
-        C.load_rl_config(None, ["--context_parallel", "true"])
+    assert C.load_rl_config(None, ["--context_parallel", "true"]).engine.context_parallel  # odc, collective
+    with pytest.raises(ConfigError, match="the xla_spmd engine does not run context-parallel microbatches"):
+        C.load_rl_config(None, ["--context_parallel", "true", "--engine", "xla_spmd"])

@@ -200,17 +200,18 @@ def test_configs_and_checkpoints_in_the_old_trainer_layout_are_refused_naming_th
         C.resume_mismatches(saved, C.load_config())
 
 
-def test_context_parallel_is_an_explicit_setting_refused_until_an_engine_runs_it():
+def test_context_parallel_is_an_explicit_setting_refused_for_engines_that_do_not_run_it():
     with pytest.raises(C.ConfigError, match="splits them over devices, with an engine that supports it"):
         C.SFTConfig(engine=C.EngineConfig(token_cap=64))
-    with pytest.raises(C.ConfigError, match="the odc engine does not run context-parallel microbatches yet"):
-        C.SFTConfig(engine=C.EngineConfig(token_cap=256, context_parallel=True))
+    for name in ("xla_spmd", "reference"):
+        with pytest.raises(C.ConfigError, match=f"the {name} engine does not run context-parallel microbatches "
+                                                r"\(odc and collective do\)"):
+            C.SFTConfig(engine=C.EngineConfig(name=name, token_cap=256, context_parallel=True))
+    for name in ("odc", "collective"):
+        C.SFTConfig(engine=C.EngineConfig(name=name, token_cap=256, context_parallel=True))
 
 
-def test_context_parallel_allows_max_length_up_to_the_world_capacity(monkeypatch):
-    from jodc.fsdp.odc_engine import ODCEngine
-
-    monkeypatch.setattr(ODCEngine, "supports_context_parallel", True, raising=False)
+def test_context_parallel_allows_max_length_up_to_the_world_capacity():
     cfg = C.SFTConfig(engine=C.EngineConfig(devices=4, token_cap=256, context_parallel=True),
                       data=C.DataConfig(max_length=1024))
     assert cfg.token_cap == 256 and cfg.data.max_length == 4 * 256

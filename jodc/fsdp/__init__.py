@@ -11,8 +11,10 @@ from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.reference_engine import ReferenceEngine
 from jodc.fsdp.registry import ENGINES, engine_class, make_engine
 from jodc.fsdp.xla_spmd_engine import XlaSpmdEngine
-from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
+from jodc.fsdp.stages import ContextParallel, GroupLayout, Stage, StagedModel
+from jodc.fsdp.cp_batch import minibatch_from_cp_plan
 
-__all__ = ["ENGINES", "CollectiveEngine", "Engine", "GroupLayout", "MinibatchArrays", "NNXStagedModel",
+__all__ = ["ENGINES", "CollectiveEngine", "ContextParallel", "Engine", "GroupLayout", "MinibatchArrays", "NNXStagedModel",
            "NonFiniteStepError", "ODCEngine", "OptimizerConfig", "ReferenceEngine", "XlaSpmdEngine", "Stage",
-           "StagedModel", "StepResult", "engine_class", "from_nnx", "make_engine"]
+           "StagedModel", "StepResult", "engine_class", "from_nnx", "make_engine",
+           "minibatch_from_cp_plan"]

@@ -38,6 +38,13 @@ class MinibatchArrays:
     microbatch_tokens: np.ndarray | None = None
     # more per-token fields for the loss ([D, M, T, ...] each), e.g. behaviour log-probs and advantages for RL
     extras: dict = dataclasses.field(default_factory=dict)
+    # context parallelism (a `jodc.balance.CPPlan`, `jodc.fsdp.cp_batch`): per microbatch the size of its group
+    # (int32 [D, M], 0: a plain microbatch), the group's members (int32 [D, M, D], heap positions in member order,
+    # zero-padded past the size) and this device's member index (int32 [D, M]); None: no CP microbatch
+    cp_size: np.ndarray | None = None
+    cp_members: np.ndarray | None = None
+    cp_member: np.ndarray | None = None
+    num_cp_sequences: int = 0  # sequences split over CP groups
 
     def __post_init__(self):
         shape = self.tokens.shape
@@ -59,6 +66,16 @@ class MinibatchArrays:
             self.microbatch_tokens = np.asarray(self.microbatch_tokens, np.int64)
             if self.microbatch_tokens.shape != shape[:2]:
                 raise ValueError(f"microbatch_tokens has shape {self.microbatch_tokens.shape}, expected {shape[:2]}")
+        cp = (self.cp_size, self.cp_members, self.cp_member)
+        if any(x is not None for x in cp):
+            if any(x is None for x in cp):
+                raise ValueError("cp_size, cp_members and cp_member come together (all or none)")
+            self.cp_size, self.cp_members, self.cp_member = (np.asarray(x, np.int32) for x in cp)
+            if (self.cp_size.shape != shape[:2] or self.cp_member.shape != shape[:2]
+                    or self.cp_members.shape != shape[:2] + (shape[0],)):
+                raise ValueError(f"cp_size / cp_member must be {list(shape[:2])} and cp_members "
+                                 f"{list(shape[:2]) + [shape[0]]}, got {self.cp_size.shape}, {self.cp_member.shape}, "
+                                 f"{self.cp_members.shape}")
         if not self.normalizer > 0:
             raise ValueError(f"normalizer must be > 0 (the global loss-token count), got {self.normalizer}")
 
@@ -80,6 +97,11 @@ class MinibatchArrays:
         if self.microbatch_tokens is not None:
             return self.microbatch_tokens
         return (np.asarray(self.segment_ids) > 0).sum(-1)
+
+    @property
+    def has_context_parallel(self) -> bool:
+        """Whether some microbatch is a device's row of a context-parallel group."""
+        return self.cp_size is not None and bool((self.cp_size > 0).any())
 
     def as_dict(self) -> dict[str, np.ndarray]:
         """Every per-token field (built-in and extras), as the engines hand them to the model's stages."""
@@ -104,8 +126,16 @@ def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None =
 
     Device d gets all of its planned microbatches (empty ones from lock-step planners included); the microbatch
     axis is padded to the largest count with empty microbatches. The normaliser is the minibatch's total of
-    `loss_masks`, the same on every device.
+    `loss_masks`, the same on every device. A `jodc.balance.CPPlan` (sequences split over context-parallel
+    groups) is packed by `jodc.fsdp.cp_batch.minibatch_from_cp_plan`.
     """
+    from jodc.balance.cp_plan import CPPlan
+
+    if isinstance(plan, CPPlan):
+        from jodc.fsdp.cp_batch import minibatch_from_cp_plan
+
+        return minibatch_from_cp_plan(plan, inputs, targets, loss_masks, extras=extras, normalizer=normalizer,
+                                      devices=devices)
     num_devices = len(plan.devices)
     m = max(1, max(len(mbs) for mbs in plan.devices))
     t = plan.token_cap

@@ -31,6 +31,10 @@ class CollectiveEngine(ShardedStateMixin, Engine):
     supports_timeline = True
     default_planner = "lb_micro"
     supports_deterministic = False  # psum_scatter adds in the collective's own order
+    # lock-step CP plans (`lockstep_cp`): in a round where any device runs a CP row, every device runs the CP form
+    # of the stages, its K/V all-gathered over the whole mesh axis and its own group's slices kept
+    # (`MemberAxisExchange`); a device beside the groups is a group of itself
+    supports_context_parallel = True
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, length_buckets=None):
@@ -46,14 +50,22 @@ class CollectiveEngine(ShardedStateMixin, Engine):
     def num_devices(self) -> int:
         return self.layout.devices
 
-    def _microbatch_loss(self, shards, microbatch, i=None, recorder=None):
+    def _microbatch_loss(self, shards, microbatch, i=None, recorder=None, members=None):
         h = None
+        exchange = None
+        if members is not None:  # a round with context-parallel rows: every device runs the CP stages
+            from jodc.models.context_parallel import MemberAxisExchange
+
+            exchange = MemberAxisExchange("d", members)
+            microbatch = {**microbatch, "cp_keys": self.model.context_parallel.keys(microbatch, exchange)}
         for index, st in enumerate(self.model.stages):
             def stage(local_shards, h, st=st):
                 params = []
                 for g, s in zip(st.groups, local_shards):
                     full = lax.all_gather(s, "d", tiled=True)[: self.numels[g]].astype(self.compute_dtype)
                     params.append(self.model.layouts[g].unflatten(full))
+                if exchange is not None and st.context_parallel is not None:
+                    return st.context_parallel(tuple(params), h, microbatch, exchange)
                 return st.fn(tuple(params), h, microbatch)
 
             # remat: the gathered parameters are dropped after forward and re-gathered in backward (FSDP memory)
@@ -64,17 +76,29 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         loss, metrics = split_loss(h, self.model.metric_names)
         return loss.astype(jnp.float32), metrics
 
-    def _device_step(self, shards, opt_state, arrays, round_bucket, normalizer, recorder=None, lengths=()):
+    def _device_step(self, shards, opt_state, arrays, round_bucket, normalizer, round_cp=None, cp_members=None,
+                     recorder=None, lengths=()):
         groups = self.model.group_names
         shards, opt_state = sharding.local_state(shards, groups), sharding.local_state(opt_state, groups)
         arrays = sharding.local(arrays)
         grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder), has_aux=True)
+        if cp_members is not None:
+            cp_members = cp_members[0]  # this device's [M, D]
 
-        def microbatch_grads(mb, i):
+        def plain_grads(mb, i):
             aux, grads = grad_fn(shards, mb, i)
             if self.layout.hsdp:  # all-reduce every microbatch's gradient over the replicas
                 grads = replica_sum(grads, sharding.REPLICA_AXIS)
             return aux, grads
+
+        def cp_grads(mb, i):
+            return grad_fn(shards, mb, i, members=cp_members[i])
+
+        def microbatch_grads(mb, i):
+            if cp_members is None or mb["tokens"].shape[1] != lengths[-1]:  # CP rounds run at the full length
+                return plain_grads(mb, i)
+            # the predicate is the same on every device (replicated), so their collectives meet
+            return lax.cond(round_cp[i], cp_grads, plain_grads, mb, i)
 
         arrays = jax.tree.map(lambda v: v[:, None], arrays)  # [M, 1, T]: this device's one row per microbatch
         # lock-step: every device runs round i at the longest bucket any device needs in that round
@@ -87,10 +111,12 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         return (shards, sharding.stacked_state(opt_state, groups), loss[None], norm[None],
                 sharding.stacked(metrics), applied[None])
 
-    def _build(self, arrays, recorder, lengths):
+    def _build(self, arrays, recorder, lengths, cp=False):
         axes = self.layout.axes
         specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
                  sharding.device_spec(arrays, axes), P(), P())
+        if cp:
+            specs += (P(), P(axes))
         device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
         return jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                      out_specs=(specs[0], specs[1], *[P(axes)] * 4)),
@@ -102,10 +128,39 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         arrays = {k: v[:, : max(m, 1)] for k, v in arrays.items()}  # lock-step over the largest count
         lengths = self.bucket_lengths(batch.token_cap)
         round_bucket = self.bucket_indices(batch)[:, : max(m, 1)].max(axis=0)
-        key = (tuple(sorted((k, v.shape) for k, v in arrays.items())), recorder is not None, lengths)
-        fn = self._cached(key, lambda: self._build(arrays, recorder, lengths))
+        cp = batch.has_context_parallel
+        cp_inputs = ()
+        if cp:
+            cp_size, members = batch.cp_size[:, : max(m, 1)], batch.cp_members[:, : max(m, 1)]
+            round_cp = (cp_size > 0).any(axis=0)
+            round_bucket = np.where(round_cp, len(lengths) - 1, round_bucket)
+            # -1 past each group's size; a plain row in a CP round is a group of its own device
+            padded = np.where(np.arange(members.shape[2]) < cp_size[..., None], members, -1).astype(np.int32)
+            alone = cp_size == 0
+            padded[alone] = -1
+            padded[..., 0] = np.where(alone, np.arange(padded.shape[0])[:, None], padded[..., 0])
+            cp_inputs = (sharding.put_replicated(self.mesh, round_cp), sharding.put_per_device(self.mesh, padded))
+        key = (tuple(sorted((k, v.shape) for k, v in arrays.items())), recorder is not None, lengths, cp)
+        fn = self._cached(key, lambda: self._build(arrays, recorder, lengths, cp))
         self.shards, self.opt_state, loss, norm, metrics, applied = fn(
             self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
             sharding.put_replicated(self.mesh, round_bucket),
-            sharding.put_replicated(self.mesh, np.float32(batch.normalizer)))
+            sharding.put_replicated(self.mesh, np.float32(batch.normalizer)), *cp_inputs)
         return loss, norm, metrics, applied
+
+    def _check_context_parallel(self, batch: MinibatchArrays) -> None:
+        if not batch.has_context_parallel:
+            return
+        if self.layout.hsdp:
+            raise ValueError("the collective engine runs context-parallel microbatches on a flat ('d',) mesh only")
+        if self.model.context_parallel is None:
+            raise ValueError("the minibatch has context-parallel microbatches but the model has no context_parallel "
+                             "stages (StagedModel.context_parallel)")
+        # lock-step: every member of a group must run its row in the same round
+        for d, row in enumerate(batch.cp_size):
+            for j in np.flatnonzero(row > 0):
+                for member in batch.cp_members[d, j, : row[j]]:
+                    if batch.cp_size[member, j] != row[j] or (batch.cp_members[member, j] != batch.cp_members[d, j]).any():
+                        raise ValueError(f"device {d}'s microbatch {j} is a row of a context-parallel group whose "
+                                         f"member {int(member)} runs it at another step; the collective engine runs "
+                                         "lock-step plans only (lockstep_cp)")

@@ -71,6 +71,9 @@ class Engine(abc.ABC):
     default_planner: str  # the planner used when the config names none (a `jodc.balance` planner name)
     supports_deterministic: bool  # gradient accumulation can be made (or always is) bit-for-bit reproducible
     FACTS = ("name", "lockstep", "supports_timeline", "default_planner", "supports_deterministic")
+    # runs minibatches with context-parallel groups (`jodc.balance.CPPlan`, `MinibatchArrays.has_context_parallel`);
+    # an engine without it refuses them (and the config refuses `engine.context_parallel` for it)
+    supports_context_parallel: bool = False
     # the keyword options of the constructor beyond the shape every engine shares, `(model, groups, mesh, *,
     # optimizer, compute_dtype, length_buckets, **options)`
     options: tuple[str, ...] = ()
@@ -156,6 +159,7 @@ class Engine(abc.ABC):
         its previous state, selected on device) and raises `NonFiniteStepError`, or, with `skip_nonfinite`,
         returns its result with `applied=False`. `steps_done` counts applied steps (optax's step count)."""
         self._check_batch(batch)
+        self._check_context_parallel(batch)
         if record_timeline and not self.supports_timeline:
             raise ValueError(f"the {self.name} engine cannot record timelines (supports_timeline is False); check "
                              "`engine.supports_timeline` before asking for one")
@@ -187,6 +191,11 @@ class Engine(abc.ABC):
         if batch.num_devices != self.num_devices:
             raise ValueError(f"{self.name} engine runs on {self.num_devices} devices, the minibatch was planned "
                              f"for {batch.num_devices}")
+
+    def _check_context_parallel(self, batch: MinibatchArrays) -> None:
+        if batch.has_context_parallel and not self.supports_context_parallel:
+            raise ValueError(f"the minibatch splits sequences over context-parallel groups; the {self.name} engine "
+                             "does not run them (supports_context_parallel is False: use the odc engine)")
 
     @property
     @abc.abstractmethod

@@ -23,6 +23,7 @@ from jodc.fsdp.engine import Engine, microbatch_loop, replica_sum, update_step
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
+from jodc.ops.token import as_varying
 
 
 def _stage_layer_fn(stage):
@@ -49,6 +50,9 @@ class ODCEngine(ShardedStateMixin, Engine):
     name = "odc"
     lockstep = False  # each device runs its own microbatch count
     supports_timeline = True
+    # runs `jodc.balance.CPPlan`s (`lb_mini_cp`): a CP microbatch's members exchange K/V among themselves at every
+    # attention layer over the heap's group ops (`jodc.models.odc_exchange`), inside the layer's custom_vjp
+    supports_context_parallel = True
     default_planner = "lb_mini"
     supports_deterministic = True  # per-source landing slots (`deterministic=True`)
     options = ("deterministic", "barrier_timeout_s")
@@ -73,6 +77,8 @@ class ODCEngine(ShardedStateMixin, Engine):
         if native != self.shard_numels:  # one layout for every engine and checkpoint; never expected to differ
             raise RuntimeError(f"the heap's shard sizes {native} differ from jodc.ops.layout's {self.shard_numels}")
         self._init_sharded_state(groups)
+        self._cp_slots = None  # the context-parallel exchange's slots, registered by the first CP minibatch
+        self._cp_sizes_seen: set[int] = set()  # group sizes the compiled step has a branch for
 
     @property
     def num_devices(self) -> int:
@@ -87,14 +93,48 @@ class ODCEngine(ShardedStateMixin, Engine):
                 unflatten=tuple(self.model.layouts[g].unflatten for g in st.groups)))
         return layers
 
-    def _device_step(self, shards, opt_state, arrays, counts, bucket_index, normalizer, recorder=None,
-                     lengths=()):
+    def _cp_layers(self, slots):
+        """The stages on a context-parallel row: a stage with a `context_parallel` fn runs it over an
+        `OdcGroupExchange` among the row's group (``microbatch["cp_members"]``) inside the same per-layer custom_vjp
+        (gather, recompute in the backward pass, push), the exchange's ops threaded on the layer's token; the
+        others run as on a plain row. The n-th CP stage's forward exchange uses float slot bucket n % 2 and its
+        recomputation in the backward pass (n + 1) % 2, so consecutive exchanges of a member always alternate
+        buckets (forward 0, 1, ..., n-1, then backward n-1, ..., 0 recomputed): a member republishes a bucket only
+        after a later exchange's barrier, when every member has read it."""
+        from jodc.models.odc_exchange import OdcGroupExchange
+
+        layers, ordinal = [], 0
+        for st in self.model.stages:
+            buckets = tuple(self.buckets[g] for g in st.groups)
+            unflatten = tuple(self.model.layouts[g].unflatten for g in st.groups)
+            if st.context_parallel is None:
+                layers.append(ops.odc_layer(_stage_layer_fn(st), buckets, dtype=self.compute_dtype,
+                                            unflatten=unflatten))
+                continue
+
+            def fn(params, x, token, recompute, st=st, n=ordinal):
+                h, microbatch = x
+                exchange = OdcGroupExchange(slots, microbatch["cp_members"], token, first_float=(n + recompute) % 2)
+                h = st.context_parallel(params, h, microbatch, exchange)
+                return h, exchange.token
+
+            layers.append(ops.odc_layer(fn, buckets, dtype=self.compute_dtype, unflatten=unflatten, with_token=True))
+            ordinal += 1
+        return layers
+
+    def _device_step(self, shards, opt_state, arrays, counts, bucket_index, normalizer, cp_branch=None,
+                     cp_members=None, recorder=None, lengths=(), cp_sizes=()):
         groups, axes = self.model.group_names, self.layout.axes
         shards, opt_state = sharding.local_state(shards, groups), sharding.local_state(opt_state, groups)
         arrays = sharding.local(arrays)
         layers = self._layers()
+        if cp_sizes:
+            from jodc.models.odc_exchange import OdcGroupExchange
 
-        def microbatch_loss(anchor, token, microbatch, i):
+            cp_branch, cp_members = cp_branch[0], cp_members[0]  # this device's [M], [M, D]
+            cp_layers = self._cp_layers(self._cp_slots)
+
+        def microbatch_loss(anchor, token, microbatch, i, layers):
             h = anchor  # a float input whose cotangent is released only after the first stage's push
             if recorder is not None:
                 h = recorder.probe(h, i, -1)  # forward: input ready; backward: the first stage's push is done
@@ -106,14 +146,36 @@ class ODCEngine(ShardedStateMixin, Engine):
             loss, metrics = split_loss(h, self.model.metric_names)
             return loss, (token, metrics)
 
-        def run_microbatch(microbatch, i, token):
-            """Forward + backward of one microbatch; its gradients are pushed to their owners, not carried."""
+        def forward_backward(microbatch, i, token, layers):
             anchor = lax.pcast(jnp.zeros(()), axes, to="varying")
-            loss, vjp_fn, (token, metrics) = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i), anchor,
-                                                     token, has_aux=True)
+            loss, vjp_fn, (token, metrics) = jax.vjp(lambda a, t: microbatch_loss(a, t, microbatch, i, layers),
+                                                     anchor, token, has_aux=True)
             d_anchor, _ = vjp_fn(jnp.ones_like(loss))
             token = ops.after(token, d_anchor)  # every push of this microbatch precedes what follows
             return loss, metrics, token
+
+        def plain_microbatch(microbatch, i, token):
+            return forward_backward(microbatch, i, token, layers)
+
+        def cp_microbatch(group_size, microbatch, i, token):
+            """This device's row of a CP group of `group_size`: the group's keys (one integer exchange), then the
+            stages with the attention over the group, then a last group barrier (every member is done with the
+            slots before any of them joins another group that reuses them)."""
+            members = cp_members[i][:group_size]
+            exchange = OdcGroupExchange(self._cp_slots, members, token)
+            keys = self.model.context_parallel.keys(microbatch, exchange)
+            microbatch = {**microbatch, "cp_keys": keys, "cp_members": members}
+            loss, metrics, token = forward_backward(microbatch, i, exchange.token, cp_layers)
+            token = OdcGroupExchange(self._cp_slots, members, token).close()
+            return loss, metrics, token
+
+        def run_microbatch(microbatch, i, token):
+            """Forward + backward of one microbatch; its gradients are pushed to their owners, not carried."""
+            if not cp_sizes or microbatch["tokens"].shape[1] != lengths[-1]:  # CP rows run at the full length
+                return plain_microbatch(microbatch, i, token)
+            branches = [plain_microbatch] + [functools.partial(cp_microbatch, k) for k in cp_sizes]
+            branches = [_varying_outputs(b, axes) for b in branches]
+            return lax.switch(cp_branch[i], branches, microbatch, i, token)
 
         # each device runs its own count and picks its own length per microbatch: no collective inside the loop
         arrays = jax.tree.map(lambda v: v[:, None], arrays)  # [M, 1, T]: this device's one row per microbatch
@@ -151,16 +213,18 @@ class ODCEngine(ShardedStateMixin, Engine):
             token = recorder.mark(token, -1, timeline.BARRIER_EXIT)
         return token
 
-    def _step_fn(self, arrays_template, recorder):
+    def _step_fn(self, arrays_template, recorder, cp_sizes=()):
         lengths = self.bucket_lengths(next(iter(arrays_template.values())).shape[2])
         key = jax.tree.map(lambda x: x.shape, arrays_template)
-        key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None, lengths)
+        key = (tuple(sorted((k, v) for k, v in key.items())), recorder is not None, lengths, cp_sizes)
 
         def build():
             axes = self.layout.axes
             specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
                      sharding.device_spec(arrays_template, axes), P(axes), P(axes), P())
-            device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
+            if cp_sizes:
+                specs += (P(axes), P(axes))
+            device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths, cp_sizes=cp_sizes)
             return jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                          out_specs=(specs[0], specs[1], *[P(axes)] * 4)),
                            donate_argnums=(0, 1))
@@ -171,14 +235,53 @@ class ODCEngine(ShardedStateMixin, Engine):
         self.heap.check_alive()  # an aborted or timed-out heap fails here, before anything is dispatched
         arrays = {k: np.asarray(v) for k, v in batch.as_dict().items()}
         arrays = _pad_microbatches(arrays)
-        fn = self._step_fn(arrays, recorder)
         bucket_index = self.bucket_indices(batch)
+        cp_sizes, cp_inputs = (), ()
+        if batch.has_context_parallel:
+            self._ensure_cp_slots(batch.token_cap)
+            # one compiled branch per group size; which devices form the groups is a run-time operand (the member
+            # lists), so any grouping of these sizes reuses the program. The program keeps the branches of every
+            # size seen so far: at most one compilation per new size (devices - 1 at most), never one per grouping
+            self._cp_sizes_seen |= {int(k) for k in batch.cp_size[batch.cp_size > 0]}
+            cp_sizes = tuple(sorted(self._cp_sizes_seen))
+            branch = np.zeros(batch.cp_size.shape, np.int32)
+            for j, k in enumerate(cp_sizes):
+                branch[batch.cp_size == k] = j + 1
+            bucket_index = np.where(batch.cp_size > 0, len(self.bucket_lengths(batch.token_cap)) - 1, bucket_index)
+            m = arrays["tokens"].shape[1]
+            pad = ((0, 0), (0, m - branch.shape[1]))
+            cp_inputs = (sharding.put_per_device(self.mesh, np.pad(branch, pad)),
+                         sharding.put_per_device(self.mesh, np.pad(batch.cp_members, pad + ((0, 0),))))
+        fn = self._step_fn(arrays, recorder, cp_sizes)
         bucket_index = np.pad(bucket_index, ((0, 0), (0, arrays["tokens"].shape[1] - bucket_index.shape[1])))
         self.shards, self.opt_state, loss, norm, metrics, applied = fn(
             self.shards, self.opt_state, sharding.put_per_device(self.mesh, arrays),
             sharding.put_per_device(self.mesh, batch.counts), sharding.put_per_device(self.mesh, bucket_index),
-            jnp.float32(batch.normalizer))
+            jnp.float32(batch.normalizer), *cp_inputs)
         return loss, norm, metrics, applied
+
+    def _ensure_cp_slots(self, token_cap: int) -> None:
+        """Registers the context-parallel exchange's slots once, for the first CP minibatch's token cap (sized by
+        the model: `ContextParallel.slot_numel`); a later CP minibatch with a larger cap is refused."""
+        from jodc.models.odc_exchange import ExchangeSlots
+
+        numel = self.model.context_parallel.slot_numel(int(token_cap))
+        if self._cp_slots is None:
+            self._cp_slots = ExchangeSlots(self.heap, numel)
+        elif numel > self._cp_slots.slot_numel:
+            raise ValueError(f"this minibatch's token cap {token_cap} needs context-parallel exchange slots of "
+                             f"{numel} elements; the engine registered {self._cp_slots.slot_numel} for its first CP "
+                             "minibatch (keep engine.token_cap fixed)")
+
+    def _check_batch(self, batch: MinibatchArrays) -> None:
+        super()._check_batch(batch)
+        if batch.has_context_parallel:
+            if self.layout.hsdp:
+                raise ValueError("the ODC engine runs context-parallel microbatches on a flat ('d',) mesh only, not "
+                                 "on an HSDP mesh")
+            if self.model.context_parallel is None:
+                raise ValueError("the minibatch has context-parallel microbatches but the model has no "
+                                 "context_parallel stages (StagedModel.context_parallel)")
 
     def _wait(self, outputs):
         """Waits device by device: the first device whose step fails aborts the heap, so the others leave the
@@ -206,6 +309,11 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     def close(self) -> None:
         self.heap.free()
+
+
+def _varying_outputs(fn, axes):
+    """`fn` with every output typed as varying over `axes` (lax.switch needs its branches' types equal)."""
+    return lambda *args: jax.tree.map(lambda o: as_varying(o, set(axes)), fn(*args))
 
 
 def _pad_microbatches(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

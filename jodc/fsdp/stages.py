@@ -23,6 +23,25 @@ class Stage:
     name: str
     groups: tuple[str, ...]
     fn: Callable[[tuple, Any, dict], Any]
+    # the stage on a context-parallel row (`StagedModel.context_parallel`): ``context_parallel(params, h, microbatch,
+    # exchange) -> h`` with `exchange` a `jodc.models.context_parallel.GroupExchange` among the group's members and
+    # ``microbatch["cp_keys"]`` what `ContextParallel.keys` made. None: the stage is per token (embeddings, the head
+    # and its loss) and runs `fn` on a CP row unchanged. It must make exactly one floating exchange per call (the ODC
+    # engine alternates the exchange's slots from one such stage to the next).
+    context_parallel: Callable[[tuple, Any, dict, Any], Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """What a model offers to run a sequence split over a group of devices (docs/context_parallel.md).
+
+    `keys(microbatch, exchange)`: computed once per CP microbatch before the first stage (it may exchange integer
+    arrays with the group, no gradient), stored as ``microbatch["cp_keys"]`` for the stages' `context_parallel` fns.
+    `slot_numel(token_cap)`: the elements of the largest array one exchange moves for a [1, token_cap] row (what the
+    engine registers its exchange slots for)."""
+
+    keys: Callable[[dict, Any], Any]
+    slot_numel: Callable[[int], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +101,7 @@ class StagedModel:
     layouts: dict[str, GroupLayout]
     stages: tuple[Stage, ...]
     metric_names: tuple[str, ...] = ()
+    context_parallel: ContextParallel | None = None  # None: the model runs no context-parallel rows
 
     def __post_init__(self):
         known = set(self.group_names)
@@ -89,14 +109,17 @@ class StagedModel:
             unknown = [g for g in st.groups if g not in known]
             if unknown:
                 raise ValueError(f"stage {st.name!r} reads unknown groups {unknown}; groups are {self.group_names}")
+        if self.context_parallel is not None and not any(st.context_parallel for st in self.stages):
+            raise ValueError("a model with context_parallel needs at least one stage with a context_parallel fn")
         used = {g for st in self.stages for g in st.groups}
         if used != known:
             raise ValueError(f"groups {sorted(known - used)} are read by no stage")
 
     @staticmethod
-    def build(groups: dict[str, Any], stages: Sequence[Stage], metric_names: Sequence[str] = ()) -> "StagedModel":
+    def build(groups: dict[str, Any], stages: Sequence[Stage], metric_names: Sequence[str] = (),
+              context_parallel: ContextParallel | None = None) -> "StagedModel":
         return StagedModel(tuple(groups), {k: GroupLayout.of(v) for k, v in groups.items()}, tuple(stages),
-                           tuple(metric_names))
+                           tuple(metric_names), context_parallel)
 
     def flatten_groups(self, groups: dict[str, Any]) -> dict[str, np.ndarray]:
         return {g: np.asarray(self.layouts[g].flatten(groups[g])) for g in self.group_names}

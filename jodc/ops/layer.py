@@ -21,7 +21,7 @@ def _is_float(leaf) -> bool:
 
 
 def odc_layer(fn: Callable, bucket: Bucket | ReplicatedBucket | Sequence[Bucket | ReplicatedBucket], *, dtype=None,
-              unflatten: Callable | Sequence[Callable] | None = None) -> Callable:
+              unflatten: Callable | Sequence[Callable] | None = None, with_token: bool = False) -> Callable:
     """Wraps ``fn(params, x) -> y`` into ``layer(x, token) -> (y, token)`` backed by `bucket`.
 
     Args:
@@ -31,6 +31,11 @@ def odc_layer(fn: Callable, bucket: Bucket | ReplicatedBucket | Sequence[Bucket 
       dtype: compute dtype of the gathered parameters (default: each bucket's master dtype).
       unflatten: maps a gathered array to the parameter pytree `fn` expects (must be differentiable: reshapes and
         slices); one per bucket when several.
+      with_token: `fn` runs side-effecting ops of its own (a context-parallel layer's K/V exchange):
+        ``fn(params, x, token, recompute) -> (y, token)`` threads the layer's token (after the parameter gather) and
+        is told whether it runs in the forward pass (``recompute=False``) or again in the backward pass (True: the
+        recomputation, whose own backward ops run under the layer's `jax.vjp`); the weight gradients are pushed only
+        after everything the recomputation's backward produced.
 
     `x` may be any pytree (activations plus integer side inputs such as positions); float leaves receive
     cotangents. In the backward pass the re-gather waits for the output cotangent, and the input cotangent is
@@ -50,8 +55,10 @@ def odc_layer(fn: Callable, bucket: Bucket | ReplicatedBucket | Sequence[Bucket 
     else:
         unflattens = (unflatten,)
 
-    def apply(fulls, x):
+    def apply(fulls, x, token=None, recompute=False):
         params = tuple(u(f) if u is not None else f for u, f in zip(unflattens, fulls))
+        if with_token:
+            return fn(params if multi else params[0], x, token, recompute)
         return fn(params if multi else params[0], x)
 
     def gather_all(token):
@@ -75,25 +82,38 @@ def odc_layer(fn: Callable, bucket: Bucket | ReplicatedBucket | Sequence[Bucket 
                     f"{axes}); pass per-device values (e.g. lax.pcast(x, {axes}, to='varying')) so its gradient "
                     f"needs no collective")
 
-    @jax.custom_vjp
-    def layer(x, token):
-        fulls, token = gather_all(after(token, x))
-        return apply(fulls, x), token
-
-    def layer_fwd(x, token):
+    def forward(x, token):
         # gather only once the input exists: otherwise XLA hoists every layer's gather to the start of the forward
         # pass and all full parameters are alive at once
         fulls, token = gather_all(after(token, x))
+        if with_token:
+            y, token = apply(fulls, x, token, False)
+        else:
+            y = apply(fulls, x)
+        return fulls, y, token
+
+    @jax.custom_vjp
+    def layer(x, token):
+        _, y, token = forward(x, token)
+        return y, token
+
+    def layer_fwd(x, token):
+        fulls, y, token = forward(x, token)
         check_inputs(x, fulls)
-        return (apply(fulls, x), token), (x, token)  # residuals: activations and the token only
+        return (y, token), (x, token)  # residuals: activations and the token only
 
     def layer_bwd(residuals, cotangents):
         x, token = residuals
         dy, _ = cotangents
         token = after(token, dy)  # re-gather only once the cotangent exists (not in the forward pass)
         fulls, token = gather_all(token)
-        _, vjp = jax.vjp(apply, fulls, x)
-        dfulls, dx = vjp(dy)
+        if with_token:  # the recomputation threads the token; its backward ops run inside vjp(dy)
+            _, vjp, token = jax.vjp(lambda f, xx: apply(f, xx, token, True), fulls, x, has_aux=True)
+            dfulls, dx = vjp(dy)
+            token = after(token, dfulls, dx)
+        else:
+            _, vjp = jax.vjp(apply, fulls, x)
+            dfulls, dx = vjp(dy)
         for b, g in zip(buckets, dfulls):
             token = scatter_accumulate(b, g, token)
         return depend_on(dx, token), None  # dx only after the push; None: the token (an int) has no cotangent

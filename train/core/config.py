@@ -119,7 +119,7 @@ class EngineConfig(Section):
     cost_model: Literal["flops", "linear"] = "flops"  # how the planner weighs a sequence
     token_cap: int | None = None  # tokens per microbatch buffer; SFT's default: data.max_length
     # split sequences longer than token_cap over groups of devices (context parallelism, jodc.balance.cp_planners):
-    # data.max_length may then reach devices x token_cap; needs an engine that runs CP microbatches (none yet)
+    # data.max_length may then reach devices x token_cap; planned by lb_mini_cp for odc, lockstep_cp for collective
     context_parallel: bool = False
     # shorter buffer lengths a microbatch may run at, comma-separated ('256,512'): it runs at the smallest that
     # holds it; use multiples of the attention block size; LB-Mini then plans for the padded lengths
@@ -144,6 +144,11 @@ class EngineConfig(Section):
             able = " or ".join(n for n, e in ENGINES.items() if e.supports_deterministic)
             raise ConfigError(f"engine.deterministic=true needs engine {able} (the {self.name} engine's reductions "
                               "are not guaranteed bit-for-bit reproducible)")
+        if self.context_parallel and not engine.supports_context_parallel:
+            able = " and ".join(n for n, e in ENGINES.items() if e.supports_context_parallel)
+            raise ConfigError(f"engine.context_parallel=true: the {self.name} engine does not run context-parallel "
+                              f"microbatches ({able} do); use one of them, or set it to false and keep every "
+                              "sequence within engine.token_cap")
         if self.length_buckets is not None:
             parse_length_buckets(self.length_buckets)
         try:
@@ -254,11 +259,6 @@ class SFTConfig(TrainingConfig):
 
     def check(self) -> None:
         engine, capacity = self.engine, self.engine.devices * self.token_cap
-        if engine.context_parallel and not getattr(engine_class(engine.name), "supports_context_parallel", False):
-            raise ConfigError(f"engine.context_parallel=true: the {engine.name} engine does not run context-parallel "
-                              "microbatches yet (the planners jodc.balance.CP_PLANNERS make such plans; the engines' "
-                              "group exchange comes later); set it to false and keep data.max_length <= "
-                              "engine.token_cap")
         if self.token_cap < self.data.max_length and not engine.context_parallel:
             raise ConfigError(f"engine.token_cap={self.token_cap} is below data.max_length={self.data.max_length}: "
                               "the longest sequences would not fit in a microbatch (engine.context_parallel=true "

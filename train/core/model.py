@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
+from jodc.balance.cp_cost import ContextParallelCost
+from jodc.balance.cp_planners import lb_mini_cp, lockstep_cp
 from jodc import fsdp
 from jodc.fsdp.state import GroupSource
 from jodc.models import DecoderConfig, HFGroupSource
@@ -76,9 +78,12 @@ def model_shape(config: DecoderConfig) -> ModelShape:
                       tie_embeddings=config.tie_word_embeddings, qkv_bias=config.qkv_bias)
 
 
-def cost_model(name: str, config: DecoderConfig):
+def cost_model(name: str, config: DecoderConfig, *, context_parallel: bool = False):
     """The planner's cost model: 'flops' (forward FLOPs of this decoder: attention makes it quadratic) or
-    'linear' (token count)."""
+    'linear' (token count). With `context_parallel`, the CP planner's `ContextParallelCost` of this decoder's shape
+    (its FLOPs and K/V exchange bytes; `name` is not used)."""
+    if context_parallel:
+        return ContextParallelCost.from_shape(model_shape(config))
     return make_cost_model(name, **({"shape": model_shape(config)} if name == "flops" else {}))
 
 
@@ -110,8 +115,12 @@ def make_engine(config, model, groups):
 
 def make_planner(config):
     """The planner of `engine.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
-    microbatches cost at their padded lengths)."""
+    microbatches cost at their padded lengths). With `engine.context_parallel`, whatever `engine.planner` says: `lb_mini_cp`
+    (sequences longer than the token cap split over groups of devices, the rest balanced around them) for ODC,
+    `lockstep_cp` (groups in waves, every device the same number of steps) for a lock-step engine."""
     e = config.engine
+    if e.context_parallel:  # sequences over the cap split over groups of devices
+        return lockstep_cp if fsdp.ENGINES[e.name].lockstep else lb_mini_cp
     planner = get_planner(e.planner_name)
     if planner is lb_mini and e.length_buckets:
         return functools.partial(lb_mini, length_buckets=parse_length_buckets(e.length_buckets))

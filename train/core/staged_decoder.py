@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import jax
 
-from jodc.fsdp.stages import GroupLayout, Stage, StagedModel
+import jax.numpy as jnp
+
+from jodc.balance.zigzag import SHARED_SEGMENT
+from jodc.fsdp.stages import ContextParallel, GroupLayout, Stage, StagedModel
 from jodc.fsdp.state import GroupSource
 from jodc.losses import sft_loss_from_logits
 from jodc.models import layerwise
+from jodc.models.context_parallel import context_parallel_layer_apply, group_keys
 from jodc.models.config import DecoderConfig
 from jodc.models.value_head import VALUE_HEAD, init_value_head, value_apply
 
@@ -59,6 +63,16 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
     def layer(params, h, mb):
         return layerwise.layer_apply(config, params[0], h, mb["positions"], mb["segment_ids"])
 
+    def layer_cp(params, h, mb, exchange):  # the layer on a context-parallel row: attention over the group
+        return context_parallel_layer_apply(config, params[0], h, mb["positions"], mb["cp_keys"], exchange)
+
+    def cp_keys(mb, exchange):  # a CP row holds the split sequence as segment SHARED_SEGMENT (zigzag_row)
+        shared = jnp.full(mb["segment_ids"].shape[:1], SHARED_SEGMENT, jnp.int32)
+        return group_keys(mb["segment_ids"], mb["positions"], shared, exchange)
+
+    def slot_numel(token_cap):  # a [1, T] row: the stacked K/V, or the keys' [3, 1, T]
+        return max(2 * token_cap * config.num_kv_heads * config.head_dim, 3 * token_cap)
+
     def head(params, h, mb):
         embed_params = params[1] if config.tie_word_embeddings else None
         logits = layerwise.head_apply(config, params[0], h, embed_params)
@@ -69,10 +83,10 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
         return sft_loss_from_logits(logits, mb, chunk_size=logprob_chunk_size)
 
     stages = [Stage(layerwise.EMBED, (layerwise.EMBED,), embed)]
-    stages += [Stage(n, (n,), layer) for n in layer_names]
+    stages += [Stage(n, (n,), layer, context_parallel=layer_cp) for n in layer_names]
     head_groups = (layerwise.HEAD, layerwise.EMBED) if config.tie_word_embeddings else (layerwise.HEAD,)
     head_groups += (VALUE_HEAD,) if value_head else ()
     stages.append(Stage(layerwise.HEAD, head_groups, head))
     ordered = {n: shapes[n] for n in names}
-    model = StagedModel.build(ordered, stages, metric_names)
+    model = StagedModel.build(ordered, stages, metric_names, ContextParallel(cp_keys, slot_numel))
     return model, (source if source is not None else ordered)

@@ -115,7 +115,8 @@ class Trainer:
                                                   compute_dtype=config.engine.compute_dtype, seed=seed)
         self.model, groups = decoder_staged_model(self.model_config, groups, seed=seed, **head)
         self.planner = self.timers.timed("plan", make_planner(config))
-        self.cost_model = cost_model(config.engine.cost_model, self.model_config)
+        self.cost_model = cost_model(config.engine.cost_model, self.model_config,
+                                     context_parallel=config.engine.context_parallel)
         self.engine = self.engine_factory(config, self.model, groups)
         return groups
 

@@ -36,6 +36,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jodc.balance.cp_plan import CPMicrobatch
+
+from .batch import placed_sequences
 from .rollout_exchange import ASSEMBLY_TAGS, exchange, gather_shares
 from .scored import ScoredRollout, ShareMeta, StepRollout
 
@@ -103,7 +106,12 @@ def sequence_destinations(plans: Sequence, minibatches: Sequence[np.ndarray], de
     for plan, indices in zip(plans, minibatches):
         for d, microbatches in enumerate(plan.devices):
             for mb in microbatches:
-                out[np.asarray(indices)[list(mb.seq_indices)]] = device_processes[d]
+                where = np.asarray(indices)[list(placed_sequences(mb))]
+                if isinstance(mb, CPMicrobatch) and (out[where] >= 0).any() and \
+                        (out[where] != device_processes[d]).any():
+                    raise ValueError("a context-parallel group spans processes: the RL trainer sends each response "
+                                     "to one process; keep CP groups within a process")
+                out[where] = device_processes[d]
     if (out < 0).any():
         raise ValueError(f"the plans place no device for responses {np.flatnonzero(out < 0)[:5].tolist()}")
     return out

@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jodc.fsdp import MinibatchArrays
+from jodc.balance import CP_PLANNERS
+from jodc.balance.cp_plan import CPMicrobatch
 from jodc.fsdp.batch import minibatch_from_plan
 
 from ..core.distributed import check_agreement, digest
@@ -180,11 +182,13 @@ def plan_minibatch(lengths: Sequence[int], *, planner: Callable, num_devices: in
     """The plan of a minibatch of sequences of `lengths` (a pure function of them: every process of a run computes
     the same). ValueError when a sequence exceeds `token_cap`."""
     lengths = [int(n) for n in lengths]
-    if max(lengths) > token_cap:
+    # a CP planner (possibly wrapped, e.g. timed) splits longer sequences over groups, up to the world's capacity
+    context_parallel = getattr(planner, "__wrapped__", planner) in CP_PLANNERS.values()
+    if max(lengths) > token_cap and not context_parallel:
         raise ValueError(f"a prompt + response of {max(lengths)} tokens exceeds engine.token_cap={token_cap}; "
-                         "raise engine.token_cap or lower rollout.max_new_tokens")
+                         "raise engine.token_cap or lower rollout.max_new_tokens (or set engine.context_parallel)")
     plan = planner(lengths, num_devices, token_cap, cost_model=cost_model)
-    return plan.without_empty_microbatches() if skip_empty_microbatches else plan
+    return plan.without_empty_microbatches() if skip_empty_microbatches and not context_parallel else plan
 
 
 def pack_minibatch(sequences: TrainingSequences, indices: np.ndarray, *, planner: Callable, num_devices: int,
@@ -215,12 +219,20 @@ def plan_step(scored, advantages, *, updates: int, seed: int, step: int, planner
     return splits, plans
 
 
+def placed_sequences(item) -> tuple[int, ...]:
+    """The sequences a plan's microbatch holds on its device: a plain microbatch's, or a CP row's split sequences
+    (a piece of each) and its own short ones."""
+    if isinstance(item, CPMicrobatch):
+        return item.group.seq_indices + item.short.seq_indices
+    return item.seq_indices
+
+
 def step_digest(scored, advantages, minibatches: Sequence[np.ndarray], plans: Sequence) -> np.ndarray:
     """A digest of what every process computes from the exchanged metadata (`scored`'s rewards, lengths and
     versions, the advantages, the minibatch split and the plans' placement): what `plan_step` compares."""
     adv = list(advantages) if isinstance(advantages, (list, tuple)) else [np.asarray(advantages)]
     placement = [np.array([(d, m, i) for d, device in enumerate(plan.devices) for m, mb in enumerate(device)
-                           for i in mb.seq_indices], np.int64) for plan in plans]
+                           for i in placed_sequences(mb)], np.int64) for plan in plans]
     return digest([scored.rewards, scored.prompt_lengths, scored.response_lengths, scored.versions, *adv,
                    *minibatches, *placement])
 

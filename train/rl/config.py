@@ -270,8 +270,7 @@ class RLConfig(TrainingConfig):
                               "(rollout.max_staleness: 0): the rollout's values come from the trainer's weights")
         unsupported = ["engine.length_buckets" if e.length_buckets is not None else "",
                        "engine.token_cap=null" if e.token_cap is None else "",
-                       "logging.timeline_every" if self.logging.timeline_every else "",
-                       "engine.context_parallel" if e.context_parallel else ""]
+                       "logging.timeline_every" if self.logging.timeline_every else ""]
         if any(unsupported):
             raise ConfigError(f"the RL trainer does not support {', '.join(u for u in unsupported if u)} (token_cap "
                               "is the microbatch buffer; no timelines)")

@@ -106,7 +106,9 @@ class RLRun(Trainer):
         # the evaluation set's prompt width, to which every device's share of it pads (the same shapes in any layout)
         self.eval_width = max((len(ids) for ids in encode_prompts(self.tokenizer, [p.prompt for p in self.eval_set])),
                               default=0)
-        self.build_engine(model_section, max_length=e.token_cap, head_loss=self.objective.head_loss,
+        # context parallelism: a prompt + response may reach the world's capacity (split over groups of devices)
+        max_length = e.token_cap * (e.devices if e.context_parallel else 1)
+        self.build_engine(model_section, max_length=max_length, head_loss=self.objective.head_loss,
                           metric_names=self.objective.metric_names, value_head=self.objective.critic)
         # the KL reference (the initial policy): a sharded copy of the engine's decoder groups now, before any resume
         self.reference = (ShardedReference(self.model_config, held_copy(self.engine, param_groups(self.model_config)),
@@ -237,6 +239,8 @@ class RLRun(Trainer):
             splits, plans = plan_step(scored, advantages, updates=run_.updates_per_step, seed=run_.seed, step=step,
                                       planner=self.planner, num_devices=e.devices, token_cap=e.token_cap,
                                       cost_model=self.cost_model, skip_empty_microbatches=not self.engine.lockstep)
+        if e.context_parallel:  # responses split over context-parallel groups this step (every update's)
+            extra_record["cp_sequences"] = sum(plan.num_cp_sequences for plan in plans)
         received = self.layout.training_arrays(step, scored, plans, splits, self.device_processes, inputs,
                                                fields=travelling_fields(objective.extras))
         ids, sequences = local_sequences(received, advantages, returns=returns, old_values=inputs.values_all)

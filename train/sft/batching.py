@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from jodc.balance import Plan
+from jodc.balance.cp_plan import CPPlan
 from jodc.fsdp import MinibatchArrays
 from jodc.fsdp.batch import minibatch_from_plan
 
@@ -27,7 +28,7 @@ def shifted_targets(example: Example) -> tuple[np.ndarray, np.ndarray]:
     return targets, mask
 
 
-def minibatch_arrays(plan: Plan, examples: Sequence[Example], *, skip_empty_microbatches: bool = False
+def minibatch_arrays(plan: Plan | CPPlan, examples: Sequence[Example], *, skip_empty_microbatches: bool = False
                      ) -> MinibatchArrays:
     """Packs `examples` (the minibatch, in the plan's sequence-index order) as `plan` says.
 
@@ -43,7 +44,7 @@ def minibatch_arrays(plan: Plan, examples: Sequence[Example], *, skip_empty_micr
     shifted = [shifted_targets(e) for e in examples]
     if not any(mask.any() for _, mask in shifted):
         raise ValueError("the minibatch has no trained token (every example's loss mask is empty)")
-    if skip_empty_microbatches:
+    if skip_empty_microbatches and isinstance(plan, Plan):  # a CPPlan (context parallelism) has none
         plan = plan.without_empty_microbatches()
     return minibatch_from_plan(plan, [e.tokens for e in examples], [t for t, _ in shifted],
                                [m for _, m in shifted])

@@ -82,6 +82,8 @@ class SFTRun(Trainer):
         learning_rate = self.engine.learning_rate
         result = self.update(arrays, f"step {done}", timeline=(done, plan) if self.timeline_due(done) else None)
         extra = {self.SKIPPED_KEY: self.skipped, **{f"model_{k}": v for k, v in result.metrics.items()}}
+        if self.config.engine.context_parallel:  # sequences split over context-parallel groups this step
+            extra["cp_sequences"] = plan.num_cp_sequences
         if not result.applied:
             extra["skipped"] = True
         return step_metrics(step=done, loss=result.loss, grad_norm=result.grad_norm, seconds=result.seconds,

@@ -1,0 +1,155 @@
+"""The ODC engine runs plans with context-parallel groups (`lb_mini_cp`): sequences longer than the token cap split
+zigzag over groups of devices chosen per minibatch, short sequences beside them, in one compiled step; the loss and
+the parameters after two optimizer steps equal the reference engine's on the same sequences unsplit. The second
+minibatch's groups have the first's sizes on other devices, in another member order: the same compiled step runs it."""
+import time
+
+import numpy as np
+import pytest
+
+from conftest import cpu_mesh
+from jodc.balance import get_planner
+from jodc.balance.cp_cost import ContextParallelCost
+from jodc.balance.cp_plan import CPGroup, CPMicrobatch, CPPlan
+from jodc.balance.cp_planners import lb_mini_cp, lockstep_cp
+from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
+from jodc.fsdp.batch import minibatch_from_plan
+from jodc.models.config import DecoderConfig
+from jodc.train.core.staged_decoder import decoder_staged_model
+
+WORLD = 4
+TOKEN_CAP = 16
+# eps far above sqrt(v): an update proportional to the gradient (AdamW would otherwise normalise a near-zero
+# gradient element, whose float rounding differs between engines, to a full step): the parameters compare the gradients
+OPT = OptimizerConfig(learning_rate=1e-1, max_grad_norm=1.0, eps=1.0)
+CONFIG = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                       attention_block_size=8)
+# per step: two sequences over the cap (lb_mini_cp splits them over a group of 4 and one of 2 here), short ones
+LENGTHS = [[27, 56, 9, 12, 5, 14, 7, 3, 11], [50, 25, 13, 6, 15, 8, 4, 10]]
+# the second minibatch's plan with its devices relabelled: groups [2, 0, 3, 1] and [2, 0]
+PERMUTATIONS = [None, (2, 0, 3, 1)]
+# a device's microbatch costs about what its tokens do (the default model, 1.5B on an A100, makes these tiny
+# sequences cost nothing but the exchanges): short microbatches run beside the groups
+COST = ContextParallelCost(num_layers=2, seconds_per_token=1e-3, seconds_per_pair=1e-5, exchange_bytes_per_token=64.0,
+                           link_latency=1e-4, microbatch_seconds=1e-3)
+
+
+def sequences(lengths, seed):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, CONFIG.vocab_size, s + 1) for s in lengths]
+    inputs, targets = [s[:-1] for s in seqs], [s[1:] for s in seqs]
+    masks = [(np.arange(s) >= s // 4).astype(np.float32) for s in lengths]
+    return inputs, targets, masks
+
+
+def relabelled(plan: CPPlan, perm) -> CPPlan:
+    """The same plan with device d renamed perm[d] (members, and which device runs which row)."""
+    if perm is None:
+        return plan
+    groups = [CPGroup(g.group_id, tuple(perm[m] for m in g.members), g.seq_indices, g.seq_lengths, g.cost)
+              for g in plan.groups]
+    devices = [()] * plan.num_devices
+    for d, items in enumerate(plan.devices):
+        devices[perm[d]] = tuple(CPMicrobatch(groups[i.group.group_id], i.member, i.short)
+                                 if isinstance(i, CPMicrobatch) else i for i in items)
+    return CPPlan(tuple(devices), tuple(groups), plan.token_cap, plan.planner, plan.cost_model)
+
+
+def relative(a, b):
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-30))
+
+
+def test_odc_engine_runs_cp_groups_like_the_reference(record_property):
+    model, groups = decoder_staged_model(CONFIG, seed=3)
+    cp_batches, ref_batches, group_sizes = [], [], []
+    for step, lengths in enumerate(LENGTHS):
+        inputs, targets, masks = sequences(lengths, step)
+        plan = relabelled(lb_mini_cp(lengths, WORLD, TOKEN_CAP, cost_model=COST), PERMUTATIONS[step])
+        assert plan.num_cp_sequences == sum(s > TOKEN_CAP for s in lengths)
+        group_sizes.append([g.members for g in plan.groups])
+        batch = minibatch_from_plan(plan, inputs, targets, masks)
+        # the CP rows hold exactly the sequences' tokens and loss masks, redistributed
+        assert batch.has_context_parallel and batch.num_cp_sequences == plan.num_cp_sequences
+        assert sorted(batch.tokens[batch.segment_ids > 0].tolist()) == sorted(np.concatenate(inputs).tolist())
+        assert batch.loss_mask.sum() == pytest.approx(sum(m.sum() for m in masks))
+        cp_batches.append(batch)
+        ref_plan = get_planner("lb_mini")(lengths, 1, max(lengths))
+        ref_batches.append(minibatch_from_plan(ref_plan, inputs, targets, masks))
+    assert [[len(m) for m in g] for g in group_sizes] == [[4, 2], [4, 2]], group_sizes
+    # short microbatches beside the groups: a device runs one while the group of 2 runs
+    assert any(not isinstance(i, CPMicrobatch) for i in plan.devices[plan.groups[0].members[-1]])
+    ref = ReferenceEngine(model, groups, optimizer=OPT)
+    ref_results = [ref.step(b) for b in ref_batches]
+    ref_params = ref.flat_params()
+    odc = ODCEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT)
+    try:
+        start = time.monotonic()
+        results = [odc.step(b) for b in cp_batches]
+        seconds = time.monotonic() - start
+        params = odc.flat_params()
+        steps_compiled = [k for k in odc._compiled if k != "publish"]
+        assert len(steps_compiled) == 1, steps_compiled  # one program for both groupings
+    finally:
+        odc.close()
+    errors = {"loss": max(relative(r.loss, q.loss) for r, q in zip(results, ref_results)),
+              "grad_norm": max(relative(r.grad_norm, q.grad_norm) for r, q in zip(results, ref_results))}
+    errors.update({f"params.{g}": relative(params[g] - model.flatten_groups(groups)[g],
+                                           ref_params[g] - model.flatten_groups(groups)[g]) for g in ref_params})
+    record_property("relative_errors", errors)
+    record_property("groups", group_sizes)
+    print(f"groups {group_sizes}; relative errors {errors}; two steps {seconds:.1f} s")
+    assert max(errors.values()) <= 1e-5, errors
+    for g, v in ref_params.items():  # the parameters themselves (the errors above are of the updates)
+        np.testing.assert_allclose(params[g], v, rtol=1e-5, atol=1e-6, err_msg=g)
+
+
+# lock-step CP (lockstep_cp): two groups of 2 at once, then a group of 2 beside two devices' plain rows
+LOCKSTEP_LENGTHS = [[27, 25, 13, 6, 15, 8, 4, 10], [27, 13, 6, 15, 8, 4, 10, 16, 12]]
+
+
+def test_collective_engine_runs_lockstep_cp_like_the_reference(record_property):
+    model, groups = decoder_staged_model(CONFIG, seed=3)
+    batches, ref_batches, layouts = [], [], []
+    for step, lengths in enumerate(LOCKSTEP_LENGTHS):
+        inputs, targets, masks = sequences(lengths, step + 5)
+        plan = lockstep_cp(lengths, WORLD, TOKEN_CAP, cost_model=COST)
+        assert plan.is_lockstep and plan.num_cp_sequences == sum(s > TOKEN_CAP for s in lengths)
+        layouts.append([g.members for g in plan.groups])
+        batches.append(minibatch_from_plan(plan, inputs, targets, masks))
+        ref_batches.append(minibatch_from_plan(get_planner("lb_mini")(lengths, 1, max(lengths)), inputs, targets,
+                                               masks))
+    assert layouts == [[(0, 1), (2, 3)], [(0, 1)]], layouts
+    ref = ReferenceEngine(model, groups, optimizer=OPT)
+    ref_results = [ref.step(b) for b in ref_batches]
+    ref_params = ref.flat_params()
+    engine = CollectiveEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT)
+    results = [engine.step(b) for b in batches]
+    params = engine.flat_params()
+    start = model.flatten_groups(groups)
+    errors = {"loss": max(relative(r.loss, q.loss) for r, q in zip(results, ref_results)),
+              "grad_norm": max(relative(r.grad_norm, q.grad_norm) for r, q in zip(results, ref_results))}
+    errors.update({f"params.{g}": relative(params[g] - start[g], ref_params[g] - start[g]) for g in ref_params})
+    record_property("relative_errors", errors)
+    print(f"lock-step groups {layouts}; relative errors {errors}")
+    assert max(errors.values()) <= 1e-5, errors
+    # a plan whose group meets at different steps on its members (device 0 runs a short microbatch first)
+    lengths = LOCKSTEP_LENGTHS[1]
+    plan = lockstep_cp(lengths, WORLD, TOKEN_CAP, cost_model=COST)
+    skewed = CPPlan((plan.devices[0][::-1],) + plan.devices[1:], plan.groups, plan.token_cap)
+    with pytest.raises(ValueError, match="runs lock-step plans only"):
+        engine.step(minibatch_from_plan(skewed, *sequences(lengths, 6)))
+
+
+def test_a_sequence_over_the_worlds_capacity_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="capacity|cannot|no group"):
+        lb_mini_cp([WORLD * TOKEN_CAP + 1, 5], WORLD, TOKEN_CAP)
+
+
+def test_engines_without_context_parallel_refuse_cp_minibatches():
+    model, groups = decoder_staged_model(CONFIG, seed=3)
+    inputs, targets, masks = sequences(LENGTHS[0], 0)
+    batch = minibatch_from_plan(lb_mini_cp(LENGTHS[0], WORLD, TOKEN_CAP), inputs, targets, masks)
+    assert not ReferenceEngine.supports_context_parallel and not XlaSpmdEngine.supports_context_parallel
+    assert ODCEngine.supports_context_parallel and CollectiveEngine.supports_context_parallel
+    with pytest.raises(ValueError, match="the reference engine does not run them"):
+        ReferenceEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT).step(batch)
