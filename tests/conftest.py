@@ -56,6 +56,23 @@ def _sigint_handler_is_left_as_found():
                     "previous handler is what signal.signal returns)", pytrace=False)
 
 
+@pytest.fixture(scope="module")
+def shardy_off_on_jaxlib_0_11():
+    """On jaxlib 0.11 the module's programs with the group ops compile with Shardy off (that jaxlib segfaults on them
+    otherwise: `jodc.ops.group.members.check_compiler`, docs/context_parallel.md); the setting is put back after."""
+    import jax
+
+    if jax.__version_info__[:2] != (0, 11):
+        yield
+        return
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)
+
+
 @pytest.fixture(scope="session")
 def hf_reference():
     """torch and transformers (the `hf-reference` extra), as `.torch` and `.transformers`: the reference that the HF

@@ -14,6 +14,9 @@ from conftest import cpu_mesh
 from jodc import ops
 from jodc.models.odc_exchange import ExchangeSlots, OdcGroupExchange
 
+# jaxlib 0.11 compiles the group ops with Shardy off only (docs/context_parallel.md, "Known issues")
+pytestmark = pytest.mark.usefixtures("shardy_off_on_jaxlib_0_11")
+
 WORLD = 8
 SIZES = (4, 2)
 GROUPINGS = [

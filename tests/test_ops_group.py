@@ -20,20 +20,8 @@ WORLD, WIDTH = 8, 4
 SLOT = 37  # elements published per device (the shard is padded to a multiple of 16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def without_shardy_on_jaxlib_0_11():
-    """jaxlib 0.11 segfaults compiling the round-trip program below inside XLA's Shardy canonicalizer
-    (`ManualComputationUnusedInputsPattern`, seen with gdb; jax 0.10.2 compiles it): there this module compiles with
-    Shardy off (docs/context_parallel.md, "Known issues"), and puts the setting back after."""
-    if jax.__version_info__[:2] != (0, 11):
-        yield
-        return
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", before)
+# jaxlib 0.11 compiles these programs with Shardy off only (docs/context_parallel.md, "Known issues")
+pytestmark = pytest.mark.usefixtures("shardy_off_on_jaxlib_0_11")
 
 
 def group_round_trip(heap, bucket, sizes):
@@ -196,3 +184,17 @@ def test_bad_member_lists_seen_only_at_run_time_fail_in_the_native_op(lists, mes
     error, _ = bounded(lambda: ops.block_until_ready(run(np.array(lists, np.int32)), heap), heap, seconds=30)
     assert isinstance(error, Exception) and message in str(error), error
     free_after_failure(heap.free)
+
+
+@pytest.mark.skipif(jax.__version_info__[:2] != (0, 11), reason="jaxlib 0.11 only (its Shardy crash)")
+def test_jaxlib_0_11_with_shardy_on_is_refused_before_it_compiles():
+    with ops.SymmetricHeap(cpu_mesh(WORLD), barrier_timeout_s=60) as heap:
+        jax.config.update("jax_use_shardy_partitioner", True)  # the module's fixture puts the original back
+        try:
+            barrier = jax.jit(jax.shard_map(
+                lambda: ops.group_barrier(heap, jnp.arange(2, dtype=jnp.int32), ops.new_token("d"))[None],
+                mesh=heap.mesh, in_specs=(), out_specs=P("d")))
+            with pytest.raises(RuntimeError, match="crashes compiling programs with the group ops"):
+                barrier()  # refused while tracing: nothing compiles
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", False)

@@ -3,10 +3,14 @@
 run with a cap that holds every sequence (the same rollout: same seed and weights), and each step's record counts
 its split sequences."""
 import numpy as np
+import pytest
 
 from jodc.train.core.metrics import read_metrics
 from jodc.train.rl.config import load_rl_config
 from jodc.train.rl.loop import run_rl
+
+# jaxlib 0.11 compiles the group ops with Shardy off only (docs/context_parallel.md, "Known issues")
+pytestmark = pytest.mark.usefixtures("shardy_off_on_jaxlib_0_11")
 
 
 def overrides(out_dir, token_cap, *extra):

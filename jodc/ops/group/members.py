@@ -15,11 +15,26 @@ from jodc.ops.transports import target_names
 
 
 def check_group_platform(heap: SymmetricHeap | ReplicatedHeap, op: str) -> None:
-    """The group ops exist for CPU heaps (in-process and MPI) only: a clear error for others."""
+    """The group ops exist for CPU heaps (in-process and MPI) only: a clear error for others. On jaxlib 0.11 they
+    also need Shardy off (`check_compiler`)."""
     platform = heap.platform if isinstance(heap, SymmetricHeap) else heap.members()[0].platform
     if platform not in target_names.GROUP_OP_PLATFORMS:
         raise ValueError(f"jodc.ops.{op}: group ops run on CPU heaps (in-process or MPI) only; this heap is on "
                          f"{platform!r} devices ({heap.transport} transport)")
+    check_compiler(op)
+
+
+def check_compiler(op: str) -> None:
+    """RuntimeError, at trace time, where the compiler is known to crash on the group ops' programs: jaxlib 0.11
+    segfaults compiling them (a `lax.switch` over the devices' roles inside `shard_map`, as the ODC engine's
+    context-parallel microbatches) inside XLA's Shardy canonicalizer (`ManualComputationUnusedInputsPattern`); with
+    Shardy off it compiles and runs them (docs/context_parallel.md, "Known issues")."""
+    if jax.__version_info__[:2] == (0, 11) and jax.config.jax_use_shardy_partitioner:
+        raise RuntimeError(
+            f"jodc.ops.{op}: jaxlib {jax.__version__} crashes compiling programs with the group ops (context "
+            "parallelism) while the Shardy partitioner is on; turn it off before tracing them, "
+            "jax.config.update('jax_use_shardy_partitioner', False) or JAX_USE_SHARDY_PARTITIONER=false, or use "
+            "jax 0.10 (0.12 is not checked yet)")
 
 
 def check_members(members, heap: SymmetricHeap | ReplicatedHeap, op: str) -> jax.Array:
