@@ -8,8 +8,8 @@
 - Segment-aware attention (attention.py): `attention`, `blockwise_attention`, `dense_attention`.
 - Context parallelism (context_parallel.py, over keyed_attention.py): one sequence's attention split over a group of
   devices in the zigzag layout of `jodc.balance.zigzag`: `group_keys`, `context_parallel_attention`,
-  `context_parallel_layer_apply`, the exchanges `AxisExchange` and `MemberAxisExchange` (lock-step groups); over ODC among devices chosen at run time:
-  odc_exchange.py's `OdcGroupExchange` (docs/context_parallel.md).
+  `context_parallel_layer_apply`, the exchange `AxisExchange` (a mesh axis); the engines bring their own (the
+  collective engine's `MemberAxisExchange`, ODC's `jodc.ops.group.exchange.OdcGroupExchange`: docs/context_parallel.md).
 - HF checkpoints (hf.py): `load_pretrained`, `save_pretrained`, `HFGroupSource` (a checkpoint read by group
   slices, for sharded init); tokenizers (tokenizer.py): `load_tokenizer`,
   `save_tokenizer`, the built-in `byte_level_tokenizer`.
@@ -23,7 +23,6 @@ from .config import DecoderConfig, RopeScaling
 from .context_parallel import (
     AxisExchange,
     GroupKeys,
-    MemberAxisExchange,
     context_parallel_attention,
     context_parallel_layer_apply,
     group_keys,
@@ -52,7 +51,7 @@ from .value_head import VALUE_HEAD, init_value_head, value_apply, values_forward
 from .tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
-    "AxisExchange", "EMBED", "GroupKeys", "MemberAxisExchange", "HEAD", "Completion", "ContinuousSampler", "Decoder", "DecoderConfig", "Generation", "HFGroupSource", "ParamGroup", "RopeScaling",
+    "AxisExchange", "EMBED", "GroupKeys", "HEAD", "Completion", "ContinuousSampler", "Decoder", "DecoderConfig", "Generation", "HFGroupSource", "ParamGroup", "RopeScaling",
     "SamplingParams", "Tokenizer", "attention", "blockwise_attention", "byte_level_tokenizer",
     "check_group_params", "config_from_hf", "context_parallel_attention", "context_parallel_layer_apply", "config_to_hf", "dense_attention", "embed_apply", "forward",
     "generate", "group_flat_layout", "group_keys", "group_numel", "group_param_shapes", "head_apply", "init_params", "layer_apply",

@@ -22,9 +22,10 @@ skips, and the split sequence's blocks skip by position (causal).
 The exchange is pluggable (`GroupExchange`): anything that gives this member's index in the group and stacks an
 array from every member, differentiably (its transpose must return to each member the sum of the cotangents of its
 slice). `AxisExchange` does it with `jax.lax.all_gather` over a shard_map mesh axis (its backward is the
-reduce-scatter of dK/dV). `odc_exchange.OdcGroupExchange` does it over ODC's group ops among devices chosen at run
-time (not a mesh axis): docs/context_parallel.md. The whole group's K/V are held at once (all-gather context parallelism, as Llama 3's
-training did); a ring exchange that holds one member's K/V at a time is the memory-lean alternative.
+reduce-scatter of dK/dV). `jodc.ops.group.exchange.OdcGroupExchange` does it over ODC's group ops among devices
+chosen at run time (not a mesh axis); `jodc.fsdp.collective_engine.MemberAxisExchange` over a whole mesh axis for
+a run-time member list (docs/context_parallel.md). The whole group's K/V are held at once (all-gather context
+parallelism, as Llama 3's training did); a ring exchange that holds one member's K/V at a time is the memory-lean alternative.
 
 Backward: JAX autodiff through the exchange and the keyed kernel's own `custom_vjp`; exact up to fp32
 reassociation. Shapes: q [B, T, H, D], k and v [B, T, KV, D] per member; must be called where the exchange works
@@ -78,29 +79,6 @@ class AxisExchange:
 
     def all_gather(self, x: jax.Array) -> jax.Array:
         return jax.lax.all_gather(x, self.axis_name)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberAxisExchange:
-    """A group named at run time among the devices of a shard_map mesh axis, for lock-step engines: every device of
-    the axis calls `all_gather` together (one `jax.lax.all_gather` over the whole axis, backward `psum_scatter`), and
-    each keeps the slices of its own group. `members`: int32 [W] (W, static, at most the axis size), the group's
-    axis positions in member order, then -1; a -1 slot stacks zeros (padding: segment 0 in the group keys, so it is
-    never attended to). Devices outside any group pass ``[self, -1, ...]``: their rows attend within themselves."""
-
-    axis_name: str
-    members: jax.Array
-
-    def member_index(self) -> jax.Array:
-        me = jax.lax.axis_index(self.axis_name)
-        return jnp.argmax(self.members == me).astype(jnp.int32)
-
-    def all_gather(self, x: jax.Array) -> jax.Array:
-        gathered = jax.lax.all_gather(x, self.axis_name)
-        valid = self.members >= 0
-        picked = gathered[jnp.where(valid, self.members, 0)]
-        mask = valid.reshape((-1,) + (1,) * x.ndim)
-        return jnp.where(mask, picked, jnp.zeros_like(picked))
 
 
 @jax.tree_util.register_dataclass

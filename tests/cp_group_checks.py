@@ -20,7 +20,7 @@ from jodc.models import DecoderConfig
 from jodc.ops.token import as_varying
 from jodc.models.context_parallel import context_parallel_layer_apply, group_keys
 from jodc.models.layerwise import init_group_params, layer_apply
-from jodc.models.odc_exchange import ExchangeSlots, OdcGroupExchange
+from jodc.ops.group.exchange import ExchangeSlots, OdcGroupExchange
 from test_context_parallel import (gather_from_members, group_case, reference_layer_inputs, relative_error,
                                    scatter_to_members)
 

@@ -1,5 +1,5 @@
-"""The context-parallel exchange over ODC with groups chosen at run time (models/odc_exchange.py): on 8 CPU devices,
-two groups at once ([0, 3, 5, 6] and [1, 2], the others idle) in one compiled program, then other groups in the same
+"""The context-parallel exchange over ODC with groups chosen at run time (jodc/ops/group/exchange.py): on 8 CPU
+devices, two groups at once ([0, 3, 5, 6] and [1, 2], the others idle) in one compiled program, then other groups in the same
 program; through two decoder layers each group's loss and gradients equal the one-device computation."""
 import time
 
@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import cp_group_checks as checks
 from conftest import cpu_mesh
 from jodc import ops
-from jodc.models.odc_exchange import ExchangeSlots, OdcGroupExchange
+from jodc.ops.group.exchange import ExchangeSlots, OdcGroupExchange
 
 # jaxlib 0.11 compiles the group ops with Shardy off only (docs/context_parallel.md, "Known issues")
 pytestmark = pytest.mark.usefixtures("shardy_off_on_jaxlib_0_11")

@@ -4,7 +4,7 @@ Each member publishes what it exchanges into its own shard (slot) of a heap buck
 `gather`s the slots; in the backward pass it pushes the cotangent of every slot to its owner with
 `scatter_accumulate`, meets them again and reads (then zeroes) its accumulator: the reduce-scatter of dK/dV, point to
 point. Here the group is the heap's whole axis and the barrier the heap's (world-wide); the library version over a
-run-time member list and a group barrier is `jodc.models.odc_exchange.OdcGroupExchange`
+run-time member list and a group barrier is `jodc.ops.group.exchange.OdcGroupExchange`
 (tests/test_context_parallel_group.py). The attention code is unchanged: the exchange only has to provide
 `member_index` and `all_gather`.
 """

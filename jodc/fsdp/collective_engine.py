@@ -5,6 +5,7 @@ On an HSDP mesh ('r', 'd') the all-gathers and reduce-scatters stay inside a rep
 microbatch's gradient shard is all-reduced across the replicas ('r'), as torch's HSDP does."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -20,6 +21,29 @@ from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, replica_sum, u
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberAxisExchange:
+    """A group named at run time among the devices of a shard_map mesh axis, for lock-step engines: every device of
+    the axis calls `all_gather` together (one `jax.lax.all_gather` over the whole axis, backward `psum_scatter`), and
+    each keeps the slices of its own group. `members`: int32 [W] (W, static, at most the axis size), the group's
+    axis positions in member order, then -1; a -1 slot stacks zeros (padding: segment 0 in the group keys, so it is
+    never attended to). Devices outside any group pass ``[self, -1, ...]``: their rows attend within themselves."""
+
+    axis_name: str
+    members: jax.Array
+
+    def member_index(self) -> jax.Array:
+        me = jax.lax.axis_index(self.axis_name)
+        return jnp.argmax(self.members == me).astype(jnp.int32)
+
+    def all_gather(self, x: jax.Array) -> jax.Array:
+        gathered = jax.lax.all_gather(x, self.axis_name)
+        valid = self.members >= 0
+        picked = gathered[jnp.where(valid, self.members, 0)]
+        mask = valid.reshape((-1,) + (1,) * x.ndim)
+        return jnp.where(mask, picked, jnp.zeros_like(picked))
 
 
 class CollectiveEngine(ShardedStateMixin, Engine):
@@ -54,8 +78,6 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         h = None
         exchange = None
         if members is not None:  # a round with context-parallel rows: every device runs the CP stages
-            from jodc.models.context_parallel import MemberAxisExchange
-
             exchange = MemberAxisExchange("d", members)
             microbatch = {**microbatch, "cp_keys": self.model.context_parallel.keys(microbatch, exchange)}
         for index, st in enumerate(self.model.stages):

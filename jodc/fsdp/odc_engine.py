@@ -23,6 +23,7 @@ from jodc.fsdp.engine import Engine, microbatch_loop, replica_sum, update_step
 from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
+from jodc.ops.group.exchange import ExchangeSlots, OdcGroupExchange
 from jodc.ops.token import as_varying
 
 
@@ -51,7 +52,7 @@ class ODCEngine(ShardedStateMixin, Engine):
     lockstep = False  # each device runs its own microbatch count
     supports_timeline = True
     # runs `jodc.balance.CPPlan`s (`lb_mini_cp`): a CP microbatch's members exchange K/V among themselves at every
-    # attention layer over the heap's group ops (`jodc.models.odc_exchange`), inside the layer's custom_vjp
+    # attention layer over the heap's group ops (`jodc.ops.group.exchange`), inside the layer's custom_vjp
     supports_context_parallel = True
     default_planner = "lb_mini"
     supports_deterministic = True  # per-source landing slots (`deterministic=True`)
@@ -101,8 +102,6 @@ class ODCEngine(ShardedStateMixin, Engine):
         recomputation in the backward pass (n + 1) % 2, so consecutive exchanges of a member always alternate
         buckets (forward 0, 1, ..., n-1, then backward n-1, ..., 0 recomputed): a member republishes a bucket only
         after a later exchange's barrier, when every member has read it."""
-        from jodc.models.odc_exchange import OdcGroupExchange
-
         layers, ordinal = [], 0
         for st in self.model.stages:
             buckets = tuple(self.buckets[g] for g in st.groups)
@@ -129,8 +128,6 @@ class ODCEngine(ShardedStateMixin, Engine):
         arrays = sharding.local(arrays)
         layers = self._layers()
         if cp_sizes:
-            from jodc.models.odc_exchange import OdcGroupExchange
-
             cp_branch, cp_members = cp_branch[0], cp_members[0]  # this device's [M], [M, D]
             cp_layers = self._cp_layers(self._cp_slots)
 
@@ -263,8 +260,6 @@ class ODCEngine(ShardedStateMixin, Engine):
     def _ensure_cp_slots(self, token_cap: int) -> None:
         """Registers the context-parallel exchange's slots once, for the first CP minibatch's token cap (sized by
         the model: `ContextParallel.slot_numel`); a later CP minibatch with a larger cap is refused."""
-        from jodc.models.odc_exchange import ExchangeSlots
-
         numel = self.model.context_parallel.slot_numel(int(token_cap))
         if self._cp_slots is None:
             self._cp_slots = ExchangeSlots(self.heap, numel)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import cp_group_checks as checks  # noqa: E402
 from jodc import ops  # noqa: E402
-from jodc.models.odc_exchange import ExchangeSlots  # noqa: E402
+from jodc.ops.group.exchange import ExchangeSlots  # noqa: E402
 
 mesh = _mp.global_mesh(jax)
 WORLD = mesh.shape["d"]

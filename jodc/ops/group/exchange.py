@@ -2,9 +2,10 @@
 
 Under ODC a context-parallel group is whichever devices the planner picked for one long sequence in this minibatch,
 while the others run their own microbatches, so the exchange cannot be a collective over a mesh axis.
-`OdcGroupExchange` implements the exchange the attention takes (`context_parallel.GroupExchange`: `member_index`,
-`all_gather`) with jodc's group ops, the member list an int32 [k] run-time value (one compiled program serves every
-grouping):
+`OdcGroupExchange` implements the exchange the attention takes (`jodc.models.context_parallel.GroupExchange`:
+`member_index`, `all_gather`) with jodc's group ops, the member list an int32 [k] run-time value (one compiled
+program serves every grouping). It lives beside the ops, below the models and the engines: the ODC engine builds one
+per context-parallel stage and hands it to the model's attention.
 
 - forward: each member `publish`es its array into its own slot (its shard of a heap bucket), meets the members at a
   `group_barrier`, then `group_gather`s the members' slots, stacked in list order;
@@ -31,7 +32,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jodc import ops
+from jodc.ops.accumulator import read_accumulator, zero_accumulator
+from jodc.ops.group.barrier import group_barrier
+from jodc.ops.group.gather import group_gather
+from jodc.ops.group.scatter_accumulate import group_scatter_accumulate
+from jodc.ops.heap import Bucket, SymmetricHeap
+from jodc.publish import publish
+from jodc.ops.token import after, depend_on, new_token
 
 #: Integers exchanged as float32 are exact up to this magnitude.
 EXACT_FLOAT32_INTEGER = 2 ** 24
@@ -42,7 +49,7 @@ class ExchangeSlots:
     floating arrays and two for integer ones (alternated: see the module docstring). Register once, before tracing,
     collectively (every process of a multi-process heap, in the same order)."""
 
-    def __init__(self, heap: ops.SymmetricHeap, slot_numel: int, *, name: str = "cp_exchange"):
+    def __init__(self, heap: SymmetricHeap, slot_numel: int, *, name: str = "cp_exchange"):
         if not isinstance(slot_numel, int) or slot_numel < 1:
             raise ValueError(f"slot_numel must be a positive int, got {slot_numel!r}")
         self.heap, self.slot_numel = heap, slot_numel
@@ -52,7 +59,7 @@ class ExchangeSlots:
                                  for i in range(2))
 
     @classmethod
-    def for_microbatch(cls, heap: ops.SymmetricHeap, batch: int, tokens: int, kv_heads: int, head_dim: int, *,
+    def for_microbatch(cls, heap: SymmetricHeap, batch: int, tokens: int, kv_heads: int, head_dim: int, *,
                        name: str = "cp_exchange") -> "ExchangeSlots":
         """Slots for a CP microbatch of [batch, tokens] rows: the stacked K/V (2 * B * T * KV * D) and the group
         keys (3 * B * T)."""
@@ -72,7 +79,7 @@ class OdcGroupExchange:
             ...
             return value, exchange.token
         (value, token), grads = jax.value_and_grad(loss, has_aux=True)(p, h)
-        token = OdcGroupExchange(slots, members, ops.after(token, grads)).close()
+        token = OdcGroupExchange(slots, members, after(token, grads)).close()
     """
 
     def __init__(self, slots: ExchangeSlots, members, token=None, *, first_float: int = 0):
@@ -81,7 +88,7 @@ class OdcGroupExchange:
         if self.members.dtype != jnp.int32 or self.members.ndim != 1:
             raise ValueError(f"members must be an int32 [k] array, got {self.members.dtype}"
                              f"{list(self.members.shape)}")
-        self.token = ops.new_token(self.heap.axis_name) if token is None else token
+        self.token = new_token(self.heap.axis_name) if token is None else token
         # `first_float`: which float bucket the first floating exchange uses (its parity): a caller that makes one
         # exchange per object (the ODC engine, one per layer call) alternates the buckets itself
         self._exchanges = {"float": int(first_float), "int": 0}
@@ -95,7 +102,7 @@ class OdcGroupExchange:
         me = lax.axis_index(self.heap.axis_name)
         return jnp.argmax(self.members == me).astype(jnp.int32)
 
-    def _next_bucket(self, kind: str) -> ops.Bucket:
+    def _next_bucket(self, kind: str) -> Bucket:
         buckets = self.slots.float_buckets if kind == "float" else self.slots.int_buckets
         bucket = buckets[self._exchanges[kind] % 2]
         self._exchanges[kind] += 1
@@ -115,9 +122,9 @@ class OdcGroupExchange:
 
         def pull(flat, members, token):
             slot = jnp.zeros((shard,), jnp.float32).at[:numel].set(flat)
-            token = ops.publish(bucket, slot, token)
-            token = ops.group_barrier(heap, members, token)
-            slots, token = ops.group_gather(bucket, members, token)
+            token = publish(bucket, slot, token)
+            token = group_barrier(heap, members, token)
+            slots, token = group_gather(bucket, members, token)
             return slots[:, :numel], token
 
         flat = x.reshape(-1).astype(jnp.float32)
@@ -137,10 +144,10 @@ class OdcGroupExchange:
             members, token = residuals
             slots_ct, _ = cotangents
             pushed = jnp.zeros((k, shard), jnp.float32).at[:, :numel].set(slots_ct.astype(jnp.float32))
-            token = ops.group_scatter_accumulate(bucket, members, pushed, token)
-            token = ops.group_barrier(heap, members, token)
-            mine, token = ops.read_accumulator(bucket, token)
-            mine = ops.depend_on(mine, ops.zero_accumulator(bucket, token))
+            token = group_scatter_accumulate(bucket, members, pushed, token)
+            token = group_barrier(heap, members, token)
+            mine, token = read_accumulator(bucket, token)
+            mine = depend_on(mine, zero_accumulator(bucket, token))
             return mine[:numel], None, None
 
         exchange.defvjp(forward, backward)
@@ -150,5 +157,5 @@ class OdcGroupExchange:
     def close(self) -> jax.Array:
         """A last group barrier (returns and keeps the token): every member has finished reading the slots, so they
         may join other groups that reuse them."""
-        self.token = ops.group_barrier(self.heap, self.members, self.token)
+        self.token = group_barrier(self.heap, self.members, self.token)
         return self.token
