@@ -37,8 +37,8 @@ from jodc.ops.group.barrier import group_barrier
 from jodc.ops.group.gather import group_gather
 from jodc.ops.group.scatter_accumulate import group_scatter_accumulate
 from jodc.ops.heap import Bucket, SymmetricHeap
-from jodc.publish import publish
-from jodc.ops.token import after, depend_on, new_token
+from jodc.ops.publish import publish
+from jodc.ops.token import depend_on, new_token
 
 #: Integers exchanged as float32 are exact up to this magnitude.
 EXACT_FLOAT32_INTEGER = 2 ** 24
@@ -79,7 +79,7 @@ class OdcGroupExchange:
             ...
             return value, exchange.token
         (value, token), grads = jax.value_and_grad(loss, has_aux=True)(p, h)
-        token = OdcGroupExchange(slots, members, after(token, grads)).close()
+        token = OdcGroupExchange(slots, members, ops.after(token, grads)).close()
     """
 
     def __init__(self, slots: ExchangeSlots, members, token=None, *, first_float: int = 0):
