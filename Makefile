@@ -46,14 +46,15 @@ $(NATIVE): $(INSTALLED) $(NATIVE_SOURCES)
 native: $(NATIVE)
 
 # The suite runs on PYTEST_WORKERS pytest-xdist workers (0: one process, no xdist), each taking a whole test file at a
-# time (--dist loadfile: a module's fixtures, such as a trained run that several tests read, are built once). The
+# time (--dist loadfile: a module's fixtures, such as a trained run that several tests read, are built once), the
+# heaviest files first (tests/conftest.py's HEAVIEST_FIRST; --no-loadscope-reorder keeps that order). The
 # serial suite keeps about 1.3 of CI's 2 cores busy (much of it is single-threaded compilation and Python); two
 # workers fill both. The workers share one XLA compilation cache (tests/conftest.py).
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST_PARALLEL := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(NATIVE)
-	$(PY) -m pytest -q -x $(PYTEST_PARALLEL) --durations=15 tests
+	$(PY) -m pytest -q -x $(PYTEST_PARALLEL) --durations=30 tests
 
 # The main job: SFT of the default small model with ODC on 4 simulated CPU devices, on the embedded data (a fresh
 # run directory each time; rerun a finished one with --steps N to extend it). `make demo-rl`: the RL stage.

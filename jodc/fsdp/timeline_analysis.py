@@ -5,8 +5,9 @@ these (the trainer draws them every `logging.timeline_every` steps).
 An event is `{"device": int, "start": s, "end": s, "kind": "busy" | "wait", "label": str}` (times in seconds,
 any origin); an event of a context-parallel microbatch also has `"group"` (the CP group's id) and `"members"` (its
 devices), and the plot draws it in its own colour, outlined, with the group id written on it
-(`jodc.sim.context_parallel.timeline_events` makes such events from a predicted step). The engines record them when asked (`Engine.step(batch, record_timeline=True)`); when an engine
-cannot, `events_from_plan` estimates them from the planner's cost model and the measured step time.
+(`jodc.sim.context_parallel.timeline_events` makes such events from a predicted step; `label_cp_groups` adds them
+to the events an engine recorded for a plan with CP groups). The engines record them when asked
+(`Engine.step(batch, record_timeline=True)`); when an engine cannot, `events_from_plan` estimates them from the planner's cost model and the measured step time.
 
 The bubble rate is `1 - sum(busy) / (devices x wall)`, wall = last end - first start over all devices: the
 fraction of device time spent not computing (waiting at a barrier or for a collective, or idle at the end).
@@ -18,6 +19,8 @@ import os
 from typing import Sequence
 
 import numpy as np
+
+from jodc.balance.cp_plan import CPMicrobatch
 
 KINDS = ("busy", "wait")
 
@@ -85,6 +88,23 @@ def events_from_plan(plan, seconds: float, *, lockstep: bool) -> list[dict]:
         if t < seconds * (1 - 1e-9):
             events.append({"device": d, "start": t, "end": seconds, "kind": "wait", "label": "barrier"})
     return events
+
+
+def label_cp_groups(events: Sequence[dict], plan) -> list[dict]:
+    """`events` recorded by an engine for a minibatch planned by `plan` (a `jodc.balance.CPPlan`), with every event
+    of a context-parallel microbatch given its `"group"` and `"members"`: an engine's label starts with "mb<i>", the
+    device's i-th microbatch in the plan. Other events are returned unchanged (copies)."""
+    out = []
+    for event in events:
+        event = dict(event)
+        label = event.get("label", "")
+        if label.startswith("mb") and label[2:].split(" ")[0].isdigit():
+            items = plan.devices[event["device"]]
+            i = int(label[2:].split(" ")[0])
+            if i < len(items) and isinstance(items[i], CPMicrobatch):
+                event.update(group=items[i].group.group_id, members=list(items[i].group.members))
+        out.append(event)
+    return out
 
 
 def plot_timeline(events: Sequence[dict], path: str, *, num_devices: int | None = None, title: str = "step"
