@@ -24,6 +24,10 @@ What it measures, in one run:
     labelled with their group: `jodc.fsdp.timeline_analysis.label_cp_groups`). This machine's devices share its
     cores (8 devices on 2 here), so a device waiting for its peers lends its core to another and the measured
     walls count total work more than idling: the measured ratios understate what separate devices would see.
+(c') **Across processes**: the same measured comparison under ``mpirun -np --processes`` (2 by default), each
+    process holding its share of the devices (ODC's group ops over the MPI transport, the collective engine over
+    gloo), process 0's calibrated cost model planning for all, each step's wall the slowest process's
+    (``mp_measured_*`` keys; 0 skips it).
 (d) **The simulator, calibrated**: per-token and per-pair compute from single microbatches timed alone (CPU
     seconds, as bench/e2e.py), ODC's fixed cost per microbatch (`bench.e2e.microbatch_overhead`), and the cost of
     one K/V exchange from a 2-device ODC step whose only microbatch is one CP group of 2 (2 devices on 2 cores: no
@@ -47,6 +51,7 @@ import sys
 import time
 
 from bench import harness
+from tools.mpirun import mpi_env, mpirun_command, stream_session
 
 
 def parse_args(argv=None):
@@ -67,12 +72,17 @@ def parse_args(argv=None):
     p.add_argument("--cluster-devices", default="64,128,256,512")
     p.add_argument("--cluster-minibatches", type=int, default=4)
     p.add_argument("--plot", action="store_true", help="draw the recorded timelines (matplotlib)")
+    p.add_argument("--processes", type=int, default=2,
+                   help="also measure the layouts with the devices split over this many processes (mpirun; 0: skip)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds before the mpirun job is killed")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one process of the mpirun job
     return harness.add_run_flags(p, "4 devices, 1 minibatch, 1 layer, 1 round, one cluster scale").parse_args(argv)
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
     _devices = 4 if ARGS.quick else ARGS.devices
+    _devices = _devices // ARGS.processes if ARGS.worker else _devices  # a worker holds its share
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={max(_devices, 2)}"
                                " --xla_cpu_multi_thread_eigen=false").strip()
@@ -82,7 +92,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from bench.e2e import BusyCalibrator, make_sequences, microbatch_overhead, paired_rounds, paired_speedup  # noqa: E402
+from bench.e2e import (  # noqa: E402
+    BusyCalibrator, LocalSync, make_sequences, microbatch_overhead, paired_rounds, paired_speedup)
 from bench.step_memory import capture_compiled  # noqa: E402
 from jodc.balance import get_planner  # noqa: E402
 from jodc.balance.cp_cost import ContextParallelCost, causal_pairs  # noqa: E402
@@ -109,6 +120,17 @@ LONGALIGN_CAP = 65536
 SHORTEST = 8
 #: K/V exchanges a CP microbatch makes beyond the per-layer ones: the group keys' exchange and the closing barrier
 EXTRA_EXCHANGES = 2
+#: the mpirun worker's result line
+RESULT_PREFIX = "LONGCTX "
+
+
+def local_mesh(count: int) -> Mesh:
+    """A mesh of this process's first `count` CPU devices (calibration runs in one process)."""
+    return Mesh(np.array(jax.local_devices(backend="cpu")[:count]), ("d",))
+
+
+def world_mesh(count: int) -> Mesh:
+    return Mesh(np.array(jax.devices("cpu")[:count]), ("d",))
 
 
 # ---- the data -----------------------------------------------------------------------------------------------------
@@ -182,7 +204,7 @@ def prior_cost(model_config: DecoderConfig, per_token: float, per_pair: float, p
 def exchange_seconds(model, groups, cost: ContextParallelCost, token_cap: int, repeats: int = 5) -> float:
     """Seconds one K/V exchange adds to a CP microbatch: a 2-device ODC step whose only microbatch is one group of 2
     (a sequence of 2 x cap - 2 tokens), less its calibrated compute and fixed cost, over its exchanges."""
-    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    mesh = local_mesh(2)
     length = 2 * token_cap - 2
     plan = CP_PLANNERS["fixed_cp"]([length], 2, token_cap, cost_model=cost)
     batch = minibatch_from_plan(plan, *make_sequences([length], np.random.default_rng(7), VOCAB))
@@ -200,7 +222,7 @@ def exchange_seconds(model, groups, cost: ContextParallelCost, token_cap: int, r
 def calibrate(args, model, groups, model_config: DecoderConfig) -> tuple[ContextParallelCost, dict]:
     calibrator = BusyCalibrator(model, groups)
     per_token, per_pair, per_call = compute_rates(calibrator, args.token_cap)
-    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    mesh = local_mesh(2)
     # (the probe's engine runs its tiny microbatches at half the cap: one length bucket)
     overhead = microbatch_overhead(model, groups, mesh, OPTIMIZER, (args.token_cap // 2,), calibrator,
                                    args.token_cap, VOCAB)
@@ -255,26 +277,29 @@ def relative(a, b) -> float:
 
 
 class Layout:
-    """One layout's engine and planned minibatches: its first step checked against the reference, every minibatch
-    stepped once (compiled), then timed pass by pass (`paired_rounds`)."""
+    """One layout's engine and planned minibatches: its first step checked against `reference` (when given), every
+    minibatch stepped once (compiled), then timed pass by pass (`paired_rounds`; a pass's wall is the slowest
+    process's, `sync.slowest`)."""
 
-    def __init__(self, name, args, model, groups, mesh, data: list[Minibatch], cost, reference):
+    def __init__(self, name, args, model, groups, mesh, data: list[Minibatch], cost, reference=None, sync=None):
         planner, engine_cls = LAYOUTS[name]
-        self.name = name
+        self.name, self.sync = name, sync or LocalSync()
         self.plans = [CP_PLANNERS[planner](mb.lengths, args.devices, args.token_cap, cost_model=cost) for mb in data]
         self.batches = [minibatch_from_plan(p, *mb.sequences) for p, mb in zip(self.plans, data)]
         self.engine = engine_cls(model, groups, mesh, optimizer=OPTIMIZER)
         self.walls: list[float] = []
         self.cpu_s = 0.0
+        self.agreement = {}
         try:
-            start = model.flatten_groups(groups)
+            start = model.flatten_groups(groups) if reference else None
             first = self.engine.step(self.batches[0])
-            params = self.engine.flat_params()
-            ref_result, ref_params = reference
-            self.agreement = {"loss": relative(first.loss, ref_result.loss),
-                              "grad_norm": relative(first.grad_norm, ref_result.grad_norm),
-                              "params": max(relative(params[g] - start[g], ref_params[g] - start[g])
-                                            for g in ref_params)}
+            if reference:
+                params = self.engine.flat_params()
+                ref_result, ref_params = reference
+                self.agreement = {"loss": relative(first.loss, ref_result.loss),
+                                  "grad_norm": relative(first.grad_norm, ref_result.grad_norm),
+                                  "params": max(relative(params[g] - start[g], ref_params[g] - start[g])
+                                                for g in ref_params)}
             for b in self.batches[1:]:
                 self.engine.step(b)
         except BaseException:
@@ -283,10 +308,10 @@ class Layout:
 
     def timed_pass(self) -> float:
         cpu0 = time.process_time()
-        wall = float(sum(self.engine.step(b).seconds for b in self.batches))
+        walls = [self.engine.step(b).seconds for b in self.batches]
         self.cpu_s += time.process_time() - cpu0
-        self.walls.append(wall)
-        return wall
+        self.walls.append(float(np.sum(self.sync.slowest(walls))))
+        return self.walls[-1]
 
     def timeline(self) -> list[dict]:
         """The first minibatch's per-device events, CP rows labelled with their group."""
@@ -307,16 +332,17 @@ def reference_first_step(model, groups, data: list[Minibatch]):
     return result, ref.flat_params()
 
 
-def measured(args, model, groups, data, cost) -> tuple[dict, dict]:
-    """(per layout: walls, CPU seconds, agreement, plans; the recorded timelines)."""
-    mesh = Mesh(np.array(jax.devices("cpu")[: args.devices]), ("d",))
-    reference = reference_first_step(model, groups, data)
+def measured(args, model, groups, data, cost, *, sync=None, check=True) -> tuple[dict, dict]:
+    """(per layout: walls, CPU seconds, agreement, plans; the recorded timelines). Devices spanning processes:
+    every process calls this, with `sync` (no agreement check or timelines there: `check=False`)."""
+    mesh = world_mesh(args.devices)
+    reference = reference_first_step(model, groups, data) if check else None
     layouts = {}
     try:
         for name in LAYOUTS:
-            layouts[name] = Layout(name, args, model, groups, mesh, data, cost, reference)
+            layouts[name] = Layout(name, args, model, groups, mesh, data, cost, reference, sync)
         passes = paired_rounds(layouts, args.rounds)
-        timelines = {name: layout.timeline() for name, layout in layouts.items()}
+        timelines = {name: layout.timeline() for name, layout in layouts.items()} if check else {}
     finally:
         for layout in layouts.values():
             layout.engine.close()
@@ -326,6 +352,66 @@ def measured(args, model, groups, data, cost) -> tuple[dict, dict]:
     rows["data_aware"]["vs_fixed_cp"] = 1.0 / paired_speedup(passes, "data_aware", "fixed_cp")
     rows["data_aware"]["vs_lockstep_cp"] = 1.0 / paired_speedup(passes, "data_aware", "lockstep_cp")
     return rows, timelines
+
+
+# ---- (c') the same across processes (mpirun) ------------------------------------------------------------------------
+
+class MPISync(LocalSync):
+    """Process 0's cost model for every process; a step's wall is the slowest process's."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def agree(self, value):
+        return self.comm.bcast(value, root=0)
+
+    def slowest(self, seconds):
+        from mpi4py import MPI
+
+        local = np.asarray(seconds, np.float64)
+        out = np.empty_like(local)
+        self.comm.Allreduce(local, out, op=MPI.MAX)
+        return out
+
+
+def worker(args) -> None:
+    """One process of the mpirun job: the layouts measured over every process's devices (process 0 calibrates on
+    its own devices, every process plans with its cost model), process 0 prints the rows."""
+    import json
+
+    from mpi4py import MPI
+
+    jax.distributed.initialize(cluster_detection_method="mpi4py")
+    comm = MPI.COMM_WORLD
+    sync = MPISync(comm)
+    model, groups, config = build_model(args)
+    cost = sync.agree(calibrate(args, model, groups, config)[0] if comm.Get_rank() == 0 else None)
+    rows, _ = measured(args, model, groups, minibatches(args), cost, sync=sync, check=False)
+    if comm.Get_rank() == 0:
+        print(RESULT_PREFIX + json.dumps(rows), flush=True)
+
+
+def across_processes(args) -> dict:
+    """The measured section under `mpirun -np processes`, each process with devices / processes CPU devices."""
+    import json
+
+    cmd = mpirun_command(args.processes, sys.executable, "-m", "mpi4py", "-m", "bench.long_context", "--worker",
+                         *worker_flags(args))
+    code, lines, timed_out = stream_session(cmd, harness.child_env(mpi_env()), args.timeout)
+    for line in lines:
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    why = f"did not finish within --timeout {args.timeout:g} s" if timed_out else f"failed (exit {code})"
+    raise RuntimeError(f"mpirun -np {args.processes} {why}:\n" + "\n".join(lines)[-4000:])
+
+
+def worker_flags(args) -> list[str]:
+    """The flags that make a worker measure what this run measures."""
+    flags = []
+    for name in ("devices", "token_cap", "seqs_per_device", "long_fraction", "long_min", "long_max", "minibatches",
+                 "rounds", "layers", "hidden", "seed", "processes"):
+        flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return flags
 
 
 # ---- (d) the simulator on this machine's devices and (e) at cluster scale ---------------------------------------------
@@ -375,26 +461,37 @@ def cluster(args, cost: ContextParallelCost) -> dict:
 
 # ---- the run ------------------------------------------------------------------------------------------------------
 
+def build_model(args):
+    """(staged model, initial groups, config): the bench's decoder, the same in every process."""
+    config = DecoderConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                           num_layers=args.layers, num_heads=4, num_kv_heads=2, attention_block_size=64,
+                           max_position_embeddings=args.devices * args.token_cap)
+    model, groups = decoder_staged_model(config, seed=args.seed)
+    return model, groups, config
+
+
 def run(args) -> dict:
     if args.quick:
         args.devices, args.minibatches, args.layers, args.rounds = 4, 1, 1, 1
         args.cluster_devices, args.cluster_minibatches = args.cluster_devices.split(",")[0], 1
     args.long_max = min(args.long_max, args.devices)
-    config = DecoderConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                           num_layers=args.layers, num_heads=4, num_kv_heads=2, attention_block_size=64,
-                           max_position_embeddings=args.devices * args.token_cap)
-    model, groups = decoder_staged_model(config, seed=args.seed)
+    if args.processes > 1 and args.devices % args.processes:
+        raise ValueError(f"--devices {args.devices} does not split evenly over --processes {args.processes}")
+    model, groups, config = build_model(args)
     cost, calibration = calibrate(args, model, groups, config)
     data = minibatches(args)
     rows, timelines = measured(args, model, groups, data, cost)
     plans = {name: [CP_PLANNERS[LAYOUTS[name][0]](mb.lengths, args.devices, args.token_cap, cost_model=cost)
                     for mb in data] for name in LAYOUTS}
-    return {"config": {k: getattr(args, k) for k in ("devices", "token_cap", "seqs_per_device", "long_fraction",
-                                                      "long_min", "long_max", "minibatches", "rounds", "layers",
-                                                      "hidden", "seed")},
-            "lengths": [mb.lengths.tolist() for mb in data], "calibration": calibration,
-            "memory": memory(args, model, groups, cost), "measured": rows, "simulated": simulated(rows, plans, cost),
-            "cluster": cluster(args, cost), "timelines": timelines}
+    result = {"config": {k: getattr(args, k) for k in ("devices", "token_cap", "seqs_per_device", "long_fraction",
+                                                       "long_min", "long_max", "minibatches", "rounds", "layers",
+                                                       "hidden", "seed", "processes")},
+              "lengths": [mb.lengths.tolist() for mb in data], "calibration": calibration,
+              "memory": memory(args, model, groups, cost), "measured": rows,
+              "simulated": simulated(rows, plans, cost), "cluster": cluster(args, cost), "timelines": timelines}
+    if args.processes > 1:
+        result["across_processes"] = across_processes(args)
+    return result
 
 
 def print_tables(r: dict) -> None:
@@ -421,6 +518,12 @@ def print_tables(r: dict) -> None:
     print(f"measured (paired rounds): data_aware / fixed_cp {d['vs_fixed_cp']:.3f}, / lockstep_cp "
           f"{d['vs_lockstep_cp']:.3f}; simulated on {c['devices']} separate devices: "
           f"{r['simulated']['cp_vs_fixed_cp']:.3f}, {r['simulated']['cp_vs_lockstep_cp']:.3f}")
+    if "across_processes" in r:
+        mp = r["across_processes"]
+        print(f"{c['processes']} processes x {c['devices'] // c['processes']} devices (mpirun; walls the slowest "
+              f"process's): step s " + ", ".join(f"{n} {row['step_s']:.3f}" for n, row in mp.items())
+              + f"; data_aware / fixed_cp {mp['data_aware']['vs_fixed_cp']:.3f}, / lockstep_cp "
+              f"{mp['data_aware']['vs_lockstep_cp']:.3f}")
     print("cluster (simulator; A100 x 8 per node, 1.5B, 64K cap, longalign_long_tail):")
     for n, row in r["cluster"]["a100"].items():
         print(f"  {n:>5} devices: vs fixed CP {row['cp_vs_fixed_cp']:.3f}, vs lock-step CP "
@@ -446,6 +549,9 @@ def summary_line(r: dict) -> dict:
     for n, row in r["cluster"]["a100"].items():
         for key in ("cp_vs_fixed_cp", "cp_vs_lockstep_cp", "cp_idle_fraction"):
             line[f"{key}_{n}"] = round(row[key], 4)
+    if "across_processes" in r:
+        line["mp_measured_cp_vs_fixed_cp"] = round(r["across_processes"]["data_aware"]["vs_fixed_cp"], 4)
+        line["mp_measured_cp_vs_lockstep_cp"] = round(r["across_processes"]["data_aware"]["vs_lockstep_cp"], 4)
     return line
 
 
@@ -462,5 +568,8 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    if ARGS.worker:
+        worker(ARGS)
+    else:
+        main(ARGS)
     sys.exit(0)

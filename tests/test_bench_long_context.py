@@ -10,7 +10,8 @@ from bench import long_context
 pytestmark = pytest.mark.usefixtures("shardy_off_on_jaxlib_0_11")
 
 TINY = ["--devices", "4", "--token-cap", "32", "--seqs-per-device", "3", "--minibatches", "1", "--rounds", "1",
-        "--layers", "1", "--hidden", "32", "--cluster-devices", "16", "--cluster-minibatches", "1", "--no-save"]
+        "--layers", "1", "--hidden", "32", "--cluster-devices", "16", "--cluster-minibatches", "1", "--processes", "0",
+        "--no-save"]
 
 
 def test_minibatch_lengths_hold_a_long_tail_within_the_worlds_capacity():
