@@ -1,23 +1,26 @@
-"""Context-parallel attention: one long sequence's attention split over a group of devices, rows still packed.
+"""Context-parallel attention: long sequences' attention split over a group of devices, rows still packed.
 
 A sequence too long for one device is split over a group of ``k`` devices in the zigzag layout
 (`jodc.balance.zigzag`: ``2k`` chunks, member ``i`` holding chunks ``i`` and ``2k-1-i``). Each member's row
-[B, T] holds its piece of the split sequence (segment id ``shared_segment_b[b]``, the same sequence in row ``b``
-of every member, with its *global* positions) and, packed beside it, short sequences of its own (their own
-segment ids, positions restarting at 0). Every member computes the attention output of its own queries:
+[B, T] holds its pieces of ``n_b = split_segments_b[b]`` split sequences (segment ids 1..n_b, piece after piece: the
+same sequences in row ``b`` of every member, each with its *global* positions) and, packed after them, short
+sequences of its own (segment ids above n_b, positions restarting at 0). One split sequence per row is the layout
+of the data-aware planners; several are what the fixed layout (`fixed_cp`) packs. Every member computes the
+attention output of its own queries:
 
-- a token of the split sequence attends to the split sequence's tokens on *all* members whose global position is
-  <= its own (causal over the whole sequence);
+- a token of split sequence ``s`` attends to the tokens of split sequence ``s`` on *all* members whose global
+  position is <= its own (causal over the whole sequence);
 - a token of one of the row's own sequences attends, as in `attention.dense_attention`, to its segment's tokens at
   columns <= its own on the same member only.
 
-How: every token gets a group-wide key (`group_keys`): split-sequence tokens get segment `SHARED_KEY` (1) and
-order = global position; a row's own tokens get a segment id made of their local id and their member's index
-(distinct across members) and order = column; padding gets segment 0. Then the members' keys and values are exchanged, and the
-keyed attention of `keyed_attention.py` (same segment, key order <= query order) of the member's queries against
-the whole group's keys is exactly the attention of the one-device computation. Block pairs are chosen per class
-(split sequence / own sequences), so a row of short sequences still skips what `attention.blockwise_attention`
-skips, and the split sequence's blocks skip by position (causal).
+How: every token gets a group-wide key (`group_keys`): split sequence ``s`` keeps segment key ``s`` on every member
+(1 <= s <= n_b <= T) with order = global position; a row's own sequence ``s`` on member ``m`` gets the key
+``T + 1 + (s - 1) k + m`` (above every split key, distinct across members and sequences) with order = column;
+padding gets 0. Then the members' keys and values are exchanged, and the keyed attention of `keyed_attention.py`
+(same segment, key order <= query order) of the member's queries against the whole group's keys is exactly the
+attention of the one-device computation. Block pairs are chosen per class, told apart by key range (split keys
+<= T, own keys > T), so a row of short sequences still skips what `attention.blockwise_attention` skips, and the
+split sequences' blocks skip by segment and position (causal).
 
 The exchange is pluggable (`GroupExchange`): anything that gives this member's index in the group and stacks an
 array from every member, differentiably (its transpose must return to each member the sum of the cotangents of its
@@ -49,8 +52,6 @@ from .keyed_attention import (
 )
 from .layerwise import attention_inputs, check_group_params, layer_group_name, layer_output
 
-#: The group-wide segment id of the split sequence's tokens (own sequences get larger ids, padding 0).
-SHARED_KEY = 1
 #: The implementations `context_parallel_attention` accepts.
 CONTEXT_PARALLEL_IMPLS = ("blockwise", "dense")
 
@@ -87,6 +88,8 @@ class GroupKeys:
     """The group-wide segment ids and causal orders of a member's queries and of the whole group's keys.
 
     Built once per microbatch by `group_keys` and reused by every layer (the rows are the same in all of them).
+    Segment keys below `own_key_base` (and above 0) are split sequences', keys from it up are the rows' own
+    sequences'.
     """
 
     query_segment_bt: jax.Array  # int32 [B, T], this member's tokens
@@ -94,45 +97,64 @@ class GroupKeys:
     key_segment_gbt: jax.Array  # int32 [k, B, T], every member's tokens, stacked by member index
     key_order_gbt: jax.Array  # int32 [k, B, T]
     member: jax.Array  # int32 scalar: this member's index in the group
+    # T + 1 for rows of T columns (static): the smallest key of a row's own sequence, above every split key
+    own_key_base: int = dataclasses.field(metadata=dict(static=True))
+
+    def split_tokens(self, segment):
+        """bool, like `segment` (one of the key arrays): the tokens of split sequences."""
+        return (segment > 0) & (segment < self.own_key_base)
+
+    def own_tokens(self, segment):
+        """bool, like `segment`: the tokens of the rows' own sequences."""
+        return segment >= self.own_key_base
 
 
-def _group_segment(segment_bt, shared_bt, member, group_size):
-    """Group-wide segment ids: 0 padding, `SHARED_KEY` the split sequence, and for a row's own sequence with id s
-    on member m the id SHARED_KEY + 1 + (s - 1) * k + m (distinct for every (s, m); ids s < 2^31 / k)."""
-    own = SHARED_KEY + 1 + (segment_bt - 1) * group_size + member
-    return jnp.where(segment_bt <= 0, 0, jnp.where(shared_bt, SHARED_KEY, own))
+def _group_segment(segment_bt, split_bt, member, group_size, own_key_base):
+    """Group-wide segment keys: 0 padding; split sequence s keeps s; a row's own sequence s on member m gets
+    ``own_key_base + (s - 1) * k + m`` (distinct for every (s, m), above every split key)."""
+    own = own_key_base + (segment_bt - 1) * group_size + member
+    return jnp.where(segment_bt <= 0, 0, jnp.where(split_bt, segment_bt, own))
 
 
-def group_keys(segment_ids_bt: jax.Array, positions_bt: jax.Array, shared_segment_b: jax.Array,
+def group_keys(segment_ids_bt: jax.Array, positions_bt: jax.Array, split_segments_b: jax.Array,
                exchange: GroupExchange) -> GroupKeys:
     """The keys of this member's row and, through `exchange`, of the group's rows.
 
     segment_ids_bt: int [B, T], the row's segment ids (0 padding, positive ids for sequences, each a contiguous run
-    as in packing). positions_bt: int [B, T]; over the split sequence they must be its global positions, distinct
-    over the whole group (the zigzag layout's); elsewhere they are not read. shared_segment_b: int [B], the segment
-    id of the split sequence in each row (0: the row holds none; its tokens then only attend within the row).
+    as in packing). positions_bt: int [B, T]; over the split sequences they must be their global positions,
+    distinct over the whole group for each sequence (the zigzag layout's); elsewhere they are not read.
+    split_segments_b: int [B], how many split sequences each row holds: segments 1..n_b of row b are split
+    sequences, the same ones (with the same n_b) on every member; 0: none (its tokens then attend within the row
+    only). Counts above T are taken as T (a row of T columns holds at most T / 2 pieces).
+
+    The keys are int32: a row's own sequence ``s`` on member ``m`` gets ``T + 1 + (s - 1) k + m <= T + s k``, so
+    segment ids must be at most ``(2^31 - 1 - T) / k`` (`jodc.balance.zigzag.segment_id_limit`;
+    `check_group_rows` checks it on the host). One integer exchange of [3, B, T] per call (the ODC exchange carries
+    it as float32: ids and positions below 2^24).
     """
     if segment_ids_bt.ndim != 2:
         raise ValueError(f"segment_ids must be [B, T], got shape {tuple(segment_ids_bt.shape)}")
     b, t = segment_ids_bt.shape
-    for name, array, shape in (("positions", positions_bt, (b, t)), ("shared_segment", shared_segment_b, (b,))):
+    for name, array, shape in (("positions", positions_bt, (b, t)), ("split_segments", split_segments_b, (b,))):
         if tuple(array.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(array.shape)}, expected {shape}")
     for name, array in (("segment_ids", segment_ids_bt), ("positions", positions_bt),
-                        ("shared_segment", shared_segment_b)):
+                        ("split_segments", split_segments_b)):
         if not jnp.issubdtype(array.dtype, jnp.integer):
             raise ValueError(f"{name} must be integers, got {array.dtype}")
     seg = segment_ids_bt.astype(jnp.int32)
-    shared = (seg > 0) & (seg == shared_segment_b.astype(jnp.int32)[:, None])
-    order = jnp.where(shared, positions_bt.astype(jnp.int32), jnp.arange(t, dtype=jnp.int32)[None, :])
+    split_count = jnp.clip(split_segments_b.astype(jnp.int32), 0, t)[:, None]
+    split = (seg > 0) & (seg <= split_count)
+    order = jnp.where(split, positions_bt.astype(jnp.int32), jnp.arange(t, dtype=jnp.int32)[None, :])
     # one exchange for the three: [k, 3, B, T]; the group-wide ids are made after it, from the stacking order
-    gathered = exchange.all_gather(jnp.stack([seg, shared.astype(jnp.int32), order]))
+    gathered = exchange.all_gather(jnp.stack([seg, split.astype(jnp.int32), order]))
     group_size = gathered.shape[0]
     member = jnp.asarray(exchange.member_index(), jnp.int32)
     members = jnp.arange(group_size, dtype=jnp.int32)[:, None, None]
-    return GroupKeys(query_segment_bt=_group_segment(seg, shared, member, group_size), query_order_bt=order,
-                     key_segment_gbt=_group_segment(gathered[:, 0], gathered[:, 1] > 0, members, group_size),
-                     key_order_gbt=gathered[:, 2], member=member)
+    base = t + 1
+    return GroupKeys(query_segment_bt=_group_segment(seg, split, member, group_size, base), query_order_bt=order,
+                     key_segment_gbt=_group_segment(gathered[:, 0], gathered[:, 1] > 0, members, group_size, base),
+                     key_order_gbt=gathered[:, 2], member=member, own_key_base=base)
 
 
 def _members_to_row(x_gbt):
@@ -149,19 +171,21 @@ def _pad_tokens(x, axis, pad):
 
 
 def context_parallel_block_pairs(keys: GroupKeys, block: int) -> jax.Array:
-    """bool [B, T/blk, k*T/blk]: the (query block, key block) pairs to visit, class by class: split-sequence
-    tokens against split-sequence tokens (by position), own sequences against own sequences (by segment and
-    column; other members' own sequences never). T must be a multiple of `block`."""
+    """bool [B, T/blk, k*T/blk]: the (query block, key block) pairs to visit, class by class (told apart by key
+    range, `GroupKeys.split_tokens` / `own_tokens`): split-sequence tokens against split-sequence tokens (by segment
+    and position), own sequences against own sequences (by segment and column; other members' own sequences never).
+    T must be a multiple of `block`."""
     key_segment = _members_to_row(keys.key_segment_gbt)
     key_order = _members_to_row(keys.key_order_gbt)
     query_segment, query_order = keys.query_segment_bt, keys.query_order_bt
-    shared_pairs = ranges_may_interact(block_ranges(query_segment, query_order, block, query_segment == SHARED_KEY),
-                                       block_ranges(key_segment, key_order, block, key_segment == SHARED_KEY))
-    own_pairs = ranges_may_interact(block_ranges(query_segment, query_order, block, query_segment > SHARED_KEY),
-                                    block_ranges(key_segment, key_order, block, key_segment > SHARED_KEY))
+    split_pairs = ranges_may_interact(
+        block_ranges(query_segment, query_order, block, keys.split_tokens(query_segment)),
+        block_ranges(key_segment, key_order, block, keys.split_tokens(key_segment)))
+    own_pairs = ranges_may_interact(block_ranges(query_segment, query_order, block, keys.own_tokens(query_segment)),
+                                    block_ranges(key_segment, key_order, block, keys.own_tokens(key_segment)))
     blocks_per_member = query_segment.shape[1] // block
     key_block_member = jnp.arange(key_segment.shape[1] // block) // blocks_per_member
-    return shared_pairs | (own_pairs & (key_block_member == keys.member)[None, None, :])
+    return split_pairs | (own_pairs & (key_block_member == keys.member)[None, None, :])
 
 
 def context_parallel_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, keys: GroupKeys,
@@ -192,8 +216,9 @@ def context_parallel_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax
     if pad:
         q_bthd = _pad_tokens(q_bthd, 1, pad)
         k_gbtkd, v_gbtkd = _pad_tokens(k_gbtkd, 2, pad), _pad_tokens(v_gbtkd, 2, pad)
-        keys = GroupKeys(*(_pad_tokens(x, x.ndim - 1, pad) for x in (
-            keys.query_segment_bt, keys.query_order_bt, keys.key_segment_gbt, keys.key_order_gbt)), member=keys.member)
+        keys = dataclasses.replace(keys, **{name: _pad_tokens(getattr(keys, name), getattr(keys, name).ndim - 1, pad)
+                                            for name in ("query_segment_bt", "query_order_bt", "key_segment_gbt",
+                                                         "key_order_gbt")})
     out = blockwise_keyed_attention(
         q_bthd, _members_to_row(k_gbtkd), _members_to_row(v_gbtkd), keys.query_segment_bt, keys.query_order_bt,
         _members_to_row(keys.key_segment_gbt), _members_to_row(keys.key_order_gbt), block_size=block,
@@ -205,7 +230,7 @@ def context_parallel_layer_apply(config: DecoderConfig, layer_params, h_btd: jax
                                  keys: GroupKeys, exchange: GroupExchange) -> jax.Array:
     """One decoder layer (`layerwise.layer_apply`) on a member's rows, its attention split over the group.
 
-    positions_bt are the rows' RoPE positions (global ones over the split sequence). The attention is "dense" when
+    positions_bt are the rows' RoPE positions (global ones over the split sequences). The attention is "dense" when
     the config asks for dense attention, else "blockwise" (the fused GPU kernel has no context-parallel form yet).
     """
     if h_btd.ndim != 3 or h_btd.shape[-1] != config.hidden_size:

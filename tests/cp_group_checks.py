@@ -64,15 +64,15 @@ def size_case(group_size: int, layer_params, layers: int = LAYERS) -> SizeCase:
 
 
 def member_step(slots: ExchangeSlots, group_size: int, layers: int = LAYERS):
-    """(params, h, ct, seg, pos, shared, members) -> (loss, dparams, dh, token) on one member of a group of
+    """(params, h, ct, seg, pos, split, members) -> (loss, dparams, dh, token) on one member of a group of
     `group_size` (members[:group_size] is the list)."""
 
-    def step(p, h, ct, seg, pos, shared, members):
+    def step(p, h, ct, seg, pos, split, members):
         members = members[:group_size]
 
         def loss(p, h):
             exchange = OdcGroupExchange(slots, members)
-            keys = group_keys(seg[None], pos[None], shared[None], exchange)
+            keys = group_keys(seg[None], pos[None], split[None], exchange)
             out = h[None]
             for _ in range(layers):
                 out = context_parallel_layer_apply(CONFIG, p, out, pos[None], keys, exchange)
@@ -86,7 +86,7 @@ def member_step(slots: ExchangeSlots, group_size: int, layers: int = LAYERS):
     return step
 
 
-def idle_step(p, h, ct, seg, pos, shared, members):
+def idle_step(p, h, ct, seg, pos, split, members):
     """A device in no group this time: nothing exchanged."""
     return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p), jnp.zeros_like(h), ops.new_token("d")
 
@@ -117,16 +117,16 @@ def device_inputs(world: int, groups: list[list[int]], cases: dict[int, SizeCase
     h = np.zeros((world, TOKEN_CAP, CONFIG.hidden_size), np.float32)
     ct = np.zeros_like(h)
     seg = np.zeros((world, TOKEN_CAP), np.int32)
-    pos, shared = np.zeros_like(seg), np.zeros(world, np.int32)
+    pos, split = np.zeros_like(seg), np.zeros(world, np.int32)
     for group in groups:
         c = cases[len(group)]
         for i, d in enumerate(group):
             role[d] = sizes.index(len(group))
             members[d, :len(group)] = group
             h[d], ct[d] = c.h[i], c.ct[i]
-            seg[d], pos[d], shared[d] = c.case.segment_ids[i], c.case.positions[i], c.case.shared_segment[i]
+            seg[d], pos[d], split[d] = c.case.segment_ids[i], c.case.positions[i], c.case.split_segments[i]
     stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (world,) + x.shape).copy(), layer_params)
-    return role, stacked, h, ct, seg, pos, shared, members
+    return role, stacked, h, ct, seg, pos, split, members
 
 
 def group_errors(groups, cases, loss, dparams, dh) -> dict[str, float]:

@@ -167,6 +167,22 @@ def test_fixed_cp_splits_every_sequence_over_every_device():
     assert plan.sequence_lengths().tolist() == LENGTHS
 
 
+def test_fixed_cp_rows_lay_out_several_split_sequences():
+    """Each fixed_cp row holds several split sequences, laid out piece after piece on every member (segment j + 1
+    for the row's j-th sequence), each sequence's positions over the group exactly its global positions."""
+    plan = fixed_cp(LENGTHS, 4, 100, cost_model=HAND)
+    assert max(len(g.seq_indices) for g in plan.groups) >= 3
+    for group in plan.groups:
+        laid = [item.row(100) for d in group.members for item in plan.devices[d] if item.group == group]
+        assert [r.split_segments for r in laid] == [len(group.seq_indices)] * group.size
+        check_group_rows(np.stack([r.segment_ids for r in laid])[:, None], np.stack([r.positions for r in laid])[:, None],
+                         np.full((group.size, 1), len(group.seq_indices)))
+        for s, length in enumerate(group.seq_lengths, start=1):
+            positions = np.concatenate([r.positions[r.segment_ids == s] for r in laid])
+            assert sorted(positions.tolist()) == list(range(length))
+        assert (laid[0].segment_ids > len(group.seq_indices)).sum() == 0  # no short sequences of their own
+
+
 def test_planners_are_registered():
     for name, planner in CP_PLANNERS.items():
         assert get_planner(name) is planner

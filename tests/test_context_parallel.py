@@ -1,5 +1,5 @@
-"""Context-parallel attention: one sequence split over 2, 4 and 8 devices (zigzag), packed with short sequences,
-gives the one-device computation's output and gradients; the zigzag layout round-trips and refuses bad input; the
+"""Context-parallel attention: one sequence split over 2, 4 and 8 devices (zigzag), or several in one row over 2
+and 4, packed with short sequences, gives the one-device computation's output and gradients; the zigzag layout round-trips and refuses bad input; the
 keyed kernel matches a float64 numpy reference and skips what it should."""
 import dataclasses
 
@@ -10,7 +10,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jodc.balance.zigzag import SHARED_SEGMENT, check_group_rows, zigzag_layout, zigzag_merge, zigzag_row, zigzag_split
+from jodc.balance.zigzag import (
+    check_group_rows,
+    segment_id_limit,
+    zigzag_layout,
+    zigzag_merge,
+    zigzag_piece,
+    zigzag_row,
+    zigzag_split,
+)
 from jodc.models import DecoderConfig, dense_attention
 from jodc.models.attention import block_interactions
 from jodc.models.context_parallel import (
@@ -163,7 +171,43 @@ def test_zigzag_row_packs_piece_then_short_sequences():
     row = zigzag_row(layout, 0, 16, [2, 3])
     np.testing.assert_array_equal(row.segment_ids, [1, 1, 1, 1, 0, 0, 2, 2, 3, 3, 3, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(row.positions, [0, 1, 2, 9, 0, 0, 0, 1, 0, 1, 2, 0, 0, 0, 0, 0])
-    assert row.shared_segment == SHARED_SEGMENT and row.short_starts == (6, 8)
+    assert row.split_segments == 1 and row.piece_starts == (0,) and row.short_starts == (6, 8)
+    # a list of one layout is the same row
+    listed = zigzag_row([layout], 0, 16, [2, 3])
+    np.testing.assert_array_equal(listed.segment_ids, row.segment_ids)
+    np.testing.assert_array_equal(listed.positions, row.positions)
+
+
+def test_zigzag_row_packs_several_split_sequences_then_short_ones():
+    """Pieces one after another (piece j as segment j + 1 with its global positions, its end padding 0), then the
+    short sequences numbered after them."""
+    layouts = [zigzag_layout(10, 2), zigzag_layout(4, 2), zigzag_layout(3, 2)]  # pieces of 6, 2 and 2 columns
+    rows = [zigzag_row(layouts, d, 14, shorts) for d, shorts in ((0, [3]), (1, []))]
+    np.testing.assert_array_equal(rows[0].segment_ids, [1, 1, 1, 1, 0, 0, 2, 2, 3, 0, 4, 4, 4, 0])
+    np.testing.assert_array_equal(rows[0].positions, [0, 1, 2, 9, 0, 0, 0, 3, 0, 0, 0, 1, 2, 0])
+    np.testing.assert_array_equal(rows[1].segment_ids, [1, 1, 1, 1, 1, 1, 2, 2, 3, 3, 0, 0, 0, 0])
+    np.testing.assert_array_equal(rows[1].positions, [3, 4, 5, 6, 7, 8, 1, 2, 1, 2, 0, 0, 0, 0])
+    assert [r.split_segments for r in rows] == [3, 3]
+    assert rows[0].piece_starts == rows[1].piece_starts == (0, 6, 8)
+    assert rows[0].short_starts == (10,) and rows[1].short_starts == ()
+    # every split sequence's positions over the group are exactly its global positions
+    for s, layout in enumerate(layouts, start=1):
+        got = np.concatenate([r.positions[r.segment_ids == s] for r in rows])
+        assert sorted(got.tolist()) == list(range(layout.length))
+    check_group_rows(np.stack([r.segment_ids for r in rows])[:, None], np.stack([r.positions for r in rows])[:, None],
+                     np.full((2, 1), 3))
+
+
+def test_zigzag_piece_is_one_member_of_zigzag_split():
+    layout = zigzag_layout(13, 3)
+    values = np.arange(13 * 2).reshape(13, 2) + 1
+    pieces = zigzag_split(layout, values, pad_value=-1)
+    for d in range(3):
+        np.testing.assert_array_equal(zigzag_piece(layout, d, values, pad_value=-1), pieces[d])
+    with pytest.raises(ValueError, match="sequence of 13 tokens"):
+        zigzag_piece(layout, 0, values[:5])
+    with pytest.raises(ValueError, match="device must be an integer in"):
+        zigzag_piece(layout, 3, values)
 
 
 def test_zigzag_layout_rejects_bad_input():
@@ -182,8 +226,14 @@ def test_zigzag_layout_rejects_bad_input():
         layout.chunks_of(2)
     with pytest.raises(ValueError, match="more than token_cap=6"):
         zigzag_row(layout, 0, 6, [3])
+    with pytest.raises(ValueError, match="more than token_cap=7"):
+        zigzag_row([layout, layout], 0, 7)
     with pytest.raises(ValueError, match="must be >= 1"):
         zigzag_row(layout, 0, 16, [0])
+    with pytest.raises(ValueError, match="over one group; got group sizes"):
+        zigzag_row([layout, zigzag_layout(8, 4)], 0, 16)
+    with pytest.raises(ValueError, match="non-empty list"):
+        zigzag_row([], 0, 16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,32 +251,40 @@ class GroupCase:
 
     segment_ids: np.ndarray  # int32 [k*B, T]
     positions: np.ndarray  # int32 [k*B, T]
-    shared_segment: np.ndarray  # int32 [k*B]
+    split_segments: np.ndarray  # int32 [k*B]: how many split sequences each row holds (segments 1..n)
     source: np.ndarray  # int64 [k*B, T]: reference row * Tref + column, or -1
     reference_segment_ids: np.ndarray  # int32 [B, Tref]
     group_size: int
 
 
-def group_case(length, group_size, token_cap, shorts_per_member, second_row_shorts=None) -> GroupCase:
-    """Row 0 of every member: its zigzag piece of a sequence of `length` tokens, then its short sequences. With
-    `second_row_shorts`, every member has a second row of short sequences only (shared segment 0)."""
-    layout = zigzag_layout(length, group_size)
+def group_case(lengths, group_size, token_cap, shorts_per_member, second_row_shorts=None) -> GroupCase:
+    """Row 0 of every member: its zigzag pieces of the split sequences of `lengths` (an int: one sequence; a list:
+    several in one row, piece after piece), then its short sequences. The reference row holds the split sequences
+    first, then every member's short sequences. With `second_row_shorts`, every member has a second row of short
+    sequences only (no split sequence)."""
+    lengths = [lengths] if isinstance(lengths, int) else list(lengths)
+    layouts = [zigzag_layout(n, group_size) for n in lengths]
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # each split sequence's first column
+    split_total = sum(lengths)
     rows_per_member = 1 if second_row_shorts is None else 2
-    ref_len = length + sum(map(sum, shorts_per_member))
+    ref_len = split_total + sum(map(sum, shorts_per_member))
     if second_row_shorts is not None:
         ref_len = max(ref_len, sum(map(sum, second_row_shorts)))
     ref_seg = np.zeros((rows_per_member, ref_len), np.int32)
-    ref_seg[0, :length] = 1
+    for j, (offset, n) in enumerate(zip(offsets, lengths)):
+        ref_seg[0, offset : offset + n] = j + 1
     seg = np.zeros((group_size * rows_per_member, token_cap), np.int32)
     pos = np.zeros_like(seg)
-    shared = np.zeros(group_size * rows_per_member, np.int32)
+    split = np.zeros(group_size * rows_per_member, np.int32)
     source = np.full(seg.shape, -1, np.int64)
-    next_column, next_id = [length, 0], [2, 1]
+    next_column, next_id = [split_total, 0], [len(lengths) + 1, 1]
     for d in range(group_size):
         r = d * rows_per_member
-        row = zigzag_row(layout, d, token_cap, shorts_per_member[d])
-        seg[r], pos[r], shared[r] = row.segment_ids, row.positions, row.shared_segment
-        source[r, : layout.piece_length] = np.where(layout.valid(d), layout.sequence_indices(d), -1)
+        row = zigzag_row(layouts, d, token_cap, shorts_per_member[d])
+        seg[r], pos[r], split[r] = row.segment_ids, row.positions, row.split_segments
+        for layout, start, offset in zip(layouts, row.piece_starts, offsets):
+            source[r, start : start + layout.piece_length] = np.where(
+                layout.valid(d), offset + layout.sequence_indices(d), -1)
         for start, n in zip(row.short_starts, shorts_per_member[d]):
             source[r, start : start + n] = np.arange(next_column[0], next_column[0] + n)
             ref_seg[0, next_column[0] : next_column[0] + n] = next_id[0]
@@ -242,7 +300,7 @@ def group_case(length, group_size, token_cap, shorts_per_member, second_row_shor
                 next_column[1] += n
                 next_id[1] += 1
                 column += n
-    return GroupCase(seg, pos, shared, source, ref_seg, group_size)
+    return GroupCase(seg, pos, split, source, ref_seg, group_size)
 
 
 def scatter_to_members(case: GroupCase, reference, fill):
@@ -271,13 +329,13 @@ def cp_attention_fn(case: GroupCase, impl, block_size):
     """shard_map computing every member's attention output for member-major q, k, v [k*B, T, ...]."""
     exchange = AxisExchange(AXIS)
 
-    def member(q, k, v, seg, pos, shared):
-        keys = group_keys(seg, pos, shared, exchange)
+    def member(q, k, v, seg, pos, split):
+        keys = group_keys(seg, pos, split, exchange)
         return context_parallel_attention(q, k, v, keys, exchange, impl=impl, block_size=block_size)
 
     sharded = jax.shard_map(member, mesh=mesh_of(case.group_size), in_specs=(P(AXIS),) * 6, out_specs=P(AXIS))
-    seg, pos, shared = (jnp.asarray(x) for x in (case.segment_ids, case.positions, case.shared_segment))
-    return lambda q, k, v: sharded(q, k, v, seg, pos, shared)
+    seg, pos, split = (jnp.asarray(x) for x in (case.segment_ids, case.positions, case.split_segments))
+    return lambda q, k, v: sharded(q, k, v, seg, pos, split)
 
 
 CASES = {
@@ -287,12 +345,17 @@ CASES = {
     "eight_devices_packed": (96, 8, 24, [[3], [], [5], [2, 2], [], [7], [1], [4]], None),
     "four_devices_two_rows": (48, 4, 20, [[2], [], [3], [5]], [[6, 4], [3], [], [8, 1, 1]]),
     "more_chunks_than_tokens": (5, 4, 6, [[1], [2], [3], []], None),
+    # several split sequences in one row (the fixed layout's rows): pieces one after another, then short sequences
+    "two_devices_three_split_packed": ([30, 7, 12], 2, 40, [[5, 3], [4]], None),
+    "four_devices_two_split_packed": ([40, 17], 4, 24, [[4], [], [2, 3], [1]], None),
+    "four_devices_three_split_two_rows": ([21, 9, 14], 4, 24, [[3], [2, 4], [], [5]], [[6, 4], [3], [], [8, 1, 1]]),
 }
 
 
 # every case through the block-skipping path with small blocks; the dense path and one-block rows on one case (CI time)
 @pytest.mark.parametrize("name,impl,block_size", [(name, "blockwise", 4) for name in sorted(CASES)] + [
-    (sorted(CASES)[0], "blockwise", 128), (sorted(CASES)[0], "dense", 0)])
+    (sorted(CASES)[0], "blockwise", 128), (sorted(CASES)[0], "dense", 0),
+    ("four_devices_three_split_two_rows", "dense", 0)])
 def test_context_parallel_attention_equals_one_device(name, impl, block_size, record_property):
     length, k, cap, shorts, second = CASES[name]
     case = group_case(length, k, cap, shorts, second)
@@ -329,40 +392,42 @@ def test_context_parallel_attention_equals_one_device(name, impl, block_size, re
     assert max(errors.values()) <= 1e-5, errors
 
 
-def test_block_pairs_skip_other_segments_and_the_future():
+@pytest.mark.parametrize("lengths,shorts", [(64, [[4, 4, 4], [8, 4], [], [12]]), ([32, 64], [[4, 4], [8], [], [4]])])
+def test_block_pairs_skip_other_segments_and_the_future(lengths, shorts):
     """Own sequences visit what blockwise_attention visits on the member's own row and nothing of other members;
-    the split sequence visits exactly the block pairs holding a causal (query, key) pair when chunks are whole
-    blocks."""
+    the split sequences visit exactly the block pairs holding a causal (query, key) pair of one sequence when chunks
+    are whole blocks (one split sequence in the row, or two)."""
     block = 4
-    case = group_case(64, 4, 32, [[4, 4, 4], [8, 4], [], [12]])
+    case = group_case(lengths, 4, 32, shorts)
     exchange = AxisExchange(AXIS)
 
-    def member(seg, pos, shared):
-        keys = group_keys(seg, pos, shared, exchange)
+    def member(seg, pos, split):
+        keys = group_keys(seg, pos, split, exchange)
         mask = keyed_mask(keys.query_segment_bt, keys.query_order_bt,
                           keys.key_segment_gbt.transpose(1, 0, 2).reshape(seg.shape[0], -1),
                           keys.key_order_gbt.transpose(1, 0, 2).reshape(seg.shape[0], -1))
         return context_parallel_block_pairs(keys, block), mask
 
     pairs, mask = jax.jit(jax.shard_map(member, mesh=mesh_of(4), in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))(
-        *(jnp.asarray(x) for x in (case.segment_ids, case.positions, case.shared_segment)))
+        *(jnp.asarray(x) for x in (case.segment_ids, case.positions, case.split_segments)))
     pairs, mask = np.asarray(pairs), np.asarray(mask)
     t = case.segment_ids.shape[1]
     exact = mask.reshape(4, t // block, block, 4 * t // block, block).any(axis=(2, 4))
     np.testing.assert_array_equal(pairs, exact)
     for d in range(4):
-        own = np.where(case.segment_ids[d] == SHARED_SEGMENT, 0, case.segment_ids[d])[None]
+        split_tokens = (case.segment_ids[d] > 0) & (case.segment_ids[d] <= case.split_segments[d])
+        own = np.where(split_tokens, 0, case.segment_ids[d])[None]
         overlap, _ = block_interactions(jnp.asarray(own), block)
         own_blocks = slice(d * t // block, (d + 1) * t // block)
-        shared_query = (case.segment_ids[d] == SHARED_SEGMENT).reshape(-1, block).any(-1)
-        np.testing.assert_array_equal(pairs[d][~shared_query][:, own_blocks], np.asarray(overlap[0])[~shared_query])
+        split_query = split_tokens.reshape(-1, block).any(-1)
+        np.testing.assert_array_equal(pairs[d][~split_query][:, own_blocks], np.asarray(overlap[0])[~split_query])
     assert pairs.sum() < pairs.size / 4  # most of the [T, kT] block grid is skipped
 
 
 def test_group_keys_reject_bad_shapes():
     exchange = AxisExchange(AXIS)
     seg = jnp.ones((1, 8), jnp.int32)
-    with pytest.raises(ValueError, match="shared_segment has shape"):
+    with pytest.raises(ValueError, match="split_segments has shape"):
         group_keys(seg, seg, jnp.ones((2,), jnp.int32), exchange)
     with pytest.raises(ValueError, match="positions must be integers"):
         group_keys(seg, seg.astype(jnp.float32), jnp.ones((1,), jnp.int32), exchange)
@@ -370,25 +435,31 @@ def test_group_keys_reject_bad_shapes():
 
 def test_check_group_rows_accepts_zigzag_rows_and_names_mistakes():
     case = group_case(48, 4, 20, [[2], [], [3], [5]], [[6, 4], [3], [], [8, 1, 1]])
-    seg, pos, shared = (x.reshape((4, 2) + x.shape[1:]) for x in (case.segment_ids, case.positions,
-                                                                   case.shared_segment))
-    check_group_rows(seg, pos, shared)
-    bad_shared = shared.copy()
-    bad_shared[2, 0] = 0
-    with pytest.raises(ValueError, match=r"row 0: members \[0, 1, 3\] hold a split sequence"):
-        check_group_rows(seg, pos, bad_shared)
+    seg, pos, split = (x.reshape((4, 2) + x.shape[1:]) for x in (case.segment_ids, case.positions,
+                                                                   case.split_segments))
+    check_group_rows(seg, pos, split)
+    bad_split = split.copy()
+    bad_split[2, 0] = 0
+    with pytest.raises(ValueError, match=r"row 0: members \[0, 1, 3\] hold 1 split sequence\(s\) and members \[2\] "
+                                         r"hold \[0\]"):
+        check_group_rows(seg, pos, bad_split)
     bad_pos = pos.copy()
     bad_pos[1, 0, :12] = np.arange(12)  # member 1 claims member 0's positions
-    with pytest.raises(ValueError, match="row 0: the split sequence has position"):
-        check_group_rows(seg, bad_pos, shared)
+    with pytest.raises(ValueError, match="row 0: split sequence 1 has position"):
+        check_group_rows(seg, bad_pos, split)
     with pytest.raises(ValueError, match="must be >= 0"):
-        check_group_rows(-seg, pos, shared)
+        check_group_rows(-seg, pos, split)
+    with pytest.raises(ValueError, match="more than the row's 20 columns"):
+        check_group_rows(seg, pos, split * 21)
+    limit = segment_id_limit(20, 4)
+    assert limit == (2**31 - 1 - 20) // 4
+    check_group_rows(np.where(seg > 1, limit, seg), pos, split)  # the largest id fits int32
     with pytest.raises(ValueError, match="too large"):
-        check_group_rows(seg + 2**29, pos, shared)
+        check_group_rows(np.where(seg > 1, limit + 1, seg), pos, split)
     with pytest.raises(ValueError, match="must be integers"):
-        check_group_rows(seg.astype(float), pos, shared)
+        check_group_rows(seg.astype(float), pos, split)
     with pytest.raises(ValueError, match=r"must be \[k, B, T\]"):
-        check_group_rows(seg[0], pos, shared)
+        check_group_rows(seg[0], pos, split)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -408,12 +479,13 @@ def reference_layer_inputs(case, hidden_size: int, *, seed: int):
     return ref_seg, ref_pos, h_ref, ct_ref
 
 
-@pytest.mark.parametrize("group_size", [2, 4, 8])
-def test_decoder_layer_parameter_gradients_equal_one_device(group_size, record_property):
+@pytest.mark.parametrize("group_size,lengths", [(2, None), (4, None), (8, None), (2, [11, 6, 4]), (4, [29, 10])])
+def test_decoder_layer_parameter_gradients_equal_one_device(group_size, lengths, record_property):
+    """One split sequence (None: 8k - 3 tokens) or several in one row, with short sequences beside them."""
     config = DecoderConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                            num_kv_heads=2, attention_impl="blockwise", attention_block_size=4)
     shorts = [[3, 2], [5], [], [4], [1, 1], [], [6], [2]][:group_size]
-    case = group_case(8 * group_size - 3, group_size, 20, shorts)
+    case = group_case(8 * group_size - 3 if lengths is None else lengths, group_size, 20, shorts)
     params = init_group_params(config, "layer_0", jax.random.key(group_size), init_std=0.2)
     ref_seg, ref_pos, h_ref, ct_ref = reference_layer_inputs(case, config.hidden_size, seed=group_size)
 
@@ -425,32 +497,34 @@ def test_decoder_layer_parameter_gradients_equal_one_device(group_size, record_p
     ct_m = scatter_to_members(case, ct_ref, np.zeros_like(h_m))
     exchange = AxisExchange(AXIS)
 
-    def member_loss(params, h, ct, seg, pos, shared):
-        keys = group_keys(seg, pos, shared, exchange)
+    def member_loss(params, h, ct, seg, pos, split):
+        keys = group_keys(seg, pos, split, exchange)
         out = context_parallel_layer_apply(config, params, h, pos, keys, exchange)
         return jax.lax.psum(jnp.sum(out * ct), AXIS)
 
     loss_fn = jax.shard_map(member_loss, mesh=mesh_of(group_size), in_specs=(P(),) + (P(AXIS),) * 5, out_specs=P())
-    seg, pos, shared = (jnp.asarray(x) for x in (case.segment_ids, case.positions, case.shared_segment))
-    loss, (dparams, dh) = jax.jit(jax.value_and_grad(lambda p, h: loss_fn(p, h, ct_m, seg, pos, shared),
+    seg, pos, split = (jnp.asarray(x) for x in (case.segment_ids, case.positions, case.split_segments))
+    loss, (dparams, dh) = jax.jit(jax.value_and_grad(lambda p, h: loss_fn(p, h, ct_m, seg, pos, split),
                                                      argnums=(0, 1)))(params, h_m)
     errors = {"loss": relative_error(loss, want_loss),
               "dh": relative_error(gather_from_members(case, dh, case.reference_segment_ids.shape), want_dh)}
     errors.update({f"d{name}": relative_error(dparams[name], want_dparams[name]) for name in params})
     record_property("relative_errors", errors)
-    print(group_size, errors)
+    print(group_size, lengths, errors)
     assert max(errors.values()) <= 1e-5, errors
 
 
-def test_whole_decoder_loss_and_parameter_gradients_equal_one_device(record_property):
+@pytest.mark.parametrize("lengths", [45, [27, 12, 5]])
+def test_whole_decoder_loss_and_parameter_gradients_equal_one_device(lengths, record_property):
     """Embedding, two context-parallel layers and the head on 4 members: the token-level cross-entropy and the
-    gradients of every parameter group equal `layerwise.forward` on the one-device row."""
+    gradients of every parameter group equal `layerwise.forward` on the one-device row (one split sequence, or
+    three in one row)."""
     from jodc.models.layerwise import EMBED, HEAD, embed_apply, forward, head_apply, init_params, layer_group_name
 
     group_size, cap = 4, 24
     config = DecoderConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                            num_kv_heads=2, attention_impl="blockwise", attention_block_size=4)
-    case = group_case(45, group_size, cap, [[3], [2, 4], [], [5]])
+    case = group_case(lengths, group_size, cap, [[3], [2, 4], [], [5]])
     rng = np.random.default_rng(11)
     params = init_params(config, jax.random.key(3), init_std=0.2)
     ref_seg = jnp.asarray(case.reference_segment_ids)
@@ -471,8 +545,8 @@ def test_whole_decoder_loss_and_parameter_gradients_equal_one_device(record_prop
                      for x in (tokens_ref, targets_ref, weights_ref)]
     exchange = AxisExchange(AXIS)
 
-    def member_loss(params, tokens, targets, weights, seg, pos, shared):
-        keys = group_keys(seg, pos, shared, exchange)
+    def member_loss(params, tokens, targets, weights, seg, pos, split):
+        keys = group_keys(seg, pos, split, exchange)
         h = embed_apply(config, params[EMBED], tokens)
         for i in range(config.num_layers):
             h = context_parallel_layer_apply(config, params[layer_group_name(i)], h, pos, keys, exchange)
@@ -480,7 +554,7 @@ def test_whole_decoder_loss_and_parameter_gradients_equal_one_device(record_prop
         return jax.lax.psum(token_nll(logits, targets, weights), AXIS)
 
     loss_fn = jax.shard_map(member_loss, mesh=mesh_of(group_size), in_specs=(P(),) + (P(AXIS),) * 6, out_specs=P())
-    rows = [jnp.asarray(x) for x in member_arrays + [case.segment_ids, case.positions, case.shared_segment]]
+    rows = [jnp.asarray(x) for x in member_arrays + [case.segment_ids, case.positions, case.split_segments]]
     loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, *rows)))(params)
     errors = {"loss": relative_error(loss, want_loss)}
     for group in params:

@@ -83,19 +83,19 @@ def test_odc_exchange_gives_the_one_device_attention_and_gradients():
     zeros = lambda x: np.zeros((k_group, cap) + x.shape[2:], np.float32)  # noqa: E731
     q_m, k_m, v_m, dout_m = (scatter_to_members(case, x, zeros(x)) for x in (q_ref, k_ref, v_ref, dout_ref))
     mesh = cpu_mesh(k_group)
-    seg, pos, shared = (jnp.asarray(x) for x in (case.segment_ids, case.positions, case.shared_segment))
+    seg, pos, split = (jnp.asarray(x) for x in (case.segment_ids, case.positions, case.split_segments))
     with ops.SymmetricHeap(mesh, AXIS) as heap:
         sizes = {3 * cap: None, 2 * cap * k_m.shape[2] * k_m.shape[3]: None}
         buckets = {n: heap.register(k_group * -(-n // 16) * 16, name=f"cp_slots_{n}") for n in sizes}
 
-        def member_loss(q, k, v, dout, seg, pos, shared):
+        def member_loss(q, k, v, dout, seg, pos, split):
             exchange = HeapExchange(heap, buckets)
-            keys = group_keys(seg, pos, shared, exchange)
+            keys = group_keys(seg, pos, split, exchange)
             out = context_parallel_attention(q, k, v, keys, exchange, block_size=4)
             return jnp.sum(out * dout)[None]
 
         sharded = jax.shard_map(member_loss, mesh=mesh, in_specs=(P(AXIS),) * 7, out_specs=P(AXIS))
-        loss_fn = lambda q, k, v: jnp.sum(sharded(q, k, v, dout_m, seg, pos, shared))  # noqa: E731
+        loss_fn = lambda q, k, v: jnp.sum(sharded(q, k, v, dout_m, seg, pos, split))  # noqa: E731
         loss, grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2)))(q_m, k_m, v_m)
         ops.block_until_ready((loss, grads), heap)
     errors = {"loss": relative_error(loss, want_loss)}

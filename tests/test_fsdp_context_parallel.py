@@ -1,7 +1,9 @@
 """The ODC engine runs plans with context-parallel groups (`lb_mini_cp`): sequences longer than the token cap split
 zigzag over groups of devices chosen per minibatch, short sequences beside them, in one compiled step; the loss and
 the parameters after two optimizer steps equal the reference engine's on the same sequences unsplit. The second
-minibatch's groups have the first's sizes on other devices, in another member order: the same compiled step runs it."""
+minibatch's groups have the first's sizes on other devices, in another member order: the same compiled step runs it.
+The collective engine runs lock-step plans (`lockstep_cp`), and both engines run the fixed layout (`fixed_cp`: rows of
+several split sequences over all devices)."""
 import time
 
 import numpy as np
@@ -11,9 +13,9 @@ from conftest import cpu_mesh
 from jodc.balance import get_planner
 from jodc.balance.cp_cost import ContextParallelCost
 from jodc.balance.cp_plan import CPGroup, CPMicrobatch, CPPlan
-from jodc.balance.cp_planners import lb_mini_cp, lockstep_cp
+from jodc.balance.cp_planners import fixed_cp, lb_mini_cp, lockstep_cp
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
-from jodc.fsdp.batch import minibatch_from_plan
+from jodc.fsdp.batch import MinibatchArrays, minibatch_from_plan
 from jodc.models.config import DecoderConfig
 from jodc.train.core.staged_decoder import decoder_staged_model
 
@@ -141,6 +143,87 @@ def test_collective_engine_runs_lockstep_cp_like_the_reference(record_property):
     skewed = CPPlan((plan.devices[0][::-1],) + plan.devices[1:], plan.groups, plan.token_cap)
     with pytest.raises(ValueError, match="runs lock-step plans only"):
         engine.step(minibatch_from_plan(skewed, *sequences(lengths, 6)))
+
+
+# the fixed layout (fixed_cp): every sequence split over all 4 devices, rows packed with 2-4 split sequences each
+# (pieces of 2 ceil(L / 8) columns: 3 rows per minibatch, so both minibatches run one compiled step)
+FIXED_LENGTHS = [[27, 20, 9, 12, 5, 14, 7, 3, 11], [30, 18, 6, 13, 10, 4, 8, 15, 22, 5]]
+
+
+def fixed_cp_batches():
+    """The two fixed_cp minibatches and the reference engine's (the same sequences unsplit on one device)."""
+    batches, ref_batches = [], []
+    for step, lengths in enumerate(FIXED_LENGTHS):
+        inputs, targets, masks = sequences(lengths, step + 9)
+        plan = fixed_cp(lengths, WORLD, TOKEN_CAP, cost_model=COST)
+        assert plan.is_lockstep and plan.num_cp_sequences == len(lengths)
+        assert [len(g.seq_indices) for g in plan.groups] in ([3, 4, 2], [3, 4, 3]), plan.groups
+        batch = minibatch_from_plan(plan, inputs, targets, masks)
+        assert batch.cp_split_segments[0].tolist() == [len(g.seq_indices) for g in plan.groups]
+        assert sorted(batch.tokens[batch.segment_ids > 0].tolist()) == sorted(np.concatenate(inputs).tolist())
+        batches.append(batch)
+        ref_batches.append(minibatch_from_plan(get_planner("lb_mini")(lengths, 1, max(lengths)), inputs, targets,
+                                               masks))
+    return batches, ref_batches
+
+
+def errors_against_reference(engine, batches, ref_batches, model, groups) -> dict[str, float]:
+    """Steps `engine` and the reference engine on their minibatches; relative errors of the losses, grad norms and
+    parameter updates (per group)."""
+    ref = ReferenceEngine(model, groups, optimizer=OPT)
+    ref_results = [ref.step(b) for b in ref_batches]
+    ref_params = ref.flat_params()
+    results = [engine.step(b) for b in batches]
+    params = engine.flat_params()
+    start = model.flatten_groups(groups)
+    errors = {"loss": max(relative(r.loss, q.loss) for r, q in zip(results, ref_results)),
+              "grad_norm": max(relative(r.grad_norm, q.grad_norm) for r, q in zip(results, ref_results))}
+    errors.update({f"params.{g}": relative(params[g] - start[g], ref_params[g] - start[g]) for g in ref_params})
+    return errors
+
+
+@pytest.mark.parametrize("engine_name", ["collective", "odc"])
+def test_engines_run_fixed_cp_rows_with_several_split_sequences(engine_name, record_property):
+    """fixed_cp plans (rows of several split sequences, two of them longer than the cap per minibatch) train on the
+    collective engine (lock-step) and the ODC engine (a group of all devices per row) to the reference's
+    parameters."""
+    model, groups = decoder_staged_model(CONFIG, seed=3)
+    batches, ref_batches = fixed_cp_batches()
+    engine_class = {"collective": CollectiveEngine, "odc": ODCEngine}[engine_name]
+    engine = engine_class(model, groups, cpu_mesh(WORLD), optimizer=OPT)
+    try:
+        errors = errors_against_reference(engine, batches, ref_batches, model, groups)
+        steps_compiled = [k for k in engine._compiled if k != "publish"]
+    finally:
+        engine.close()
+    assert len(steps_compiled) == 1, steps_compiled  # one program for both minibatches
+    record_property("relative_errors", errors)
+    print(f"fixed_cp on {engine_name}: relative errors {errors}")
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_minibatch_refuses_bad_split_sequence_counts():
+    """cp_split_segments: 1..T on a CP row, 0 on a plain one, like cp_size; without it a CP row holds one."""
+    import dataclasses
+
+    lengths = LENGTHS[0]
+    batch = minibatch_from_plan(lb_mini_cp(lengths, WORLD, TOKEN_CAP, cost_model=COST), *sequences(lengths, 0))
+    assert (batch.cp_split_segments == (batch.cp_size > 0)).all()
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    assert (MinibatchArrays(**{**fields, "cp_split_segments": None}).cp_split_segments == batch.cp_split_segments).all()
+    d, j = (int(x) for x in np.argwhere(batch.cp_size > 0)[0])
+    for value, message in ((0, r"is 0; it must be 1\.\.16 on a CP row"), (17, "is 17; it must be 1..16")):
+        bad = batch.cp_split_segments.copy()
+        bad[d, j] = value
+        with pytest.raises(ValueError, match=message):
+            MinibatchArrays(**{**fields, "cp_split_segments": bad})
+    d, j = (int(x) for x in np.argwhere(batch.cp_size == 0)[0])  # a plain microbatch (lb_mini_cp runs some)
+    bad = batch.cp_split_segments.copy()
+    bad[d, j] = 1
+    with pytest.raises(ValueError, match="it must be 0 on a plain microbatch"):
+        MinibatchArrays(**{**fields, "cp_split_segments": bad})
+    with pytest.raises(ValueError, match="must be integers of shape"):
+        MinibatchArrays(**{**fields, "cp_split_segments": batch.cp_split_segments[:, :1]})
 
 
 def test_a_sequence_over_the_worlds_capacity_is_refused_before_anything_runs():

@@ -40,8 +40,10 @@ from jodc.balance.zigzag import (
     ZigzagLayout,
     ZigzagRow,
     check_group_rows,
+    segment_id_limit,
     zigzag_layout,
     zigzag_merge,
+    zigzag_piece,
     zigzag_row,
     zigzag_split,
 )
@@ -110,10 +112,12 @@ __all__ = [
     "refine_by_swaps",
     "resplit_heaviest",
     "run_lengths",
+    "segment_id_limit",
     "sequence_costs",
     "try_pack",
     "zigzag_layout",
     "zigzag_merge",
+    "zigzag_piece",
     "zigzag_row",
     "zigzag_split",
 ]

@@ -117,11 +117,9 @@ class CPMicrobatch:
         return False
 
     def row(self, token_cap: int) -> ZigzagRow:
-        """Segment ids and positions of this row (one split sequence: :func:`~jodc.balance.zigzag.zigzag_row`)."""
-        if len(self.group.seq_indices) != 1:
-            raise ValueError(f"group {self.group.group_id} splits {len(self.group.seq_indices)} sequences in one "
-                             "row; zigzag_row lays out one (rows with several split sequences are for the simulator)")
-        return zigzag_row(self.group.layouts()[0], self.member, token_cap, self.short.seq_lengths)
+        """Segment ids and positions of this row (:func:`~jodc.balance.zigzag.zigzag_row`): its piece of each split
+        sequence in ``group.seq_indices`` order (segment ids 1..n), then its short sequences, then padding."""
+        return zigzag_row(self.group.layouts(), self.member, token_cap, self.short.seq_lengths)
 
 
 Item = Microbatch | CPMicrobatch

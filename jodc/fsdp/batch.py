@@ -40,10 +40,13 @@ class MinibatchArrays:
     extras: dict = dataclasses.field(default_factory=dict)
     # context parallelism (a `jodc.balance.CPPlan`, `jodc.fsdp.cp_batch`): per microbatch the size of its group
     # (int32 [D, M], 0: a plain microbatch), the group's members (int32 [D, M, D], heap positions in member order,
-    # zero-padded past the size) and this device's member index (int32 [D, M]); None: no CP microbatch
+    # zero-padded past the size) and this device's member index (int32 [D, M]); None: no CP microbatch.
+    # cp_split_segments (int32 [D, M]): how many split sequences the row holds (segments 1..n, the same on every
+    # member; 0 on plain microbatches); None with the others given: one per CP row
     cp_size: np.ndarray | None = None
     cp_members: np.ndarray | None = None
     cp_member: np.ndarray | None = None
+    cp_split_segments: np.ndarray | None = None
     num_cp_sequences: int = 0  # sequences split over CP groups
 
     def __post_init__(self):
@@ -76,6 +79,9 @@ class MinibatchArrays:
                 raise ValueError(f"cp_size / cp_member must be {list(shape[:2])} and cp_members "
                                  f"{list(shape[:2]) + [shape[0]]}, got {self.cp_size.shape}, {self.cp_member.shape}, "
                                  f"{self.cp_members.shape}")
+            self.cp_split_segments = _split_segments(self.cp_split_segments, self.cp_size, shape[2])
+        elif self.cp_split_segments is not None:
+            raise ValueError("cp_split_segments needs cp_size, cp_members and cp_member")
         if not self.normalizer > 0:
             raise ValueError(f"normalizer must be > 0 (the global loss-token count), got {self.normalizer}")
 
@@ -106,6 +112,24 @@ class MinibatchArrays:
     def as_dict(self) -> dict[str, np.ndarray]:
         """Every per-token field (built-in and extras), as the engines hand them to the model's stages."""
         return {**{f: getattr(self, f) for f in FIELDS}, **self.extras}
+
+
+def _split_segments(split_segments, cp_size: np.ndarray, token_cap: int) -> np.ndarray:
+    """The per-microbatch counts of split sequences, checked: int32 [D, M] like `cp_size`, 1..T on CP rows (a CP
+    row holds at least one split sequence, at most T / 2 pieces), 0 on plain ones. None: one per CP row."""
+    if split_segments is None:
+        return (cp_size > 0).astype(np.int32)
+    split_segments = np.asarray(split_segments)
+    if split_segments.shape != cp_size.shape or split_segments.dtype.kind not in "iu":
+        raise ValueError(f"cp_split_segments must be integers of shape {list(cp_size.shape)} (like cp_size), got "
+                         f"{split_segments.dtype}{list(split_segments.shape)}")
+    cp_rows = cp_size > 0
+    bad = np.argwhere(np.where(cp_rows, (split_segments < 1) | (split_segments > token_cap), split_segments != 0))
+    if bad.size:
+        d, j = (int(x) for x in bad[0])
+        want = f"1..{token_cap} on a CP row" if cp_rows[d, j] else "0 on a plain microbatch"
+        raise ValueError(f"cp_split_segments[{d}, {j}] is {int(split_segments[d, j])}; it must be {want}")
+    return split_segments.astype(np.int32)
 
 
 def minibatch_from_plan(plan, inputs, targets, loss_masks, extras: dict | None = None,

@@ -19,7 +19,7 @@ from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import MinibatchArrays
 from jodc.fsdp.engine import Engine, accumulate, microbatch_loop, replica_sum, update_step
 from jodc.fsdp.optim import OptimizerConfig
-from jodc.fsdp.stages import StagedModel, split_loss
+from jodc.fsdp.stages import CP_SPLIT_SEGMENTS, StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
 
 
@@ -55,8 +55,8 @@ class CollectiveEngine(ShardedStateMixin, Engine):
     supports_timeline = True
     default_planner = "lb_micro"
     supports_deterministic = False  # psum_scatter adds in the collective's own order
-    # lock-step CP plans (`lockstep_cp`): in a round where any device runs a CP row, every device runs the CP form
-    # of the stages, its K/V all-gathered over the whole mesh axis and its own group's slices kept
+    # lock-step CP plans (`lockstep_cp`, `fixed_cp`): in a round where any device runs a CP row, every device runs the
+    # CP form of the stages, its K/V all-gathered over the whole mesh axis and its own group's slices kept
     # (`MemberAxisExchange`); a device beside the groups is a group of itself
     supports_context_parallel = True
 
@@ -74,12 +74,14 @@ class CollectiveEngine(ShardedStateMixin, Engine):
     def num_devices(self) -> int:
         return self.layout.devices
 
-    def _microbatch_loss(self, shards, microbatch, i=None, recorder=None, members=None):
+    def _microbatch_loss(self, shards, microbatch, i=None, recorder=None, members=None, split_segments=None):
         h = None
         exchange = None
         if members is not None:  # a round with context-parallel rows: every device runs the CP stages
             exchange = MemberAxisExchange("d", members)
-            microbatch = {**microbatch, "cp_keys": self.model.context_parallel.keys(microbatch, exchange)}
+            # the row's split sequences (segments 1..split_segments; 0 on a device beside the groups)
+            rows = {**microbatch, CP_SPLIT_SEGMENTS: split_segments[None]}
+            microbatch = {**microbatch, "cp_keys": self.model.context_parallel.keys(rows, exchange)}
         for index, st in enumerate(self.model.stages):
             def stage(local_shards, h, st=st):
                 params = []
@@ -99,13 +101,13 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         return loss.astype(jnp.float32), metrics
 
     def _device_step(self, shards, opt_state, arrays, round_bucket, normalizer, round_cp=None, cp_members=None,
-                     recorder=None, lengths=()):
+                     cp_split=None, recorder=None, lengths=()):
         groups = self.model.group_names
         shards, opt_state = sharding.local_state(shards, groups), sharding.local_state(opt_state, groups)
         arrays = sharding.local(arrays)
         grad_fn = jax.value_and_grad(functools.partial(self._microbatch_loss, recorder=recorder), has_aux=True)
         if cp_members is not None:
-            cp_members = cp_members[0]  # this device's [M, D]
+            cp_members, cp_split = cp_members[0], cp_split[0]  # this device's [M, D], [M]
 
         def plain_grads(mb, i):
             aux, grads = grad_fn(shards, mb, i)
@@ -114,7 +116,7 @@ class CollectiveEngine(ShardedStateMixin, Engine):
             return aux, grads
 
         def cp_grads(mb, i):
-            return grad_fn(shards, mb, i, members=cp_members[i])
+            return grad_fn(shards, mb, i, members=cp_members[i], split_segments=cp_split[i])
 
         def microbatch_grads(mb, i):
             if cp_members is None or mb["tokens"].shape[1] != lengths[-1]:  # CP rounds run at the full length
@@ -138,7 +140,7 @@ class CollectiveEngine(ShardedStateMixin, Engine):
         specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
                  sharding.device_spec(arrays, axes), P(), P())
         if cp:
-            specs += (P(), P(axes))
+            specs += (P(), P(axes), P(axes))
         device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths)
         return jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                      out_specs=(specs[0], specs[1], *[P(axes)] * 4)),
@@ -161,7 +163,9 @@ class CollectiveEngine(ShardedStateMixin, Engine):
             alone = cp_size == 0
             padded[alone] = -1
             padded[..., 0] = np.where(alone, np.arange(padded.shape[0])[:, None], padded[..., 0])
-            cp_inputs = (sharding.put_replicated(self.mesh, round_cp), sharding.put_per_device(self.mesh, padded))
+            split = batch.cp_split_segments[:, : max(m, 1)]
+            cp_inputs = (sharding.put_replicated(self.mesh, round_cp), sharding.put_per_device(self.mesh, padded),
+                         sharding.put_per_device(self.mesh, split))
         key = (tuple(sorted((k, v.shape) for k, v in arrays.items())), recorder is not None, lengths, cp)
         fn = self._cached(key, lambda: self._build(arrays, recorder, lengths, cp))
         self.shards, self.opt_state, loss, norm, metrics, applied = fn(
@@ -185,4 +189,9 @@ class CollectiveEngine(ShardedStateMixin, Engine):
                     if batch.cp_size[member, j] != row[j] or (batch.cp_members[member, j] != batch.cp_members[d, j]).any():
                         raise ValueError(f"device {d}'s microbatch {j} is a row of a context-parallel group whose "
                                          f"member {int(member)} runs it at another step; the collective engine runs "
-                                         "lock-step plans only (lockstep_cp)")
+                                         "lock-step plans only (lockstep_cp, fixed_cp)")
+                    if batch.cp_split_segments[member, j] != batch.cp_split_segments[d, j]:
+                        raise ValueError(f"device {d}'s microbatch {j} holds {batch.cp_split_segments[d, j]} split "
+                                         f"sequences, its group's member {int(member)} "
+                                         f"{batch.cp_split_segments[member, j]}; every member's row holds pieces of "
+                                         "the same ones")

@@ -1,36 +1,36 @@
 """Packing a plan with context-parallel groups (`jodc.balance.CPPlan`) into the engines' arrays.
 
 A plain microbatch is packed as `minibatch_from_plan` packs it. A CP microbatch on member i of its group holds, in
-the columns `CPMicrobatch.row(T)` gives, member i's zigzag piece of the split sequence (every per-token field cut by
-`jodc.balance.zigzag.zigzag_split`: tokens, targets, loss mask, extras; padding 0), with the sequence's global
-positions and segment id `zigzag.SHARED_SEGMENT`, then its own short sequences (segment ids 2, 3, ...; positions
-from 0). The members' rows together hold exactly the one-device sequence's fields, redistributed. Per microbatch
-the batch also records its group's size (0: plain), its members (heap positions in member order, zero-padded to the
-number of devices) and this device's member index: run-time operands of the ODC engine's one compiled step.
+the columns `CPMicrobatch.row(T)` gives, member i's zigzag piece of each of the group's split sequences, one after
+another (every per-token field cut by `jodc.balance.zigzag.zigzag_piece`: tokens, targets, loss mask, extras;
+padding 0), with the sequences' global positions and segment ids 1..n, then its own short sequences (segment ids
+n + 1, ...; positions from 0). The members' rows together hold exactly the one-device sequences' fields,
+redistributed. Per microbatch the batch also records its group's size (0: plain), its members (heap positions in
+member order, zero-padded to the number of devices), this device's member index and the row's number of split
+sequences n: run-time operands of the engines' compiled steps.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from jodc.balance.cp_plan import CPMicrobatch, CPPlan
-from jodc.balance.zigzag import zigzag_split
+from jodc.balance.zigzag import ZigzagRow, zigzag_piece
 from jodc.fsdp.batch import MinibatchArrays
 
 
-def _row_fields(item, token_cap: int) -> tuple[np.ndarray, np.ndarray]:
+def _row_fields(item, token_cap: int, row: ZigzagRow | None) -> tuple[np.ndarray, np.ndarray]:
+    """Segment ids and positions of one microbatch's row (`row`: a CP microbatch's laid-out row)."""
     if isinstance(item, CPMicrobatch):
-        row = item.row(token_cap)
         return row.segment_ids, row.positions
     return item.segment_ids(token_cap), item.positions(token_cap)
 
 
-def _pack_row(out: np.ndarray, item, token_cap: int, per_sequence) -> None:
-    """Writes one microbatch's row of a per-token field into `out` ([T, ...], zeros)."""
+def _pack_row(out: np.ndarray, item, row: ZigzagRow | None, per_sequence) -> None:
+    """Writes one microbatch's row of a per-token field into `out` ([T, ...], zeros). A CP microbatch's `row` says
+    where its pieces and short sequences start."""
     if isinstance(item, CPMicrobatch):
-        layout = item.group.layouts()[0]
-        seq = item.group.seq_indices[0]
-        out[: layout.piece_length] = zigzag_split(layout, per_sequence[seq])[item.member]
-        row = item.row(token_cap)
+        for layout, seq, start in zip(item.group.layouts(), item.group.seq_indices, row.piece_starts):
+            out[start : start + layout.piece_length] = zigzag_piece(layout, item.member, per_sequence[seq])
         for start, i, n in zip(row.short_starts, item.short.seq_indices, item.short.seq_lengths):
             out[start : start + n] = per_sequence[i]
         return
@@ -73,30 +73,34 @@ def minibatch_from_cp_plan(plan: CPPlan, inputs, targets, loss_masks, extras: di
     cp_size = np.zeros((num_devices, m), np.int32)
     cp_member = np.zeros((num_devices, m), np.int32)
     cp_members = np.zeros((num_devices, m, num_devices), np.int32)
+    cp_split_segments = np.zeros((num_devices, m), np.int32)
     microbatch_tokens = np.zeros((num_devices, m), np.int64)
     packed = range(num_devices) if devices is None else sorted(set(devices))
     for d, items in enumerate(plan.devices):
         for j, item in enumerate(items):
-            segment_ids, positions = _row_fields(item, t)
+            row = item.row(t) if isinstance(item, CPMicrobatch) else None
+            segment_ids, positions = _row_fields(item, t, row)
             microbatch_tokens[d, j] = int((segment_ids > 0).sum())
-            if isinstance(item, CPMicrobatch):
+            if row is not None:
                 cp_size[d, j] = item.group.size
                 cp_member[d, j] = item.member
                 cp_members[d, j, : item.group.size] = item.group.members
+                cp_split_segments[d, j] = row.split_segments
             if d not in packed:
                 continue
             out["segment_ids"][d, j] = segment_ids
             out["positions"][d, j] = positions
             for name, per_sequence in per_field.items():
                 target = out[name] if name in out else packed_extras[name]
-                _pack_row(target[d, j], item, t, per_sequence)
+                _pack_row(target[d, j], item, row, per_sequence)
     if normalizer is None:
         normalizer = float(sum(float(np.sum(x)) for x in loss_masks))
     counts = np.array([len(items) for items in plan.devices], np.int32)
-    cp = (cp_size, cp_members, cp_member) if plan.groups else (None, None, None)
+    cp = (cp_size, cp_members, cp_member, cp_split_segments) if plan.groups else (None,) * 4
     return MinibatchArrays(counts=counts, normalizer=max(float(normalizer), 1.0), num_sequences=len(inputs),
                            microbatch_tokens=microbatch_tokens, extras=packed_extras, cp_size=cp[0],
-                           cp_members=cp[1], cp_member=cp[2], num_cp_sequences=plan.num_cp_sequences, **out)
+                           cp_members=cp[1], cp_member=cp[2], cp_split_segments=cp[3],
+                           num_cp_sequences=plan.num_cp_sequences, **out)
 
 
 __all__ = ["minibatch_from_cp_plan"]

@@ -21,7 +21,7 @@ from jodc.fsdp import sharding, timeline
 from jodc.fsdp.batch import FIELDS, MinibatchArrays
 from jodc.fsdp.engine import Engine, microbatch_loop, replica_sum, update_step
 from jodc.fsdp.optim import OptimizerConfig
-from jodc.fsdp.stages import StagedModel, split_loss
+from jodc.fsdp.stages import CP_SPLIT_SEGMENTS, StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
 from jodc.ops.group.exchange import ExchangeSlots, OdcGroupExchange
 from jodc.ops.token import as_varying
@@ -122,13 +122,13 @@ class ODCEngine(ShardedStateMixin, Engine):
         return layers
 
     def _device_step(self, shards, opt_state, arrays, counts, bucket_index, normalizer, cp_branch=None,
-                     cp_members=None, recorder=None, lengths=(), cp_sizes=()):
+                     cp_members=None, cp_split=None, recorder=None, lengths=(), cp_sizes=()):
         groups, axes = self.model.group_names, self.layout.axes
         shards, opt_state = sharding.local_state(shards, groups), sharding.local_state(opt_state, groups)
         arrays = sharding.local(arrays)
         layers = self._layers()
         if cp_sizes:
-            cp_branch, cp_members = cp_branch[0], cp_members[0]  # this device's [M], [M, D]
+            cp_branch, cp_members, cp_split = cp_branch[0], cp_members[0], cp_split[0]  # this device's [M], [M, D], [M]
             cp_layers = self._cp_layers(self._cp_slots)
 
         def microbatch_loss(anchor, token, microbatch, i, layers):
@@ -157,10 +157,11 @@ class ODCEngine(ShardedStateMixin, Engine):
         def cp_microbatch(group_size, microbatch, i, token):
             """This device's row of a CP group of `group_size`: the group's keys (one integer exchange), then the
             stages with the attention over the group, then a last group barrier (every member is done with the
-            slots before any of them joins another group that reuses them)."""
+            slots before any of them joins another group that reuses them). The keys learn from `cp_split` how many
+            split sequences the row holds."""
             members = cp_members[i][:group_size]
             exchange = OdcGroupExchange(self._cp_slots, members, token)
-            keys = self.model.context_parallel.keys(microbatch, exchange)
+            keys = self.model.context_parallel.keys({**microbatch, CP_SPLIT_SEGMENTS: cp_split[i][None]}, exchange)
             microbatch = {**microbatch, "cp_keys": keys, "cp_members": members}
             loss, metrics, token = forward_backward(microbatch, i, exchange.token, cp_layers)
             token = OdcGroupExchange(self._cp_slots, members, token).close()
@@ -220,7 +221,7 @@ class ODCEngine(ShardedStateMixin, Engine):
             specs = (sharding.device_spec(self.shards, axes), sharding.opt_state_specs(self.tx, self.shards, axes),
                      sharding.device_spec(arrays_template, axes), P(axes), P(axes), P())
             if cp_sizes:
-                specs += (P(axes), P(axes))
+                specs += (P(axes), P(axes), P(axes))
             device_step = functools.partial(self._device_step, recorder=recorder, lengths=lengths, cp_sizes=cp_sizes)
             return jax.jit(jax.shard_map(device_step, mesh=self.mesh, in_specs=specs,
                                          out_specs=(specs[0], specs[1], *[P(axes)] * 4)),
@@ -248,7 +249,8 @@ class ODCEngine(ShardedStateMixin, Engine):
             m = arrays["tokens"].shape[1]
             pad = ((0, 0), (0, m - branch.shape[1]))
             cp_inputs = (sharding.put_per_device(self.mesh, np.pad(branch, pad)),
-                         sharding.put_per_device(self.mesh, np.pad(batch.cp_members, pad + ((0, 0),))))
+                         sharding.put_per_device(self.mesh, np.pad(batch.cp_members, pad + ((0, 0),))),
+                         sharding.put_per_device(self.mesh, np.pad(batch.cp_split_segments, pad)))
         fn = self._step_fn(arrays, recorder, cp_sizes)
         bucket_index = np.pad(bucket_index, ((0, 0), (0, arrays["tokens"].shape[1] - bucket_index.shape[1])))
         self.shards, self.opt_state, loss, norm, metrics, applied = fn(

@@ -31,12 +31,18 @@ class Stage:
     context_parallel: Callable[[tuple, Any, dict, Any], Any] | None = None
 
 
+#: The microbatch entry through which an engine tells `ContextParallel.keys` how many split sequences each CP row
+#: holds: int32 [B], segments 1..n of row b are pieces of split sequences (`jodc.balance.zigzag.zigzag_row`), 0 none.
+CP_SPLIT_SEGMENTS = "cp_split_segments"
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
     """What a model offers to run a sequence split over a group of devices (docs/context_parallel.md).
 
     `keys(microbatch, exchange)`: computed once per CP microbatch before the first stage (it may exchange integer
-    arrays with the group, no gradient), stored as ``microbatch["cp_keys"]`` for the stages' `context_parallel` fns.
+    arrays with the group, no gradient), stored as ``microbatch["cp_keys"]`` for the stages' `context_parallel` fns;
+    the engine adds ``microbatch[CP_SPLIT_SEGMENTS]`` (the rows' counts of split sequences) for it.
     `slot_numel(token_cap)`: the elements of the largest array one exchange moves for a [1, token_cap] row (what the
     engine registers its exchange slots for)."""
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import jax
 
-import jax.numpy as jnp
-
-from jodc.balance.zigzag import SHARED_SEGMENT
-from jodc.fsdp.stages import ContextParallel, GroupLayout, Stage, StagedModel
+from jodc.fsdp.stages import CP_SPLIT_SEGMENTS, ContextParallel, GroupLayout, Stage, StagedModel
 from jodc.fsdp.state import GroupSource
 from jodc.losses import sft_loss_from_logits
 from jodc.models import layerwise
@@ -66,9 +63,8 @@ def decoder_staged_model(config: DecoderConfig, groups: dict | None = None, *, s
     def layer_cp(params, h, mb, exchange):  # the layer on a context-parallel row: attention over the group
         return context_parallel_layer_apply(config, params[0], h, mb["positions"], mb["cp_keys"], exchange)
 
-    def cp_keys(mb, exchange):  # a CP row holds the split sequence as segment SHARED_SEGMENT (zigzag_row)
-        shared = jnp.full(mb["segment_ids"].shape[:1], SHARED_SEGMENT, jnp.int32)
-        return group_keys(mb["segment_ids"], mb["positions"], shared, exchange)
+    def cp_keys(mb, exchange):  # segments 1..n of a CP row are its split sequences (zigzag_row); the engine gives n
+        return group_keys(mb["segment_ids"], mb["positions"], mb[CP_SPLIT_SEGMENTS], exchange)
 
     def slot_numel(token_cap):  # a [1, T] row: the stacked K/V, or the keys' [3, 1, T]
         return max(2 * token_cap * config.num_kv_heads * config.head_dim, 3 * token_cap)
