@@ -113,7 +113,7 @@ LAYOUTS = {"data_aware": ("lb_mini_cp", ODCEngine), "lockstep_cp": ("lockstep_cp
            "fixed_cp": ("fixed_cp", CollectiveEngine)}
 # eps far above sqrt(v): an update proportional to the gradient, so the agreement check compares gradients (Adam's
 # normalisation would turn a near-zero gradient element's rounding difference into a full step; as the engine tests)
-OPTIMIZER = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0, eps=1.0)
+OPTIMIZER = OptimizerConfig(learning_rate=1e-1, max_grad_norm=1.0, eps=1.0)
 VOCAB = 512
 #: the body's lengths are LongAlign's at a 64K cap: scaled by token_cap / LONGALIGN_CAP
 LONGALIGN_CAP = 65536
