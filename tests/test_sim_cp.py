@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jodc.balance import CPGroup, CPMicrobatch, CPPlan, Microbatch, lb_mini_cp
-from jodc.fsdp.timeline_analysis import bubble_rate, check_events
+from jodc.fsdp.timeline_analysis import bubble_rate, check_events, events_from_plan, label_cp_groups
 from jodc.sim import (
     LONGALIGN_LONG_TAIL,
     cp_cost_for,
@@ -51,6 +51,25 @@ def test_timeline_marks_cp_rows_with_group_and_members():
     cp = [e for e in events if e.get("group") == 0 and e["kind"] == "busy"]
     assert sorted(e["device"] for e in cp) == [0, 1] and all(e["members"] == [0, 1] for e in cp)
     assert 0 < bubble_rate(events, 3) < 1
+
+
+def test_engine_and_estimated_events_get_the_plans_groups():
+    """`label_cp_groups` marks an engine's events of CP rows ('mb<i> ...' on a member) with the group and its members;
+    `events_from_plan` estimates a CP plan's step (a CP row costs its group's planned time) and is labelled the same."""
+    plan = _one_group_plan()
+    engine_like = [{"device": 0, "start": 0.0, "end": 1.0, "kind": "busy", "label": "mb0 layer_0 fwd"},
+                   {"device": 2, "start": 0.0, "end": 0.5, "kind": "busy", "label": "mb0 layer_0 fwd"},
+                   {"device": 1, "start": 1.0, "end": 1.5, "kind": "wait", "label": "barrier"}]
+    labelled = label_cp_groups(engine_like, plan)
+    assert labelled[0]["group"] == 0 and labelled[0]["members"] == [0, 1]
+    assert "group" not in labelled[1] and "group" not in labelled[2]  # a plain row; the barrier
+    assert "group" not in engine_like[0]  # the input is left as it was
+    for lockstep in (False, True):
+        events = label_cp_groups(events_from_plan(plan, 2.0, lockstep=lockstep), plan)
+        check_events(events, 3)
+        cp = [e for e in events if e["kind"] == "busy" and "group" in e]
+        assert sorted(e["device"] for e in cp) == [0, 1]
+        assert max(e["end"] for e in events) == pytest.approx(2.0)
 
 
 def test_long_tail_distribution_has_a_rare_tail_of_4_to_8_caps():

@@ -59,6 +59,8 @@ def events_from_plan(plan, seconds: float, *, lockstep: bool) -> list[dict]:
 
     lockstep=False (ODC): devices run independently and wait once, at the end, for the slowest.
     lockstep=True (collective): round i ends on every device when the slowest device's i-th microbatch ends.
+    A context-parallel row (a `jodc.balance.CPPlan`'s `CPMicrobatch`) costs its group's planned time on each member
+    (`label_cp_groups` marks its events with the group).
     """
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
@@ -67,7 +69,7 @@ def events_from_plan(plan, seconds: float, *, lockstep: bool) -> list[dict]:
     costs = np.zeros((plan.num_devices, rounds))
     for d, device in enumerate(plan.devices):
         for m, mb in enumerate(device):
-            costs[d, m] = mb.cost
+            costs[d, m] = mb.group.cost if isinstance(mb, CPMicrobatch) else mb.cost
     total = costs.max(axis=0).sum() if lockstep else costs.sum(axis=1).max()
     if total <= 0:
         return [{"device": d, "start": 0.0, "end": seconds, "kind": "wait", "label": "idle"}

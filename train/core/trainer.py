@@ -25,8 +25,9 @@ from typing import Any, Callable, Sequence
 import jax
 
 from jodc.train.core.staged_decoder import decoder_staged_model
+from jodc.balance.cp_plan import CPPlan
 from jodc.fsdp.engine import nonfinite_cause
-from jodc.fsdp.timeline_analysis import events_from_plan, plot_timeline, save_events
+from jodc.fsdp.timeline_analysis import events_from_plan, label_cp_groups, plot_timeline, save_events
 
 from .callbacks import Callback, EngineFactory, emit
 from .checkpoint import NUMELS_KEY, CheckpointStore
@@ -266,6 +267,8 @@ class Trainer:
         if not events:
             events = events_from_plan(plan, result.seconds, lockstep=self.engine.lockstep)
             source = "planner-cost estimate"
+        if isinstance(plan, CPPlan):  # context-parallel rows drawn with their group
+            events = label_cp_groups(events, plan)
         directory = os.path.join(self.out_dir, TIMELINE_DIR)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"step_{done:06d}.png")
