@@ -106,7 +106,7 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
     specs = extra_specs(["behaviour_logprobs", "advantages", "topk_ids", "topk_logprobs", "ref_logprobs",
                          "trainer_logprobs"], K)
     for process in (0, 1):
-        placed = np.flatnonzero(destinations == process)
+        placed = np.flatnonzero(destinations[:, process])
         received = {int(i): {"prompt_ids": whole.rollout.prompt_ids[i], "response_ids": whole.rollout.response_ids[i],
                              "behaviour_logprobs": whole.rollout.logprobs[i], "topk_ids": whole.rollout.topk_ids[i],
                              "topk_logprobs": whole.rollout.topk_logprobs[i], "ref_logprobs": ref[i],
@@ -131,6 +131,53 @@ def test_local_rows_equal_the_replicated_packing(planner_name):
                 assert not rows[others].any(), name
     digest = step_digest(view, advantages, splits, plans)
     assert digest.shape == (4,) and not np.array_equal(digest, step_digest(view, advantages[::-1], splits, plans))
+
+
+def test_a_sequence_split_over_a_group_across_processes_goes_to_each():
+    """A response split over a context-parallel group whose members sit in both processes goes to both
+    (`sequence_destinations`: one row, two processes); each process then packs its members' pieces of it, and its rows
+    equal the replicated packing's."""
+    from jodc.balance.cp_cost import ContextParallelCost
+    from jodc.balance.cp_planners import lb_mini_cp
+    from test_fsdp_context_parallel import relabelled
+
+    whole = whole_rollout()
+    advantages = np.linspace(-1, 1, N).astype(np.float32)
+    view = StepRollout.from_whole(whole, SHARES[0])
+    cap, device_processes, indices = 8, [0, 0, 1, 1], np.arange(N)
+    cost = ContextParallelCost(num_layers=1, seconds_per_token=1e-3, seconds_per_pair=1e-5,
+                               exchange_bytes_per_token=8.0)
+    plan = lb_mini_cp(view.sequence_lengths, 4, cap, cost_model=cost)
+    assert plan.groups and view.sequence_lengths.max() > cap
+    members = plan.groups[0].members  # relabelled: its first two members on devices 1 and 2, one in each process
+    order = list(members) + [d for d in range(4) if d not in members]
+    perm = [0] * 4
+    for d, t in zip(order, [1, 2, 0, 3]):
+        perm[d] = t
+    plan = relabelled(plan, perm)
+    split = plan.groups[0].seq_indices[0]
+    destinations = sequence_destinations([plan], [indices], device_processes, N)
+    assert destinations.shape == (N, 2) and destinations[split].all()
+    assert destinations.any(axis=1).all()
+    specs = extra_specs(["behaviour_logprobs", "advantages"], K)
+
+    def received(placed):
+        return {int(i): {"prompt_ids": whole.rollout.prompt_ids[i], "response_ids": whole.rollout.response_ids[i],
+                         "behaviour_logprobs": whole.rollout.logprobs[i]} for i in placed}
+
+    def packed(placed, devices):
+        ids, local = local_sequences(received(placed), advantages)
+        return pack_local_minibatch(plan, indices, ids, local, sequence_lengths=view.sequence_lengths,
+                                    response_lengths=view.response_lengths, local_devices=devices, specs=specs,
+                                    aggregation="token-mean")
+
+    want = packed(range(N), range(4))
+    assert want.has_context_parallel
+    for process in (0, 1):
+        mine = [d for d, p in enumerate(device_processes) if p == process]
+        got = packed(np.flatnonzero(destinations[:, process]), mine)
+        for name, rows in got.as_dict().items():
+            np.testing.assert_array_equal(rows[mine], want.as_dict()[name][mine], err_msg=name)
 
 
 def test_the_objectives_extras_decide_what_travels_and_the_placeholders():

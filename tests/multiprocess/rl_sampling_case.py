@@ -108,7 +108,7 @@ def assemble(jax, rank, scored, whole, params):
     ids, sequences = local_sequences(received, advantages)
     specs = extra_specs(extras, k)
     mine = set(scored.held)
-    placed = {int(i) for i in np.flatnonzero(destinations == rank)}
+    placed = {int(i) for i in np.flatnonzero(destinations[:, rank])}
     foreign = sorted(set(received) - mine)
     assert set(ids) == placed and set(foreign) == placed - mine, (ids, placed, foreign)
     assert sum(reference.rows) == sum(recompute.rows) == len(mine), (reference.rows, recompute.rows)

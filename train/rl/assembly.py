@@ -18,8 +18,9 @@ whole rollout), the processes exchange three things:
    same numbers as one process does, bit for bit.
 3. `send_sequences`, after the minibatch plans, which every process computes identically from the global metadata
    (`batch.plan_step`): each sequence's arrays (tokens, behaviour log-probs and top-k, reference / recomputed
-   log-probs: `batch.travelling_fields`) go point-to-point to the one process whose device the plan puts it on
-   (`sequence_destinations`); a process builds the training sequences of its devices only and packs only its
+   log-probs: `batch.travelling_fields`) go point-to-point to the processes whose devices the plan puts it on (one,
+   or several for a sequence split over a context-parallel group whose members sit in several processes:
+   `sequence_destinations`); a process builds the training sequences of its devices only and packs only its
    devices' rows of each minibatch (`batch.pack_local_minibatch`: the others' rows are zero placeholders, which the
    engines never read: `jodc.fsdp.batch`, `sharding.put_per_device`).
 
@@ -35,8 +36,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
-
-from jodc.balance.cp_plan import CPMicrobatch
 
 from .batch import placed_sequences
 from .rollout_exchange import ASSEMBLY_TAGS, exchange, gather_shares
@@ -101,29 +100,28 @@ def exchange_step_inputs(step: int, passes: Callable[[], StepInputs], *, kl_in_r
 
 def sequence_destinations(plans: Sequence, minibatches: Sequence[np.ndarray], device_processes: Sequence[int],
                           num_sequences: int) -> np.ndarray:
-    """int [N]: for every response of the step, the process whose device its minibatch's plan puts it on."""
-    out = np.full(num_sequences, -1, np.int64)
+    """bool [N, P]: for every response of the step, the processes whose devices its minibatch's plan puts it on: one
+    process, or each process holding a member of the context-parallel group it is split over (each packs its members'
+    pieces of it, so each needs the whole response)."""
+    processes = max(int(p) for p in device_processes) + 1
+    out = np.zeros((num_sequences, processes), bool)
     for plan, indices in zip(plans, minibatches):
         for d, microbatches in enumerate(plan.devices):
             for mb in microbatches:
-                where = np.asarray(indices)[list(placed_sequences(mb))]
-                if isinstance(mb, CPMicrobatch) and (out[where] >= 0).any() and \
-                        (out[where] != device_processes[d]).any():
-                    raise ValueError("a context-parallel group spans processes: the RL trainer sends each response "
-                                     "to one process; keep CP groups within a process")
-                out[where] = device_processes[d]
-    if (out < 0).any():
-        raise ValueError(f"the plans place no device for responses {np.flatnonzero(out < 0)[:5].tolist()}")
+                out[np.asarray(indices)[list(placed_sequences(mb))], int(device_processes[d])] = True
+    unplaced = np.flatnonzero(~out.any(axis=1))
+    if unplaced.size:
+        raise ValueError(f"the plans place no device for responses {unplaced[:5].tolist()}")
     return out
 
 
 def send_sequences(step: int, scored: StepRollout, destinations: np.ndarray, inputs: StepInputs, *, process: int,
                    processes: int, fields: Sequence[str], timeout_s: float | None) -> dict[int, dict[str, np.ndarray]]:
     """{response index: its arrays `fields`} of every response the plans put on process `process`'s devices
-    (`destinations`: each response's process): those it holds without a copy; unless it holds them all (one process,
-    or replicated), it sends each of its responses to the process `destinations` names (point-to-point, nothing to
-    a process that trains none of them) and receives the others'. `fields`: the tokens and the extras the objective
-    reads that travel (`batch.travelling_fields`)."""
+    (`destinations`: bool [N, P], the processes each response goes to, `sequence_destinations`): those it holds
+    without a copy; unless it holds them all (one process, or replicated), it sends each of its responses to every
+    other process `destinations` names (point-to-point, nothing to a process that trains none of them) and receives
+    the others'. `fields`: the tokens and the extras the objective reads that travel (`batch.travelling_fields`)."""
     held = scored.held
     r = scored.own.rollout
     per_field = {"prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "behaviour_logprobs": r.logprobs,
@@ -133,14 +131,16 @@ def send_sequences(step: int, scored: StepRollout, destinations: np.ndarray, inp
     def arrays(k: int) -> dict[str, np.ndarray]:
         return {f: per_field[f][k] for f in fields}
 
-    local = {i: arrays(k) for k, i in enumerate(held) if destinations[i] == process}
+    local = {i: arrays(k) for k, i in enumerate(held) if destinations[i, process]}
     if scored.holds_all:
         return local
 
     def produce():
         out: list[Any] = [None] * processes  # nothing to a process that trains none of them
-        for p in set(int(destinations[i]) for i in held) - {process}:  # this process's own stay here
-            out[p] = _packed([(i, arrays(k)) for k, i in enumerate(held) if destinations[i] == p], fields)
+        for p in range(destinations.shape[1]):
+            chosen = [(i, arrays(k)) for k, i in enumerate(held) if p != process and destinations[i, p]]
+            if chosen:  # this process's own stay here
+                out[p] = _packed(chosen, fields)
         return out
 
     parts = exchange(produce, what=f"step {step + 1}'s training sequences", timeout_s=timeout_s, tags=ASSEMBLY_TAGS)

@@ -8,7 +8,8 @@ so process p samples the shares of its devices. What happens next depends on the
 - several processes, `rollout.assembly: sharded` (the default under mpirun): each process keeps its share and
   gets every response's metadata (`assembly.exchange_rollout`); the trainer's forward passes run over the share,
   what the batch-level quantities read is exchanged (`assembly.exchange_step_inputs`) and each training sequence
-  goes to the process whose device the plan puts it on (`assembly.send_sequences`);
+  goes to the processes whose devices the plan puts it on (`assembly.send_sequences`: one, or each process with a
+  member of the context-parallel group it is split over);
 - several processes, `rollout.assembly: replicated`: the shares are exchanged whole, so every process holds (and
   runs the passes over) the whole rollout, as one process does.
 
