@@ -22,7 +22,7 @@ JODC_CUDA ?=
 NATIVE := $(VENV)/.jodc-native$(if $(filter-out 0,$(JODC_CUDA)),-cuda,)
 
 .PHONY: setup native test demo demo-rl bench clean cuda-check bazel-configure bazel-test test-gpu sanitize-gpu \
-	gpu-setup lint docs test-py312 test-jax-latest gpu-check gpu-wheels
+	gpu-setup lint docs test-py312 test-jax-latest py312-setup gpu-check gpu-wheels
 
 setup: $(NATIVE)
 
@@ -185,6 +185,10 @@ test-py312: $(PY312_INSTALLED)
 	$(call py312_native,$(PY312_VENV),build/py312)
 	cd build/py312/src && $(abspath $(PY312_VENV))/bin/python -m pytest -q -x -rs $(PYTEST_PARALLEL) --durations=15 \
 		$(PY312_TESTS)
+
+# Both Python 3.12 venvs installed, nothing run: .ci/run starts this in the background while the 3.11 suite runs
+# (mostly downloads), so test-py312 and test-jax-latest find them ready.
+py312-setup: $(PY312_INSTALLED) $(JAX_LATEST_INSTALLED)
 
 # constraints-py312.txt with jax/jaxlib replaced by JAX_LATEST
 JAX_LATEST_CONSTRAINTS := $(JAX_LATEST_VENV)/constraints-jax$(JAX_LATEST).txt

@@ -40,7 +40,8 @@ What it measures, in one run:
     at the first (smallest) scale; every scale is in the JSON line.
 
 Prints tables, then one JSON line (also written to bench/results/long_context.json unless --no-save, with the
-timelines' events; --plot draws them to bench/results/long_context_timeline_<layout>.png).
+data-aware layout's timeline events; --plot records every layout's and draws them to
+bench/results/long_context_timeline_<layout>.png).
 """
 from __future__ import annotations
 
@@ -342,7 +343,9 @@ def measured(args, model, groups, data, cost, *, sync=None, check=True) -> tuple
         for name in LAYOUTS:
             layouts[name] = Layout(name, args, model, groups, mesh, data, cost, reference, sync)
         passes = paired_rounds(layouts, args.rounds)
-        timelines = {name: layout.timeline() for name, layout in layouts.items()} if check else {}
+        # the data-aware layout's always (the bench's check that its CP rows carry their groups), the others' to plot
+        timelines = {name: layout.timeline() for name, layout in layouts.items()
+                     if check and (name == "data_aware" or args.plot)}
     finally:
         for layout in layouts.values():
             layout.engine.close()
