@@ -186,10 +186,6 @@ test-py312: $(PY312_INSTALLED)
 	cd build/py312/src && $(abspath $(PY312_VENV))/bin/python -m pytest -q -x -rs $(PYTEST_PARALLEL) --durations=15 \
 		$(PY312_TESTS)
 
-# Both Python 3.12 venvs installed, nothing run: .ci/run starts this in the background while the 3.11 suite runs
-# (mostly downloads), so test-py312 and test-jax-latest find them ready.
-py312-setup: $(PY312_INSTALLED) $(JAX_LATEST_INSTALLED)
-
 # constraints-py312.txt with jax/jaxlib replaced by JAX_LATEST
 JAX_LATEST_CONSTRAINTS := $(JAX_LATEST_VENV)/constraints-jax$(JAX_LATEST).txt
 JAX_LATEST_INSTALLED := $(JAX_LATEST_VENV)/.jodc-installed-jax$(JAX_LATEST)
@@ -206,6 +202,10 @@ test-jax-latest: $(JAX_LATEST_INSTALLED)
 	$(call py312_sync,build/jax-latest)
 	$(call py312_native,$(JAX_LATEST_VENV),build/jax-latest)
 	cd build/jax-latest/src && $(abspath $(JAX_LATEST_VENV))/bin/python -m pytest -q -x -rs $(JAX_LATEST_TESTS)
+
+# Both Python 3.12 venvs installed, nothing run: .ci/run starts this in the background while the 3.11 suite runs
+# (mostly downloads), so test-py312 and test-jax-latest find them ready.
+py312-setup: $(PY312_INSTALLED) $(JAX_LATEST_INSTALLED)
 
 # ---- GPU runners ------------------------------------------------------------------------------------------------
 # A venv of its own (.venv-gpu) with the CUDA build of jax pinned in constraints-cuda.txt: jax[cuda12] or jax[cuda13]
