@@ -27,8 +27,9 @@ array from every member, differentiably (its transpose must return to each membe
 slice). `AxisExchange` does it with `jax.lax.all_gather` over a shard_map mesh axis (its backward is the
 reduce-scatter of dK/dV). `jodc.ops.group.exchange.OdcGroupExchange` does it over ODC's group ops among devices
 chosen at run time (not a mesh axis); `jodc.fsdp.collective_engine.MemberAxisExchange` over a whole mesh axis for
-a run-time member list (docs/context_parallel.md). The whole group's K/V are held at once (all-gather context
-parallelism, as Llama 3's training did); a ring exchange that holds one member's K/V at a time is the memory-lean alternative.
+a run-time member list (docs/context_parallel.md). By default the whole group's K/V are held at once (all-gather
+context parallelism, as Llama 3's training did); an exchange with ``streams_kv`` (`OdcGroupExchange(stream_kv=True)`)
+lets the blockwise attention hold one member's K/V at a time instead (`streamed_context_parallel`).
 
 Backward: JAX autodiff through the exchange and the keyed kernel's own `custom_vjp`; exact up to fp32
 reassociation. Shapes: q [B, T, H, D], k and v [B, T, KV, D] per member; must be called where the exchange works
@@ -51,6 +52,7 @@ from .keyed_attention import (
     ranges_may_interact,
 )
 from .layerwise import attention_inputs, check_group_params, layer_group_name, layer_output
+from .streamed_context_parallel import streamed_context_parallel_attention
 
 #: The implementations `context_parallel_attention` accepts.
 CONTEXT_PARALLEL_IMPLS = ("blockwise", "dense")
@@ -68,12 +70,17 @@ class GroupExchange(Protocol):
         back (summed over the members that received it) to member i."""
         ...
 
+    #: True: the attention pulls one member's K/V at a time through ``kv_stream()`` (`SlotStream`), advancing
+    #: ``token`` and reading ``members`` (`streamed_context_parallel`); False: it all-gathers them.
+    streams_kv: bool
+
 
 @dataclasses.dataclass(frozen=True)
 class AxisExchange:
     """The group is a shard_map mesh axis: `jax.lax.all_gather` over it (backward: `psum_scatter`)."""
 
     axis_name: str
+    streams_kv = False  # all-gathers K/V
 
     def member_index(self) -> jax.Array:
         return jax.lax.axis_index(self.axis_name)
@@ -164,7 +171,9 @@ def _members_to_row(x_gbt):
 
 
 def _pad_tokens(x, axis, pad):
-    """x padded with `pad` zeros (padding tokens: segment 0) along `axis`."""
+    """x padded with `pad` zeros (padding tokens: segment 0) along `axis` (x itself for pad 0)."""
+    if not pad:
+        return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths)
@@ -203,10 +212,9 @@ def context_parallel_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax
         raise ValueError(f"keys were built for rows {tuple(keys.key_segment_gbt.shape[1:])}, the queries are "
                          f"{tuple(keys.query_segment_bt.shape)}")
     t = q_bthd.shape[1]
-    kv_gbtkd = exchange.all_gather(jnp.stack([k_btkd, v_btkd]))  # [k, 2, B, T, KV, D]: one exchange
-    k_gbtkd, v_gbtkd = kv_gbtkd[:, 0], kv_gbtkd[:, 1]
     if impl == "dense":
-        return dense_keyed_attention(q_bthd, _members_to_row(k_gbtkd), _members_to_row(v_gbtkd),
+        kv_gbtkd = exchange.all_gather(jnp.stack([k_btkd, v_btkd]))  # [k, 2, B, T, KV, D]: one exchange
+        return dense_keyed_attention(q_bthd, _members_to_row(kv_gbtkd[:, 0]), _members_to_row(kv_gbtkd[:, 1]),
                                      keys.query_segment_bt, keys.query_order_bt,
                                      _members_to_row(keys.key_segment_gbt), _members_to_row(keys.key_order_gbt))
     if not isinstance(block_size, int) or block_size <= 0:
@@ -215,10 +223,15 @@ def context_parallel_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax
     pad = -t % block  # every member's row padded alike, so no block straddles two members
     if pad:
         q_bthd = _pad_tokens(q_bthd, 1, pad)
-        k_gbtkd, v_gbtkd = _pad_tokens(k_gbtkd, 2, pad), _pad_tokens(v_gbtkd, 2, pad)
         keys = dataclasses.replace(keys, **{name: _pad_tokens(getattr(keys, name), getattr(keys, name).ndim - 1, pad)
                                             for name in ("query_segment_bt", "query_order_bt", "key_segment_gbt",
                                                          "key_order_gbt")})
+    if exchange.streams_kv:  # one member's K/V at a time
+        return streamed_context_parallel_attention(q_bthd, k_btkd, v_btkd, keys,
+                                                   context_parallel_block_pairs(keys, block), exchange,
+                                                   block=block)[:, :t]
+    kv_gbtkd = exchange.all_gather(jnp.stack([k_btkd, v_btkd]))  # [k, 2, B, T, KV, D]: one exchange
+    k_gbtkd, v_gbtkd = _pad_tokens(kv_gbtkd[:, 0], 2, pad), _pad_tokens(kv_gbtkd[:, 1], 2, pad)
     out = blockwise_keyed_attention(
         q_bthd, _members_to_row(k_gbtkd), _members_to_row(v_gbtkd), keys.query_segment_bt, keys.query_order_bt,
         _members_to_row(keys.key_segment_gbt), _members_to_row(keys.key_order_gbt), block_size=block,

@@ -186,8 +186,11 @@ def _scores(q_krd, k_ksd, mask_rs, scale):
     return jnp.where(mask_rs[None], scores, _MASKED)
 
 
-def _keyed_forward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block):
-    """Forward pass: the output [B, T, H, D] and the per-query log-sum-exp [B, nq, KV, G, blk]."""
+def _keyed_forward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block, *, part=False):
+    """Forward pass: the output [B, T, H, D] and the per-query log-sum-exp [B, nq, KV, G, blk].
+
+    part=False: the output in q's dtype, lse 0 for a query with no allowed key. part=True (one part of the keys, to
+    be merged with others: `keyed_attention_part`): the output in fp32 and lse `_MASKED` for such a query."""
     kv = k_bskd.shape[2]
     q_blocks, k_blocks, v_blocks = _q_to_blocks(q_bthd, kv, block), _kv_to_blocks(k_bskd, block), _kv_to_blocks(
         v_bskd, block)
@@ -224,18 +227,20 @@ def _keyed_forward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block):
         _, m, l, acc = jax.lax.while_loop(lambda c: c[0] < count[row, i], body, init)
         has_keys = l > 0
         out_blk = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, l, 1.0)[..., None], 0.0)
-        lse_blk = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), 0.0)
+        lse_blk = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)), _MASKED if part else 0.0)
         return (_write_block(out_blocks, row, i, out_blk.reshape(kv, g, block, d)),
                 _write_block(lse_blocks, row, i, lse_blk.reshape(kv, g, block)))
 
-    out_blocks = (jnp.zeros(q_blocks.shape, jnp.float32) + zero).astype(q_bthd.dtype)
+    out_blocks = (jnp.zeros(q_blocks.shape, jnp.float32) + zero).astype(jnp.float32 if part else q_bthd.dtype)
     lse_blocks = jnp.zeros((b, nq, kv, g, block), jnp.float32) + zero
     out_blocks, lse_blocks = jax.lax.fori_loop(0, b * nq, one_query_block, (out_blocks, lse_blocks))
     return _q_blocks_to_bthd(out_blocks), lse_blocks
 
 
-def _keyed_backward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block, out_bthd, lse_blocks, dout_bthd):
-    """Backward pass over the same block pairs as the forward (probabilities recomputed from the saved lse)."""
+def _keyed_backward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block, out_bthd, lse_blocks, dout_bthd, *,
+                    part=False):
+    """Backward pass over the same block pairs as the forward (probabilities recomputed from the saved lse).
+    part=True: the gradients stay fp32 (summed with other parts' by the caller)."""
     kv = k_bskd.shape[2]
     q_blocks, k_blocks, v_blocks = _q_to_blocks(q_bthd, kv, block), _kv_to_blocks(k_bskd, block), _kv_to_blocks(
         v_bskd, block)
@@ -282,8 +287,47 @@ def _keyed_backward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block, out_bt
     dk_blocks = jnp.zeros(k_blocks.shape, jnp.float32) + zero
     dv_blocks = jnp.zeros(v_blocks.shape, jnp.float32) + zero
     dq_blocks, dk_blocks, dv_blocks = jax.lax.fori_loop(0, b * nq, one_query_block, (dq_blocks, dk_blocks, dv_blocks))
-    return (_q_blocks_to_bthd(dq_blocks).astype(q_bthd.dtype), _kv_blocks_to_btkd(dk_blocks).astype(k_bskd.dtype),
-            _kv_blocks_to_btkd(dv_blocks).astype(v_bskd.dtype))
+    dq, dk, dv = _q_blocks_to_bthd(dq_blocks), _kv_blocks_to_btkd(dk_blocks), _kv_blocks_to_btkd(dv_blocks)
+    if part:
+        return dq, dk, dv
+    return dq.astype(q_bthd.dtype), dk.astype(k_bskd.dtype), dv.astype(v_bskd.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One part of the keys at a time (context parallelism that holds one member's keys at once)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def keyed_attention_part(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block: int):
+    """The attention of the queries against one part of the keys (no custom_vjp: the caller differentiates).
+
+    Operands already padded to multiples of `block`; keys = (q_seg, q_order, k_seg, k_order) int32. Returns the
+    part's output [B, T, H, D] in fp32 (0 for a query with no allowed key in the part) and its log-sum-exp
+    [B, T/blk, KV, G, blk] (`_MASKED` there). Parts merge exactly with `merge_keyed_parts`."""
+    return _keyed_forward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block, part=True)
+
+
+def merge_keyed_parts(out_a, lse_a, out_b, lse_b):
+    """The attention over the union of two parts of the keys from each part's (fp32 output [B, T, H, D],
+    log-sum-exp [B, nq, KV, G, blk]): the outputs weighted by their share of the softmax mass. A query with no
+    allowed key in either part keeps output 0 and an lse near `_MASKED`."""
+    top = jnp.maximum(lse_a, lse_b)
+    weight_a, weight_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = weight_a + weight_b
+
+    def as_rows(w):  # [B, nq, KV, G, blk] -> [B, T, H, 1] (the q block layout's inverse)
+        return _q_blocks_to_bthd(w[..., None])
+
+    return out_a * as_rows(weight_a / total) + out_b * as_rows(weight_b / total), top + jnp.log(total)
+
+
+def keyed_attention_part_grads(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block: int, out_bthd, lse_blocks,
+                               dout_bthd):
+    """fp32 (dq, dk, dv) of one part of the keys, given the merged output and log-sum-exp of all parts (so the
+    probabilities are the whole softmax's): summed over the parts, dq is the whole attention's; dk, dv are this
+    part's keys' own. Same operand conventions as `keyed_attention_part`."""
+    return _keyed_backward(q_bthd, k_bskd, v_bskd, keys, block_pairs_bij, block, out_bthd, lse_blocks, dout_bthd,
+                           part=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

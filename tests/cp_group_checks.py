@@ -63,15 +63,15 @@ def size_case(group_size: int, layer_params, layers: int = LAYERS) -> SizeCase:
     return SizeCase(case, h_m, ct_m, float(loss), jax.tree.map(np.asarray, dparams), np.asarray(dh))
 
 
-def member_step(slots: ExchangeSlots, group_size: int, layers: int = LAYERS):
+def member_step(slots: ExchangeSlots, group_size: int, layers: int = LAYERS, stream_kv: bool = False):
     """(params, h, ct, seg, pos, split, members) -> (loss, dparams, dh, token) on one member of a group of
-    `group_size` (members[:group_size] is the list)."""
+    `group_size` (members[:group_size] is the list); `stream_kv`: the attention pulls one member's K/V at a time."""
 
     def step(p, h, ct, seg, pos, split, members):
         members = members[:group_size]
 
         def loss(p, h):
-            exchange = OdcGroupExchange(slots, members)
+            exchange = OdcGroupExchange(slots, members, stream_kv=stream_kv)
             keys = group_keys(seg[None], pos[None], split[None], exchange)
             out = h[None]
             for _ in range(layers):
@@ -91,7 +91,7 @@ def idle_step(p, h, ct, seg, pos, split, members):
     return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p), jnp.zeros_like(h), ops.new_token("d")
 
 
-def group_program(slots: ExchangeSlots, sizes: tuple[int, ...], layers: int = LAYERS):
+def group_program(slots: ExchangeSlots, sizes: tuple[int, ...], layers: int = LAYERS, stream_kv: bool = False):
     """The per-device program for shard_map over the heap's axis (every input and output with a leading device axis
     of 1 there): branch i runs a member of a group of sizes[i], the last branch idles."""
     axis = slots.heap.axis_name
@@ -99,7 +99,7 @@ def group_program(slots: ExchangeSlots, sizes: tuple[int, ...], layers: int = LA
     def per_device(step):  # every branch's outputs typed as varying over the axis, as switch requires
         return lambda *a: jax.tree.map(lambda o: as_varying(o, {axis}), step(*a))
 
-    branches = [per_device(member_step(slots, k, layers)) for k in sizes] + [per_device(idle_step)]
+    branches = [per_device(member_step(slots, k, layers, stream_kv)) for k in sizes] + [per_device(idle_step)]
 
     def program(*inputs):
         role, *rest = (jax.tree.map(lambda x: x[0], a) for a in inputs)

@@ -25,14 +25,15 @@ GROUPINGS = [
 ]
 
 
-def test_groups_chosen_at_run_time_give_the_one_device_loss_and_gradients(record_property):
+@pytest.mark.parametrize("stream_kv", [False, True], ids=["all_gather", "streamed"])
+def test_groups_chosen_at_run_time_give_the_one_device_loss_and_gradients(stream_kv, record_property):
     mesh = cpu_mesh(WORLD)
     layer_params = checks.params()
     cases = {k: checks.size_case(k, layer_params) for k in SIZES}
     with ops.SymmetricHeap(mesh, barrier_timeout_s=60) as heap:
         slots = ExchangeSlots.for_microbatch(heap, 1, checks.TOKEN_CAP, checks.CONFIG.num_kv_heads,
                                              checks.CONFIG.head_dim)
-        program = jax.jit(jax.shard_map(checks.group_program(slots, SIZES), mesh=mesh, in_specs=(P("d"),) * 8,
+        program = jax.jit(jax.shard_map(checks.group_program(slots, SIZES, stream_kv=stream_kv), mesh=mesh, in_specs=(P("d"),) * 8,
                                         out_specs=P("d")))
         all_errors, seconds = {}, []
         for groups in GROUPINGS:

@@ -27,6 +27,8 @@ class HeapExchange:
     """`all_gather` through heap slots: one bucket per exchanged array (registered beforehand by its size), a token
     threaded through every op so that the exchanges of one program run in the same order on every device."""
 
+    streams_kv = False  # all-gathers K/V (the streamed form: OdcGroupExchange(stream_kv=True))
+
     def __init__(self, heap, buckets):
         self.heap, self.buckets, self.token = heap, buckets, ops.new_token(AXIS)
 

@@ -64,7 +64,8 @@ def relative(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-30))
 
 
-def test_odc_engine_runs_cp_groups_like_the_reference(record_property):
+@pytest.mark.parametrize("cp_kv_exchange", ODCEngine.CP_KV_EXCHANGES)
+def test_odc_engine_runs_cp_groups_like_the_reference(cp_kv_exchange, record_property):
     model, groups = decoder_staged_model(CONFIG, seed=3)
     cp_batches, ref_batches, group_sizes = [], [], []
     for step, lengths in enumerate(LENGTHS):
@@ -86,7 +87,7 @@ def test_odc_engine_runs_cp_groups_like_the_reference(record_property):
     ref = ReferenceEngine(model, groups, optimizer=OPT)
     ref_results = [ref.step(b) for b in ref_batches]
     ref_params = ref.flat_params()
-    odc = ODCEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT)
+    odc = ODCEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT, cp_kv_exchange=cp_kv_exchange)
     try:
         start = time.monotonic()
         results = [odc.step(b) for b in cp_batches]
@@ -124,16 +125,8 @@ def test_collective_engine_runs_lockstep_cp_like_the_reference(record_property):
         ref_batches.append(minibatch_from_plan(get_planner("lb_mini")(lengths, 1, max(lengths)), inputs, targets,
                                                masks))
     assert layouts == [[(0, 1), (2, 3)], [(0, 1)]], layouts
-    ref = ReferenceEngine(model, groups, optimizer=OPT)
-    ref_results = [ref.step(b) for b in ref_batches]
-    ref_params = ref.flat_params()
     engine = CollectiveEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT)
-    results = [engine.step(b) for b in batches]
-    params = engine.flat_params()
-    start = model.flatten_groups(groups)
-    errors = {"loss": max(relative(r.loss, q.loss) for r, q in zip(results, ref_results)),
-              "grad_norm": max(relative(r.grad_norm, q.grad_norm) for r, q in zip(results, ref_results))}
-    errors.update({f"params.{g}": relative(params[g] - start[g], ref_params[g] - start[g]) for g in ref_params})
+    errors = errors_against_reference(engine, batches, ref_batches, model, groups)
     record_property("relative_errors", errors)
     print(f"lock-step groups {layouts}; relative errors {errors}")
     assert max(errors.values()) <= 1e-5, errors
@@ -182,15 +175,16 @@ def errors_against_reference(engine, batches, ref_batches, model, groups) -> dic
     return errors
 
 
-@pytest.mark.parametrize("engine_name", ["collective", "odc"])
+@pytest.mark.parametrize("engine_name", ["collective", "odc", "odc_stream"])
 def test_engines_run_fixed_cp_rows_with_several_split_sequences(engine_name, record_property):
     """fixed_cp plans (rows of several split sequences, two of them longer than the cap per minibatch) train on the
-    collective engine (lock-step) and the ODC engine (a group of all devices per row) to the reference's
-    parameters."""
+    collective engine (lock-step) and the ODC engine (a group of all devices per row; K/V all-gathered or streamed)
+    to the reference's parameters."""
     model, groups = decoder_staged_model(CONFIG, seed=3)
     batches, ref_batches = fixed_cp_batches()
-    engine_class = {"collective": CollectiveEngine, "odc": ODCEngine}[engine_name]
-    engine = engine_class(model, groups, cpu_mesh(WORLD), optimizer=OPT)
+    engine_class, options = {"collective": (CollectiveEngine, {}), "odc": (ODCEngine, {}),
+                             "odc_stream": (ODCEngine, {"cp_kv_exchange": "stream"})}[engine_name]
+    engine = engine_class(model, groups, cpu_mesh(WORLD), optimizer=OPT, **options)
     try:
         errors = errors_against_reference(engine, batches, ref_batches, model, groups)
         steps_compiled = [k for k in engine._compiled if k != "publish"]

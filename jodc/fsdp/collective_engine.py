@@ -33,6 +33,7 @@ class MemberAxisExchange:
 
     axis_name: str
     members: jax.Array
+    streams_kv = False  # all-gathers K/V over the axis
 
     def member_index(self) -> jax.Array:
         me = jax.lax.axis_index(self.axis_name)

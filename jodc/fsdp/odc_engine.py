@@ -43,6 +43,10 @@ class ODCEngine(ShardedStateMixin, Engine):
     that never arrives (``inf``: forever; None: the heap's default, ``jodc.ops.heap.default_barrier_timeout_s``); a
     device that fails aborts the step at once (`jodc.ops.DeviceFailed`), whatever the timeout.
 
+    `cp_kv_exchange` (context-parallel microbatches): "all_gather" gives each member of a group the whole group's
+    K/V of a layer at once; "stream" pulls one member's at a time (`jodc.models.streamed_context_parallel`): the
+    gathered K/V no longer grow with the group, for one more group barrier and k-1 more pulls per layer backward.
+
     `mesh`: ('d',) for flat ODC over every device, or ('r', 'd') for HSDP (`sharding.hsdp_mesh`): replica groups
     along 'r', each sharding the parameters over its 'd' devices. Minibatches are planned for all replicas x shards
     devices (device (r, d) runs row r * shards + d); replicas may run different microbatch counts.
@@ -56,11 +60,16 @@ class ODCEngine(ShardedStateMixin, Engine):
     supports_context_parallel = True
     default_planner = "lb_mini"
     supports_deterministic = True  # per-source landing slots (`deterministic=True`)
-    options = ("deterministic", "barrier_timeout_s")
+    options = ("deterministic", "barrier_timeout_s", "cp_kv_exchange")
+    #: how a CP group's members see each other's K/V: "all_gather" (each holds the group's K/V of a layer at once) or
+    #: "stream" (one member's at a time: `jodc.models.streamed_context_parallel`, less memory, more pulls)
+    CP_KV_EXCHANGES = ("all_gather", "stream")
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float | None = None,
-                 length_buckets=None):
+                 length_buckets=None, cp_kv_exchange: str = "all_gather"):
+        if cp_kv_exchange not in self.CP_KV_EXCHANGES:
+            raise ValueError(f"cp_kv_exchange must be one of {self.CP_KV_EXCHANGES}, got {cp_kv_exchange!r}")
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
         self.layout = sharding.MeshLayout.of(mesh, "ODC")
@@ -79,6 +88,7 @@ class ODCEngine(ShardedStateMixin, Engine):
             raise RuntimeError(f"the heap's shard sizes {native} differ from jodc.ops.layout's {self.shard_numels}")
         self._init_sharded_state(groups)
         self._cp_slots = None  # the context-parallel exchange's slots, registered by the first CP minibatch
+        self.cp_kv_exchange = cp_kv_exchange
         self._cp_sizes_seen: set[int] = set()  # group sizes the compiled step has a branch for
 
     @property
@@ -101,7 +111,9 @@ class ODCEngine(ShardedStateMixin, Engine):
         others run as on a plain row. The n-th CP stage's forward exchange uses float slot bucket n % 2 and its
         recomputation in the backward pass (n + 1) % 2, so consecutive exchanges of a member always alternate
         buckets (forward 0, 1, ..., n-1, then backward n-1, ..., 0 recomputed): a member republishes a bucket only
-        after a later exchange's barrier, when every member has read it."""
+        after a later exchange's barrier, when every member has read it. A streamed exchange's backward half
+        (``cp_kv_exchange="stream"``) republishes into the bucket its recomputation did not use, after a barrier
+        that follows every read of the recomputation."""
         layers, ordinal = [], 0
         for st in self.model.stages:
             buckets = tuple(self.buckets[g] for g in st.groups)
@@ -113,7 +125,8 @@ class ODCEngine(ShardedStateMixin, Engine):
 
             def fn(params, x, token, recompute, st=st, n=ordinal):
                 h, microbatch = x
-                exchange = OdcGroupExchange(slots, microbatch["cp_members"], token, first_float=(n + recompute) % 2)
+                exchange = OdcGroupExchange(slots, microbatch["cp_members"], token, first_float=(n + recompute) % 2,
+                                            stream_kv=self.cp_kv_exchange == "stream")
                 h = st.context_parallel(params, h, microbatch, exchange)
                 return h, exchange.token
 

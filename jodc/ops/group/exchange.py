@@ -17,6 +17,12 @@ A `custom_vjp` carries the backward half, with an ordering token threaded throug
 section 3: side-effecting FFI calls cannot sit inside `jax.checkpoint`). Integer arrays (segment ids, orders: no
 gradient) travel as float32, exact below 2^24.
 
+With ``stream_kv=True`` the exchange also hands out a `SlotStream` (`kv_stream`): the attention then holds one
+member's K/V at a time instead of the whole group's (models/streamed_context_parallel.py): each member publishes its
+K/V once, meets the group, and pulls the members' slots one after another; in the backward pass it publishes them
+again (into the other float bucket), pulls them one by one again, pushes each member's dK/dV into that member's
+accumulator as soon as it is computed, meets the group and reads its own sum.
+
 Slots (`ExchangeSlots`) are registered once for a CP microbatch's largest exchange (`for_microbatch`: the stacked
 K/V, 2 * B * T * KV * D). Floating exchanges alternate between two buckets, integer ones between two more, so a
 member republishes a slot (or peers push into its accumulator again) only after a later exchange's barrier, by which
@@ -38,7 +44,7 @@ from jodc.ops.group.gather import group_gather
 from jodc.ops.group.scatter_accumulate import group_scatter_accumulate
 from jodc.ops.heap import Bucket, SymmetricHeap
 from jodc.ops.publish import publish
-from jodc.ops.token import depend_on, new_token
+from jodc.ops.token import after, depend_on, new_token
 
 #: Integers exchanged as float32 are exact up to this magnitude.
 EXACT_FLOAT32_INTEGER = 2 ** 24
@@ -82,8 +88,9 @@ class OdcGroupExchange:
         token = OdcGroupExchange(slots, members, ops.after(token, grads)).close()
     """
 
-    def __init__(self, slots: ExchangeSlots, members, token=None, *, first_float: int = 0):
+    def __init__(self, slots: ExchangeSlots, members, token=None, *, first_float: int = 0, stream_kv: bool = False):
         self.slots, self.heap = slots, slots.heap
+        self.streams_kv = bool(stream_kv)  # the attention pulls one member's K/V at a time (`kv_stream`)
         self.members = jnp.asarray(members)
         if self.members.dtype != jnp.int32 or self.members.ndim != 1:
             raise ValueError(f"members must be an int32 [k] array, got {self.members.dtype}"
@@ -154,8 +161,80 @@ class OdcGroupExchange:
         slots, self.token = exchange(flat, self.members, self.token)
         return slots.astype(x.dtype).reshape((k,) + x.shape)
 
+    def kv_stream(self) -> "SlotStream":
+        """The slots of one streamed exchange: the next float bucket for its forward half, the other one for its
+        backward half (so the backward's publish never overwrites a slot a member may still be reading for the
+        exchange just before it). Counts as one floating exchange."""
+        forward = self._next_bucket("float")
+        backward = self.slots.float_buckets[1 - self.slots.float_buckets.index(forward)]
+        return SlotStream(self.heap, forward, backward)
+
     def close(self) -> jax.Array:
         """A last group barrier (returns and keeps the token): every member has finished reading the slots, so they
         may join other groups that reuse them."""
         self.token = group_barrier(self.heap, self.members, self.token)
         return self.token
+
+
+class SlotStream:
+    """One member's array at a time among a group (`members`, int32 [k] holding this device; the same list on every
+    member), through two buckets' slots: `forward` for the forward half, `backward` for the backward half. Every
+    method takes and returns the ordering token; arrays travel flat, as fp32.
+
+    The sequence on every member, forward: `publish`, then `fetch` offsets 1 .. k-1 (any order); backward:
+    `publish(backward=True)`, `fetch(backward=True)` and `push` for offsets 1 .. k-1, then `collect`. Offset r names
+    member ``(i + r) % k`` for the caller at index i: over the offsets each member is pulled by every other once.
+    """
+
+    def __init__(self, heap: SymmetricHeap, forward: Bucket, backward: Bucket):
+        self.heap, self.forward, self.backward = heap, forward, backward
+
+    def _bucket(self, backward: bool) -> Bucket:
+        return self.backward if backward else self.forward
+
+    def _check(self, numel: int) -> None:
+        if numel > self.forward.shard_numel:
+            raise ValueError(f"SlotStream: an array of {numel} elements does not fit the slots of "
+                             f"{self.forward.shard_numel} (register ExchangeSlots for the largest exchange)")
+
+    def _pair(self, members, offset):
+        """[this device, member (i + offset) % k]: the list of a pull or push from one member."""
+        k = members.shape[0]
+        me = lax.axis_index(self.heap.axis_name)
+        index = jnp.argmax(members == me).astype(jnp.int32)
+        return jnp.stack([me.astype(jnp.int32), members[(index + offset) % k]])
+
+    def publish(self, flat, members, token, *, backward: bool = False, wait_for=()):
+        """Writes `flat` into this device's slot, then meets the group (every member's slot is then readable).
+        `wait_for`: values that must exist first. The backward half passes its cotangent: its token comes from the
+        forward half, so without it the publish could run before the exchanges that follow in the forward pass
+        (and precede in the backward pass) are done with the slots."""
+        token = after(token, *wait_for) if wait_for else token
+        bucket = self._bucket(backward)
+        numel = flat.shape[0]
+        self._check(numel)
+        slot = jnp.zeros((bucket.shard_numel,), jnp.float32).at[:numel].set(flat.astype(jnp.float32))
+        token = publish(bucket, slot, token)
+        return group_barrier(self.heap, members, token)
+
+    def fetch(self, members, offset, token, numel: int, *, backward: bool = False):
+        """(fp32 [numel]: the slot of member (i + offset) % k, token). `offset`: int32 scalar in 1 .. k-1."""
+        self._check(numel)
+        slots, token = group_gather(self._bucket(backward), self._pair(members, offset), token)
+        return slots[1, :numel], token
+
+    def push(self, members, offset, flat, token):
+        """Adds `flat` (fp32 [numel]) into the backward bucket's accumulator of member (i + offset) % k."""
+        bucket, numel = self.backward, flat.shape[0]
+        self._check(numel)
+        slices = jnp.zeros((2, bucket.shard_numel), jnp.float32).at[1, :numel].set(flat.astype(jnp.float32))
+        return group_scatter_accumulate(bucket, self._pair(members, offset), slices, token)
+
+    def collect(self, members, token, numel: int):
+        """(fp32 [numel]: the sum of what the group pushed to this device, token): meets the group (every push has
+        landed), reads this device's accumulator and zeroes it."""
+        self._check(numel)
+        token = group_barrier(self.heap, members, token)
+        mine, token = read_accumulator(self.backward, token)
+        token = zero_accumulator(self.backward, token)
+        return depend_on(mine, token)[:numel], token
