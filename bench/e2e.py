@@ -191,11 +191,15 @@ class Contender:
         self.walls: list[np.ndarray] = []  # per timed pass: the per-step walls of the slowest process
         self.own = {"wall_s": 0.0, "cpu_s": 0.0}  # this process's own wall and CPU seconds over the timed passes
         try:
-            for b in batches:  # compile every shape
-                self.engine.step(b)
+            self.warm_up()
         except BaseException:
             self.engine.close()
             raise
+
+    def warm_up(self) -> None:
+        """Steps every minibatch once (compiles every shape); a subclass may check the first step here."""
+        for b in self.batches:
+            self.engine.step(b)
 
     def timed_pass(self) -> float:
         """Steps every minibatch once; the pass's wall (the slowest process's steps, summed)."""

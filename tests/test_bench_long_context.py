@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from bench import long_context
+from jodc.balance.cp_cost import ContextParallelCost
 
 # jaxlib 0.11 compiles the group ops with Shardy off only (docs/context_parallel.md, "Known issues")
 pytestmark = pytest.mark.usefixtures("shardy_off_on_jaxlib_0_11")
@@ -28,13 +29,14 @@ def test_minibatch_lengths_hold_a_long_tail_within_the_worlds_capacity():
 def test_a_tiny_run_reports_every_section(capsys):
     r = long_context.main(long_context.parse_args(TINY))
     line = long_context.summary_line(r)
-    for key in ("cp_vs_fixed_cp", "cp_vs_lockstep_cp", "cp_idle_fraction", "cp_memory_vs_cap",
+    for key in ("cp_vs_fixed_cp", "cp_vs_lockstep_cp", "cp_idle_fraction", "cp_memory_vs_cap", "cp_all_gather_memory_vs_cap",
                 "measured_cp_vs_fixed_cp", "simulated_cp_vs_lockstep_cp", "max_relative_error"):
         assert key in line and np.isfinite(line[key]), key
     assert line["max_relative_error"] <= 1e-5  # every layout's first step against the reference engine
     memory = r["memory"]
     assert memory["sequence_tokens"] == 4 * 32 - 2
     assert memory["unsplit_memory_vs_cap"] > memory["cp_memory_vs_cap"] > 0
+    assert memory["cp_all_gather_memory_vs_cap"] > 0
     calibration = r["calibration"]
     assert calibration["seconds_per_token"] + calibration["seconds_per_pair"] > 0
     for name in long_context.LAYOUTS:
@@ -48,3 +50,14 @@ def test_a_tiny_run_reports_every_section(capsys):
     assert {tuple(e["members"]) for e in labelled} == {tuple(g) for g in groups}
     assert all(e["device"] in e["members"] for e in labelled)
     assert "cp_vs_fixed_cp" in capsys.readouterr().out
+
+
+def test_a_sequence_8x_the_cap_streamed_over_8_devices_stays_within_the_caps_memory():
+    """(a) at the benchmark's model width, a smaller cap: streaming the K/V (the ODC engine's default) keeps the
+    split sequence's step within the step of plain rows at the cap; all-gathering them does not."""
+    args = long_context.parse_args(["--devices", "8", "--token-cap", "128", "--layers", "1", "--no-save"])
+    model, groups, _ = long_context.build_model(args)
+    cost = ContextParallelCost(num_layers=1, seconds_per_token=1e-6, seconds_per_pair=1e-9, exchange_bytes_per_token=64.0)
+    memory = long_context.memory(args, model, groups, cost)
+    print({k: v for k, v in memory.items() if k != "bytes"})
+    assert memory["cp_memory_vs_cap"] <= 1.0 < memory["cp_all_gather_memory_vs_cap"]

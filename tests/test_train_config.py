@@ -211,6 +211,25 @@ def test_context_parallel_is_an_explicit_setting_refused_for_engines_that_do_not
         C.SFTConfig(engine=C.EngineConfig(name=name, token_cap=256, context_parallel=True))
 
 
+def test_the_cp_kv_exchange_reaches_the_odc_engine_and_is_refused_for_engines_without_a_choice():
+    import fsdp_toy
+    from jodc.train.core.model import make_engine
+
+    model, groups = fsdp_toy.make_model(num_layers=1)
+    for choice, expected in ((None, "stream"), ("stream", "stream"), ("all_gather", "all_gather")):
+        cfg = C.SFTConfig(engine=C.EngineConfig(devices=2, token_cap=256, context_parallel=True,
+                                                cp_kv_exchange=choice), data=C.DataConfig(max_length=512))
+        engine = make_engine(cfg, model, groups)
+        try:
+            assert engine.cp_kv_exchange == expected
+        finally:
+            engine.close()
+    with pytest.raises(C.ConfigError, match="engine.cp_kv_exchange=stream: the collective engine has no choice of "
+                                            r"K/V exchange \(it all-gathers over its mesh axis; odc has\)"):
+        C.SFTConfig(engine=C.EngineConfig(name="collective", token_cap=256, context_parallel=True,
+                                          cp_kv_exchange="stream"))
+
+
 def test_context_parallel_allows_max_length_up_to_the_world_capacity():
     cfg = C.SFTConfig(engine=C.EngineConfig(devices=4, token_cap=256, context_parallel=True),
                       data=C.DataConfig(max_length=1024))

@@ -121,9 +121,10 @@ class EngineConfig(Section):
     # split sequences longer than token_cap over groups of devices (context parallelism, jodc.balance.cp_planners):
     # data.max_length may then reach devices x token_cap; planned by lb_mini_cp for odc, lockstep_cp for collective
     context_parallel: bool = False
-    # how a CP group's members see each other's K/V (odc): all_gather (each holds the group's K/V of a layer at once)
-    # or stream (one member's at a time: less memory for long sequences, more pulls)
-    cp_kv_exchange: Literal["all_gather", "stream"] = "all_gather"
+    # how a CP group's members see each other's K/V: stream (one member's at a time: a member's memory does not grow
+    # with its group) or all_gather (the group's K/V of a layer at once); null: the engine's (odc streams, the
+    # lock-step engines all-gather over the mesh axis and take no other)
+    cp_kv_exchange: Literal["stream", "all_gather"] | None = None
     # shorter buffer lengths a microbatch may run at, comma-separated ('256,512'): it runs at the smallest that
     # holds it; use multiples of the attention block size; LB-Mini then plans for the padded lengths
     length_buckets: str | None = None
@@ -152,10 +153,10 @@ class EngineConfig(Section):
             raise ConfigError(f"engine.context_parallel=true: the {self.name} engine does not run context-parallel "
                               f"microbatches ({able} do); use one of them, or set it to false and keep every "
                               "sequence within engine.token_cap")
-        if self.cp_kv_exchange != "all_gather" and "cp_kv_exchange" not in engine.options:
+        if self.cp_kv_exchange is not None and "cp_kv_exchange" not in engine.options:
             able = " and ".join(n for n, e in ENGINES.items() if "cp_kv_exchange" in e.options)
-            raise ConfigError(f"engine.cp_kv_exchange={self.cp_kv_exchange}: the {self.name} engine all-gathers the "
-                              f"group's K/V ({able} can stream them); leave it at all_gather")
+            raise ConfigError(f"engine.cp_kv_exchange={self.cp_kv_exchange}: the {self.name} engine has no choice of "
+                              f"K/V exchange (it all-gathers over its mesh axis; {able} has); leave it null")
         if self.length_buckets is not None:
             parse_length_buckets(self.length_buckets)
         try:

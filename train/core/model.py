@@ -109,7 +109,8 @@ def make_engine(config, model, groups):
     return fsdp.make_engine(e.name, model, groups, mesh, optimizer=config.schedule_optimizer,
                             compute_dtype=jnp.dtype(e.compute_dtype),
                             length_buckets=parse_length_buckets(e.length_buckets) if e.length_buckets else None,
-                            deterministic=e.deterministic, cp_kv_exchange=e.cp_kv_exchange,
+                            deterministic=e.deterministic,
+                            **({"cp_kv_exchange": e.cp_kv_exchange} if e.cp_kv_exchange else {}),
                             barrier_timeout_s=float("inf") if e.barrier_timeout_s is None else e.barrier_timeout_s)
 
 
