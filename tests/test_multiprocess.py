@@ -71,14 +71,14 @@ def test_ops_across_processes(nprocs, local):
 
 
 CP_GROUP_CASES = ["transport_is_mpi", "exchange_gives_the_one_device_loss_and_gradients",
-                  "group_barrier_timeout_names_missing_member"]
+                  "streamed_exchange_gives_the_one_device_loss_and_gradients", "group_barrier_timeout_names_missing_member"]
 
 
 @needs_mpi
 def test_context_parallel_group_exchange_across_processes():
     """OdcGroupExchange on 2 processes of 2 devices, two groups at once, each spanning both processes
-    (tests/multiprocess/cp_group_cases.py): the one-device loss and gradients, the groups changing between calls of
-    one program; a group barrier whose member in the other process never comes fails naming it and its process."""
+    (tests/multiprocess/cp_group_cases.py): the one-device loss and gradients (K/V all-gathered and streamed), the
+    groups changing between calls of one program; a group barrier whose member in the other process never comes fails naming it and its process."""
     rc, out, _ = run_mpi(2, "cp_group_cases.py", "2", *CP_GROUP_CASES, timeout=120)
     check_cases(out, rc, CP_GROUP_CASES)
 

@@ -55,14 +55,23 @@ def case_transport_is_mpi():
 
 
 def case_exchange_gives_the_one_device_loss_and_gradients():
+    exchange_gives_the_one_device_loss_and_gradients(stream_kv=False)
+
+
+def case_streamed_exchange_gives_the_one_device_loss_and_gradients():
+    """The attention pulling one member's K/V at a time (the ODC engine's default) across the processes."""
+    exchange_gives_the_one_device_loss_and_gradients(stream_kv=True)
+
+
+def exchange_gives_the_one_device_loss_and_gradients(stream_kv: bool):
     sizes, all_groups = groupings()
     layer_params = checks.params()
     cases = {k: checks.size_case(k, layer_params, LAYERS) for k in sizes}
     with ops.SymmetricHeap(mesh, barrier_timeout_s=60) as heap:
         slots = ExchangeSlots.for_microbatch(heap, 1, checks.TOKEN_CAP, checks.CONFIG.num_kv_heads,
                                              checks.CONFIG.head_dim)
-        program = jax.jit(jax.shard_map(checks.group_program(slots, sizes, LAYERS), mesh=mesh, in_specs=(P("d"),) * 8,
-                                        out_specs=P("d")))
+        program = jax.jit(jax.shard_map(checks.group_program(slots, sizes, LAYERS, stream_kv), mesh=mesh,
+                                        in_specs=(P("d"),) * 8, out_specs=P("d")))
         worst = 0.0
         for groups in all_groups:
             inputs = checks.device_inputs(WORLD, groups, cases, sizes, layer_params)
@@ -73,7 +82,8 @@ def case_exchange_gives_the_one_device_loss_and_gradients():
             assert max(errors.values()) <= 1e-5, {k: v for k, v in errors.items() if v > 1e-5}
         assert program._cache_size() == 1
         if RANK == 0:
-            print(f"cp_group {WORLD} devices: max relative error {worst:.2e}", flush=True)
+            print(f"cp_group {WORLD} devices (K/V {'streamed' if stream_kv else 'all-gathered'}): max relative error "
+                  f"{worst:.2e}", flush=True)
 
 
 def case_group_barrier_timeout_names_missing_member():
