@@ -243,3 +243,17 @@ def test_short_sequences_balance_around_the_groups_loads():
     totals = [load + sum([4.0, 3.0, 3.0, 2.0][i] for i in share) for load, share in zip([10.0, 0.0, 0.0], shares)]
     assert shares[0] == [] and max(totals) == 10.0
     assert sorted(i for share in shares for i in share) == [0, 1, 2, 3]
+
+
+def test_short_sequences_balance_around_loads_far_apart():
+    """Half the devices hold a group's rows (60 s), half nothing: the idle ones take every sequence. LB-Mini's equal
+    parts matched to the devices start at 90 / 30 and one move per round leaves them at 82 / 38; LPT around the
+    loads starts even."""
+    from jodc.balance.preloaded import balance_around_loads, balance_around_loads_starts
+
+    loads = [60.0] * 4 + [0.0] * 4
+    shares = balance_around_loads([1.0] * 240, loads)
+    assert [load + len(share) for load, share in zip(loads, shares)] == [60.0] * 8
+    assert sorted(i for share in shares for i in share) == list(range(240))
+    matched, lpt = balance_around_loads_starts([1.0] * 240, loads)
+    assert lpt == shares and max(load + len(share) for load, share in zip(loads, matched)) > 60.0
