@@ -243,3 +243,34 @@ def test_short_sequences_balance_around_the_groups_loads():
     totals = [load + sum([4.0, 3.0, 3.0, 2.0][i] for i in share) for load, share in zip([10.0, 0.0, 0.0], shares)]
     assert shares[0] == [] and max(totals) == 10.0
     assert sorted(i for share in shares for i in share) == [0, 1, 2, 3]
+
+
+def test_short_sequences_balance_around_loads_far_apart():
+    """Half the devices hold a group's rows (60 s), half nothing: the idle ones take every sequence. LB-Mini's equal
+    parts matched to the devices start at 90 / 30 and one move per round leaves them at 82 / 38; LPT around the
+    loads starts even."""
+    from jodc.balance.preloaded import balance_around_loads, balance_around_loads_starts
+
+    loads = [60.0] * 4 + [0.0] * 4
+    shares = balance_around_loads([1.0] * 240, loads)
+    assert [load + len(share) for load, share in zip(loads, shares)] == [60.0] * 8
+    assert sorted(i for share in shares for i in share) == list(range(240))
+    matched, lpt = balance_around_loads_starts([1.0] * 240, loads)
+    assert lpt == shares and max(load + len(share) for load, share in zip(loads, matched)) > 60.0
+
+
+def test_lb_mini_cp_weighs_the_microbatches_a_device_runs():
+    """A 300-token sequence over devices 0-2 (110 s each: 100 tokens + a 10 s microbatch), forty 5-token ones around
+    it. Balanced by their seconds alone, device 3 takes more than its share, and packs it into more microbatches than
+    the balance saw (150 s). Each sequence carrying its share of a microbatch (5 / 100 of 10 s) gives the optimum:
+    5 sequences in one microbatch on each member (110 + 10 + 25), 25 in two on device 3 (20 + 125), all at 145 s."""
+    from jodc.sim import simulate_cp_odc
+
+    cost = ContextParallelCost(num_layers=1, seconds_per_token=1.0, seconds_per_pair=0.0,
+                               exchange_bytes_per_token=1.0, link_bandwidth=math.inf, link_latency=0.0,
+                               microbatch_seconds=10.0)
+    lengths = [300] + [5] * 40
+    plan = lb_mini_cp(lengths, 4, 100, cost_model=cost)
+    assert [g.members for g in plan.groups] == [(0, 1, 2)]
+    result = simulate_cp_odc(plan, cost)
+    assert result.step_time == 145.0 and result.idle_fraction == 0.0

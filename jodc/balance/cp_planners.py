@@ -10,10 +10,11 @@ anything runs (:func:`jodc.balance.validation.lengths_within_world`).
 * :func:`lb_mini_cp` -- data-aware, for ODC. Long sequences, heaviest first, each get the group size (from the
   smallest that fits up to ``GROUP_SCALE`` times it) and the members (the devices whose CP work ends earliest, i.e.
   the most lightly loaded) that minimise a bound on the step: ``max(group end, (all work placed + left) /
-  devices)``. Short sequences are then balanced around those loads (:mod:`jodc.balance.preloaded`) and packed per
-  device as LB-Mini does. Each device runs its CP rows in group order (the deadlock-free rule of
-  :mod:`jodc.balance.cp_plan`) and fills the wait before a group with its own short microbatches where they fit.
-  Microbatch counts differ across devices.
+  devices)``. Short sequences are then balanced around those loads (:mod:`jodc.balance.preloaded`, four ways: two
+  starts, each weighing a sequence by its seconds alone or with its share of a microbatch's fixed cost) and packed
+  per device as LB-Mini does; the plan that finishes first by the cost model is kept. Each device runs its CP rows
+  in group order (the deadlock-free rule of :mod:`jodc.balance.cp_plan`) and fills the wait before a group with its
+  own short microbatches where they fit. Microbatch counts differ across devices.
 * :func:`lockstep_cp` -- lock-step dynamic CP (the baseline collective FSDP allows): the same kind of groups, each
   of the smallest size, run in *waves* of disjoint groups; every device runs the same number of steps, step ``i``
   of all devices together. Devices outside a wave's groups run a short microbatch in that step (as long as the wave
@@ -35,7 +36,7 @@ from jodc.balance.model_shape import DEEPSEEK_R1_DISTILL_QWEN_1_5B
 from jodc.balance.packing import min_microbatches, pack_microbatches, try_pack
 from jodc.balance.partition import partition
 from jodc.balance.plan import Microbatch
-from jodc.balance.preloaded import balance_around_loads
+from jodc.balance.preloaded import balance_around_loads_starts
 from jodc.balance.validation import lengths_within_world, min_group_size, positive_int, sequence_lengths
 from jodc.balance.zigzag import zigzag_layout
 
@@ -127,21 +128,28 @@ def _choose_group(length: int, ready: np.ndarray, cap: int, cost: ContextParalle
 
 def lb_mini_cp(lengths, num_devices: int, token_cap: int, *, cost_model: ContextParallelCost | None = None
                ) -> CPPlan:
-    """Data-aware CP for ODC: groups on lightly loaded devices, short sequences balanced around them. Two greedy
-    placements of the groups (with and without the load-level candidates of :func:`_choose_group`) are planned and
-    the one whose last device finishes first (:func:`_planned_finish`) is returned."""
+    """Data-aware CP for ODC: groups on lightly loaded devices, short sequences balanced around them.
+
+    Two greedy placements of the groups (with and without the load-level candidates of :func:`_choose_group`; one
+    when both place the same groups), each with the short sequences balanced four ways (:func:`_balanced_plans`);
+    of these plans the one whose last device finishes first (:func:`_planned_finish`) is returned, on a tie the
+    first."""
     lengths, world, cap, cost = _inputs(lengths, num_devices, token_cap, cost_model)
     costs = cost(lengths)
-    plans = [_lb_mini_cp_plan(lengths, costs, world, cap, cost, levels) for levels in (True, False)]
-    if not plans[0][1]:  # no long sequence: both are the same plan
-        return plans[0][0]
+    placements = [_place_groups(lengths, costs, world, cap, cost, True)]
+    if not placements[0][0]:  # no group to place: LB-Mini's balance of the short sequences
+        return _balanced_plans(lengths, costs, cap, cost, *placements[0], starts=1)[0][0]
+    other = _place_groups(lengths, costs, world, cap, cost, False)
+    if [g.members for g in other[0]] != [g.members for g in placements[0][0]]:
+        placements.append(other)
+    plans = [plan for placement in placements for plan in _balanced_plans(lengths, costs, cap, cost, *placement)]
     return min(plans, key=lambda plan_spans: _planned_finish(*plan_spans, cost))[0]
 
 
-def _lb_mini_cp_plan(lengths, costs, world: int, cap: int, cost: ContextParallelCost, levels: bool):
-    """(plan, planned (start, end) of each group) for one greedy placement of the groups."""
+def _place_groups(lengths, costs, world: int, cap: int, cost: ContextParallelCost, levels: bool):
+    """(groups, planned (start, end) of each group, each device's CP finish time) of one greedy placement: long
+    sequences heaviest first, each on the group :func:`_choose_group` picks."""
     long = sorted(np.flatnonzero(lengths > cap).tolist(), key=lambda i: (-costs[i], i))
-    short = np.flatnonzero(lengths <= cap)
     ready = np.zeros(world)
     work_left = math.fsum(costs)
     groups, spans = [], []
@@ -152,10 +160,33 @@ def _lb_mini_cp_plan(lengths, costs, world: int, cap: int, cost: ContextParallel
         spans.append((end - group.cost, end))
         ready[members] = end
         groups.append(group)
-    shares = balance_around_loads(costs[short], ready)
-    devices = [_order_device(d, groups, spans, [int(short[p]) for p in shares[d]], lengths, costs, cap, cost)
-               for d in range(world)]
-    return CPPlan(tuple(devices), tuple(groups), cap, planner="lb_mini_cp", cost_model=cost.name), spans
+    return groups, spans, ready
+
+
+def _balanced_plans(lengths, costs, cap: int, cost: ContextParallelCost, groups, spans, ready, *,
+                    starts: int | None = None):
+    """[(plan, spans)]: the short sequences balanced around the groups' loads ``ready`` in up to four ways, each
+    packed and ordered per device (:func:`_order_device`), duplicates left out.
+
+    The balances (:func:`balance_around_loads_starts`: LB-Mini's partition matched to the devices, and LPT around
+    the loads) weigh each sequence by its one-device seconds, then again with its share of a microbatch's fixed cost
+    added (a device packs its tokens into about tokens / cap microbatches, so one given many sequences also runs
+    many microbatches, which the first weighing does not see). ``starts``: only the first that many."""
+    short = np.flatnonzero(lengths <= cap)
+    balances = []
+    for weights in (costs[short], costs[short] + cost.microbatch_seconds * lengths[short] / cap):
+        balances += balance_around_loads_starts(weights, ready)
+        if starts is not None and len(balances) >= starts:
+            break
+    plans, seen = [], []
+    for shares in balances[:starts]:
+        if shares in seen:
+            continue
+        seen.append(shares)
+        devices = [_order_device(d, groups, spans, [int(short[p]) for p in shares[d]], lengths, costs, cap, cost)
+                   for d in range(ready.size)]
+        plans.append((CPPlan(tuple(devices), tuple(groups), cap, planner="lb_mini_cp", cost_model=cost.name), spans))
+    return plans
 
 
 def _planned_finish(plan: CPPlan, spans, cost: ContextParallelCost) -> float:
