@@ -504,6 +504,45 @@ def _mpirun_train(args, timeout=300, **env):
 
 @needs_mpi
 @pytest.mark.slow
+def test_mpirun_rl_with_context_parallel_groups_across_processes_equals_single_process(tmp_path):
+    """`mpirun -np 2 jodc-train rl` with `engine.context_parallel` and a token cap (8) below a prompt + response
+    (up to 16 tokens), one device per process: every long response is split over a group of both devices, so each
+    group spans both processes (its K/V streamed through the group ops over MPI, the response sent to both
+    processes by the assembly). Two steps' metrics (losses, gradient norms, rewards, split sequences) and the
+    exported parameters equal bit for bit those of one process driving both devices (deterministic ODC)."""
+    import json
+
+    from jodc.train.cli import main as train_main
+
+    def args(out_dir):
+        return ["rl", "--preset", "tiny", "--attention_block_size", "8", "--token_cap", "8", "--prompt_bucket", "8",
+                "--max_new_tokens", "8", "--max_digits", "1", "--max_terms", "2", "--pool_size", "8",
+                "--prompts_per_step", "4", "--group_size", "2", "--updates_per_step", "1", "--learning_rate", "3e-4",
+                "--entropy_coeff", "0.1", "--steps", "2", "--devices", "2", "--deterministic", "--no-progress",
+                "--eval_every", "0", "--export_hf", "true", "--context_parallel", "true",
+                "--reward_fn", os.path.join(WORKERS, "rl_reward.py:varied"), "--out_dir", str(out_dir)]
+
+    mp_dir, single_dir = tmp_path / "mp", tmp_path / "single"
+    rc, out = _mpirun_train(args(mp_dir))
+    assert rc == 0 and out.count("done: ") == 1, out[-6000:]
+    assert train_main(args(single_dir)) == 0
+
+    def records(d):
+        return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+    mp, single = records(mp_dir), records(single_dir)
+    assert [r["step"] for r in mp] == [r["step"] for r in single] == [1, 2]
+    assert all(r["cp_sequences"] > 0 for r in mp), [r.get("cp_sequences") for r in mp]  # responses were split
+    for key in ("reward_mean", "reward_std", "loss", "grad_norm", "tokens", "microbatches", "cp_sequences"):
+        assert [r.get(key) for r in mp] == [r.get(key) for r in single], key
+    mp_files = sorted(p.name for p in (mp_dir / "hf").glob("*.safetensors"))
+    assert mp_files and mp_files == sorted(p.name for p in (single_dir / "hf").glob("*.safetensors"))
+    for name in mp_files:
+        assert (mp_dir / "hf" / name).read_bytes() == (single_dir / "hf" / name).read_bytes(), name
+
+
+@needs_mpi
+@pytest.mark.slow
 def test_mpirun_rl_stop_resume_equals_single_process(tmp_path):
     """`mpirun -np 2 jodc-train rl` (2 processes x 1 device, ODC over the MPI transport, deterministic) with
     asynchronous rollouts (`rollout.max_staleness: 1`, each process's sampler thread sampling its share of the next

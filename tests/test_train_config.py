@@ -230,6 +230,24 @@ def test_the_cp_kv_exchange_reaches_the_odc_engine_and_is_refused_for_engines_wi
                                           cp_kv_exchange="stream"))
 
 
+def test_the_cp_planner_needs_context_parallel_and_a_layout_the_engine_runs():
+    from jodc.balance import fixed_cp, lb_mini_cp, lockstep_cp
+    from jodc.train.core.model import make_planner
+
+    for name, engine, planner in ((None, "odc", lb_mini_cp), (None, "collective", lockstep_cp),
+                                  ("fixed_cp", "collective", fixed_cp), ("lockstep_cp", "odc", lockstep_cp),
+                                  ("fixed_cp", "odc", fixed_cp)):
+        cfg = C.SFTConfig(engine=C.EngineConfig(name=engine, token_cap=256, context_parallel=True, cp_planner=name))
+        assert make_planner(cfg) is planner
+    with pytest.raises(C.ConfigError, match="engine.cp_planner=fixed_cp plans context-parallel groups: set "
+                                            "engine.context_parallel=true"):
+        C.SFTConfig(engine=C.EngineConfig(token_cap=256, cp_planner="fixed_cp"))
+    with pytest.raises(C.ConfigError, match="engine.cp_planner=lb_mini_cp gives devices different step counts, which "
+                                            "the lock-step collective engine does not run"):
+        C.SFTConfig(engine=C.EngineConfig(name="collective", token_cap=256, context_parallel=True,
+                                          cp_planner="lb_mini_cp"))
+
+
 def test_context_parallel_allows_max_length_up_to_the_world_capacity():
     cfg = C.SFTConfig(engine=C.EngineConfig(devices=4, token_cap=256, context_parallel=True),
                       data=C.DataConfig(max_length=1024))

@@ -121,6 +121,11 @@ class EngineConfig(Section):
     # split sequences longer than token_cap over groups of devices (context parallelism, jodc.balance.cp_planners):
     # data.max_length may then reach devices x token_cap; planned by lb_mini_cp for odc, lockstep_cp for collective
     context_parallel: bool = False
+    # with context_parallel, how sequences are planned (jodc.balance.CP_PLANNERS): lb_mini_cp (groups only for the
+    # sequences over the cap, on lightly loaded devices, the rest balanced around them; odc only), lockstep_cp (such
+    # groups in waves, every device the same number of steps), fixed_cp (every sequence split over all devices, as a
+    # fixed CP mesh axis does: a baseline); null: lb_mini_cp for odc, lockstep_cp for the lock-step engines
+    cp_planner: Literal["lb_mini_cp", "lockstep_cp", "fixed_cp"] | None = None
     # how a CP group's members see each other's K/V: stream (one member's at a time: a member's memory does not grow
     # with its group) or all_gather (the group's K/V of a layer at once); null: the engine's (odc streams, the
     # lock-step engines all-gather over the mesh axis and take no other)
@@ -153,6 +158,12 @@ class EngineConfig(Section):
             raise ConfigError(f"engine.context_parallel=true: the {self.name} engine does not run context-parallel "
                               f"microbatches ({able} do); use one of them, or set it to false and keep every "
                               "sequence within engine.token_cap")
+        if self.cp_planner is not None and not self.context_parallel:
+            raise ConfigError(f"engine.cp_planner={self.cp_planner} plans context-parallel groups: set "
+                              "engine.context_parallel=true, or leave engine.cp_planner null")
+        if self.cp_planner == "lb_mini_cp" and engine.lockstep:
+            raise ConfigError(f"engine.cp_planner=lb_mini_cp gives devices different step counts, which the lock-step "
+                              f"{self.name} engine does not run; use lockstep_cp or fixed_cp, or engine.name=odc")
         if self.cp_kv_exchange is not None and "cp_kv_exchange" not in engine.options:
             able = " and ".join(n for n, e in ENGINES.items() if "cp_kv_exchange" in e.options)
             raise ConfigError(f"engine.cp_kv_exchange={self.cp_kv_exchange}: the {self.name} engine has no choice of "

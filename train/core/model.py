@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jodc.balance import ModelShape, get_planner, lb_mini, make_cost_model
 from jodc.balance.cp_cost import ContextParallelCost
-from jodc.balance.cp_planners import lb_mini_cp, lockstep_cp
+from jodc.balance.cp_planners import CP_PLANNERS, lb_mini_cp, lockstep_cp
 from jodc import fsdp
 from jodc.fsdp.state import GroupSource
 from jodc.models import DecoderConfig, HFGroupSource
@@ -116,11 +116,14 @@ def make_engine(config, model, groups):
 
 def make_planner(config):
     """The planner of `engine.planner_name`; LB-Mini is told the engine's length buckets (it then balances what
-    microbatches cost at their padded lengths). With `engine.context_parallel`, whatever `engine.planner` says: `lb_mini_cp`
-    (sequences longer than the token cap split over groups of devices, the rest balanced around them) for ODC,
-    `lockstep_cp` (groups in waves, every device the same number of steps) for a lock-step engine."""
+    microbatches cost at their padded lengths). With `engine.context_parallel`, whatever `engine.planner` says:
+    `engine.cp_planner`, by default `lb_mini_cp` (sequences longer than the token cap split over groups of devices,
+    the rest balanced around them) for ODC, `lockstep_cp` (groups in waves, every device the same number of steps)
+    for a lock-step engine; `fixed_cp` splits every sequence over all devices."""
     e = config.engine
     if e.context_parallel:  # sequences over the cap split over groups of devices
+        if e.cp_planner is not None:
+            return CP_PLANNERS[e.cp_planner]
         return lockstep_cp if fsdp.ENGINES[e.name].lockstep else lb_mini_cp
     planner = get_planner(e.planner_name)
     if planner is lb_mini and e.length_buckets:
