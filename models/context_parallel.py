@@ -49,6 +49,7 @@ from .keyed_attention import (
     blockwise_keyed_attention,
     block_ranges,
     dense_keyed_attention,
+    pad_tokens,
     ranges_may_interact,
 )
 from .layerwise import attention_inputs, check_group_params, layer_group_name, layer_output
@@ -170,15 +171,6 @@ def _members_to_row(x_gbt):
     return jnp.moveaxis(x_gbt, 0, 1).reshape(b, g * t, *x_gbt.shape[3:])
 
 
-def _pad_tokens(x, axis, pad):
-    """x padded with `pad` zeros (padding tokens: segment 0) along `axis` (x itself for pad 0)."""
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
-
-
 def context_parallel_block_pairs(keys: GroupKeys, block: int) -> jax.Array:
     """bool [B, T/blk, k*T/blk]: the (query block, key block) pairs to visit, class by class (told apart by key
     range, `GroupKeys.split_tokens` / `own_tokens`): split-sequence tokens against split-sequence tokens (by segment
@@ -222,8 +214,8 @@ def context_parallel_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax
     block = min(block_size, t)
     pad = -t % block  # every member's row padded alike, so no block straddles two members
     if pad:
-        q_bthd = _pad_tokens(q_bthd, 1, pad)
-        keys = dataclasses.replace(keys, **{name: _pad_tokens(getattr(keys, name), getattr(keys, name).ndim - 1, pad)
+        q_bthd = pad_tokens(q_bthd, 1, pad)
+        keys = dataclasses.replace(keys, **{name: pad_tokens(getattr(keys, name), getattr(keys, name).ndim - 1, pad)
                                             for name in ("query_segment_bt", "query_order_bt", "key_segment_gbt",
                                                          "key_order_gbt")})
     if exchange.streams_kv:  # one member's K/V at a time
@@ -231,7 +223,7 @@ def context_parallel_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax
                                                    context_parallel_block_pairs(keys, block), exchange,
                                                    block=block)[:, :t]
     kv_gbtkd = exchange.all_gather(jnp.stack([k_btkd, v_btkd]))  # [k, 2, B, T, KV, D]: one exchange
-    k_gbtkd, v_gbtkd = _pad_tokens(kv_gbtkd[:, 0], 2, pad), _pad_tokens(kv_gbtkd[:, 1], 2, pad)
+    k_gbtkd, v_gbtkd = pad_tokens(kv_gbtkd[:, 0], 2, pad), pad_tokens(kv_gbtkd[:, 1], 2, pad)
     out = blockwise_keyed_attention(
         q_bthd, _members_to_row(k_gbtkd), _members_to_row(v_gbtkd), keys.query_segment_bt, keys.query_order_bt,
         _members_to_row(keys.key_segment_gbt), _members_to_row(keys.key_order_gbt), block_size=block,

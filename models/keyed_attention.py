@@ -42,6 +42,15 @@ _INT_MAX = jnp.iinfo(jnp.int32).max
 _INT_MIN = jnp.iinfo(jnp.int32).min
 
 
+def pad_tokens(x, axis: int, pad: int):
+    """x padded with `pad` zeros (padding tokens: segment 0) along `axis` (x itself for pad 0)."""
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
 def check_keyed_inputs(q_bthd, k_bskd, v_bskd, q_segment_bt, q_order_bt, k_segment_bs, k_order_bs):
     """Raise ValueError naming the problem if the operands of keyed attention do not fit together."""
     if q_bthd.ndim != 4 or k_bskd.ndim != 4 or v_bskd.ndim != 4:

@@ -23,13 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .keyed_attention import keyed_attention_part, keyed_attention_part_grads, merge_keyed_parts
-
-
-def _pad_tokens(x, axis, pad):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths) if pad else x
+from .keyed_attention import keyed_attention_part, keyed_attention_part_grads, merge_keyed_parts, pad_tokens
 
 
 def streamed_context_parallel_attention(q_bthd, k_btkd, v_btkd, keys, pairs_bij, exchange, *, block: int):
@@ -64,12 +58,12 @@ def _attention(stream, block, pad, q_pad, k_btkd, v_btkd, key_arrays, pairs_bij,
 
     def kv_of(flat):  # a pulled slot -> padded k, v
         kv = flat.reshape(kv_shape).astype(k_btkd.dtype)
-        return _pad_tokens(kv[0], 1, pad), _pad_tokens(kv[1], 1, pad)
+        return pad_tokens(kv[0], 1, pad), pad_tokens(kv[1], 1, pad)
 
     def forward_parts(q, k, v, key_arrays, pairs_bij, member, members, token):
         token = stream.publish(jnp.stack([k, v]).reshape(-1), members, token)
         own_keys, own_pairs = _member_keys(key_arrays, pairs_bij, member)
-        out, lse = keyed_attention_part(q, _pad_tokens(k, 1, pad), _pad_tokens(v, 1, pad), own_keys, own_pairs,
+        out, lse = keyed_attention_part(q, pad_tokens(k, 1, pad), pad_tokens(v, 1, pad), own_keys, own_pairs,
                                         block)
 
         def visit(carry, offset):
@@ -99,7 +93,7 @@ def _attention(stream, block, pad, q_pad, k_btkd, v_btkd, key_arrays, pairs_bij,
         dout, _ = cotangents
         token = stream.publish(jnp.stack([k, v]).reshape(-1), members, token, backward=True, wait_for=(dout,))
         own_keys, own_pairs = _member_keys(key_arrays, pairs_bij, member)
-        dq, dk_own, dv_own = keyed_attention_part_grads(q, _pad_tokens(k, 1, pad), _pad_tokens(v, 1, pad), own_keys,
+        dq, dk_own, dv_own = keyed_attention_part_grads(q, pad_tokens(k, 1, pad), pad_tokens(v, 1, pad), own_keys,
                                                         own_pairs, block, out, lse, dout)
         t = k.shape[1]
 

@@ -31,8 +31,11 @@ from jodc.models.context_parallel import (
 from jodc.models.keyed_attention import (
     blockwise_keyed_attention,
     dense_keyed_attention,
+    keyed_attention_part,
+    keyed_attention_part_grads,
     keyed_block_pairs,
     keyed_mask,
+    merge_keyed_parts,
 )
 from jodc.models.layerwise import init_group_params, layer_apply, positions_from_segment_ids
 
@@ -105,6 +108,43 @@ def test_keyed_attention_matches_float64_reference(impl):
     assert relative_error(out, want_out) < 1e-5
     for got, want in zip(grads, want_grads):
         assert relative_error(got, want) < 1e-5
+
+
+def test_keyed_attention_in_parts_merges_to_the_float64_reference():
+    """The streamed form's kernels: the keys cut into three parts (some queries with no allowed key in a part, some
+    with none at all), each part's output and log-sum-exp merged, then each part's gradients taken against the
+    merged output and lse: the output, dq (summed over the parts) and every part's dk / dv equal the whole
+    attention's (float64 numpy)."""
+    rng = np.random.default_rng(3)
+    b, t, s, block = 2, 12, 36, 4
+    q, k, v = random_qkv(rng, b, t, s)
+    q_seg, q_order, k_seg, k_order = shuffled_keys(rng, b, t, s)
+    q_seg[:, :2] = 0  # padding queries: no key anywhere
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    want_out, (want_dq, want_dk, want_dv) = numpy_keyed_attention(
+        q, k, v, keyed_mask(*map(jnp.asarray, (q_seg, q_order, k_seg, k_order))), dout)
+    parts = [slice(0, 12), slice(12, 24), slice(24, 36)]
+
+    def part_operands(p):
+        keys = tuple(jnp.asarray(x) for x in (q_seg, q_order, k_seg[:, p], k_order[:, p]))
+        return jnp.asarray(k[:, p]), jnp.asarray(v[:, p]), keys, keyed_block_pairs(*keys, block)
+
+    out = lse = None
+    for p in parts:
+        k_p, v_p, keys, pairs = part_operands(p)
+        part_out, part_lse = keyed_attention_part(jnp.asarray(q), k_p, v_p, keys, pairs, block)
+        out, lse = (part_out, part_lse) if out is None else merge_keyed_parts(out, lse, part_out, part_lse)
+    assert out.dtype == jnp.float32
+    assert relative_error(out, want_out) < 1e-5
+    dq = 0.0
+    for p in parts:
+        k_p, v_p, keys, pairs = part_operands(p)
+        dq_p, dk_p, dv_p = keyed_attention_part_grads(jnp.asarray(q), k_p, v_p, keys, pairs, block, out, lse,
+                                                      jnp.asarray(dout))
+        dq = dq + dq_p
+        assert relative_error(dk_p, want_dk[:, p]) < 1e-5 and relative_error(dv_p, want_dv[:, p]) < 1e-5
+    assert relative_error(dq, want_dq) < 1e-5
+    assert not np.asarray(out)[:, :2].any()  # no allowed key anywhere: output exactly 0
 
 
 def test_keyed_attention_with_column_orders_is_dense_attention():
