@@ -11,7 +11,7 @@
 # make docs - build the docs site into site/ with warnings as errors (own venv .venv-docs; every link and anchor checked)
 # make lint - ruff's pyflakes checks (undefined names, unused imports) over every tracked Python file
 # make test-py312 - the suite on Python 3.12 with the GPU image's jax (0.11.2), without torch/transformers
-# make test-jax-latest - on Python 3.12 with the newest jax (0.12.x): the library imports and the ops tests pass
+# make test-jax-latest - on Python 3.12 with the newest jax (0.12.x): the library imports, the ops and CP tests pass
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -130,7 +130,7 @@ docs: $(DOCS_INSTALLED)
 # ---- Python 3.12: the GPU image's jax, and the newest jax -----------------------------------------------------
 # jax 0.11+ needs Python 3.12+, and the GPU runners' image has Python 3.12 with jax 0.11.2. `make test-py312` runs the
 # whole suite there (versions: constraints-py312.txt); `make test-jax-latest` runs JAX_LATEST_TESTS (every module
-# imports, the ops tests) on the newest jax, JAX_LATEST (the rest pinned as for test-py312). Each has its own venv
+# imports, the ops tests, the context-parallel exchange and engine tests: the group ops' compile) on the newest jax, JAX_LATEST (the rest pinned as for test-py312). Each has its own venv
 # (.venv-py312, .venv-jax-latest) and its own copy of the tree (build/py312/src, build/jax-latest/src: the files git
 # tracks or would track, synced at each run with their mtimes, so the native build there is incremental), because the
 # native libraries are built in place (jodc/_ffi*.so) and one Python's or jaxlib's build would overwrite another's.
@@ -141,7 +141,8 @@ PYTHON312 ?= $(shell for p in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
 JAX_LATEST ?= 0.12.0.1
 PY312_TESTS ?= tests
-JAX_LATEST_TESTS ?= tests/test_imports.py tests/test_ops.py tests/test_ops_faults.py tests/test_ops_targets.py
+JAX_LATEST_TESTS ?= tests/test_imports.py tests/test_ops.py tests/test_ops_faults.py tests/test_ops_targets.py \
+	tests/test_context_parallel_group.py tests/test_fsdp_context_parallel.py tests/test_context_parallel_odc.py
 PY312_VENV ?= .venv-py312
 JAX_LATEST_VENV ?= .venv-jax-latest
 

@@ -34,7 +34,7 @@ def check_compiler(op: str) -> None:
             f"jodc.ops.{op}: jaxlib {jax.__version__} crashes compiling programs with the group ops (context "
             "parallelism) while the Shardy partitioner is on; turn it off before tracing them, "
             "jax.config.update('jax_use_shardy_partitioner', False) or JAX_USE_SHARDY_PARTITIONER=false, or use "
-            "jax 0.10 (0.12 is not checked yet)")
+            "jax 0.10 or 0.12")
 
 
 def check_members(members, heap: SymmetricHeap | ReplicatedHeap, op: str) -> jax.Array:
