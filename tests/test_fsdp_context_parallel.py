@@ -6,6 +6,7 @@ The collective engine runs lock-step plans (`lockstep_cp`), and both engines run
 several split sequences over all devices)."""
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,6 +18,8 @@ from jodc.balance.cp_planners import fixed_cp, lb_mini_cp, lockstep_cp
 from jodc.fsdp import CollectiveEngine, ODCEngine, OptimizerConfig, ReferenceEngine, XlaSpmdEngine
 from jodc.fsdp.batch import MinibatchArrays, minibatch_from_plan
 from jodc.models.config import DecoderConfig
+from jodc.ops.group import members as group_members
+from jodc.ops.group.members import streaming_compiles
 from jodc.train.core.staged_decoder import decoder_staged_model
 
 # jaxlib 0.11 compiles the group ops with Shardy off only (docs/context_parallel.md, "Known issues")
@@ -64,7 +67,12 @@ def relative(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-30))
 
 
-@pytest.mark.parametrize("cp_kv_exchange", ODCEngine.CP_KV_EXCHANGES)
+# jaxlib 0.11 aborts compiling the streamed K/V exchange (jodc.ops.group.members.check_streaming)
+NEEDS_STREAMING = pytest.mark.skipif(not streaming_compiles(), reason="jaxlib 0.11 aborts compiling the streamed "
+                                     "K/V exchange (the engine refuses it there)")
+
+
+@pytest.mark.parametrize("cp_kv_exchange", [pytest.param("stream", marks=NEEDS_STREAMING), "all_gather"])
 def test_odc_engine_runs_cp_groups_like_the_reference(cp_kv_exchange, record_property):
     model, groups = decoder_staged_model(CONFIG, seed=3)
     cp_batches, ref_batches, group_sizes = [], [], []
@@ -175,14 +183,14 @@ def errors_against_reference(engine, batches, ref_batches, model, groups) -> dic
     return errors
 
 
-@pytest.mark.parametrize("engine_name", ["collective", "odc", "odc_stream"])
+@pytest.mark.parametrize("engine_name", ["collective", "odc", pytest.param("odc_stream", marks=NEEDS_STREAMING)])
 def test_engines_run_fixed_cp_rows_with_several_split_sequences(engine_name, record_property):
     """fixed_cp plans (rows of several split sequences, two of them longer than the cap per minibatch) train on the
     collective engine (lock-step) and the ODC engine (a group of all devices per row; K/V all-gathered or streamed)
     to the reference's parameters."""
     model, groups = decoder_staged_model(CONFIG, seed=3)
     batches, ref_batches = fixed_cp_batches()
-    engine_class, options = {"collective": (CollectiveEngine, {}), "odc": (ODCEngine, {}),
+    engine_class, options = {"collective": (CollectiveEngine, {}), "odc": (ODCEngine, {"cp_kv_exchange": "all_gather"}),
                              "odc_stream": (ODCEngine, {"cp_kv_exchange": "stream"})}[engine_name]
     engine = engine_class(model, groups, cpu_mesh(WORLD), optimizer=OPT, **options)
     try:
@@ -233,3 +241,19 @@ def test_engines_without_context_parallel_refuse_cp_minibatches():
     assert ODCEngine.supports_context_parallel and CollectiveEngine.supports_context_parallel
     with pytest.raises(ValueError, match="the reference engine does not run them"):
         ReferenceEngine(model, groups, cpu_mesh(WORLD), optimizer=OPT).step(batch)
+
+
+def test_where_the_compiler_aborts_on_streaming_the_engine_all_gathers_and_refuses_stream(monkeypatch):
+    """jaxlib 0.11 aborts compiling the streamed K/V exchange: there the ODC engine all-gathers by default and
+    refuses "stream" with a clear error before anything is compiled (shown here by marking this jax so)."""
+    model, groups = decoder_staged_model(CONFIG, seed=3)
+    monkeypatch.setattr(group_members, "STREAMING_CRASHES", (jax.__version_info__[:2],))
+    engine = ODCEngine(model, groups, cpu_mesh(2), optimizer=OPT)
+    try:
+        assert engine.cp_kv_exchange == "all_gather"
+    finally:
+        engine.close()
+    with pytest.raises(RuntimeError, match=r"aborts compiling the streamed K/V exchange .*cp_kv_exchange='all_gather'"):
+        ODCEngine(model, groups, cpu_mesh(2), optimizer=OPT, cp_kv_exchange="stream")
+    with pytest.raises(ValueError, match="cp_kv_exchange must be one of"):
+        ODCEngine(model, groups, cpu_mesh(2), optimizer=OPT, cp_kv_exchange="ring")

@@ -24,6 +24,7 @@ from jodc.fsdp.optim import OptimizerConfig
 from jodc.fsdp.stages import CP_SPLIT_SEGMENTS, StagedModel, split_loss
 from jodc.fsdp.state import ShardedStateMixin
 from jodc.ops.group.exchange import ExchangeSlots, OdcGroupExchange
+from jodc.ops.group.members import check_streaming, streaming_compiles
 from jodc.ops.token import as_varying
 
 
@@ -43,7 +44,8 @@ class ODCEngine(ShardedStateMixin, Engine):
     that never arrives (``inf``: forever; None: the heap's default, ``jodc.ops.heap.default_barrier_timeout_s``); a
     device that fails aborts the step at once (`jodc.ops.DeviceFailed`), whatever the timeout.
 
-    `cp_kv_exchange` (context-parallel microbatches): "stream" (the default) pulls one member's K/V at a time
+    `cp_kv_exchange` (context-parallel microbatches): "stream" (the default; on jaxlib 0.11, which aborts compiling
+    it, "all_gather" is and "stream" is refused) pulls one member's K/V at a time
     (`jodc.models.streamed_context_parallel`): a member's memory does not grow with its group (bench/long_context.py:
     a sequence 8x the cap over 8 devices needs 0.89x the step of plain rows at the cap, against 1.17x all-gathered),
     for one more group barrier and k-1 more pulls per layer backward (about 3% of the step on 8 CPU devices);
@@ -69,9 +71,13 @@ class ODCEngine(ShardedStateMixin, Engine):
 
     def __init__(self, model: StagedModel, groups: dict[str, Any], mesh: Mesh, *, optimizer: OptimizerConfig,
                  compute_dtype=jnp.float32, deterministic: bool = False, barrier_timeout_s: float | None = None,
-                 length_buckets=None, cp_kv_exchange: str = "stream"):
+                 length_buckets=None, cp_kv_exchange: str | None = None):
+        if cp_kv_exchange is None:  # stream where the compiler can (not jaxlib 0.11: it aborts on it)
+            cp_kv_exchange = "stream" if streaming_compiles() else "all_gather"
         if cp_kv_exchange not in self.CP_KV_EXCHANGES:
             raise ValueError(f"cp_kv_exchange must be one of {self.CP_KV_EXCHANGES}, got {cp_kv_exchange!r}")
+        if cp_kv_exchange == "stream":
+            check_streaming("ODCEngine(cp_kv_exchange='stream')")
         super().__init__(model, groups, optimizer=optimizer, compute_dtype=compute_dtype,
                          length_buckets=length_buckets)
         self.layout = sharding.MeshLayout.of(mesh, "ODC")

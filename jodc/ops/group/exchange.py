@@ -41,6 +41,7 @@ from jax import lax
 from jodc.ops.accumulator import read_accumulator, zero_accumulator
 from jodc.ops.group.barrier import group_barrier
 from jodc.ops.group.gather import group_gather
+from jodc.ops.group.members import check_streaming
 from jodc.ops.group.scatter_accumulate import group_scatter_accumulate
 from jodc.ops.heap import Bucket, SymmetricHeap
 from jodc.ops.publish import publish
@@ -165,6 +166,7 @@ class OdcGroupExchange:
         """The slots of one streamed exchange: the next float bucket for its forward half, the other one for its
         backward half (so the backward's publish never overwrites a slot a member may still be reading for the
         exchange just before it). Counts as one floating exchange."""
+        check_streaming("OdcGroupExchange.kv_stream")
         forward = self._next_bucket("float")
         backward = self.slots.float_buckets[1 - self.slots.float_buckets.index(forward)]
         return SlotStream(self.heap, forward, backward)

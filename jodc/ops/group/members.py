@@ -37,6 +37,25 @@ def check_compiler(op: str) -> None:
             "jax 0.10 or 0.12")
 
 
+#: jaxlib 0.11 aborts compiling the streamed K/V exchange (`jodc.ops.group.exchange.SlotStream`), Shardy on or off
+STREAMING_CRASHES = ((0, 11),)
+
+
+def streaming_compiles() -> bool:
+    """False where the compiler is known to abort on the streamed K/V exchange's programs (jaxlib 0.11: the ODC
+    engine then all-gathers a CP group's K/V by default)."""
+    return jax.__version_info__[:2] not in STREAMING_CRASHES
+
+
+def check_streaming(what: str) -> None:
+    """RuntimeError, before anything is compiled, where the streamed K/V exchange would abort the process."""
+    if not streaming_compiles():
+        raise RuntimeError(
+            f"{what}: jaxlib {jax.__version__} aborts compiling the streamed K/V exchange of context parallelism "
+            "(with Shardy on or off; docs/context_parallel.md, \"Known issues\"); use the all-gathered exchange "
+            "(cp_kv_exchange='all_gather', the ODC engine's default on this jaxlib) or jax 0.10 / 0.12")
+
+
 def check_members(members, heap: SymmetricHeap | ReplicatedHeap, op: str) -> jax.Array:
     """`members` as an int32 [k] array, 1 <= k <= heap.world; for a concrete list also every entry in [0, world) and
     none twice. ValueError naming the op and the fault otherwise."""
