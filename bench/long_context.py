@@ -311,7 +311,8 @@ class Layout(Contender):
         for b in self.batches[1:]:
             self.engine.step(b)
         # and once more untimed: the first run after compiling costs about twice the CPU of later ones (ODC on 8
-        # devices: 2.05 s against 1.0-1.1 s for the same three minibatches, no recompilation), which biased round 0
+        # devices, measured by hand: 2.05 s against 1.0-1.1 s for the same three minibatches, no recompilation),
+        # which biased round 0
         for b in self.batches:
             self.engine.step(b)
 

@@ -48,7 +48,7 @@ class ODCEngine(ShardedStateMixin, Engine):
     it, "all_gather" is and "stream" is refused) pulls one member's K/V at a time
     (`jodc.models.streamed_context_parallel`): a member's memory does not grow with its group (bench/long_context.py:
     a sequence 8x the cap over 8 devices needs 0.89x the step of plain rows at the cap, against 1.17x all-gathered),
-    for one more group barrier and k-1 more pulls per layer backward (about 3% of the step on 8 CPU devices);
+    for one more group barrier and k-1 more pulls per layer backward (docs/context_parallel.md, "Streaming");
     "all_gather" gives each member the whole group's K/V of a layer at once.
 
     `mesh`: ('d',) for flat ODC over every device, or ('r', 'd') for HSDP (`sharding.hsdp_mesh`): replica groups
