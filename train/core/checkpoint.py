@@ -26,6 +26,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from .interrupts import interrupts_held
+
 
 ENGINE_ITEM, TRAINER_ITEM = "engine", "trainer"
 NUMELS_KEY = "group_numels"
@@ -90,16 +92,18 @@ class CheckpointStore:
     def save(self, step: int, engine_state: dict[str, Any], trainer_state: dict[str, Any]) -> str:
         """Writes checkpoint `step` (replacing nothing: a step that already exists is an error) and returns its
         directory. `engine_state` is `Engine.sharded_state()` (sharded `jax.Array`s, saved without a host copy of the
-        whole; host arrays are accepted too); `trainer_state` must be JSON-serialisable. Every process calls it."""
+        whole; host arrays are accepted too); `trainer_state` must be JSON-serialisable. Every process calls it.
+        A Ctrl-C during the save is held back until the checkpoint is complete (interrupts.py)."""
         if step in self.manager.all_steps():
             raise ValueError(f"checkpoint step {step} already exists in {self.directory}")
         state = _without_step(engine_state)
-        self._fit_write_buffer(state)
-        saved = self.manager.save(step, args=ocp.args.Composite(**{
-            ENGINE_ITEM: ocp.args.StandardSave(state),
-            TRAINER_ITEM: ocp.args.JsonSave({**trainer_state, "step": int(step)}),
-        }), force=True)
-        self.manager.wait_until_finished()
+        with interrupts_held(f"the checkpoint of step {step}"):  # Ctrl-C raises once it is complete
+            self._fit_write_buffer(state)
+            saved = self.manager.save(step, args=ocp.args.Composite(**{
+                ENGINE_ITEM: ocp.args.StandardSave(state),
+                TRAINER_ITEM: ocp.args.JsonSave({**trainer_state, "step": int(step)}),
+            }), force=True)
+            self.manager.wait_until_finished()
         if not saved:
             raise RuntimeError(f"orbax declined to save checkpoint step {step} in {self.directory}")
         return self.step_dir(step)

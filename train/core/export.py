@@ -27,6 +27,8 @@ from jodc.models import DecoderConfig, group_flat_layout, group_numel, group_par
 from jodc.models.hf import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, config_to_hf, hf_tensor_names, hf_transposed
 from jodc.models.tokenizer import Tokenizer, save_tokenizer
 
+from .interrupts import interrupts_held
+
 #: export dtype name -> (numpy dtype, safetensors dtype name)
 EXPORT_DTYPES = {"bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"), "float32": (np.dtype(np.float32), "F32")}
 #: default largest safetensors file (a tensor larger than this gets a file of its own)
@@ -201,10 +203,11 @@ def _write_weights(config: DecoderConfig, group_flats, staging: str, shards: lis
 def _swap_into_place(staging: str, path: str) -> None:
     """Renames the complete `staging` directory to `path`, replacing an earlier export only at the very end."""
     previous = path + ".old"
-    if os.path.exists(path):
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(path, previous)
-        os.rename(staging, path)
-        shutil.rmtree(previous)
-    else:
-        os.rename(staging, path)
+    with interrupts_held(f"the swap of the new export into {path}"):  # never only the earlier one under .old
+        if os.path.exists(path):
+            shutil.rmtree(previous, ignore_errors=True)
+            os.rename(path, previous)
+            os.rename(staging, path)
+            shutil.rmtree(previous)
+        else:
+            os.rename(staging, path)
