@@ -210,6 +210,30 @@ def test_ctrl_c_during_a_scheduled_save_completes_it_and_names_it_the_latest(tmp
     assert "Ctrl-C: finishing the checkpoint of step 4 first" in out.err
 
 
+def test_ctrl_c_again_during_the_save_of_an_interrupted_run_still_reports_it(tmp_path, monkeypatch, capfd):
+    """Ctrl-C between steps 3 and 4 saves step 3; a second Ctrl-C during that save lets it finish, and the run stops
+    as interrupted, naming it (not with the second KeyboardInterrupt out of the first one's handler)."""
+    import signal
+
+    real = CheckpointStore._fit_write_buffer
+
+    def ctrl_c_inside_the_save(self, state):
+        signal.raise_signal(signal.SIGINT)
+        return real(self, state)
+
+    monkeypatch.setattr(CtrlC, "between", 3)
+    monkeypatch.setattr(CheckpointStore, "_fit_write_buffer", ctrl_c_inside_the_save)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(CtrlC, config(tmp_path, "--save_every", "0"), log=quiet)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert saved_w(tmp_path) == {3: [6.0, 6.0]}
+    assert capfd.readouterr().out.splitlines()[-1] == ("interrupted; the latest checkpoint is "
+                                                       f"{os.path.join(tmp_path, CHECKPOINT_DIR, '3')}")
+
+
 def test_a_non_finite_update_stops_the_run_without_saving_it(tmp_path):
     with pytest.raises(FloatingPointError, match=r"step 3: non-finite loss \(loss nan, global grad norm nan\); the "
                        r"update was not applied; stopping without saving \(latest checkpoint: step 2"):

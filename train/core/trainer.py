@@ -168,8 +168,9 @@ class Trainer:
     def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
         """Runs steps start_step+1 .. run.steps (or stop_at_step), then finishes the run.
 
-        Ctrl-C between steps saves a checkpoint of the last finished step before stopping; during a step or a
-        save the engine state is not known to be consistent, so the latest earlier checkpoint stays the one. An
+        Ctrl-C between steps saves a checkpoint of the last finished step before stopping; during a step the
+        engine state is not known to be consistent, so the latest earlier checkpoint stays the one; during a save
+        it lets the save finish first (interrupts.py), and the run stops naming that checkpoint the latest. An
         error inside a step (a failing reward function, a non-finite update) saves nothing of that step.
         SIGTERM (a scheduler's notice) lets the step under way finish, checkpoints it and raises `Preempted`;
         across processes every process stops at the same step (preemption.py). A stopped run skips the final
@@ -202,7 +203,10 @@ class Trainer:
                 self.save(done)
         except KeyboardInterrupt:
             if consistent and done > (self.last_saved_step or 0):
-                self.save(done)
+                try:
+                    self.save(done)
+                except KeyboardInterrupt:  # Ctrl-C again during this save: the run is stopping already
+                    pass
             latest = self.store.latest_step()
             logger.write(f"interrupted; the latest checkpoint is {self.store.step_dir(latest)}"
                          if latest is not None else "interrupted before any checkpoint")
