@@ -130,7 +130,8 @@ docs: $(DOCS_INSTALLED)
 # ---- Python 3.12: the GPU image's jax, and the newest jax -----------------------------------------------------
 # jax 0.11+ needs Python 3.12+, and the GPU runners' image has Python 3.12 with jax 0.11.2. `make test-py312` runs the
 # whole suite there (versions: constraints-py312.txt); `make test-jax-latest` runs JAX_LATEST_TESTS (every module
-# imports, the ops tests, the context-parallel exchange and engine tests: the group ops' compile) on the newest jax, JAX_LATEST (the rest pinned as for test-py312). Each has its own venv
+# imports, the ops tests, the context-parallel exchange and engine tests: the group ops' compile) on the newest jax,
+# JAX_LATEST (the rest pinned as for test-py312). Each has its own venv
 # (.venv-py312, .venv-jax-latest) and its own copy of the tree (build/py312/src, build/jax-latest/src: the files git
 # tracks or would track, synced at each run with their mtimes, so the native build there is incremental), because the
 # native libraries are built in place (jodc/_ffi*.so) and one Python's or jaxlib's build would overwrite another's.

@@ -81,6 +81,17 @@ def _sigint_handler_is_left_as_found():
                     "previous handler is what signal.signal returns)", pytrace=False)
 
 
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own Ctrl-C handler (KeyboardInterrupt) for the test, even when pytest started with SIGINT ignored
+    (`nohup make test &`: Python then installs none), put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def shardy_off_on_jaxlib_0_11():
     """On jaxlib 0.11 the module's programs with the group ops compile with Shardy off (that jaxlib segfaults on them

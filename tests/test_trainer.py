@@ -184,7 +184,8 @@ def test_ctrl_c_between_steps_saves_and_inside_a_step_does_not(tmp_path, monkeyp
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4]
 
 
-def test_ctrl_c_during_a_scheduled_save_completes_it_and_names_it_the_latest(tmp_path, monkeypatch, capfd):
+def test_ctrl_c_during_a_scheduled_save_completes_it_and_names_it_the_latest(tmp_path, monkeypatch, capfd,
+                                                                             python_sigint_handler):
     """The signal arrives inside step 4's save (Ctrl-C is held back there: interrupts.py); the run stops with that
     checkpoint complete and says so, not with a torn save or an error from orbax's threads (seen on CI)."""
     import signal
@@ -197,12 +198,8 @@ def test_ctrl_c_during_a_scheduled_save_completes_it_and_names_it_the_latest(tmp
         return real(self, state)
 
     monkeypatch.setattr(CheckpointStore, "_fit_write_buffer", ctrl_c_inside_step_4s_save)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also when pytest runs with it ignored
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run(Run, config(tmp_path, "--steps", "8"), log=quiet)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with pytest.raises(KeyboardInterrupt):
+        run(Run, config(tmp_path, "--steps", "8"), log=quiet)
     assert saved_w(tmp_path) == {2: [3.0, 3.0], 4: [10.0, 10.0]}
     out = capfd.readouterr()
     assert out.out.splitlines()[-1] == ("interrupted; the latest checkpoint is "
@@ -210,7 +207,8 @@ def test_ctrl_c_during_a_scheduled_save_completes_it_and_names_it_the_latest(tmp
     assert "Ctrl-C: finishing the checkpoint of step 4 first" in out.err
 
 
-def test_ctrl_c_again_during_the_save_of_an_interrupted_run_still_reports_it(tmp_path, monkeypatch, capfd):
+def test_ctrl_c_again_during_the_save_of_an_interrupted_run_still_reports_it(tmp_path, monkeypatch, capfd,
+                                                                           python_sigint_handler):
     """Ctrl-C between steps 3 and 4 saves step 3; a second Ctrl-C during that save lets it finish, and the run stops
     as interrupted, naming it (not with the second KeyboardInterrupt out of the first one's handler)."""
     import signal
@@ -223,12 +221,8 @@ def test_ctrl_c_again_during_the_save_of_an_interrupted_run_still_reports_it(tmp
 
     monkeypatch.setattr(CtrlC, "between", 3)
     monkeypatch.setattr(CheckpointStore, "_fit_write_buffer", ctrl_c_inside_the_save)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run(CtrlC, config(tmp_path, "--save_every", "0"), log=quiet)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with pytest.raises(KeyboardInterrupt):
+        run(CtrlC, config(tmp_path, "--save_every", "0"), log=quiet)
     assert saved_w(tmp_path) == {3: [6.0, 6.0]}
     assert capfd.readouterr().out.splitlines()[-1] == ("interrupted; the latest checkpoint is "
                                                        f"{os.path.join(tmp_path, CHECKPOINT_DIR, '3')}")
